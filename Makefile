@@ -1,0 +1,30 @@
+# The two commands of the README: `make demo` and `make test`.
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+JOBS ?= $(shell nproc)
+
+.PHONY: all deps configure build test demo format clean
+
+all: build
+
+deps:
+	bash scripts/install-deps.sh
+
+configure: deps
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+
+build: configure
+	cmake --build $(BUILD_DIR) -j$(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS) --timeout 900
+
+demo: build
+	bash scripts/demo.sh $(BUILD_DIR)
+
+format:
+	find server runtime kernels client tests -name '*.h' -o -name '*.cc' -o -name '*.cu' \
+	  | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD_DIR)

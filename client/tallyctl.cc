@@ -1,0 +1,530 @@
+// tallyctl: command-line client of a tally server. Manages models and runs a
+// small next-byte-prediction training loop on a text file.
+//
+//   tallyctl create --model-id demo --seed 1
+//   tallyctl train demo --steps 30 --calls-per-step 4
+//   tallyctl save demo /tmp/ckpt && tallyctl list
+//
+// Exit status: 0 on success, 1 when the server or a file fails (the gRPC
+// code and message go to stderr), 2 on a command-line error.
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/command_line.h"
+#include "client/text_batcher.h"
+#include "client/trainer_client.h"
+#include "runtime/status.h"
+
+namespace tally {
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+// Prefixes a failure with where it happened, keeping its code.
+absl::Status Annotate(const absl::Status& status, const std::string& where) {
+  return absl::Status(status.code(),
+                      absl::StrCat(where, ": ", status.message()));
+}
+
+// "DTYPE_FLOAT32" -> "float32".
+std::string EnumLabel(const std::string& name, absl::string_view prefix) {
+  std::string label(absl::StripPrefix(name, prefix));
+  std::transform(label.begin(), label.end(), label.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  return label;
+}
+
+std::string DTypeLabel(v1::DType dtype) {
+  return EnumLabel(v1::DType_Name(dtype), "DTYPE_");
+}
+std::string OptimizerLabel(v1::Optimizer optimizer) {
+  return EnumLabel(v1::Optimizer_Name(optimizer), "OPTIMIZER_");
+}
+
+void PrintModelInfo(const v1::ModelInfo& info) {
+  const v1::ModelConfig& c = info.config();
+  const v1::AdamParams& adam = info.default_adam();
+  std::cout << absl::StrFormat(
+      "model %s\n"
+      "  step %d, %d parameters, %s, %s\n"
+      "  config: vocab_size=%d hidden_size=%d intermediate_size=%d "
+      "num_hidden_layers=%d num_attention_heads=%d num_key_value_heads=%d "
+      "max_position_embeddings=%d rms_norm_eps=%g rope_theta=%g "
+      "tie_word_embeddings=%s\n"
+      "  optimizer defaults: lr=%g betas=(%g, %g) eps=%g weight_decay=%g "
+      "max_grad_norm=%g\n"
+      "  pending window: %d calls, %d tokens, %d samples\n",
+      info.model_id(), info.step(), info.num_parameters(),
+      DTypeLabel(info.dtype()), OptimizerLabel(info.optimizer()),
+      c.vocab_size(), c.hidden_size(), c.intermediate_size(),
+      c.num_hidden_layers(), c.num_attention_heads(), c.num_key_value_heads(),
+      c.max_position_embeddings(), c.rms_norm_eps(), c.rope_theta(),
+      c.tie_word_embeddings() ? "true" : "false", adam.learning_rate(),
+      adam.beta1(), adam.beta2(), adam.eps(), adam.weight_decay(),
+      info.default_max_grad_norm(), info.accumulated_calls(),
+      info.accumulated_tokens(), info.accumulated_samples());
+}
+
+// One subcommand: binds its flags, then runs against a connected client.
+class Command {
+ public:
+  virtual ~Command() = default;
+  virtual void AddFlags(FlagParser& flags) {}
+  virtual absl::Status Run(TrainerClient& client,
+                           const std::vector<std::string>& args) = 0;
+};
+
+class CreateCommand : public Command {
+ public:
+  void AddFlags(FlagParser& flags) override {
+    flags.Add("model-id", &model_id_, "model id (empty: the server picks one)");
+    flags.Add("seed", &seed_, "parameter initialization seed");
+    flags.Add("dtype", &dtype_, "parameter dtype: float32 or float64");
+    flags.Add("optimizer", &optimizer_, "adamw or sgd");
+    flags.Add("lr", &lr_, "default learning rate (default: the server's)");
+    flags.Add("max-grad-norm", &max_grad_norm_,
+              "default gradient clipping norm (0: no clipping)");
+    flags.Add("init-checkpoint", &init_checkpoint_,
+              "tally checkpoint or HF Llama directory to start from");
+  }
+
+  absl::Status Run(TrainerClient& client,
+                   const std::vector<std::string>& args) override {
+    v1::CreateModelRequest request;
+    request.set_model_id(model_id_);
+    request.set_seed(seed_);
+    if (dtype_ == "float32") {
+      request.set_dtype(v1::DTYPE_FLOAT32);
+    } else if (dtype_ == "float64") {
+      request.set_dtype(v1::DTYPE_FLOAT64);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "flag --dtype: '", dtype_, "' is not float32 or float64"));
+    }
+    if (optimizer_ == "adamw") {
+      request.set_optimizer(v1::OPTIMIZER_ADAMW);
+    } else if (optimizer_ == "sgd") {
+      request.set_optimizer(v1::OPTIMIZER_SGD);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "flag --optimizer: '", optimizer_, "' is not adamw or sgd"));
+    }
+    if (lr_.has_value()) {
+      request.mutable_default_adam()->set_learning_rate(*lr_);
+    }
+    request.set_default_max_grad_norm(max_grad_norm_);
+    request.set_init_checkpoint(init_checkpoint_);
+    TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.CreateModel(request));
+    std::cout << "created ";
+    PrintModelInfo(info);
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string model_id_;
+  uint64_t seed_ = 0;
+  std::string dtype_ = "float32";
+  std::string optimizer_ = "adamw";
+  std::optional<double> lr_;
+  double max_grad_norm_ = 0.0;
+  std::string init_checkpoint_;
+};
+
+class ListCommand : public Command {
+ public:
+  absl::Status Run(TrainerClient& client,
+                   const std::vector<std::string>& args) override {
+    TALLY_ASSIGN_OR_RETURN(v1::ListModelsResponse response,
+                           client.ListModels(v1::ListModelsRequest()));
+    if (response.models().empty()) {
+      std::cout << "no models\n";
+      return absl::OkStatus();
+    }
+    constexpr char kRow[] = "%-20s %8s %12s %-8s %-9s %s\n";
+    std::cout << absl::StrFormat(kRow, "MODEL", "STEP", "PARAMETERS", "DTYPE",
+                                 "OPTIMIZER", "PENDING CALLS");
+    for (const v1::ModelInfo& info : response.models()) {
+      std::cout << absl::StrFormat(
+          kRow, info.model_id(), absl::StrCat(info.step()),
+          absl::StrCat(info.num_parameters()), DTypeLabel(info.dtype()),
+          OptimizerLabel(info.optimizer()),
+          absl::StrCat(info.accumulated_calls()));
+    }
+    return absl::OkStatus();
+  }
+};
+
+class InfoCommand : public Command {
+ public:
+  absl::Status Run(TrainerClient& client,
+                   const std::vector<std::string>& args) override {
+    v1::GetModelRequest request;
+    request.set_model_id(args[0]);
+    TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.GetModel(request));
+    PrintModelInfo(info);
+    return absl::OkStatus();
+  }
+};
+
+class DeleteCommand : public Command {
+ public:
+  absl::Status Run(TrainerClient& client,
+                   const std::vector<std::string>& args) override {
+    v1::DeleteModelRequest request;
+    request.set_model_id(args[0]);
+    TALLY_ASSIGN_OR_RETURN(v1::DeleteModelResponse response,
+                           client.DeleteModel(request));
+    std::cout << absl::StrFormat("deleted model %s (at step %d)\n",
+                                 response.model().model_id(),
+                                 response.model().step());
+    return absl::OkStatus();
+  }
+};
+
+class SaveCommand : public Command {
+ public:
+  absl::Status Run(TrainerClient& client,
+                   const std::vector<std::string>& args) override {
+    v1::SaveCheckpointRequest request;
+    request.set_model_id(args[0]);
+    request.set_path(args[1]);
+    TALLY_ASSIGN_OR_RETURN(v1::SaveCheckpointResponse response,
+                           client.SaveCheckpoint(request));
+    std::cout << absl::StrFormat("saved model %s at step %d to %s (%d bytes)\n",
+                                 args[0], response.step(), response.path(),
+                                 response.bytes_written());
+    return absl::OkStatus();
+  }
+};
+
+class LoadCommand : public Command {
+ public:
+  void AddFlags(FlagParser& flags) override {
+    flags.Add("no-optimizer", &no_optimizer_,
+              "load weights only; optimizer moments restart from zero");
+  }
+
+  absl::Status Run(TrainerClient& client,
+                   const std::vector<std::string>& args) override {
+    v1::LoadCheckpointRequest request;
+    request.set_model_id(args[0]);
+    request.set_path(args[1]);
+    request.set_load_optimizer(!no_optimizer_);
+    TALLY_ASSIGN_OR_RETURN(v1::LoadCheckpointResponse response,
+                           client.LoadCheckpoint(request));
+    std::cout << absl::StrFormat(
+        "loaded %s into model %s (%s): now at step %d\n", args[1], args[0],
+        no_optimizer_ ? "weights only" : "weights and optimizer state",
+        response.model().step());
+    if (response.discarded_calls() > 0) {
+      std::cout << absl::StrFormat(
+          "discarded the pending window: %d calls, %d tokens, %d samples\n",
+          response.discarded_calls(), response.discarded_tokens(),
+          response.discarded_samples());
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  bool no_optimizer_ = false;
+};
+
+// "[########............] 12/30"
+std::string ProgressBar(int64_t done, int64_t total) {
+  constexpr int64_t kWidth = 20;
+  const int64_t filled = total > 0 ? done * kWidth / total : kWidth;
+  const int digits = static_cast<int>(absl::StrCat(total).size());
+  return absl::StrFormat("[%s%s] %*d/%d", std::string(filled, '#'),
+                         std::string(kWidth - filled, '.'), digits, done,
+                         total);
+}
+
+class TrainCommand : public Command {
+ public:
+  void AddFlags(FlagParser& flags) override {
+    flags.Add("text", &text_, "training text file");
+    flags.Add("steps", &steps_, "optimizer steps to take");
+    flags.Add("calls-per-step", &batcher_options_.calls_per_step,
+              "ForwardBackward calls accumulated per step");
+    flags.Add("max-samples-per-call", &batcher_options_.max_samples_per_call,
+              "most samples in one call (counts vary from 1 up to this)");
+    flags.Add("max-len", &max_len_,
+              "longest sample in tokens; 0: min(128, the model's "
+              "max_position_embeddings)");
+    flags.Add("zero-weight-probability",
+              &batcher_options_.zero_weight_probability,
+              "chance that an unmasked token gets weight 0");
+    flags.Add("lr", &lr_, "learning rate (default: the model's)");
+    flags.Add("max-grad-norm", &max_grad_norm_,
+              "clip gradients to this norm, 0 disables (default: the "
+              "model's)");
+    flags.Add("seed", &batcher_options_.seed, "data sampling seed");
+    flags.Add("metrics-url", &metrics_url_,
+              "the server's Prometheus endpoint, printed at the end");
+  }
+
+  absl::Status Run(TrainerClient& client,
+                   const std::vector<std::string>& args) override {
+    const std::string& model_id = args[0];
+    if (steps_ < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("flag --steps must be >= 1, got ", steps_));
+    }
+    v1::GetModelRequest get;
+    get.set_model_id(model_id);
+    TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.GetModel(get));
+    TALLY_ASSIGN_OR_RETURN(TextBatcher batcher, MakeBatcher(info));
+
+    std::cout << absl::StrFormat(
+        "training model %s (%d parameters, step %d) on %s (%d bytes): "
+        "%d steps x %d calls, samples of %d..%d tokens\n",
+        model_id, info.num_parameters(), info.step(), text_,
+        batcher.text().size(), steps_, batcher_options_.calls_per_step,
+        batcher_options_.min_len, batcher_options_.max_len);
+
+    double first_loss = 0.0;
+    double last_loss = 0.0;
+    int64_t model_step = info.step();
+    for (int64_t step = 1; step <= steps_; ++step) {
+      const absl::Time start = absl::Now();
+      double loss_sum = 0.0;
+      int64_t valid_tokens = 0;
+      std::vector<std::vector<v1::Sample>> calls = batcher.NextStep();
+      for (size_t c = 0; c < calls.size(); ++c) {
+        v1::ForwardBackwardRequest request;
+        request.set_model_id(model_id);
+        request.set_reduction(v1::LOSS_REDUCTION_TOKEN_MEAN);
+        for (v1::Sample& sample : calls[c]) {
+          *request.add_samples() = std::move(sample);
+        }
+        absl::StatusOr<v1::ForwardBackwardResponse> response =
+            client.ForwardBackward(request);
+        if (!response.ok()) {
+          return Annotate(
+              response.status(),
+              absl::StrFormat("step %d, ForwardBackward call %d", step, c + 1));
+        }
+        loss_sum += response->loss_sum();
+        valid_tokens += response->valid_tokens();
+      }
+      v1::OptimStepRequest optim;
+      optim.set_model_id(model_id);
+      if (lr_.has_value()) optim.mutable_adam()->set_learning_rate(*lr_);
+      if (max_grad_norm_.has_value()) optim.set_max_grad_norm(*max_grad_norm_);
+      absl::StatusOr<v1::OptimStepResponse> stepped = client.OptimStep(optim);
+      if (!stepped.ok()) {
+        return Annotate(stepped.status(),
+                        absl::StrFormat("step %d, OptimStep", step));
+      }
+      model_step = stepped->step();
+      const double loss =
+          valid_tokens > 0 ? loss_sum / valid_tokens : std::nan("");
+      if (step == 1) first_loss = loss;
+      last_loss = loss;
+      std::cout << absl::StrFormat(
+          "%s  loss %.4f  tokens %5d  grad_norm %8.4f  clip %.3f  "
+          "time %.2fs%s\n",
+          ProgressBar(step, steps_), loss, valid_tokens, stepped->grad_norm(),
+          stepped->clip_coef(), absl::ToDoubleSeconds(absl::Now() - start),
+          stepped->skipped()
+              ? absl::StrCat("  SKIPPED: ", stepped->skip_reason())
+              : "");
+      std::cout.flush();
+    }
+    std::cout << absl::StrFormat(
+        "loss %.4f -> %.4f over %d steps (%+.1f%%); model %s is at step %d\n",
+        first_loss, last_loss, steps_,
+        100.0 * (last_loss - first_loss) / first_loss, model_id, model_step);
+    if (!metrics_url_.empty()) std::cout << "metrics: " << metrics_url_ << "\n";
+    return absl::OkStatus();
+  }
+
+ private:
+  // Sample lengths must fit the model's context and ids its vocabulary.
+  absl::StatusOr<TextBatcher> MakeBatcher(const v1::ModelInfo& info) {
+    constexpr int kPreferredMaxLen = 128;
+    constexpr int kPreferredMinLen = 16;
+    constexpr int kHfDefaultContext = 2048;  // what a 0 in the config means
+    const int context = info.config().max_position_embeddings() > 0
+                            ? info.config().max_position_embeddings()
+                            : kHfDefaultContext;
+    if (info.config().vocab_size() <= byte_vocab::kBos) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "model ", info.model_id(), " has vocab_size ",
+          info.config().vocab_size(), "; byte-level training needs >= ",
+          byte_vocab::kBos + 1, " (256 bytes + BOS)"));
+    }
+    if (max_len_ != 0 && max_len_ < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "flag --max-len must be >= 2 (BOS + one byte), got ", max_len_));
+    }
+    if (max_len_ > context) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "flag --max-len ", max_len_, " exceeds model ", info.model_id(),
+          "'s max_position_embeddings ", context));
+    }
+    batcher_options_.max_len =
+        max_len_ > 0 ? max_len_ : std::min(kPreferredMaxLen, context);
+    batcher_options_.min_len =
+        std::min(kPreferredMinLen, batcher_options_.max_len);
+    return TextBatcher::FromFile(text_, batcher_options_);
+  }
+
+  // Flags bind the counts, the zero-weight probability and the seed here;
+  // MakeBatcher fills in the lengths.
+  TextBatcherOptions batcher_options_;
+  std::string text_ = DefaultCorpusPath();
+  int64_t steps_ = 30;
+  int max_len_ = 0;
+  std::optional<double> lr_;
+  std::optional<double> max_grad_norm_;
+  std::string metrics_url_;
+};
+
+struct CommandSpec {
+  std::string name;
+  std::vector<std::string> positional;
+  std::string summary;  // one line, for the command list
+  std::string description;
+  std::function<std::unique_ptr<Command>()> make;
+};
+
+const std::vector<CommandSpec>& Commands() {
+  static const auto* commands = new std::vector<CommandSpec>{
+      {"create",
+       {},
+       "Creates a model.",
+       "Creates a model. tallyctl sends no architecture config, so the model "
+       "is the server's embedded byte-level demo model, or the one in "
+       "--init-checkpoint.",
+       [] { return std::make_unique<CreateCommand>(); }},
+      {"list",
+       {},
+       "Lists the models.",
+       "Lists the server's models.",
+       [] { return std::make_unique<ListCommand>(); }},
+      {"info",
+       {"MODEL"},
+       "Shows one model.",
+       "Shows a model's config, step, optimizer defaults and pending window.",
+       [] { return std::make_unique<InfoCommand>(); }},
+      {"delete",
+       {"MODEL"},
+       "Deletes a model.",
+       "Deletes a model.",
+       [] { return std::make_unique<DeleteCommand>(); }},
+      {"save",
+       {"MODEL", "PATH"},
+       "Saves a checkpoint.",
+       "Saves a checkpoint of MODEL into the server-side directory PATH.",
+       [] { return std::make_unique<SaveCommand>(); }},
+      {"load",
+       {"MODEL", "PATH"},
+       "Loads a checkpoint.",
+       "Loads the server-side checkpoint PATH into MODEL, discarding its "
+       "pending window.",
+       [] { return std::make_unique<LoadCommand>(); }},
+      {"train",
+       {"MODEL"},
+       "Trains a model on a text file.",
+       "Trains MODEL on next-byte prediction over a text file (default: the "
+       "bundled public-domain corpus). Each step is --calls-per-step "
+       "ForwardBackward calls with uneven sample counts and lengths "
+       "(TOKEN_MEAN, a masked prompt prefix per sample) and one OptimStep; "
+       "one line is printed per step: mean loss over the step's valid "
+       "tokens, valid tokens, pre-clip gradient norm, clip coefficient and "
+       "time.",
+       [] { return std::make_unique<TrainCommand>(); }},
+  };
+  return *commands;
+}
+
+std::string Overview() {
+  std::string text =
+      "usage: tallyctl COMMAND [ARGS] [flags]\n\n"
+      "Command-line client of a tally training server.\n\ncommands:\n";
+  for (const CommandSpec& spec : Commands()) {
+    absl::StrAppend(&text,
+                    absl::StrFormat("  %-7s %s\n", spec.name, spec.summary));
+  }
+  absl::StrAppend(&text,
+                  "\nRun 'tallyctl COMMAND --help' for a command's flags.\n");
+  return text;
+}
+
+int Main(std::vector<std::string> args) {
+  if (args.empty()) {
+    std::cerr << Overview();
+    return kExitUsage;
+  }
+  if (args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+    if (args.size() == 1) {
+      std::cout << Overview();
+      return 0;
+    }
+    // "tallyctl help train" == "tallyctl train --help".
+    args = {args[1], "--help"};
+  }
+  const auto spec =
+      std::find_if(Commands().begin(), Commands().end(),
+                   [&](const CommandSpec& s) { return s.name == args[0]; });
+  if (spec == Commands().end()) {
+    std::cerr << "tallyctl: unknown command '" << args[0] << "'\n\n"
+              << Overview();
+    return kExitUsage;
+  }
+
+  TrainerClientOptions options;
+  double deadline_seconds = absl::ToDoubleSeconds(options.deadline);
+  FlagParser flags(absl::StrCat("tallyctl ", spec->name), spec->positional,
+                   spec->description);
+  flags.Add("target", &options.target, "server address host:port");
+  flags.Add("deadline-seconds", &deadline_seconds, "deadline of each call");
+  std::unique_ptr<Command> command = spec->make();
+  command->AddFlags(flags);
+
+  absl::StatusOr<std::vector<std::string>> positional =
+      flags.Parse({args.begin() + 1, args.end()});
+  if (flags.help_requested()) {
+    std::cout << flags.Help();
+    return 0;
+  }
+  if (!positional.ok()) {
+    std::cerr << "tallyctl " << spec->name << ": "
+              << positional.status().message() << "\n"
+              << flags.UsageLine() << "\nRun 'tallyctl " << spec->name
+              << " --help' for details.\n";
+    return kExitUsage;
+  }
+  options.deadline = absl::Seconds(deadline_seconds);
+
+  TrainerClient client(options);
+  if (absl::Status status = command->Run(client, *positional); !status.ok()) {
+    std::cerr << "tallyctl " << spec->name << ": " << status.ToString() << "\n";
+    return kExitFailure;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace tally
+
+int main(int argc, char** argv) {
+  return tally::Main(std::vector<std::string>(argv + 1, argv + argc));
+}

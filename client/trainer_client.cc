@@ -1,0 +1,159 @@
+#include "client/trainer_client.h"
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace tally {
+
+absl::Status ToAbslStatus(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+TrainerClient::TrainerClient(const TrainerClientOptions& options)
+    : TrainerClient(MakeChannel(options), options.deadline) {}
+
+TrainerClient::TrainerClient(std::shared_ptr<grpc::Channel> channel,
+                             absl::Duration deadline)
+    : channel_(std::move(channel)),
+      deadline_(deadline),
+      trainer_(v1::Trainer::NewStub(channel_)),
+      health_(grpc::health::v1::Health::NewStub(channel_)) {}
+
+std::shared_ptr<grpc::Channel> TrainerClient::MakeChannel(
+    const TrainerClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  return grpc::CreateCustomChannel(options.target,
+                                   grpc::InsecureChannelCredentials(), args);
+}
+
+void TrainerClient::SetDeadline(grpc::ClientContext& context,
+                                absl::Time deadline) const {
+  if (deadline != absl::InfiniteFuture()) {
+    context.set_deadline(absl::ToChronoTime(deadline));
+  }
+}
+
+template <typename Response, typename Rpc>
+absl::StatusOr<Response> TrainerClient::Invoke(Rpc rpc) {
+  grpc::ClientContext context;
+  SetDeadline(context, absl::Now() + deadline_);
+  Response response;
+  grpc::Status status = rpc(&context, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::ModelInfo> TrainerClient::CreateModel(
+    const v1::CreateModelRequest& request) {
+  return Invoke<v1::ModelInfo>([&](auto* context, auto* response) {
+    return trainer_->CreateModel(context, request, response);
+  });
+}
+
+absl::StatusOr<v1::ModelInfo> TrainerClient::GetModel(
+    const v1::GetModelRequest& request) {
+  return Invoke<v1::ModelInfo>([&](auto* context, auto* response) {
+    return trainer_->GetModel(context, request, response);
+  });
+}
+
+absl::StatusOr<v1::ListModelsResponse> TrainerClient::ListModels(
+    const v1::ListModelsRequest& request) {
+  return Invoke<v1::ListModelsResponse>([&](auto* context, auto* response) {
+    return trainer_->ListModels(context, request, response);
+  });
+}
+
+absl::StatusOr<v1::DeleteModelResponse> TrainerClient::DeleteModel(
+    const v1::DeleteModelRequest& request) {
+  return Invoke<v1::DeleteModelResponse>([&](auto* context, auto* response) {
+    return trainer_->DeleteModel(context, request, response);
+  });
+}
+
+absl::StatusOr<v1::ForwardBackwardResponse> TrainerClient::ForwardBackward(
+    const v1::ForwardBackwardRequest& request) {
+  return Invoke<v1::ForwardBackwardResponse>(
+      [&](auto* context, auto* response) {
+        return trainer_->ForwardBackward(context, request, response);
+      });
+}
+
+absl::StatusOr<v1::OptimStepResponse> TrainerClient::OptimStep(
+    const v1::OptimStepRequest& request) {
+  return Invoke<v1::OptimStepResponse>([&](auto* context, auto* response) {
+    return trainer_->OptimStep(context, request, response);
+  });
+}
+
+absl::StatusOr<v1::AbortAccumulationResponse> TrainerClient::AbortAccumulation(
+    const v1::AbortAccumulationRequest& request) {
+  return Invoke<v1::AbortAccumulationResponse>(
+      [&](auto* context, auto* response) {
+        return trainer_->AbortAccumulation(context, request, response);
+      });
+}
+
+absl::StatusOr<v1::SaveCheckpointResponse> TrainerClient::SaveCheckpoint(
+    const v1::SaveCheckpointRequest& request) {
+  return Invoke<v1::SaveCheckpointResponse>([&](auto* context, auto* response) {
+    return trainer_->SaveCheckpoint(context, request, response);
+  });
+}
+
+absl::StatusOr<v1::LoadCheckpointResponse> TrainerClient::LoadCheckpoint(
+    const v1::LoadCheckpointRequest& request) {
+  return Invoke<v1::LoadCheckpointResponse>([&](auto* context, auto* response) {
+    return trainer_->LoadCheckpoint(context, request, response);
+  });
+}
+
+absl::Status TrainerClient::WaitForServing(absl::Duration timeout) {
+  using grpc::health::v1::HealthCheckResponse;
+  constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
+  // Even the check made as time runs out gets a fair chance to answer.
+  constexpr absl::Duration kMinCheckTime = absl::Milliseconds(100);
+  const absl::Time give_up = absl::Now() + timeout;
+  absl::Duration backoff = absl::Milliseconds(20);
+  while (true) {
+    grpc::ClientContext context;
+    // wait_for_ready lets one Check ride out a server that is still binding
+    // its port instead of failing at once with UNAVAILABLE.
+    context.set_wait_for_ready(true);
+    const absl::Time now = absl::Now();
+    SetDeadline(context,
+                now + std::clamp(give_up - now, kMinCheckTime, kMaxBackoff));
+    grpc::health::v1::HealthCheckRequest request;
+    HealthCheckResponse response;
+    grpc::Status status = health_->Check(&context, request, &response);
+    if (status.ok() && response.status() == HealthCheckResponse::SERVING) {
+      return absl::OkStatus();
+    }
+    const absl::Duration remaining = give_up - absl::Now();
+    if (remaining <= absl::ZeroDuration()) {
+      const std::string last_answer =
+          status.ok()
+              ? absl::StrCat(
+                    "health status ",
+                    HealthCheckResponse::ServingStatus_Name(response.status()))
+              : ToAbslStatus(status).ToString();
+      return absl::DeadlineExceededError(absl::StrCat(
+          "server not SERVING after ", absl::FormatDuration(timeout),
+          "; last answer: ", last_answer));
+    }
+    absl::SleepFor(std::min(backoff, remaining));
+    backoff = std::min(backoff * 2, kMaxBackoff);
+  }
+}
+
+}  // namespace tally

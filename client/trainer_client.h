@@ -1,0 +1,103 @@
+// TrainerClient: a blocking C++ client for a tally server (tally.v1.Trainer
+// plus grpc.health.v1), with every gRPC failure turned into an absl::Status
+// carrying the same canonical code and message.
+//
+//   tally::TrainerClientOptions options;
+//   options.target = "localhost:50051";
+//   tally::TrainerClient client(options);
+//   TALLY_RETURN_IF_ERROR(client.WaitForServing(absl::Seconds(30)));
+//
+//   tally::v1::ForwardBackwardRequest fb;
+//   fb.set_model_id("demo");
+//   *fb.add_samples() = sample;
+//   TALLY_ASSIGN_OR_RETURN(tally::v1::ForwardBackwardResponse out,
+//                          client.ForwardBackward(fb));
+//
+//   tally::v1::OptimStepRequest step;
+//   step.set_model_id("demo");
+//   TALLY_ASSIGN_OR_RETURN(tally::v1::OptimStepResponse stepped,
+//                          client.OptimStep(step));
+#ifndef TALLY_CLIENT_TRAINER_CLIENT_H_
+#define TALLY_CLIENT_TRAINER_CLIENT_H_
+
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/status.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "tally/v1/trainer.grpc.pb.h"
+
+namespace tally {
+
+struct TrainerClientOptions {
+  std::string target = "localhost:50051";
+  // Applied to every call; absl::InfiniteDuration() sets no deadline.
+  absl::Duration deadline = absl::Minutes(10);
+  // Large batches and logprobs overflow gRPC's default 4 MiB limit, so the
+  // channel raises both the send and the receive limit to this.
+  int max_message_bytes = 256 << 20;
+};
+
+// Same numeric code (gRPC and absl share the canonical codes) and message.
+absl::Status ToAbslStatus(const grpc::Status& status);
+
+class TrainerClient {
+ public:
+  // Opens an insecure channel to options.target. Connecting is lazy: an
+  // unreachable server surfaces as UNAVAILABLE on the first call.
+  explicit TrainerClient(const TrainerClientOptions& options);
+  // Uses an existing channel (e.g. an in-process server's); `deadline` as in
+  // TrainerClientOptions.
+  TrainerClient(std::shared_ptr<grpc::Channel> channel,
+                absl::Duration deadline);
+
+  // The channel TrainerClient(options) would open.
+  static std::shared_ptr<grpc::Channel> MakeChannel(
+      const TrainerClientOptions& options);
+
+  absl::StatusOr<v1::ModelInfo> CreateModel(
+      const v1::CreateModelRequest& request);
+  absl::StatusOr<v1::ModelInfo> GetModel(const v1::GetModelRequest& request);
+  absl::StatusOr<v1::ListModelsResponse> ListModels(
+      const v1::ListModelsRequest& request);
+  absl::StatusOr<v1::DeleteModelResponse> DeleteModel(
+      const v1::DeleteModelRequest& request);
+  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(
+      const v1::ForwardBackwardRequest& request);
+  absl::StatusOr<v1::OptimStepResponse> OptimStep(
+      const v1::OptimStepRequest& request);
+  absl::StatusOr<v1::AbortAccumulationResponse> AbortAccumulation(
+      const v1::AbortAccumulationRequest& request);
+  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(
+      const v1::SaveCheckpointRequest& request);
+  absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(
+      const v1::LoadCheckpointRequest& request);
+
+  // Polls grpc.health.v1 Check (service "") with exponential backoff until
+  // the server reports SERVING. DEADLINE_EXCEEDED after `timeout`, with the
+  // last answer (a status or a serving state) in the message.
+  absl::Status WaitForServing(absl::Duration timeout);
+
+ private:
+  // Runs `rpc(context, response)` under the configured deadline.
+  template <typename Response, typename Rpc>
+  absl::StatusOr<Response> Invoke(Rpc rpc);
+
+  void SetDeadline(grpc::ClientContext& context, absl::Time deadline) const;
+
+  std::shared_ptr<grpc::Channel> channel_;
+  absl::Duration deadline_;
+  std::unique_ptr<v1::Trainer::Stub> trainer_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+}  // namespace tally
+
+#endif  // TALLY_CLIENT_TRAINER_CLIENT_H_

@@ -1,0 +1,33 @@
+// Multi-tensor gradient statistics in one sweep: the fp64 sum of squares, the
+// largest magnitude and a non-finite flag, over a list of CPU tensors.
+//
+// Squares are accumulated in fp64 whatever the tensor dtype, so fp32
+// gradients near 1e20 (whose squares overflow fp32) still give a finite norm.
+// Work is split into fixed-size chunks whose partial sums are combined in
+// chunk order, so the result is bitwise identical for any thread count.
+//
+//   tally::kernels::GradStats stats =
+//       tally::kernels::MultiTensorGradStats({g1, g2});
+//   double l2 = std::sqrt(stats.sum_squares);
+#ifndef TALLY_KERNELS_GRAD_STATS_H_
+#define TALLY_KERNELS_GRAD_STATS_H_
+
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace tally::kernels {
+
+struct GradStats {
+  double sum_squares = 0.0;  // NaN if any element is NaN
+  double max_abs = 0.0;      // NaN if any element is NaN
+  bool nonfinite = false;    // any NaN or Inf element
+};
+
+// Tensors must be float32 or float64 on the CPU; non-contiguous tensors are
+// read through a contiguous copy; undefined tensors count as empty.
+GradStats MultiTensorGradStats(const std::vector<torch::Tensor>& tensors);
+
+}  // namespace tally::kernels
+
+#endif  // TALLY_KERNELS_GRAD_STATS_H_

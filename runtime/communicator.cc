@@ -1,0 +1,153 @@
+#include "runtime/communicator.h"
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/status.h"
+
+namespace tally {
+
+const char* CommOpName(CommOp op) {
+  switch (op) {
+    case CommOp::kAllReduce: return "all_reduce";
+    case CommOp::kAllGather: return "all_gather";
+    case CommOp::kReduceScatter: return "reduce_scatter";
+    case CommOp::kBroadcast: return "broadcast";
+    case CommOp::kSend: return "send";
+    case CommOp::kRecv: return "recv";
+  }
+  return "unknown";
+}
+
+void CommStats::Record(CommOp op, int64_t bytes) {
+  CommCounter& counter = counters_[static_cast<int>(op)];
+  ++counter.calls;
+  counter.bytes += bytes;
+}
+
+int64_t CommStats::TotalCalls() const {
+  int64_t total = 0;
+  for (const CommCounter& c : counters_) total += c.calls;
+  return total;
+}
+
+namespace {
+
+int64_t Bytes(const torch::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+class ProcessGroupCommunicator : public Communicator {
+ public:
+  explicit ProcessGroupCommunicator(
+      c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : group_(std::move(group)),
+        native_reduce_scatter_(group_->getBackendName() == "nccl") {}
+
+  int rank() const override { return group_->getRank(); }
+  int size() const override { return group_->getSize(); }
+
+  absl::Status AllReduce(torch::Tensor& tensor, ReduceOp op) override {
+    stats_.Record(CommOp::kAllReduce, Bytes(tensor));
+    return CatchTorch("all_reduce", [&] {
+      std::vector<at::Tensor> tensors = {tensor};
+      c10d::AllreduceOptions options;
+      options.reduceOp =
+          op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+      group_->allreduce(tensors, options)->wait();
+    });
+  }
+
+  absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& input) override {
+    stats_.Record(CommOp::kAllGather, Bytes(input));
+    return CatchTorch("all_gather", [&]() -> absl::StatusOr<torch::Tensor> {
+      torch::Tensor contiguous = input.contiguous();
+      std::vector<std::vector<at::Tensor>> outputs(1);
+      for (int r = 0; r < size(); ++r) {
+        outputs[0].push_back(torch::empty_like(contiguous));
+      }
+      std::vector<at::Tensor> inputs = {contiguous};
+      group_->allgather(outputs, inputs)->wait();
+      return torch::cat(outputs[0], 0);
+    });
+  }
+
+  absl::StatusOr<torch::Tensor> ReduceScatter(
+      const torch::Tensor& input) override {
+    if (input.dim() == 0 || input.size(0) % size() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "reduce_scatter: dim 0 of ", c10::str(input.sizes()),
+          " is not divisible by the group size ", size()));
+    }
+    stats_.Record(CommOp::kReduceScatter, Bytes(input));
+    return CatchTorch("reduce_scatter", [&]() -> absl::StatusOr<torch::Tensor> {
+      int64_t chunk = input.size(0) / size();
+      if (native_reduce_scatter_) {
+        torch::Tensor contiguous = input.contiguous();
+        torch::Tensor output = torch::empty_like(contiguous.narrow(0, 0, chunk));
+        group_->_reduce_scatter_base(output, contiguous)->wait();
+        return output;
+      }
+      std::vector<at::Tensor> tensors = {input.clone()};
+      group_->allreduce(tensors)->wait();
+      return tensors[0].narrow(0, rank() * chunk, chunk).clone();
+    });
+  }
+
+  absl::Status Broadcast(torch::Tensor& tensor, int root) override {
+    stats_.Record(CommOp::kBroadcast, Bytes(tensor));
+    return CatchTorch("broadcast", [&] {
+      std::vector<at::Tensor> tensors = {tensor};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      group_->broadcast(tensors, options)->wait();
+    });
+  }
+
+  absl::Status Send(const torch::Tensor& tensor, int dst) override {
+    stats_.Record(CommOp::kSend, Bytes(tensor));
+    return CatchTorch("send", [&] {
+      std::vector<at::Tensor> tensors = {tensor.contiguous()};
+      group_->send(tensors, dst, /*tag=*/0)->wait();
+    });
+  }
+
+  absl::Status Recv(torch::Tensor& tensor, int src) override {
+    stats_.Record(CommOp::kRecv, Bytes(tensor));
+    return CatchTorch("recv", [&] {
+      std::vector<at::Tensor> tensors = {tensor};
+      group_->recv(tensors, src, /*tag=*/0)->wait();
+    });
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  bool native_reduce_scatter_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeProcessGroupCommunicator(
+    c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  if (!group) return absl::InvalidArgumentError("null process group");
+  return std::unique_ptr<Communicator>(
+      new ProcessGroupCommunicator(std::move(group)));
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator() {
+  return CatchTorch(
+      "gloo single-rank group",
+      [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {
+        auto store = c10::make_intrusive<c10d::HashStore>();
+        auto options = c10d::ProcessGroupGloo::Options::create();
+        options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+        auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+            store, /*rank=*/0, /*size=*/1, options);
+        return MakeProcessGroupCommunicator(std::move(group));
+      });
+}
+
+}  // namespace tally

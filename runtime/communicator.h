@@ -1,0 +1,103 @@
+// Communicator: the collectives tally's runtime needs, over one group of
+// ranks, with call and byte counters per operation.
+//
+// A small interface in the spirit of c10d's ProcessGroup: the runtime talks to
+// this, never to a backend, so tests can count collectives and a backend
+// without a native op (Gloo has no reduce-scatter) gets a documented fallback.
+// Every call is synchronous and applies in place where the op allows.
+//
+//   std::unique_ptr<tally::Communicator> world = ...;
+//   torch::Tensor sq = torch::zeros({2}, torch::kFloat64);
+//   TALLY_RETURN_IF_ERROR(world->AllReduce(sq, tally::ReduceOp::kSum));
+//   int64_t n = world->stats().Get(tally::CommOp::kAllReduce).calls;
+#ifndef TALLY_RUNTIME_COMMUNICATOR_H_
+#define TALLY_RUNTIME_COMMUNICATOR_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
+
+namespace tally {
+
+enum class ReduceOp { kSum, kMax };
+
+enum class CommOp {
+  kAllReduce = 0,
+  kAllGather,
+  kReduceScatter,
+  kBroadcast,
+  kSend,
+  kRecv,
+};
+inline constexpr int kNumCommOps = 6;
+const char* CommOpName(CommOp op);  // "all_reduce"
+
+struct CommCounter {
+  int64_t calls = 0;
+  int64_t bytes = 0;  // payload bytes this rank contributed
+};
+
+class CommStats {
+ public:
+  void Record(CommOp op, int64_t bytes);
+  const CommCounter& Get(CommOp op) const {
+    return counters_[static_cast<int>(op)];
+  }
+  int64_t TotalCalls() const;
+  void Reset() { counters_ = {}; }
+
+ private:
+  std::array<CommCounter, kNumCommOps> counters_{};
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  virtual absl::Status AllReduce(torch::Tensor& tensor, ReduceOp op) = 0;
+  // Concatenates every rank's `input` (same shape everywhere) along dim 0.
+  virtual absl::StatusOr<torch::Tensor> AllGather(
+      const torch::Tensor& input) = 0;
+  // Sums `input` (dim 0 divisible by size()) across ranks and returns this
+  // rank's dim-0 slice.
+  virtual absl::StatusOr<torch::Tensor> ReduceScatter(
+      const torch::Tensor& input) = 0;
+  virtual absl::Status Broadcast(torch::Tensor& tensor, int root) = 0;
+  virtual absl::Status Send(const torch::Tensor& tensor, int dst) = 0;
+  virtual absl::Status Recv(torch::Tensor& tensor, int src) = 0;
+
+  CommStats& stats() { return stats_; }
+  const CommStats& stats() const { return stats_; }
+
+ protected:
+  CommStats stats_;
+};
+
+// Wraps a c10d::ProcessGroup (Gloo on CPU, NCCL on GPU). Reduce-scatter uses
+// the backend's op when it has one; otherwise (Gloo in LibTorch 1.13) an
+// all-reduce of the whole input followed by a local slice: the same result,
+// at 2x the bytes of a ring reduce-scatter.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeProcessGroupCommunicator(
+    c10::intrusive_ptr<c10d::ProcessGroup> group);
+
+// A Gloo process group of one rank over an in-memory store: what the
+// single-rank server runs on, so the collective code path is the real one.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator();
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_COMMUNICATOR_H_

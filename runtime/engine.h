@@ -1,0 +1,107 @@
+// Engine: tally's training core. Owns the models of one rank (parameters,
+// optimizer state and accumulation window, keyed by model id) and executes
+// the training commands on them.
+//
+// The engine is what a rank runs; the gRPC server is a front end that
+// validates requests and feeds commands to it. A single-rank engine is the
+// multi-rank engine with every mesh dimension of size 1: the same code path,
+// including the collectives. Not thread-safe: callers run one command at a
+// time (the server's executor does).
+//
+//   TALLY_ASSIGN_OR_RETURN(auto engine, tally::Engine::CreateSingleRank({}));
+//   TALLY_ASSIGN_OR_RETURN(tally::ModelSummary m, engine->CreateModel(spec));
+//   TALLY_ASSIGN_OR_RETURN(auto fb, engine->ForwardBackward(m.model_id, args));
+//   TALLY_ASSIGN_OR_RETURN(auto step, engine->OptimStep(m.model_id, {}));
+#ifndef TALLY_RUNTIME_ENGINE_H_
+#define TALLY_RUNTIME_ENGINE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/accumulation.h"
+#include "runtime/communicator.h"
+#include "runtime/llama_model.h"
+#include "runtime/mesh.h"
+#include "runtime/optimizer.h"
+#include "runtime/types.h"
+
+namespace tally {
+
+struct EngineOptions {
+  // Padded tokens per forward/backward micro-batch; bounds activation memory
+  // for large calls without changing results (the losses are raw sums).
+  int64_t max_batch_tokens = 16384;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      const EngineOptions& options, Mesh mesh,
+      std::unique_ptr<Communicator> world);
+  static absl::StatusOr<std::unique_ptr<Engine>> CreateSingleRank(
+      const EngineOptions& options);
+
+  // ALREADY_EXISTS for a taken id; an empty id gets "model-<n>".
+  absl::StatusOr<ModelSummary> CreateModel(const ModelSpec& spec);
+  absl::StatusOr<ModelSummary> GetModel(const std::string& model_id) const;
+  std::vector<ModelSummary> ListModels() const;
+  absl::StatusOr<ModelSummary> DeleteModel(const std::string& model_id);
+
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(
+      const std::string& model_id, const ForwardBackwardArgs& args);
+  absl::StatusOr<OptimStepResult> OptimStep(const std::string& model_id,
+                                            const OptimStepArgs& args);
+  // Returns what was discarded.
+  absl::StatusOr<WindowCounts> AbortAccumulation(const std::string& model_id);
+
+  absl::StatusOr<SaveResult> SaveCheckpoint(const std::string& model_id,
+                                            const std::string& path);
+  // Clears the pending window. load_optimizer = false: weights only, the
+  // optimizer restarts from zero moments.
+  absl::StatusOr<LoadResult> LoadCheckpoint(const std::string& model_id,
+                                            const std::string& path,
+                                            bool load_optimizer);
+
+  // Direct access to a model's parameters, for tests and benchmarks.
+  absl::StatusOr<LlamaModel*> model(const std::string& model_id);
+  const Mesh& mesh() const { return mesh_; }
+  Communicator& world() { return *world_; }
+  size_t num_models() const { return models_.size(); }
+
+ private:
+  struct ModelState {
+    ModelSpec spec;
+    std::unique_ptr<LlamaModel> model;
+    std::unique_ptr<Optimizer> optimizer;
+    AccumulationWindow window;
+    int64_t step = 0;
+    // Set when a ForwardBackward failed after it may have added gradients:
+    // the window can no longer be trusted until it is aborted.
+    bool poisoned = false;
+  };
+
+  Engine(const EngineOptions& options, Mesh mesh,
+         std::unique_ptr<Communicator> world)
+      : options_(options), mesh_(mesh), world_(std::move(world)) {}
+
+  absl::StatusOr<ModelState*> Find(const std::string& model_id);
+  absl::StatusOr<const ModelState*> Find(const std::string& model_id) const;
+  static ModelSummary Summarize(const ModelState& state);
+  absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
+      ModelState& state, const ForwardBackwardArgs& args);
+  static void ClearWindow(ModelState& state);
+
+  EngineOptions options_;
+  Mesh mesh_;
+  std::unique_ptr<Communicator> world_;
+  std::map<std::string, std::unique_ptr<ModelState>> models_;
+  int64_t next_auto_id_ = 1;
+};
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_ENGINE_H_

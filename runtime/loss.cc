@@ -1,0 +1,163 @@
+#include "runtime/loss.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace tally {
+
+absl::Status ValidateSamples(const LlamaConfig& config,
+                             const std::vector<Sample>& samples) {
+  if (samples.empty()) {
+    return absl::InvalidArgumentError("samples must not be empty");
+  }
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const Sample& s = samples[i];
+    const std::string field = absl::StrCat("samples[", i, "]");
+    if (s.input_tokens.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".input_tokens must not be empty"));
+    }
+    if (s.target_tokens.size() != s.input_tokens.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".target_tokens has ", s.target_tokens.size(),
+          " tokens but input_tokens has ", s.input_tokens.size()));
+    }
+    if (!s.weights.empty() && s.weights.size() != s.input_tokens.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".weights has ", s.weights.size(),
+          " entries but input_tokens has ", s.input_tokens.size()));
+    }
+    if (static_cast<int64_t>(s.input_tokens.size()) >
+        config.max_position_embeddings) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".input_tokens has ", s.input_tokens.size(),
+          " tokens, more than max_position_embeddings (",
+          config.max_position_embeddings, ")"));
+    }
+    for (size_t t = 0; t < s.input_tokens.size(); ++t) {
+      const int32_t in = s.input_tokens[t], target = s.target_tokens[t];
+      if (in < 0 || in >= config.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".input_tokens[", t, "] = ", in,
+                         " is outside [0, ", config.vocab_size, ")"));
+      }
+      if (target != kIgnoreIndex &&
+          (target < 0 || target >= config.vocab_size)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".target_tokens[", t, "] = ", target, " is outside [0, ",
+            config.vocab_size, ") and is not ", kIgnoreIndex));
+      }
+      if (!s.weights.empty() &&
+          (!std::isfinite(s.weights[t]) || s.weights[t] < 0)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".weights[", t, "] = ", s.weights[t],
+                         " must be finite and >= 0"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+PackedBatch PackRows(const std::vector<Sample>& samples,
+                     const std::vector<int>& rows, torch::ScalarType dtype) {
+  PackedBatch batch;
+  batch.sample_index = rows;
+  int64_t seq = 0;
+  for (int r : rows) {
+    const int64_t len = static_cast<int64_t>(samples[r].input_tokens.size());
+    batch.lengths.push_back(len);
+    seq = std::max(seq, len);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  batch.inputs = torch::zeros({n, seq}, torch::kInt64);
+  batch.targets = torch::zeros({n, seq}, torch::kInt64);
+  torch::Tensor weights = torch::zeros({n, seq}, torch::kFloat64);
+  batch.has_target = torch::zeros({n, seq}, torch::kBool);
+  batch.valid = torch::zeros({n, seq}, torch::kBool);
+  auto has_target = batch.has_target.accessor<bool, 2>();
+  auto inputs = batch.inputs.accessor<int64_t, 2>();
+  auto targets = batch.targets.accessor<int64_t, 2>();
+  auto w = weights.accessor<double, 2>();
+  auto valid = batch.valid.accessor<bool, 2>();
+  for (int64_t b = 0; b < n; ++b) {
+    const Sample& s = samples[rows[b]];
+    for (size_t t = 0; t < s.input_tokens.size(); ++t) {
+      inputs[b][t] = s.input_tokens[t];
+      if (s.target_tokens[t] == kIgnoreIndex) continue;
+      targets[b][t] = s.target_tokens[t];
+      has_target[b][t] = true;
+      const double weight = s.weights.empty() ? 1.0 : s.weights[t];
+      if (weight > 0) {
+        w[b][t] = weight;
+        valid[b][t] = true;
+      }
+    }
+  }
+  batch.weights = weights.to(dtype);
+  return batch;
+}
+
+}  // namespace
+
+std::vector<PackedBatch> PackSamples(const std::vector<Sample>& samples,
+                                     torch::ScalarType dtype,
+                                     int64_t max_batch_tokens) {
+  std::vector<int> order(samples.size());
+  std::iota(order.begin(), order.end(), 0);
+  // Longest first, stable, so batches hold similar lengths (little padding)
+  // and the grouping is a pure function of the samples.
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return samples[a].input_tokens.size() > samples[b].input_tokens.size();
+  });
+  std::vector<PackedBatch> batches;
+  std::vector<int> rows;
+  int64_t row_len = 0;
+  for (int index : order) {
+    const int64_t len =
+        static_cast<int64_t>(samples[index].input_tokens.size());
+    if (rows.empty()) row_len = len;  // longest row of the batch
+    if (!rows.empty() &&
+        row_len * static_cast<int64_t>(rows.size() + 1) > max_batch_tokens) {
+      batches.push_back(PackRows(samples, rows, dtype));
+      rows.clear();
+      row_len = len;
+    }
+    rows.push_back(index);
+  }
+  if (!rows.empty()) batches.push_back(PackRows(samples, rows, dtype));
+  return batches;
+}
+
+LossTerms ComputeLoss(const torch::Tensor& target_logprobs,
+                      const PackedBatch& batch, LossReduction reduction) {
+  LossTerms terms;
+  // Padding and ignored positions carry weight 0; masked_fill also stops a
+  // non-finite logprob there from leaking NaN into the sum (0 * inf = NaN).
+  torch::Tensor token_loss =
+      (-target_logprobs).masked_fill(~batch.valid, 0.0) * batch.weights;
+  torch::Tensor per_sample = token_loss.sum(1);  // [B]
+  terms.sample_valid_tokens = batch.valid.sum(1);
+  terms.sample_loss_sums = per_sample.detach().to(torch::kFloat64);
+  terms.valid_tokens = terms.sample_valid_tokens.sum().item<int64_t>();
+  torch::Tensor counted = terms.sample_valid_tokens > 0;
+  terms.counted_samples = counted.sum().item<int64_t>();
+  if (reduction == LossReduction::kSampleMean) {
+    // 1 / T_b for counted samples; samples with T_b = 0 contribute nothing.
+    torch::Tensor inv_len =
+        torch::where(counted,
+                     1.0 / terms.sample_valid_tokens.clamp_min(1).to(
+                               per_sample.scalar_type()),
+                     torch::zeros_like(per_sample));
+    terms.raw_loss = (per_sample * inv_len).sum();
+  } else {
+    terms.raw_loss = per_sample.sum();
+  }
+  return terms;
+}
+
+}  // namespace tally

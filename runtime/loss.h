@@ -1,0 +1,69 @@
+// Loss: turns a call's samples into a padded batch and the model's per-token
+// log-probabilities into the raw (un-normalized) loss that tally
+// backpropagates, with the counts that make up the window's normalizer.
+//
+// The raw loss never divides by anything global: TOKEN_MEAN and SUM
+// backpropagate sum(w * l) over valid tokens; SAMPLE_MEAN backpropagates
+// sum_b (1 / T_b) sum_{i in b} w * l. OptimStep divides the accumulated
+// gradient by the window's token or sample count, which makes the step equal
+// to one single-device step on every sample of the window.
+//
+//   TALLY_RETURN_IF_ERROR(tally::ValidateSamples(config, samples));
+//   for (const tally::PackedBatch& batch : tally::PackSamples(samples, 8192)) {
+//     torch::Tensor logprobs = model.TargetLogprobs(batch.inputs, ...);
+//     tally::LossTerms terms = tally::ComputeLoss(logprobs, batch, reduction);
+//     terms.raw_loss.backward();
+//   }
+#ifndef TALLY_RUNTIME_LOSS_H_
+#define TALLY_RUNTIME_LOSS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "absl/status/status.h"
+#include "runtime/llama_config.h"
+#include "runtime/types.h"
+
+namespace tally {
+
+// INVALID_ARGUMENT naming `samples[i].<field>` for an empty list, length
+// mismatches, empty samples, samples longer than max_position_embeddings,
+// tokens outside [0, vocab) (targets may also be -100), and weights that are
+// negative or non-finite.
+absl::Status ValidateSamples(const LlamaConfig& config,
+                             const std::vector<Sample>& samples);
+
+// Samples right-padded into one [B, T] batch.
+struct PackedBatch {
+  std::vector<int> sample_index;  // row b holds samples[sample_index[b]]
+  std::vector<int64_t> lengths;   // real length of each row
+  torch::Tensor inputs;           // [B, T] int64, padding 0
+  torch::Tensor targets;          // [B, T] int64, -100 and padding -> 0
+  torch::Tensor has_target;       // [B, T] bool: a real target, not -100
+  torch::Tensor weights;          // [B, T] model dtype, 0 where not valid
+  torch::Tensor valid;            // [B, T] bool: has_target and weight > 0
+};
+
+// Splits validated samples into batches of at most `max_batch_tokens` padded
+// tokens (a longer sample gets a batch of its own), grouping similar lengths
+// to limit padding.
+std::vector<PackedBatch> PackSamples(const std::vector<Sample>& samples,
+                                     torch::ScalarType dtype,
+                                     int64_t max_batch_tokens);
+
+struct LossTerms {
+  torch::Tensor raw_loss;            // scalar, differentiable
+  torch::Tensor sample_loss_sums;    // [B] fp64, detached: sum of w * l
+  torch::Tensor sample_valid_tokens; // [B] int64
+  int64_t valid_tokens = 0;
+  int64_t counted_samples = 0;  // rows with at least one valid token
+};
+
+LossTerms ComputeLoss(const torch::Tensor& target_logprobs,
+                      const PackedBatch& batch, LossReduction reduction);
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_LOSS_H_

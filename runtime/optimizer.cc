@@ -1,0 +1,123 @@
+#include "runtime/optimizer.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/status.h"
+
+namespace tally {
+
+Optimizer::Optimizer(OptimizerKind kind, std::vector<Parameter>* parameters)
+    : kind_(kind), parameters_(parameters) {
+  Reset();
+}
+
+void Optimizer::Reset() {
+  step_count_ = 0;
+  exp_avg_.clear();
+  exp_avg_sq_.clear();
+  if (kind_ != OptimizerKind::kAdamW) return;
+  torch::NoGradGuard no_grad;
+  for (const Parameter& p : *parameters_) {
+    exp_avg_.push_back(torch::zeros_like(p.tensor));
+    exp_avg_sq_.push_back(torch::zeros_like(p.tensor));
+  }
+}
+
+absl::Status Optimizer::Step(const AdamParams& hp) {
+  return CatchTorch("optimizer step", [&] {
+    torch::NoGradGuard no_grad;
+    const int64_t step = step_count_ + 1;
+    // The same operation order as torch::optim::AdamW (LibTorch 1.13), so
+    // results match it bitwise.
+    const double bias_correction1 = 1 - std::pow(hp.beta1, step);
+    const double bias_correction2 = 1 - std::pow(hp.beta2, step);
+    for (size_t i = 0; i < parameters_->size(); ++i) {
+      torch::Tensor& p = (*parameters_)[i].tensor;
+      const torch::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
+      if (hp.weight_decay != 0) p.mul_(1 - hp.learning_rate * hp.weight_decay);
+      if (kind_ == OptimizerKind::kSgd) {
+        p.add_(grad, -hp.learning_rate);
+        continue;
+      }
+      exp_avg_[i].mul_(hp.beta1).add_(grad, 1 - hp.beta1);
+      exp_avg_sq_[i].mul_(hp.beta2).addcmul_(grad, grad, 1 - hp.beta2);
+      torch::Tensor denom =
+          (exp_avg_sq_[i].sqrt() / std::sqrt(bias_correction2)).add_(hp.eps);
+      p.addcdiv_(exp_avg_[i], denom, -hp.learning_rate / bias_correction1);
+    }
+    step_count_ = step;
+  });
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> Optimizer::StateTensors()
+    const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t i = 0; i < exp_avg_.size(); ++i) {
+    const std::string& name = (*parameters_)[i].name;
+    out.emplace_back(name + ".exp_avg", exp_avg_[i]);
+    out.emplace_back(name + ".exp_avg_sq", exp_avg_sq_[i]);
+  }
+  return out;
+}
+
+absl::Status Optimizer::LoadState(
+    const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+    int64_t step_count) {
+  if (step_count < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer step count must be >= 0, got ", step_count));
+  }
+  std::vector<torch::Tensor> exp_avg, exp_avg_sq;
+  auto find = [&](const std::string& name,
+                  const torch::Tensor& like) -> absl::StatusOr<torch::Tensor> {
+    for (const auto& [n, t] : tensors) {
+      if (n != name) continue;
+      if (t.sizes() != like.sizes()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("optimizer state ", name, " has shape ", 
+                         c10::str(t.sizes()), ", expected ",
+                         c10::str(like.sizes())));
+      }
+      return t.to(like.scalar_type()).clone();
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer state ", name, " is missing"));
+  };
+  if (kind_ == OptimizerKind::kAdamW) {
+    for (const Parameter& p : *parameters_) {
+      TALLY_ASSIGN_OR_RETURN(torch::Tensor m, find(p.name + ".exp_avg", p.tensor));
+      TALLY_ASSIGN_OR_RETURN(torch::Tensor v,
+                             find(p.name + ".exp_avg_sq", p.tensor));
+      exp_avg.push_back(std::move(m));
+      exp_avg_sq.push_back(std::move(v));
+    }
+  }
+  exp_avg_ = std::move(exp_avg);
+  exp_avg_sq_ = std::move(exp_avg_sq);
+  step_count_ = step_count;
+  return absl::OkStatus();
+}
+
+absl::Status ValidateAdamParams(const AdamParams& hp,
+                                const std::string& prefix) {
+  auto bad = [&](const char* field, double value, const char* rule) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, ".", field, " must be ", rule, ", got ", value));
+  };
+  if (!std::isfinite(hp.learning_rate) || hp.learning_rate < 0) {
+    return bad("learning_rate", hp.learning_rate, "finite and >= 0");
+  }
+  if (!(hp.beta1 >= 0 && hp.beta1 < 1)) return bad("beta1", hp.beta1, "in [0, 1)");
+  if (!(hp.beta2 >= 0 && hp.beta2 < 1)) return bad("beta2", hp.beta2, "in [0, 1)");
+  if (!std::isfinite(hp.eps) || hp.eps <= 0) {
+    return bad("eps", hp.eps, "finite and > 0");
+  }
+  if (!std::isfinite(hp.weight_decay) || hp.weight_decay < 0) {
+    return bad("weight_decay", hp.weight_decay, "finite and >= 0");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tally

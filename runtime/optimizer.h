@@ -1,0 +1,66 @@
+// Optimizer: AdamW (torch.optim.AdamW semantics) and SGD over the local
+// shards of a model's parameters.
+//
+// Step() expects gradients already normalized and clipped; it applies one
+// update with the hyperparameters given for this step, so every field a
+// client sends is honored. State (moments and the step count used for bias
+// correction) exists only for the local shards.
+//
+//   tally::Optimizer opt(tally::OptimizerKind::kAdamW, &model->parameters());
+//   TALLY_RETURN_IF_ERROR(opt.Step(params));
+//   for (const auto& [name, t] : opt.StateTensors()) Save(name, t);
+#ifndef TALLY_RUNTIME_OPTIMIZER_H_
+#define TALLY_RUNTIME_OPTIMIZER_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "absl/status/status.h"
+#include "runtime/llama_model.h"
+#include "runtime/types.h"
+
+namespace tally {
+
+class Optimizer {
+ public:
+  // `parameters` must outlive the optimizer.
+  Optimizer(OptimizerKind kind, std::vector<Parameter>* parameters);
+
+  OptimizerKind kind() const { return kind_; }
+  // Number of updates applied (AdamW bias correction uses it).
+  int64_t step_count() const { return step_count_; }
+
+  absl::Status Step(const AdamParams& params);
+
+  // Moments start again from zero and the step count from 0.
+  void Reset();
+
+  // "<param name>.exp_avg" / "<param name>.exp_avg_sq" for AdamW; empty for
+  // SGD. The tensors alias the live state.
+  std::vector<std::pair<std::string, torch::Tensor>> StateTensors() const;
+  // Replaces the state from tensors named as StateTensors() names them;
+  // INVALID_ARGUMENT naming the tensor when one is missing or misshaped.
+  absl::Status LoadState(
+      const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+      int64_t step_count);
+
+ private:
+  OptimizerKind kind_;
+  std::vector<Parameter>* parameters_;
+  std::vector<torch::Tensor> exp_avg_;
+  std::vector<torch::Tensor> exp_avg_sq_;
+  int64_t step_count_ = 0;
+};
+
+// INVALID_ARGUMENT naming `<field_prefix>.<field>` for hyperparameters that
+// cannot be applied (negative or non-finite lr, betas outside [0, 1), ...).
+absl::Status ValidateAdamParams(const AdamParams& params,
+                                const std::string& field_prefix);
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_OPTIMIZER_H_

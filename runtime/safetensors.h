@@ -1,0 +1,62 @@
+// Safetensors: tally's own reader and writer for the HF safetensors format,
+// so checkpoints load in PyTorch / transformers and HF weights load in tally.
+//
+// Layout: an 8-byte little-endian u64 N, N bytes of JSON header
+//   {"__metadata__": {"format": "pt"},
+//    "<name>": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, ...}
+// padded with spaces so the data starts 8-byte aligned, then the raw
+// little-endian tensor bytes; data_offsets are relative to the data start and
+// the tensors tile it exactly (no gaps, no overlap), as the reference
+// implementation requires.
+//
+//   tally::NamedTensors tensors = {{"w", torch::ones({2, 3})}};
+//   TALLY_RETURN_IF_ERROR(
+//       tally::WriteSafetensors(path, tensors, {{"format", "pt"}}));
+//   TALLY_ASSIGN_OR_RETURN(tally::NamedTensors read,
+//                          tally::ReadSafetensors(path));
+#ifndef TALLY_RUNTIME_SAFETENSORS_H_
+#define TALLY_RUNTIME_SAFETENSORS_H_
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace tally {
+
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// Writes `tensors` in the given order as contiguous CPU copies. Supported
+// dtypes: F32, F64, F16, BF16, I64, I32; any other dtype or a repeated name
+// is INVALID_ARGUMENT naming the tensor. Written atomically (see
+// WriteFileAtomically).
+absl::Status WriteSafetensors(
+    const std::string& path, const NamedTensors& tensors,
+    const std::map<std::string, std::string>& metadata = {});
+
+// Reads every tensor, in data layout order (so a file WriteSafetensors wrote
+// reads back in its written order), into fresh CPU tensors that own their
+// memory. A missing file is NOT_FOUND; a malformed or truncated one
+// (bad header length, bad JSON, unknown dtype, offsets out of range,
+// overlapping or leaving gaps, byte span not matching the shape) is DATA_LOSS
+// naming the file and the tensor. `metadata`, when given, receives the
+// "__metadata__" map.
+absl::StatusOr<NamedTensors> ReadSafetensors(
+    const std::string& path,
+    std::map<std::string, std::string>* metadata = nullptr);
+
+// Writes the concatenation of `pieces` to `path + ".tmp"`, fsyncs it, renames
+// it over `path` and fsyncs the directory, so a crash leaves either the old
+// file or the complete new one. Used for every file of a checkpoint.
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::vector<absl::string_view>& pieces);
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_SAFETENSORS_H_

@@ -1,0 +1,32 @@
+#include "runtime/types.h"
+
+namespace tally {
+
+const char* DTypeName(DType dtype) {
+  return dtype == DType::kFloat64 ? "float64" : "float32";
+}
+
+const char* OptimizerName(OptimizerKind optimizer) {
+  return optimizer == OptimizerKind::kSgd ? "sgd" : "adamw";
+}
+
+const char* ReductionName(LossReduction reduction) {
+  switch (reduction) {
+    case LossReduction::kTokenMean: return "token_mean";
+    case LossReduction::kSampleMean: return "sample_mean";
+    case LossReduction::kSum: return "sum";
+  }
+  return "unknown";
+}
+
+AdamParams AdamOverrides::ResolveAgainst(const AdamParams& defaults) const {
+  AdamParams p = defaults;
+  if (learning_rate) p.learning_rate = *learning_rate;
+  if (beta1) p.beta1 = *beta1;
+  if (beta2) p.beta2 = *beta2;
+  if (eps) p.eps = *eps;
+  if (weight_decay) p.weight_decay = *weight_decay;
+  return p;
+}
+
+}  // namespace tally

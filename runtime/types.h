@@ -1,0 +1,142 @@
+// Plain value types of the tally runtime: what a training command takes and
+// returns. They mirror tally.v1 but carry no protobuf, so the runtime can be
+// driven in process (tests, benchmarks) exactly as the server drives it.
+#ifndef TALLY_RUNTIME_TYPES_H_
+#define TALLY_RUNTIME_TYPES_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/llama_config.h"
+
+namespace tally {
+
+enum class DType { kFloat32, kFloat64 };
+enum class OptimizerKind { kAdamW, kSgd };
+enum class LossReduction { kTokenMean, kSampleMean, kSum };
+enum class NormType { kL2, kInf };
+enum class NonFinitePolicy { kSkip, kError };
+
+const char* DTypeName(DType dtype);                  // "float32"
+const char* OptimizerName(OptimizerKind optimizer);  // "adamw"
+const char* ReductionName(LossReduction reduction);  // "token_mean"
+
+// Target value that marks a position as ignored (HF / PyTorch convention).
+inline constexpr int32_t kIgnoreIndex = -100;
+
+struct AdamParams {
+  double learning_rate = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
+// Per-step overrides; an unset field takes the model default.
+struct AdamOverrides {
+  std::optional<double> learning_rate;
+  std::optional<double> beta1;
+  std::optional<double> beta2;
+  std::optional<double> eps;
+  std::optional<double> weight_decay;
+
+  AdamParams ResolveAgainst(const AdamParams& defaults) const;
+};
+
+struct ModelSpec {
+  std::string model_id;
+  LlamaConfig config;
+  uint64_t seed = 0;
+  DType dtype = DType::kFloat32;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  AdamParams default_adam;
+  double default_max_grad_norm = 0.0;
+  // Tally checkpoint or HF Llama directory. Its config.json is used; a
+  // `config` given as well (vocab_size != 0) must equal it.
+  std::string init_checkpoint;
+};
+
+struct Sample {
+  std::vector<int32_t> input_tokens;
+  std::vector<int32_t> target_tokens;
+  std::vector<float> weights;  // empty: all 1
+};
+
+struct ForwardBackwardArgs {
+  std::vector<Sample> samples;
+  LossReduction reduction = LossReduction::kTokenMean;
+  bool forward_only = false;
+  bool return_logprobs = false;
+};
+
+struct SampleResult {
+  double loss_sum = 0.0;
+  int64_t valid_tokens = 0;
+  std::vector<double> logprobs;
+};
+
+// The pending accumulation window of a model.
+struct WindowCounts {
+  int64_t calls = 0;
+  int64_t tokens = 0;
+  int64_t samples = 0;  // samples with at least one valid token
+  std::optional<LossReduction> reduction;  // unset when nothing is pending
+};
+
+struct ForwardBackwardResult {
+  double loss_sum = 0.0;
+  double loss_mean = 0.0;
+  int64_t valid_tokens = 0;
+  int64_t num_samples = 0;
+  std::vector<SampleResult> samples;
+  WindowCounts window;  // after this call
+  std::map<std::string, double> metrics;
+};
+
+struct OptimStepArgs {
+  AdamOverrides adam;
+  std::optional<double> max_grad_norm;  // unset: model default; 0: no clip
+  NormType norm_type = NormType::kL2;
+  NonFinitePolicy nonfinite = NonFinitePolicy::kSkip;
+};
+
+struct OptimStepResult {
+  int64_t step = 0;
+  double grad_norm = 0.0;
+  double clip_coef = 1.0;
+  double normalizer = 0.0;
+  bool skipped = false;
+  std::string skip_reason;
+  double learning_rate = 0.0;
+  std::map<std::string, double> metrics;
+};
+
+struct ModelSummary {
+  std::string model_id;
+  LlamaConfig config;
+  uint64_t num_parameters = 0;
+  int64_t step = 0;
+  WindowCounts window;
+  DType dtype = DType::kFloat32;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  AdamParams default_adam;
+  double default_max_grad_norm = 0.0;
+};
+
+struct SaveResult {
+  std::string path;
+  int64_t step = 0;
+  uint64_t bytes_written = 0;
+};
+
+struct LoadResult {
+  ModelSummary model;
+  WindowCounts discarded;
+};
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_TYPES_H_

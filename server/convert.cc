@@ -1,0 +1,243 @@
+#include "server/convert.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/status.h"
+
+namespace tally {
+namespace {
+
+absl::Status BadEnum(const char* field, int value) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " has unknown value ", value));
+}
+
+absl::StatusOr<LlamaConfig> ParseConfig(const v1::ModelConfig& c) {
+  LlamaConfig config;
+  config.vocab_size = c.vocab_size();
+  config.hidden_size = c.hidden_size();
+  config.intermediate_size = c.intermediate_size();
+  config.num_hidden_layers = c.num_hidden_layers();
+  config.num_attention_heads = c.num_attention_heads();
+  config.num_key_value_heads = c.num_key_value_heads();
+  config.rms_norm_eps = c.rms_norm_eps();
+  config.rope_theta = c.rope_theta();
+  config.max_position_embeddings = c.max_position_embeddings();
+  config.tie_word_embeddings = c.tie_word_embeddings();
+  config = config.WithDefaults();
+  TALLY_RETURN_IF_ERROR(config.Validate());
+  return config;
+}
+
+AdamOverrides ParseAdam(const v1::AdamParams& p) {
+  AdamOverrides o;
+  if (p.has_learning_rate()) o.learning_rate = p.learning_rate();
+  if (p.has_beta1()) o.beta1 = p.beta1();
+  if (p.has_beta2()) o.beta2 = p.beta2();
+  if (p.has_eps()) o.eps = p.eps();
+  if (p.has_weight_decay()) o.weight_decay = p.weight_decay();
+  return o;
+}
+
+void ToProto(const LlamaConfig& c, v1::ModelConfig* out) {
+  out->set_vocab_size(c.vocab_size);
+  out->set_hidden_size(c.hidden_size);
+  out->set_intermediate_size(c.intermediate_size);
+  out->set_num_hidden_layers(c.num_hidden_layers);
+  out->set_num_attention_heads(c.num_attention_heads);
+  out->set_num_key_value_heads(c.num_key_value_heads);
+  out->set_rms_norm_eps(c.rms_norm_eps);
+  out->set_rope_theta(c.rope_theta);
+  out->set_max_position_embeddings(c.max_position_embeddings);
+  out->set_tie_word_embeddings(c.tie_word_embeddings);
+}
+
+}  // namespace
+
+absl::Status ValidateModelId(const std::string& model_id,
+                             const std::string& field) {
+  if (model_id.empty() || model_id.size() > 128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " must have 1 to 128 characters, got ", model_id.size()));
+  }
+  for (char c : model_id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " may contain only [A-Za-z0-9._-], got '", model_id, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
+  ModelSpec spec;
+  if (!r.model_id().empty()) TALLY_RETURN_IF_ERROR(ValidateModelId(r.model_id()));
+  spec.model_id = r.model_id();
+  spec.seed = r.seed();
+  switch (r.dtype()) {
+    case v1::DTYPE_UNSPECIFIED:
+    case v1::DTYPE_FLOAT32: spec.dtype = DType::kFloat32; break;
+    case v1::DTYPE_FLOAT64: spec.dtype = DType::kFloat64; break;
+    default: return BadEnum("dtype", r.dtype());
+  }
+  switch (r.optimizer()) {
+    case v1::OPTIMIZER_UNSPECIFIED:
+    case v1::OPTIMIZER_ADAMW: spec.optimizer = OptimizerKind::kAdamW; break;
+    case v1::OPTIMIZER_SGD: spec.optimizer = OptimizerKind::kSgd; break;
+    default: return BadEnum("optimizer", r.optimizer());
+  }
+  const AdamOverrides adam = ParseAdam(r.default_adam());
+  if (spec.optimizer == OptimizerKind::kSgd &&
+      (adam.beta1 || adam.beta2 || adam.eps)) {
+    return absl::InvalidArgumentError(
+        "default_adam.beta1, beta2 and eps do not apply to the SGD optimizer");
+  }
+  spec.default_adam = adam.ResolveAgainst(AdamParams());
+  spec.default_max_grad_norm = r.default_max_grad_norm();
+  spec.init_checkpoint = r.init_checkpoint();
+  if (!spec.init_checkpoint.empty()) {
+    TALLY_RETURN_IF_ERROR(ValidateCheckpointPath(spec.init_checkpoint));
+  }
+  if (r.has_config()) {
+    // With init_checkpoint as well, the file's config.json must agree.
+    TALLY_ASSIGN_OR_RETURN(spec.config, ParseConfig(r.config()));
+  } else if (spec.init_checkpoint.empty()) {
+    spec.config = LlamaConfig::EmbeddedDefault();
+  }
+  return spec;
+}
+
+absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
+    const v1::ForwardBackwardRequest& r) {
+  TALLY_RETURN_IF_ERROR(ValidateModelId(r.model_id()));
+  ForwardBackwardArgs args;
+  switch (r.reduction()) {
+    case v1::LOSS_REDUCTION_UNSPECIFIED:
+    case v1::LOSS_REDUCTION_TOKEN_MEAN:
+      args.reduction = LossReduction::kTokenMean;
+      break;
+    case v1::LOSS_REDUCTION_SAMPLE_MEAN:
+      args.reduction = LossReduction::kSampleMean;
+      break;
+    case v1::LOSS_REDUCTION_SUM: args.reduction = LossReduction::kSum; break;
+    default: return BadEnum("reduction", r.reduction());
+  }
+  args.forward_only = r.forward_only();
+  args.return_logprobs = r.return_logprobs();
+  args.samples.reserve(r.samples_size());
+  for (const v1::Sample& s : r.samples()) {
+    Sample sample;
+    sample.input_tokens.assign(s.input_tokens().begin(), s.input_tokens().end());
+    sample.target_tokens.assign(s.target_tokens().begin(),
+                                s.target_tokens().end());
+    sample.weights.assign(s.weights().begin(), s.weights().end());
+    args.samples.push_back(std::move(sample));
+  }
+  if (args.samples.empty()) {
+    return absl::InvalidArgumentError("samples must not be empty");
+  }
+  return args;
+}
+
+absl::StatusOr<OptimStepArgs> ParseOptimStep(const v1::OptimStepRequest& r) {
+  TALLY_RETURN_IF_ERROR(ValidateModelId(r.model_id()));
+  OptimStepArgs args;
+  args.adam = ParseAdam(r.adam());
+  if (r.has_max_grad_norm()) {
+    if (!std::isfinite(r.max_grad_norm()) || r.max_grad_norm() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "max_grad_norm must be finite and >= 0, got ", r.max_grad_norm()));
+    }
+    args.max_grad_norm = r.max_grad_norm();
+  }
+  switch (r.norm_type()) {
+    case v1::NORM_TYPE_UNSPECIFIED:
+    case v1::NORM_TYPE_L2: args.norm_type = NormType::kL2; break;
+    case v1::NORM_TYPE_INF: args.norm_type = NormType::kInf; break;
+    default: return BadEnum("norm_type", r.norm_type());
+  }
+  switch (r.nonfinite()) {
+    case v1::NON_FINITE_POLICY_UNSPECIFIED:
+    case v1::NON_FINITE_POLICY_SKIP:
+      args.nonfinite = NonFinitePolicy::kSkip;
+      break;
+    case v1::NON_FINITE_POLICY_ERROR:
+      args.nonfinite = NonFinitePolicy::kError;
+      break;
+    default: return BadEnum("nonfinite", r.nonfinite());
+  }
+  return args;
+}
+
+absl::Status ValidateCheckpointPath(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("path must not be empty");
+  if (path.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError("path must not contain NUL bytes");
+  }
+  return absl::OkStatus();
+}
+
+v1::LossReduction ToProto(std::optional<LossReduction> reduction) {
+  if (!reduction) return v1::LOSS_REDUCTION_UNSPECIFIED;
+  switch (*reduction) {
+    case LossReduction::kTokenMean: return v1::LOSS_REDUCTION_TOKEN_MEAN;
+    case LossReduction::kSampleMean: return v1::LOSS_REDUCTION_SAMPLE_MEAN;
+    case LossReduction::kSum: return v1::LOSS_REDUCTION_SUM;
+  }
+  return v1::LOSS_REDUCTION_UNSPECIFIED;
+}
+
+void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
+  out->set_model_id(s.model_id);
+  ToProto(s.config, out->mutable_config());
+  out->set_num_parameters(s.num_parameters);
+  out->set_step(s.step);
+  out->set_accumulated_calls(s.window.calls);
+  out->set_accumulated_tokens(s.window.tokens);
+  out->set_accumulated_samples(s.window.samples);
+  out->set_pending_reduction(ToProto(s.window.reduction));
+  out->set_dtype(s.dtype == DType::kFloat64 ? v1::DTYPE_FLOAT64
+                                            : v1::DTYPE_FLOAT32);
+  out->set_optimizer(s.optimizer == OptimizerKind::kSgd ? v1::OPTIMIZER_SGD
+                                                        : v1::OPTIMIZER_ADAMW);
+  v1::AdamParams* adam = out->mutable_default_adam();
+  adam->set_learning_rate(s.default_adam.learning_rate);
+  adam->set_beta1(s.default_adam.beta1);
+  adam->set_beta2(s.default_adam.beta2);
+  adam->set_eps(s.default_adam.eps);
+  adam->set_weight_decay(s.default_adam.weight_decay);
+  out->set_default_max_grad_norm(s.default_max_grad_norm);
+}
+
+void ToProto(const ForwardBackwardResult& r, v1::ForwardBackwardResponse* out) {
+  out->set_loss_sum(r.loss_sum);
+  out->set_loss_mean(r.loss_mean);
+  out->set_valid_tokens(r.valid_tokens);
+  out->set_num_samples(r.num_samples);
+  for (const SampleResult& s : r.samples) {
+    v1::SampleResult* sample = out->add_samples();
+    sample->set_loss_sum(s.loss_sum);
+    sample->set_valid_tokens(s.valid_tokens);
+    sample->mutable_logprobs()->Add(s.logprobs.begin(), s.logprobs.end());
+  }
+  out->set_accumulated_calls(r.window.calls);
+  out->set_accumulated_tokens(r.window.tokens);
+  out->set_accumulated_samples(r.window.samples);
+  for (const auto& [k, v] : r.metrics) (*out->mutable_metrics())[k] = v;
+}
+
+void ToProto(const OptimStepResult& r, v1::OptimStepResponse* out) {
+  out->set_step(r.step);
+  out->set_grad_norm(r.grad_norm);
+  out->set_clip_coef(r.clip_coef);
+  out->set_normalizer(r.normalizer);
+  out->set_skipped(r.skipped);
+  out->set_skip_reason(r.skip_reason);
+  out->set_learning_rate(r.learning_rate);
+  for (const auto& [k, v] : r.metrics) (*out->mutable_metrics())[k] = v;
+}
+
+}  // namespace tally

@@ -1,0 +1,43 @@
+// Conversion and validation between tally.v1 messages and runtime types.
+//
+// Every Parse* function checks the proto-level fields of a request (model id
+// format, enum values a newer or hostile client may send, hyperparameter
+// ranges) and returns INVALID_ARGUMENT naming the field; it never touches
+// state. Checks that need the model (token ranges, lengths) are the engine's,
+// also done before any state changes.
+//
+//   TALLY_ASSIGN_OR_RETURN(tally::OptimStepArgs args,
+//                          tally::ParseOptimStep(request));
+//   tally::ToProto(engine_result, &response);
+#ifndef TALLY_SERVER_CONVERT_H_
+#define TALLY_SERVER_CONVERT_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "runtime/types.h"
+#include "tally/v1/trainer.pb.h"
+
+namespace tally {
+
+// `[A-Za-z0-9._-]{1,128}`; `field` names the request field in the error.
+absl::Status ValidateModelId(const std::string& model_id,
+                             const std::string& field = "model_id");
+
+absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& request);
+absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
+    const v1::ForwardBackwardRequest& request);
+absl::StatusOr<OptimStepArgs> ParseOptimStep(const v1::OptimStepRequest& request);
+// Non-empty path with no NUL byte.
+absl::Status ValidateCheckpointPath(const std::string& path);
+
+void ToProto(const ModelSummary& summary, v1::ModelInfo* out);
+void ToProto(const ForwardBackwardResult& result,
+             v1::ForwardBackwardResponse* out);
+void ToProto(const OptimStepResult& result, v1::OptimStepResponse* out);
+v1::LossReduction ToProto(std::optional<LossReduction> reduction);
+
+}  // namespace tally
+
+#endif  // TALLY_SERVER_CONVERT_H_

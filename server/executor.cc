@@ -1,0 +1,47 @@
+#include "server/executor.h"
+
+namespace tally {
+
+CommandExecutor::CommandExecutor() : thread_([this] { Loop(); }) {}
+
+CommandExecutor::~CommandExecutor() { Stop(); }
+
+bool CommandExecutor::Submit(std::function<void()> command) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return false;
+  queue_.push_back(std::move(command));
+  return true;
+}
+
+size_t CommandExecutor::queue_depth() const {
+  absl::MutexLock lock(&mu_);
+  return queue_.size();
+}
+
+void CommandExecutor::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+bool CommandExecutor::HasWorkOrStopping() const {
+  return stopping_ || !queue_.empty();
+}
+
+void CommandExecutor::Loop() {
+  while (true) {
+    std::function<void()> command;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &CommandExecutor::HasWorkOrStopping));
+      if (queue_.empty()) return;  // stopping and drained
+      command = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    command();
+  }
+}
+
+}  // namespace tally

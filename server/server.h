@@ -1,0 +1,71 @@
+// TallyServer: a running tally server: the engine, its command executor, the
+// gRPC endpoint (tally.v1.Trainer, grpc.health.v1.Health, reflection) and the
+// Prometheus endpoint, with an orderly shutdown.
+//
+//   tally::ServerOptions options;
+//   options.grpc_port = 0;  // any free port
+//   TALLY_ASSIGN_OR_RETURN(auto server, tally::TallyServer::Start(options));
+//   ... server->grpc_port() ...
+//   server->Shutdown();  // health NOT_SERVING, finish in-flight work, stop
+#ifndef TALLY_SERVER_SERVER_H_
+#define TALLY_SERVER_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "runtime/engine.h"
+#include "server/executor.h"
+#include "server/metrics.h"
+#include "server/trainer_service.h"
+
+namespace tally {
+
+struct ServerOptions {
+  std::string host = "0.0.0.0";
+  int grpc_port = 50051;    // 0: any free port
+  int metrics_port = 9090;  // 0: any free port
+  int64_t max_message_bytes = int64_t{256} << 20;
+  std::string log_level = "info";
+  // Create model "demo" (the embedded default config) at start.
+  bool demo_model = false;
+  // Written as {"grpc_port": N, "metrics_port": M} once serving.
+  std::string port_file;
+  int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
+  // How long Shutdown() lets in-flight RPCs finish before cancelling them.
+  double shutdown_timeout_secs = 30;
+};
+
+inline constexpr char kDemoModelId[] = "demo";
+
+class TallyServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<TallyServer>> Start(
+      const ServerOptions& options);
+  ~TallyServer();
+
+  int grpc_port() const { return grpc_port_; }
+  int metrics_port() const { return metrics_->port(); }
+
+  // Idempotent.
+  void Shutdown();
+
+ private:
+  TallyServer() = default;
+
+  ServerOptions options_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<CommandExecutor> executor_;
+  std::unique_ptr<TrainerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int grpc_port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace tally
+
+#endif  // TALLY_SERVER_SERVER_H_

@@ -1,0 +1,82 @@
+// TrainerService: the gRPC front end of tally.v1.Trainer (callback API).
+//
+// A handler validates its request's proto-level fields on the gRPC thread,
+// then queues the command on the CommandExecutor, which runs it on the engine
+// and finishes the RPC. A request whose client cancelled it or whose deadline
+// passed while it waited is not executed.
+//
+//   tally::TrainerService service(engine.get(), &executor, metrics.get());
+//   grpc::ServerBuilder builder;
+//   builder.RegisterService(&service);
+#ifndef TALLY_SERVER_TRAINER_SERVICE_H_
+#define TALLY_SERVER_TRAINER_SERVICE_H_
+
+#include <functional>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "runtime/engine.h"
+#include "server/executor.h"
+#include "server/metrics.h"
+#include "tally/v1/trainer.grpc.pb.h"
+
+namespace tally {
+
+class TrainerService final : public v1::Trainer::CallbackService {
+ public:
+  TrainerService(Engine* engine, CommandExecutor* executor,
+                 ServerMetrics* metrics)
+      : engine_(engine), executor_(executor), metrics_(metrics) {}
+
+  grpc::ServerUnaryReactor* CreateModel(grpc::CallbackServerContext* context,
+                                        const v1::CreateModelRequest* request,
+                                        v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
+                                     const v1::GetModelRequest* request,
+                                     v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
+                                       const v1::ListModelsRequest* request,
+                                       v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteModel(
+      grpc::CallbackServerContext* context,
+      const v1::DeleteModelRequest* request,
+      v1::DeleteModelResponse* response) override;
+  grpc::ServerUnaryReactor* ForwardBackward(
+      grpc::CallbackServerContext* context,
+      const v1::ForwardBackwardRequest* request,
+      v1::ForwardBackwardResponse* response) override;
+  grpc::ServerUnaryReactor* OptimStep(grpc::CallbackServerContext* context,
+                                      const v1::OptimStepRequest* request,
+                                      v1::OptimStepResponse* response) override;
+  grpc::ServerUnaryReactor* AbortAccumulation(
+      grpc::CallbackServerContext* context,
+      const v1::AbortAccumulationRequest* request,
+      v1::AbortAccumulationResponse* response) override;
+  grpc::ServerUnaryReactor* SaveCheckpoint(
+      grpc::CallbackServerContext* context,
+      const v1::SaveCheckpointRequest* request,
+      v1::SaveCheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* LoadCheckpoint(
+      grpc::CallbackServerContext* context,
+      const v1::LoadCheckpointRequest* request,
+      v1::LoadCheckpointResponse* response) override;
+
+ private:
+  // Finishes the RPC with `validation` if it failed, else queues `command`
+  // and finishes with its status once it ran.
+  grpc::ServerUnaryReactor* Execute(const char* method,
+                                    grpc::CallbackServerContext* context,
+                                    absl::Status validation,
+                                    std::function<absl::Status()> command);
+  void Finish(const char* method, grpc::ServerUnaryReactor* reactor,
+              const absl::Status& status);
+
+  Engine* engine_;
+  CommandExecutor* executor_;
+  ServerMetrics* metrics_;
+};
+
+}  // namespace tally
+
+#endif  // TALLY_SERVER_TRAINER_SERVICE_H_

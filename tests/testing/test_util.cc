@@ -1,0 +1,109 @@
+#include "tests/testing/test_util.h"
+
+#include <algorithm>
+#include <random>
+
+namespace tally::testing {
+
+LlamaConfig TinyConfig(bool tie_word_embeddings) {
+  LlamaConfig c;
+  c.vocab_size = 48;
+  c.hidden_size = 32;
+  c.intermediate_size = 40;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 10000;
+  c.max_position_embeddings = 512;
+  c.tie_word_embeddings = tie_word_embeddings;
+  return c;
+}
+
+Sample MakeSample(int64_t vocab, int length, int valid, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab) - 1);
+  std::uniform_real_distribution<float> weight(0.5f, 1.5f);
+  Sample s;
+  s.input_tokens.resize(length);
+  s.target_tokens.resize(length);
+  s.weights.resize(length);
+  for (int t = 0; t < length; ++t) {
+    s.input_tokens[t] = token(rng);
+    s.target_tokens[t] = token(rng);
+    s.weights[t] = weight(rng);
+  }
+  // Spread the valid positions over the sample; invalidate the rest, half by
+  // -100 and half by weight 0, so both ways of ignoring are exercised.
+  std::vector<int> positions(length);
+  for (int t = 0; t < length; ++t) positions[t] = t;
+  std::shuffle(positions.begin(), positions.end(), rng);
+  for (int i = valid; i < length; ++i) {
+    if (i % 2 == 0) {
+      s.target_tokens[positions[i]] = kIgnoreIndex;
+    } else {
+      s.weights[positions[i]] = 0.0f;
+    }
+  }
+  return s;
+}
+
+std::vector<Sample> MakeSamples(int64_t vocab,
+                                const std::vector<int>& valid_per_sample,
+                                uint64_t seed) {
+  std::vector<Sample> out;
+  for (size_t i = 0; i < valid_per_sample.size(); ++i) {
+    const int valid = valid_per_sample[i];
+    const int length = std::max(1, valid + static_cast<int>((seed + i) % 5));
+    out.push_back(MakeSample(vocab, length, valid, seed * 1000 + i));
+  }
+  return out;
+}
+
+ModelSpec TinySpec(const std::string& id, DType dtype, OptimizerKind optimizer,
+                   uint64_t seed) {
+  ModelSpec spec;
+  spec.model_id = id;
+  spec.config = TinyConfig();
+  spec.seed = seed;
+  spec.dtype = dtype;
+  spec.optimizer = optimizer;
+  spec.default_adam.learning_rate = 1e-2;
+  spec.default_adam.weight_decay = 0.1;
+  return spec;
+}
+
+double RelativeDiff(const torch::Tensor& a, const torch::Tensor& b) {
+  torch::Tensor da = a.detach().to(torch::kFloat64);
+  torch::Tensor db = b.detach().to(torch::kFloat64);
+  const double scale = std::max(db.abs().max().item<double>(), 1e-300);
+  return (da - db).abs().max().item<double>() / scale;
+}
+
+double RelativeDiff(double a, double b) {
+  return std::abs(a - b) / std::max(std::abs(b), 1e-300);
+}
+
+std::vector<torch::Tensor> ParameterValues(LlamaModel& model) {
+  std::vector<torch::Tensor> out;
+  for (const Parameter& p : model.parameters()) {
+    out.push_back(p.tensor.detach().clone());
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> Gradients(LlamaModel& model) {
+  std::vector<torch::Tensor> out;
+  for (const Parameter& p : model.parameters()) {
+    const torch::Tensor& g = p.tensor.grad();
+    out.push_back(g.defined() ? g.detach().clone()
+                              : torch::zeros_like(p.tensor));
+  }
+  return out;
+}
+
+double GoldenTolerance(DType dtype) {
+  return dtype == DType::kFloat64 ? 1e-10 : 1e-5;
+}
+
+}  // namespace tally::testing

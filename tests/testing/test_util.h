@@ -1,0 +1,48 @@
+// Shared helpers for tally's in-process tests: tiny model configs, sample
+// builders with controlled valid-token counts, and tensor comparisons.
+#ifndef TALLY_TESTS_TESTING_TEST_UTIL_H_
+#define TALLY_TESTS_TESTING_TEST_UTIL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "runtime/engine.h"
+#include "runtime/llama_config.h"
+#include "runtime/types.h"
+
+namespace tally::testing {
+
+// A 2-layer GQA Llama small enough for exact fp64 checks in milliseconds.
+LlamaConfig TinyConfig(bool tie_word_embeddings = false);
+
+// One sample of `length` tokens from `rng`, of which exactly `valid` have a
+// real target and a positive weight; the others are -100 or weight 0
+// (alternating), and valid weights vary in (0.5, 1.5].
+Sample MakeSample(int64_t vocab, int length, int valid, uint64_t seed);
+
+// Samples whose valid counts are `valid_per_sample`, lengths valid + extra.
+std::vector<Sample> MakeSamples(int64_t vocab,
+                                const std::vector<int>& valid_per_sample,
+                                uint64_t seed);
+
+ModelSpec TinySpec(const std::string& id, DType dtype, OptimizerKind optimizer,
+                   uint64_t seed = 1234);
+
+// max |a - b| / max(max |b|, tiny): one number per tensor pair.
+double RelativeDiff(const torch::Tensor& a, const torch::Tensor& b);
+double RelativeDiff(double a, double b);
+
+// Copies of the current values / gradients of every parameter.
+std::vector<torch::Tensor> ParameterValues(LlamaModel& model);
+std::vector<torch::Tensor> Gradients(LlamaModel& model);
+
+// Tolerance of the golden comparisons for a dtype: 1e-10 (fp64), 1e-5 (fp32).
+double GoldenTolerance(DType dtype);
+
+}  // namespace tally::testing
+
+#endif  // TALLY_TESTS_TESTING_TEST_UTIL_H_
