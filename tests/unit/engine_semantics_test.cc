@@ -167,6 +167,34 @@ TEST_F(EngineSemanticsTest, LoadCheckpointClearsThePendingWindow) {
   std::filesystem::remove_all(dir);
 }
 
+TEST_F(EngineSemanticsTest, InitCheckpointStartsFromTheSavedWeights) {
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("tally_init_ckpt_" + std::to_string(getpid())))
+                              .string();
+  ASSERT_TRUE(Train({3, 2}, 1).ok());
+  ASSERT_TRUE(engine_->OptimStep("m", {}).ok());
+  ASSERT_TRUE(engine_->SaveCheckpoint("m", dir).ok());
+
+  ModelSpec spec = TinySpec("copy", DType::kFloat64, OptimizerKind::kSgd, 99);
+  spec.config = LlamaConfig();  // taken from the checkpoint's config.json
+  spec.init_checkpoint = dir;
+  auto copy = engine_->CreateModel(spec);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_EQ(copy->config, testing::TinyConfig());
+  EXPECT_EQ(copy->step, 0);  // fresh optimizer, weights only
+  EXPECT_TRUE(AllEqual(ParameterValues(model()),
+                       ParameterValues(*engine_->model("copy").value())));
+
+  // A config sent alongside must agree with the checkpoint's.
+  spec.model_id = "mismatch";
+  spec.config = testing::TinyConfig();
+  spec.config.rope_theta = 500000;
+  EXPECT_EQ(engine_->CreateModel(spec).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(engine_->GetModel("mismatch").ok());
+  std::filesystem::remove_all(dir);
+}
+
 class NonFiniteTest : public EngineSemanticsTest {
  protected:
   // One real step first, so the optimizer moments are non-zero.

@@ -1,0 +1,119 @@
+// tally-server's flag parsing and the proto-level request validation.
+#include <gtest/gtest.h>
+
+#include "server/convert.h"
+#include "server/flags.h"
+
+namespace tally {
+namespace {
+
+absl::StatusOr<ParsedFlags> Parse(std::vector<const char*> args) {
+  args.insert(args.begin(), "tally-server");
+  return ParseServerFlags(static_cast<int>(args.size()), args.data());
+}
+
+TEST(ServerFlagsTest, ParsesKebabCaseInBothForms) {
+  auto flags = Parse({"--grpc-port", "0", "--metrics-port=9191",
+                      "--max-message-bytes", "65536", "--demo-model",
+                      "--log-level=debug", "--port-file", "/tmp/p.json"});
+  ASSERT_TRUE(flags.ok()) << flags.status();
+  EXPECT_EQ(flags->options.grpc_port, 0);
+  EXPECT_EQ(flags->options.metrics_port, 9191);
+  EXPECT_EQ(flags->options.max_message_bytes, 65536);
+  EXPECT_TRUE(flags->options.demo_model);
+  EXPECT_EQ(flags->options.log_level, "debug");
+  EXPECT_EQ(flags->options.port_file, "/tmp/p.json");
+  EXPECT_FALSE(flags->help);
+  EXPECT_FALSE(Parse({"--demo-model=false"})->options.demo_model);
+}
+
+TEST(ServerFlagsTest, DefaultsAndHelp) {
+  auto flags = Parse({"--help"});
+  ASSERT_TRUE(flags.ok());
+  EXPECT_TRUE(flags->help);
+  EXPECT_EQ(flags->options.grpc_port, 50051);
+  EXPECT_EQ(flags->options.max_message_bytes, int64_t{256} << 20);
+  const std::string usage = ServerUsage();
+  for (const char* flag : {"--grpc-port", "--metrics-port",
+                           "--max-message-bytes", "--log-level",
+                           "--demo-model"}) {
+    EXPECT_NE(usage.find(flag), std::string::npos) << flag;
+  }
+}
+
+TEST(ServerFlagsTest, BadFlagsAreNamed) {
+  struct Case {
+    std::vector<const char*> args;
+    const char* named;
+  };
+  for (const Case& c : std::vector<Case>{{{"--grpc-port", "70000"}, "--grpc-port"},
+                                         {{"--grpc-port", "abc"}, "--grpc-port"},
+                                         {{"--log-level", "loud"}, "--log-level"},
+                                         {{"--max-message-bytes", "10"},
+                                          "--max-message-bytes"},
+                                         {{"--metrics-port"}, "--metrics-port"},
+                                         {{"--no-such-flag"}, "--no-such-flag"},
+                                         {{"positional"}, "positional"}}) {
+    auto flags = Parse(c.args);
+    ASSERT_FALSE(flags.ok()) << c.named;
+    EXPECT_EQ(flags.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(flags.status().message().find(c.named), std::string::npos)
+        << flags.status();
+  }
+}
+
+TEST(ConvertTest, ModelIdsAreRestricted) {
+  EXPECT_TRUE(ValidateModelId("llama-3.1_sft").ok());
+  EXPECT_FALSE(ValidateModelId("").ok());
+  EXPECT_FALSE(ValidateModelId(std::string(129, 'a')).ok());
+  auto status = ValidateModelId("../etc");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("model_id"), std::string::npos);
+}
+
+TEST(ConvertTest, UnknownEnumValuesAndBadHyperparametersAreRefused) {
+  v1::ForwardBackwardRequest fb;
+  fb.set_model_id("m");
+  fb.add_samples()->add_input_tokens(1);
+  fb.set_reduction(static_cast<v1::LossReduction>(99));
+  auto args = ParseForwardBackward(fb);
+  EXPECT_NE(args.status().message().find("reduction"), std::string::npos);
+
+  v1::OptimStepRequest step;
+  step.set_model_id("m");
+  step.set_max_grad_norm(-1);
+  EXPECT_NE(ParseOptimStep(step).status().message().find("max_grad_norm"),
+            std::string::npos);
+  step.clear_max_grad_norm();
+  step.set_norm_type(static_cast<v1::NormType>(7));
+  EXPECT_NE(ParseOptimStep(step).status().message().find("norm_type"),
+            std::string::npos);
+
+  v1::CreateModelRequest create;
+  create.set_optimizer(v1::OPTIMIZER_SGD);
+  create.mutable_default_adam()->set_beta1(0.5);
+  EXPECT_EQ(ParseCreateModel(create).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  create.clear_default_adam();
+  create.mutable_config()->set_vocab_size(10);
+  create.mutable_config()->set_hidden_size(30);
+  create.mutable_config()->set_intermediate_size(8);
+  create.mutable_config()->set_num_hidden_layers(1);
+  create.mutable_config()->set_num_attention_heads(4);  // 30 % 4 != 0
+  auto spec = ParseCreateModel(create);
+  EXPECT_NE(spec.status().message().find("config.num_attention_heads"),
+            std::string::npos)
+      << spec.status();
+}
+
+TEST(ConvertTest, AbsentConfigMeansTheEmbeddedDefault) {
+  v1::CreateModelRequest create;
+  auto spec = ParseCreateModel(create);
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->config, LlamaConfig::EmbeddedDefault());
+  EXPECT_EQ(spec->dtype, DType::kFloat32);
+  EXPECT_EQ(spec->optimizer, OptimizerKind::kAdamW);
+}
+
+}  // namespace
+}  // namespace tally
