@@ -17,6 +17,21 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
+// Replaces the full tensors of `contents` by this rank's shards of them.
+// Tensors that match no parameter (or not its full shape) are left for
+// LoadWeightsInto / LoadState to report.
+void KeepLocalShards(LlamaModel& model, CheckpointContents& contents) {
+  auto localize = [&](const std::string& param_name, torch::Tensor& t) {
+    const Parameter* p = model.Find(param_name);
+    if (p == nullptr || t.sizes() != c10::IntArrayRef(p->full_shape)) return;
+    t = model.LocalShard(*p, t);
+  };
+  for (auto& [name, t] : contents.weights) localize(name, t);
+  for (auto& [name, t] : contents.optimizer_state) {
+    localize(name.substr(0, name.rfind('.')), t);
+  }
+}
+
 absl::Status NotFound(const std::string& model_id) {
   return absl::NotFoundError(absl::StrCat("model '", model_id, "' not found"));
 }
@@ -25,25 +40,43 @@ absl::Status NotFound(const std::string& model_id) {
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     const EngineOptions& options, Mesh mesh,
-    std::unique_ptr<Communicator> world) {
-  if (!world || world->size() != mesh.world_size() ||
-      world->rank() != mesh.rank()) {
-    return absl::InvalidArgumentError(
-        "the world communicator does not match the mesh");
-  }
+    std::unique_ptr<ProcessGroups> groups) {
   if (options.max_batch_tokens < 1) {
     return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
   }
-  return std::unique_ptr<Engine>(
-      new Engine(options, std::move(mesh), std::move(world)));
+  if (!groups || groups->world().size() != mesh.world_size() ||
+      groups->world().rank() != mesh.rank()) {
+    return absl::InvalidArgumentError(
+        "the process groups do not match the mesh");
+  }
+  std::unique_ptr<Engine> engine(new Engine(options, std::move(mesh)));
+  EngineGroups& g = engine->groups_;
+  g.world = &groups->world();
+  TALLY_ASSIGN_OR_RETURN(g.data, groups->group({MeshDim::kDpReplicate,
+                                                MeshDim::kDpShard}));
+  TALLY_ASSIGN_OR_RETURN(g.dp_replicate, groups->group({MeshDim::kDpReplicate}));
+  TALLY_ASSIGN_OR_RETURN(g.dp_shard, groups->group({MeshDim::kDpShard}));
+  TALLY_ASSIGN_OR_RETURN(g.tp, groups->group({MeshDim::kTp}));
+  engine->control_ = &groups->control();
+  engine->process_groups_ = std::move(groups);
+  return engine;
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::CreateSingleRank(
     const EngineOptions& options) {
-  TALLY_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
+  if (options.max_batch_tokens < 1) {
+    return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
+  }
+  std::unique_ptr<Engine> engine(new Engine(options, Mesh::SingleRank()));
+  TALLY_ASSIGN_OR_RETURN(engine->single_rank_world_,
                          MakeSingleRankCommunicator());
-  return Create(options, Mesh::SingleRank(), std::move(world));
+  Communicator* world = engine->single_rank_world_.get();
+  engine->groups_ = {world, world, world, world, world};
+  engine->control_ = world;
+  return engine;
 }
+
+Engine::~Engine() = default;
 
 absl::StatusOr<Engine::ModelState*> Engine::Find(const std::string& model_id) {
   auto it = models_.find(model_id);
@@ -74,6 +107,7 @@ ModelSummary Engine::Summarize(const ModelState& state) {
   s.optimizer = state.spec.optimizer;
   s.default_adam = state.spec.default_adam;
   s.default_max_grad_norm = state.spec.default_max_grad_norm;
+  s.grad_sync = state.spec.grad_sync;
   return s;
 }
 
@@ -111,9 +145,16 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
   TALLY_RETURN_IF_ERROR(spec.config.Validate());
 
   auto state = std::make_unique<ModelState>();
-  TALLY_ASSIGN_OR_RETURN(state->model,
-                         LlamaModel::Create(spec.config, spec.dtype, spec.seed));
-  if (init) TALLY_RETURN_IF_ERROR(LoadWeightsInto(*init, *state->model));
+  ModelSharding sharding;
+  sharding.tp = groups_.tp;
+  sharding.dp_shard = groups_.dp_shard;
+  TALLY_ASSIGN_OR_RETURN(state->model, LlamaModel::Create(spec.config,
+                                                          spec.dtype, spec.seed,
+                                                          sharding));
+  if (init) {
+    if (state->model->sharded()) KeepLocalShards(*state->model, *init);
+    TALLY_RETURN_IF_ERROR(LoadWeightsInto(*init, *state->model));
+  }
   state->optimizer = std::make_unique<Optimizer>(
       spec.optimizer, &state->model->parameters());
   state->spec = spec;
@@ -160,45 +201,111 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     ModelState& state, const ForwardBackwardArgs& args) {
   const auto start = std::chrono::steady_clock::now();
   LlamaModel& model = *state.model;
-  ForwardBackwardResult result;
-  result.samples.resize(args.samples.size());
+  std::vector<Parameter>& params = model.parameters();
+  const std::vector<Sample>& samples = args.samples;
+  const int num_samples = static_cast<int>(samples.size());
+
+  // Samples are split over the ranks that hold distinct data; tp peers see
+  // the same ones. Every data rank runs as many micro-batches as the busiest
+  // one, padding with empty batches, because the forward pass gathers
+  // dp_shard parameters collectively.
+  const std::vector<std::vector<int>> assignment =
+      PartitionSamples(samples, groups_.data->size());
+  std::vector<std::vector<int>> batches;
+  size_t num_batches = 0;
+  for (int r = 0; r < groups_.data->size(); ++r) {
+    auto plan = PlanBatches(samples, assignment[r], options_.max_batch_tokens);
+    num_batches = std::max(num_batches, plan.size());
+    if (r == groups_.data->rank()) batches = std::move(plan);
+  }
+  static const std::vector<Sample> kEmpty = {
+      Sample{{0}, {kIgnoreIndex}, {}}};
+
+  const bool sync_call = !args.forward_only &&
+                         groups_.dp_replicate->size() > 1 &&
+                         (state.spec.grad_sync == GradSync::kEager ||
+                          state.replicas_summed);
+  std::vector<torch::Tensor> earlier;
+  if (sync_call) {
+    for (Parameter& p : params) {
+      earlier.push_back(p.tensor.grad());
+      p.tensor.mutable_grad() = torch::Tensor();
+    }
+  }
+
+  // Per sample: [loss_sum, valid_tokens], then (with return_logprobs) every
+  // sample's logprobs; filled by the sample's owner, summed over data ranks.
+  std::vector<int64_t> logprob_offset(num_samples, 0);
+  int64_t size = 2 * num_samples;
+  if (args.return_logprobs) {
+    for (int i = 0; i < num_samples; ++i) {
+      logprob_offset[i] = size;
+      size += static_cast<int64_t>(samples[i].input_tokens.size());
+    }
+  }
+  torch::Tensor gathered = torch::zeros({size}, torch::kFloat64);
   int64_t padded_tokens = 0;
-  double sample_mean_sum = 0.0;
-  const std::vector<PackedBatch> batches = PackSamples(
-      args.samples, model.scalar_type(), options_.max_batch_tokens);
-  for (const PackedBatch& batch : batches) {
-    TALLY_RETURN_IF_ERROR(CatchTorch("forward_backward", [&] {
-      std::optional<torch::NoGradGuard> no_grad;
-      if (args.forward_only) no_grad.emplace();
+  absl::Status computed = CatchTorch("forward_backward", [&] {
+    std::optional<torch::NoGradGuard> no_grad;
+    if (args.forward_only) no_grad.emplace();
+    double* out = gathered.data_ptr<double>();
+    for (size_t b = 0; b < num_batches; ++b) {
+      const bool real = b < batches.size();
+      const PackedBatch batch =
+          real ? PackRows(samples, batches[b], model.scalar_type())
+               : PackRows(kEmpty, {0}, model.scalar_type());
       torch::Tensor logprobs =
           model.TargetLogprobs(batch.inputs, batch.targets, batch.lengths);
       LossTerms terms = ComputeLoss(logprobs, batch, args.reduction);
       if (!args.forward_only) terms.raw_loss.backward();
-
+      if (!real) continue;
+      padded_tokens += batch.inputs.numel();
       auto loss_sums = terms.sample_loss_sums.accessor<double, 1>();
       auto valid = terms.sample_valid_tokens.accessor<int64_t, 1>();
-      torch::Tensor row_logprobs;
+      torch::Tensor rows;
       if (args.return_logprobs) {
-        row_logprobs = logprobs.detach()
-                           .masked_fill(~batch.has_target, 0.0)
-                           .to(torch::kFloat64)
-                           .contiguous();
+        rows = logprobs.detach()
+                   .masked_fill(~batch.has_target, 0.0)
+                   .to(torch::kFloat64)
+                   .contiguous();
       }
-      for (size_t b = 0; b < batch.sample_index.size(); ++b) {
-        SampleResult& out = result.samples[batch.sample_index[b]];
-        out.loss_sum = loss_sums[b];
-        out.valid_tokens = valid[b];
-        result.loss_sum += loss_sums[b];
-        if (valid[b] > 0) sample_mean_sum += loss_sums[b] / valid[b];
+      for (size_t r = 0; r < batch.sample_index.size(); ++r) {
+        const int i = batch.sample_index[r];
+        out[2 * i] = loss_sums[r];
+        out[2 * i + 1] = static_cast<double>(valid[r]);
         if (args.return_logprobs) {
-          const double* row = row_logprobs[b].data_ptr<double>();
-          out.logprobs.assign(row, row + batch.lengths[b]);
+          const double* row = rows[r].data_ptr<double>();
+          std::copy(row, row + batch.lengths[r], out + logprob_offset[i]);
         }
       }
-      result.valid_tokens += terms.valid_tokens;
-      result.num_samples += terms.counted_samples;
-      padded_tokens += batch.inputs.numel();
-    }));
+    }
+  });
+  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(computed));
+  if (groups_.data->size() > 1) {
+    TALLY_RETURN_IF_ERROR(groups_.data->AllReduce(gathered, ReduceOp::kSum));
+  }
+  if (sync_call) {
+    TALLY_RETURN_IF_ERROR(SumCallGradientsOverReplicas(params, std::move(earlier)));
+  }
+
+  ForwardBackwardResult result;
+  result.samples.resize(num_samples);
+  const double* in = gathered.data_ptr<double>();
+  double sample_mean_sum = 0.0;
+  for (int i = 0; i < num_samples; ++i) {
+    SampleResult& out = result.samples[i];
+    out.loss_sum = in[2 * i];
+    out.valid_tokens = static_cast<int64_t>(in[2 * i + 1]);
+    result.loss_sum += out.loss_sum;
+    result.valid_tokens += out.valid_tokens;
+    if (out.valid_tokens > 0) {
+      ++result.num_samples;
+      sample_mean_sum += out.loss_sum / out.valid_tokens;
+    }
+    if (args.return_logprobs) {
+      const double* row = in + logprob_offset[i];
+      out.logprobs.assign(row, row + samples[i].input_tokens.size());
+    }
   }
   if (args.reduction == LossReduction::kSampleMean) {
     result.loss_mean =
@@ -212,16 +319,51 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     state.window.Add(args.reduction, result.valid_tokens, result.num_samples);
   }
   result.window = state.window.counts();
-  result.metrics["micro_batches"] = static_cast<double>(batches.size());
+  result.metrics["micro_batches"] = static_cast<double>(num_batches);
   result.metrics["padded_tokens"] = static_cast<double>(padded_tokens);
   result.metrics["seconds"] = SecondsSince(start);
   return result;
+}
+
+absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
+  if (groups_.world->size() == 1) return local;
+  torch::Tensor failed =
+      torch::tensor({local.ok() ? 0.0 : 1.0}, torch::kFloat64);
+  TALLY_RETURN_IF_ERROR(groups_.world->AllReduce(failed, ReduceOp::kMax));
+  if (!local.ok()) return local;
+  if (failed.item<double>() > 0) {
+    return absl::InternalError("another rank failed this command");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
+  for (Parameter& p : params) {
+    if (!p.tensor.grad().defined()) continue;
+    TALLY_RETURN_IF_ERROR(
+        groups_.dp_replicate->AllReduce(p.tensor.mutable_grad(), ReduceOp::kSum));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::SumCallGradientsOverReplicas(
+    std::vector<Parameter>& params, std::vector<torch::Tensor> earlier) {
+  TALLY_RETURN_IF_ERROR(SumGradientsOverReplicas(params));
+  return CatchTorch("accumulate gradients", [&] {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!earlier[i].defined()) continue;
+      torch::Tensor& grad = params[i].tensor.mutable_grad();
+      grad = grad.defined() ? grad.add_(earlier[i]) : earlier[i];
+    }
+  });
 }
 
 void Engine::ClearWindow(ModelState& state) {
   ZeroGradients(state.model->parameters());
   state.window.Clear();
   state.poisoned = false;
+  state.replicas_summed = false;
 }
 
 absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
@@ -259,9 +401,18 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   }
 
   std::vector<Parameter>& params = state->model->parameters();
+  if (state->spec.grad_sync == GradSync::kDeferred &&
+      groups_.dp_replicate->size() > 1 && !state->replicas_summed) {
+    absl::Status summed = SumGradientsOverReplicas(params);
+    // A partial sum cannot be undone: the window is no longer trustworthy.
+    if (!summed.ok()) state->poisoned = true;
+    TALLY_RETURN_IF_ERROR(summed);
+    state->replicas_summed = true;
+  }
   TALLY_ASSIGN_OR_RETURN(
-      ClipResult clip, NormalizeAndClip(params, normalizer, mesh_, *world_,
-                                        args.norm_type, max_norm));
+      ClipResult clip,
+      NormalizeAndClip(params, normalizer, mesh_, *groups_.world,
+                       args.norm_type, max_norm));
   OptimStepResult result;
   result.grad_norm = clip.norm.total;
   result.clip_coef = clip.clip_coef;
@@ -286,7 +437,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     result.metrics["seconds"] = SecondsSince(start);
     return result;
   }
-  absl::Status stepped = state->optimizer->Step(hp);
+  absl::Status stepped = AgreeAcrossRanks(state->optimizer->Step(hp));
   ClearWindow(*state);
   TALLY_RETURN_IF_ERROR(stepped);
   result.step = ++state->step;
@@ -307,16 +458,45 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   CheckpointManifest manifest;
   manifest.step = state->step;
-  manifest.dtype = state->spec.dtype;
-  manifest.optimizer = state->spec.optimizer;
-  manifest.optimizer_step_count = state->optimizer->step_count();
   manifest.default_adam = state->spec.default_adam;
   manifest.default_max_grad_norm = state->spec.default_max_grad_norm;
-  manifest.tally_version = TALLY_VERSION;
-  TALLY_ASSIGN_OR_RETURN(
-      uint64_t bytes,
-      WriteCheckpoint(path, *state->model, *state->optimizer, manifest));
-  return SaveResult{path, state->step, bytes};
+  LlamaModel* model = state->model.get();
+  Optimizer* optimizer = state->optimizer.get();
+  // A sharded model is consolidated into an unsharded copy first, so the
+  // checkpoint is one HF directory whatever the mesh.
+  std::unique_ptr<LlamaModel> full_model;
+  std::unique_ptr<Optimizer> full_optimizer;
+  if (model->sharded()) {
+    TALLY_ASSIGN_OR_RETURN(full_model,
+                           LlamaModel::Create(model->config(), model->dtype(),
+                                              /*seed=*/0));
+    full_optimizer = std::make_unique<Optimizer>(state->spec.optimizer,
+                                                 &full_model->parameters());
+    std::vector<std::pair<std::string, torch::Tensor>> full_state;
+    for (const auto& [name, local] : optimizer->StateTensors()) {
+      const std::string param = name.substr(0, name.rfind('.'));
+      TALLY_ASSIGN_OR_RETURN(torch::Tensor full,
+                             model->GatherFull(*model->Find(param), local));
+      full_state.emplace_back(name, full);
+    }
+    TALLY_RETURN_IF_ERROR(
+        full_optimizer->LoadState(full_state, optimizer->step_count()));
+    for (size_t i = 0; i < model->parameters().size(); ++i) {
+      const Parameter& p = model->parameters()[i];
+      TALLY_ASSIGN_OR_RETURN(torch::Tensor full, model->GatherFull(p, p.tensor));
+      torch::NoGradGuard no_grad;
+      full_model->parameters()[i].tensor.copy_(full);
+    }
+    model = full_model.get();
+    optimizer = full_optimizer.get();
+  }
+  // One writer: every rank holds the same full values now.
+  absl::StatusOr<uint64_t> bytes = uint64_t{0};
+  if (mesh_.rank() == 0) {
+    bytes = WriteCheckpoint(path, *model, *optimizer, manifest);
+  }
+  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(bytes.status()));
+  return SaveResult{path, state->step, *bytes};
 }
 
 absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
@@ -325,6 +505,7 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   TALLY_ASSIGN_OR_RETURN(CheckpointContents contents,
                          ReadCheckpoint(path, load_optimizer));
+  if (state->model->sharded()) KeepLocalShards(*state->model, contents);
   // Stage the optimizer first so a bad file changes nothing.
   auto optimizer = std::make_unique<Optimizer>(state->spec.optimizer,
                                                &state->model->parameters());

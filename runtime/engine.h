@@ -24,12 +24,23 @@
 #include "absl/status/statusor.h"
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
+#include "runtime/distributed.h"
 #include "runtime/llama_model.h"
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
 #include "runtime/types.h"
 
 namespace tally {
+
+// The communicators of one rank, by the role they play. In a single-rank
+// engine every role is the same one-rank group.
+struct EngineGroups {
+  Communicator* world = nullptr;         // the gradient norm's one collective
+  Communicator* data = nullptr;          // ranks holding distinct samples
+  Communicator* dp_replicate = nullptr;  // gradient all-reduce (SUM)
+  Communicator* dp_shard = nullptr;      // ZeRO-3 gather / reduce-scatter
+  Communicator* tp = nullptr;            // Megatron tensor parallelism
+};
 
 struct EngineOptions {
   // Padded tokens per forward/backward micro-batch; bounds activation memory
@@ -39,11 +50,15 @@ struct EngineOptions {
 
 class Engine {
  public:
+  // A rank of a multi-rank deployment; `groups` must span `mesh`.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(
       const EngineOptions& options, Mesh mesh,
-      std::unique_ptr<Communicator> world);
+      std::unique_ptr<ProcessGroups> groups);
+  // The whole deployment in this process: every mesh dimension of size 1,
+  // over a real one-rank c10d group.
   static absl::StatusOr<std::unique_ptr<Engine>> CreateSingleRank(
       const EngineOptions& options);
+  ~Engine();
 
   // ALREADY_EXISTS for a taken id; an empty id gets "model-<n>".
   absl::StatusOr<ModelSummary> CreateModel(const ModelSpec& spec);
@@ -69,7 +84,11 @@ class Engine {
   // Direct access to a model's parameters, for tests and benchmarks.
   absl::StatusOr<LlamaModel*> model(const std::string& model_id);
   const Mesh& mesh() const { return mesh_; }
-  Communicator& world() { return *world_; }
+  Communicator& world() { return *groups_.world; }
+  // Reserved for replicating commands from rank 0 (never used by training
+  // math, so a command broadcast cannot interleave with a collective).
+  Communicator& control() { return *control_; }
+  const EngineGroups& groups() const { return groups_; }
   size_t num_models() const { return models_.size(); }
 
  private:
@@ -82,22 +101,37 @@ class Engine {
     // Set when a ForwardBackward failed after it may have added gradients:
     // the window can no longer be trusted until it is aborted.
     bool poisoned = false;
+    // DEFERRED: the window's gradients were already summed over dp_replicate
+    // (by an OptimStep that then refused to step), so later calls of the
+    // window must sum their own share before adding it.
+    bool replicas_summed = false;
   };
 
-  Engine(const EngineOptions& options, Mesh mesh,
-         std::unique_ptr<Communicator> world)
-      : options_(options), mesh_(mesh), world_(std::move(world)) {}
+  Engine(const EngineOptions& options, Mesh mesh)
+      : options_(options), mesh_(std::move(mesh)) {}
 
   absl::StatusOr<ModelState*> Find(const std::string& model_id);
   absl::StatusOr<const ModelState*> Find(const std::string& model_id) const;
   static ModelSummary Summarize(const ModelState& state);
   absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
       ModelState& state, const ForwardBackwardArgs& args);
+  // Sums this call's gradients over dp_replicate, leaving earlier calls'
+  // (already summed) untouched.
+  absl::Status SumCallGradientsOverReplicas(
+      std::vector<Parameter>& params, std::vector<torch::Tensor> earlier);
+  absl::Status SumGradientsOverReplicas(std::vector<Parameter>& params);
+  // Every rank returns an error if any rank's `local` is one, so no rank
+  // applies what another refused.
+  absl::Status AgreeAcrossRanks(absl::Status local);
   static void ClearWindow(ModelState& state);
 
   EngineOptions options_;
   Mesh mesh_;
-  std::unique_ptr<Communicator> world_;
+  // Owners of the communicators in groups_: one of the two is set.
+  std::unique_ptr<ProcessGroups> process_groups_;
+  std::unique_ptr<Communicator> single_rank_world_;
+  EngineGroups groups_;
+  Communicator* control_ = nullptr;
   std::map<std::string, std::unique_ptr<ModelState>> models_;
   int64_t next_auto_id_ = 1;
 };

@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/parallel_ops.h"
 #include "runtime/status.h"
 
 namespace tally {
@@ -13,53 +14,136 @@ torch::ScalarType ToScalarType(DType dtype) {
   return dtype == DType::kFloat64 ? torch::kFloat64 : torch::kFloat32;
 }
 
+absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp) {
+  for (auto [field, value] :
+       {std::pair<const char*, int64_t>{"num_attention_heads",
+                                        config.num_attention_heads},
+        {"num_key_value_heads", config.num_key_value_heads},
+        {"intermediate_size", config.intermediate_size},
+        {"vocab_size", config.vocab_size}}) {
+    if (value % tp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.", field, " (", value, ") is not divisible by tp (", tp,
+          ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
-    const LlamaConfig& config, DType dtype, uint64_t seed) {
+    const LlamaConfig& config, DType dtype, uint64_t seed,
+    const ModelSharding& sharding) {
   TALLY_RETURN_IF_ERROR(config.Validate());
-  std::unique_ptr<LlamaModel> model(new LlamaModel(config, dtype));
+  TALLY_RETURN_IF_ERROR(ValidateTensorParallel(config, sharding.tp_size()));
+  std::unique_ptr<LlamaModel> model(
+      new LlamaModel(config, dtype, sharding));
   TALLY_RETURN_IF_ERROR(CatchTorch("model init", [&] {
     torch::NoGradGuard no_grad;
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
     const auto options = torch::TensorOptions().dtype(ToScalarType(dtype));
     const int64_t h = config.hidden_size, d = config.head_dim();
-    auto add = [&](std::string name, std::vector<int64_t> shape,
-                   bool is_norm) -> int {
-      torch::Tensor t = is_norm ? torch::ones(shape, options)
-                                : torch::empty(shape, options);
-      if (!is_norm) t.normal_(0.0, 0.02, generator);
-      t.set_requires_grad(true);
-      model->parameters_.push_back({std::move(name), t, Placements(), false});
+    // tp_dim: the dim split over tp (-1: replicated over tp).
+    auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm,
+                   int tp_dim) -> int {
+      torch::Tensor full = is_norm ? torch::ones(shape, options)
+                                   : torch::empty(shape, options);
+      if (!is_norm) full.normal_(0.0, 0.02, generator);
+      Parameter p;
+      p.name = std::move(name);
+      p.full_shape = shape;
+      p.tp_local_shape = shape;
+      if (tp_dim >= 0 && sharding.tp_size() > 1) {
+        p.placements.Set(MeshDim::kTp, Placement::Shard(tp_dim));
+        p.tp_local_shape[tp_dim] /= sharding.tp_size();
+      }
+      if (sharding.dp_shard_size() > 1) {
+        p.placements.Set(MeshDim::kDpShard, Placement::Shard(0));
+      }
+      p.tensor = model->LocalShard(p, full).set_requires_grad(true);
+      model->parameters_.push_back(std::move(p));
       return static_cast<int>(model->parameters_.size()) - 1;
     };
-    model->embed_ = add("model.embed_tokens.weight", {config.vocab_size, h},
-                        false);
+    model->embed_ =
+        add("model.embed_tokens.weight", {config.vocab_size, h}, false, 0);
     for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
       const std::string p = absl::StrCat("model.layers.", i, ".");
       LayerIndex layer;
       layer.q = add(p + "self_attn.q_proj.weight",
-                    {config.num_attention_heads * d, h}, false);
+                    {config.num_attention_heads * d, h}, false, 0);
       layer.k = add(p + "self_attn.k_proj.weight",
-                    {config.num_key_value_heads * d, h}, false);
+                    {config.num_key_value_heads * d, h}, false, 0);
       layer.v = add(p + "self_attn.v_proj.weight",
-                    {config.num_key_value_heads * d, h}, false);
+                    {config.num_key_value_heads * d, h}, false, 0);
       layer.o = add(p + "self_attn.o_proj.weight",
-                    {h, config.num_attention_heads * d}, false);
+                    {h, config.num_attention_heads * d}, false, 1);
       layer.gate = add(p + "mlp.gate_proj.weight",
-                       {config.intermediate_size, h}, false);
+                       {config.intermediate_size, h}, false, 0);
       layer.up = add(p + "mlp.up_proj.weight", {config.intermediate_size, h},
-                     false);
+                     false, 0);
       layer.down = add(p + "mlp.down_proj.weight",
-                       {h, config.intermediate_size}, false);
-      layer.input_norm = add(p + "input_layernorm.weight", {h}, true);
-      layer.post_norm = add(p + "post_attention_layernorm.weight", {h}, true);
+                       {h, config.intermediate_size}, false, 1);
+      layer.input_norm = add(p + "input_layernorm.weight", {h}, true, -1);
+      layer.post_norm =
+          add(p + "post_attention_layernorm.weight", {h}, true, -1);
       model->layers_.push_back(layer);
     }
-    model->final_norm_ = add("model.norm.weight", {h}, true);
-    model->lm_head_ = config.tie_word_embeddings
-                          ? model->embed_
-                          : add("lm_head.weight", {config.vocab_size, h}, false);
+    model->final_norm_ = add("model.norm.weight", {h}, true, -1);
+    model->lm_head_ =
+        config.tie_word_embeddings
+            ? model->embed_
+            : add("lm_head.weight", {config.vocab_size, h}, false, 0);
   }));
   return model;
+}
+
+torch::Tensor LlamaModel::LocalShard(const Parameter& p,
+                                     const torch::Tensor& full) const {
+  torch::Tensor local = full;
+  const Placement& tp = p.placements.at(MeshDim::kTp);
+  if (tp.is_shard()) {
+    local = local.chunk(sharding_.tp_size(), tp.shard_dim())[sharding_.tp_rank()];
+  }
+  if (p.placements.at(MeshDim::kDpShard).is_shard()) {
+    local = ShardDim0(local, sharding_.dp_shard_rank(),
+                      sharding_.dp_shard_size());
+  }
+  return local.contiguous().clone();
+}
+
+absl::StatusOr<torch::Tensor> LlamaModel::GatherFull(
+    const Parameter& p, const torch::Tensor& local) {
+  torch::Tensor t = local.detach();
+  if (p.placements.at(MeshDim::kDpShard).is_shard()) {
+    TALLY_ASSIGN_OR_RETURN(t, sharding_.dp_shard->AllGather(t));
+    t = t.narrow(0, 0, p.tp_local_shape[0]);
+  }
+  const Placement& tp = p.placements.at(MeshDim::kTp);
+  if (tp.is_shard()) {
+    // AllGather concatenates along dim 0: move the split dim there and back.
+    const int dim = tp.shard_dim();
+    TALLY_ASSIGN_OR_RETURN(
+        t, sharding_.tp->AllGather(t.transpose(0, dim).contiguous()));
+    t = t.transpose(0, dim);
+  }
+  return t.contiguous();
+}
+
+torch::Tensor LlamaModel::Weight(int index) {
+  const Parameter& p = parameters_[index];
+  if (sharding_.dp_shard_size() == 1) return p.tensor;
+  return GatherShardedParameter(p.tensor, p.tp_local_shape[0],
+                                *sharding_.dp_shard);
+}
+
+torch::Tensor LlamaModel::EnterTensorParallel(const torch::Tensor& x) {
+  return sharding_.tp_size() == 1 ? x
+                                  : CopyToTensorParallelRegion(x, *sharding_.tp);
+}
+
+torch::Tensor LlamaModel::LeaveTensorParallel(const torch::Tensor& x) {
+  return sharding_.tp_size() == 1
+             ? x
+             : ReduceFromTensorParallelRegion(x, *sharding_.tp);
 }
 
 Parameter* LlamaModel::Find(const std::string& name) {
@@ -71,7 +155,11 @@ Parameter* LlamaModel::Find(const std::string& name) {
 
 uint64_t LlamaModel::NumParameters() const {
   uint64_t n = 0;
-  for (const Parameter& p : parameters_) n += p.tensor.numel();
+  for (const Parameter& p : parameters_) {
+    uint64_t numel = 1;
+    for (int64_t size : p.full_shape) numel *= size;
+    n += numel;
+  }
   return n;
 }
 
@@ -97,9 +185,10 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
                                     const torch::Tensor& mask) {
   const LayerIndex& idx = layers_[layer];
   const int64_t batch = h.size(0), seq = h.size(1), d = config_.head_dim();
-  // Local head counts come from the (possibly tp-sharded) weights.
-  const int64_t heads = Weight(idx.q).size(0) / d;
-  const int64_t kv_heads = Weight(idx.k).size(0) / d;
+  // Local head counts: a tp rank holds a contiguous block of query heads and
+  // the kv heads they read, so GQA's grouping is the same locally.
+  const int64_t heads = parameters_[idx.q].tp_local_shape[0] / d;
+  const int64_t kv_heads = parameters_[idx.k].tp_local_shape[0] / d;
   auto split_heads = [&](const torch::Tensor& t, int64_t n) {
     return t.view({batch, seq, n, d}).transpose(1, 2);
   };
@@ -118,7 +207,7 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   scores = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
   torch::Tensor out = torch::matmul(torch::softmax(scores, -1), v);
   out = out.transpose(1, 2).reshape({batch, seq, heads * d});
-  return torch::linear(out, Weight(idx.o));
+  return LeaveTensorParallel(torch::linear(out, Weight(idx.o)));
 }
 
 torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
@@ -146,18 +235,32 @@ torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
   torch::Tensor mask =
       causal.view({1, 1, seq, seq}) | key_is_pad.view({batch, 1, 1, seq});
 
-  torch::Tensor x = torch::embedding(Weight(embed_), inputs);
+  // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
+  const int64_t vocab_start =
+      sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
+  torch::Tensor x =
+      sharding_.tp_size() == 1
+          ? torch::embedding(Weight(embed_), inputs)
+          : VocabParallelEmbedding(inputs, Weight(embed_), vocab_start,
+                                   *sharding_.tp);
   for (size_t layer = 0; layer < layers_.size(); ++layer) {
     const LayerIndex& idx = layers_[layer];
     x = x + Attention(static_cast<int>(layer),
-                      RmsNorm(x, Weight(idx.input_norm)), cos, sin, mask);
-    torch::Tensor h = RmsNorm(x, Weight(idx.post_norm));
-    x = x + torch::linear(torch::silu(torch::linear(h, Weight(idx.gate))) *
-                              torch::linear(h, Weight(idx.up)),
-                          Weight(idx.down));
+                      EnterTensorParallel(RmsNorm(x, Weight(idx.input_norm))),
+                      cos, sin, mask);
+    torch::Tensor h =
+        EnterTensorParallel(RmsNorm(x, Weight(idx.post_norm)));
+    x = x + LeaveTensorParallel(torch::linear(
+                torch::silu(torch::linear(h, Weight(idx.gate))) *
+                    torch::linear(h, Weight(idx.up)),
+                Weight(idx.down)));
   }
-  torch::Tensor logits =
-      torch::linear(RmsNorm(x, Weight(final_norm_)), Weight(lm_head_));
+  torch::Tensor logits = torch::linear(
+      EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), Weight(lm_head_));
+  if (sharding_.tp_size() > 1) {
+    return VocabParallelTargetLogprobs(logits, targets, vocab_start,
+                                       *sharding_.tp);
+  }
   return torch::log_softmax(logits, -1)
       .gather(-1, targets.unsqueeze(-1))
       .squeeze(-1);

@@ -21,6 +21,7 @@
 #include <torch/torch.h>
 
 #include "absl/status/statusor.h"
+#include "runtime/communicator.h"
 #include "runtime/llama_config.h"
 #include "runtime/placement.h"
 #include "runtime/types.h"
@@ -32,16 +33,40 @@ struct Parameter {
   torch::Tensor tensor;  // this rank's local shard; requires_grad
   Placements placements;
   bool is_expert = false;
+  std::vector<int64_t> full_shape;  // the HF (unsharded) shape
+  // After the tp split, before the dp_shard split: what the forward pass
+  // gathers the dp_shard shards back into.
+  std::vector<int64_t> tp_local_shape;
 };
+
+// The groups a model is split over. A null or single-rank group means the
+// dimension is not split; the default is the single-device model.
+struct ModelSharding {
+  Communicator* tp = nullptr;        // Megatron tensor parallelism
+  Communicator* dp_shard = nullptr;  // ZeRO-3 / FSDP parameter sharding
+
+  int tp_size() const { return tp ? tp->size() : 1; }
+  int tp_rank() const { return tp ? tp->rank() : 0; }
+  int dp_shard_size() const { return dp_shard ? dp_shard->size() : 1; }
+  int dp_shard_rank() const { return dp_shard ? dp_shard->rank() : 0; }
+};
+
+// INVALID_ARGUMENT naming the config field that tp does not divide.
+absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp);
 
 torch::ScalarType ToScalarType(DType dtype);
 
 class LlamaModel {
  public:
   // Initializes from `seed`: normal(0, 0.02) matrices, ones for norms,
-  // identical for a given (config, dtype, seed).
+  // identical for a given (config, dtype, seed) whatever the sharding: every
+  // rank draws the full tensors and keeps its shard. Megatron layout: q, k,
+  // v, gate, up column-parallel (tp Shard(0)), o and down row-parallel
+  // (Shard(1)), embedding and lm_head vocab-parallel (Shard(0)), norms
+  // Replicate; every parameter dim-0 sharded over dp_shard.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Create(
-      const LlamaConfig& config, DType dtype, uint64_t seed);
+      const LlamaConfig& config, DType dtype, uint64_t seed,
+      const ModelSharding& sharding = {});
 
   const LlamaConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }
@@ -51,7 +76,20 @@ class LlamaModel {
   const std::vector<Parameter>& parameters() const { return parameters_; }
   // nullptr when absent.
   Parameter* Find(const std::string& name);
+  // Of the whole (unsharded) model.
   uint64_t NumParameters() const;
+
+  // This rank's shard of `full` (shaped like parameter `p`'s full_shape):
+  // what Create keeps of a freshly drawn tensor and what loading keeps of a
+  // checkpoint's.
+  torch::Tensor LocalShard(const Parameter& p, const torch::Tensor& full) const;
+  // The inverse: the full tensor from every rank's `local` (shaped like
+  // p.tensor). Collective over the model's tp and dp_shard groups.
+  absl::StatusOr<torch::Tensor> GatherFull(const Parameter& p,
+                                           const torch::Tensor& local);
+  bool sharded() const {
+    return sharding_.tp_size() > 1 || sharding_.dp_shard_size() > 1;
+  }
 
   // log p(targets[b, t] | inputs[b, 0..t]) for a right-padded batch.
   // inputs/targets: [B, T] int64 (ignored targets already replaced by any
@@ -62,10 +100,16 @@ class LlamaModel {
                                const std::vector<int64_t>& lengths);
 
  private:
-  LlamaModel(const LlamaConfig& config, DType dtype)
-      : config_(config), dtype_(dtype) {}
+  LlamaModel(const LlamaConfig& config, DType dtype,
+             const ModelSharding& sharding)
+      : config_(config), dtype_(dtype), sharding_(sharding) {}
 
-  torch::Tensor& Weight(int index) { return parameters_[index].tensor; }
+  // The tp-local weight: the parameter itself, or its dp_shard shards
+  // gathered (differentiably: the backward reduce-scatters).
+  torch::Tensor Weight(int index);
+  // Megatron's f and g: enter / leave a tensor-parallel region.
+  torch::Tensor EnterTensorParallel(const torch::Tensor& x);
+  torch::Tensor LeaveTensorParallel(const torch::Tensor& x);
   torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w) const;
   torch::Tensor Attention(int layer, const torch::Tensor& h,
                           const torch::Tensor& cos, const torch::Tensor& sin,
@@ -73,6 +117,7 @@ class LlamaModel {
 
   LlamaConfig config_;
   DType dtype_;
+  ModelSharding sharding_;
   std::vector<Parameter> parameters_;
   // Indices into parameters_ (resolved once, so the forward pass does no
   // string lookups).

@@ -61,8 +61,6 @@ absl::Status ValidateSamples(const LlamaConfig& config,
   return absl::OkStatus();
 }
 
-namespace {
-
 PackedBatch PackRows(const std::vector<Sample>& samples,
                      const std::vector<int>& rows, torch::ScalarType dtype) {
   PackedBatch batch;
@@ -102,35 +100,57 @@ PackedBatch PackRows(const std::vector<Sample>& samples,
   return batch;
 }
 
-}  // namespace
-
-std::vector<PackedBatch> PackSamples(const std::vector<Sample>& samples,
-                                     torch::ScalarType dtype,
-                                     int64_t max_batch_tokens) {
-  std::vector<int> order(samples.size());
-  std::iota(order.begin(), order.end(), 0);
-  // Longest first, stable, so batches hold similar lengths (little padding)
-  // and the grouping is a pure function of the samples.
+std::vector<std::vector<int>> PlanBatches(const std::vector<Sample>& samples,
+                                          const std::vector<int>& indices,
+                                          int64_t max_batch_tokens) {
+  std::vector<int> order = indices;
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
     return samples[a].input_tokens.size() > samples[b].input_tokens.size();
   });
-  std::vector<PackedBatch> batches;
-  std::vector<int> rows;
-  int64_t row_len = 0;
+  std::vector<std::vector<int>> batches;
+  int64_t row_len = 0;  // the longest (first) row of the open batch
   for (int index : order) {
     const int64_t len =
         static_cast<int64_t>(samples[index].input_tokens.size());
-    if (rows.empty()) row_len = len;  // longest row of the batch
-    if (!rows.empty() &&
-        row_len * static_cast<int64_t>(rows.size() + 1) > max_batch_tokens) {
-      batches.push_back(PackRows(samples, rows, dtype));
-      rows.clear();
+    if (batches.empty() ||
+        row_len * static_cast<int64_t>(batches.back().size() + 1) >
+            max_batch_tokens) {
+      batches.emplace_back();
       row_len = len;
     }
-    rows.push_back(index);
+    batches.back().push_back(index);
   }
-  if (!rows.empty()) batches.push_back(PackRows(samples, rows, dtype));
   return batches;
+}
+
+std::vector<std::vector<int>> PartitionSamples(
+    const std::vector<Sample>& samples, int num_ranks) {
+  std::vector<int64_t> valid(samples.size(), 0);
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const Sample& s = samples[i];
+    for (size_t t = 0; t < s.target_tokens.size(); ++t) {
+      valid[i] += s.target_tokens[t] != kIgnoreIndex &&
+                  (s.weights.empty() || s.weights[t] > 0);
+    }
+  }
+  std::vector<int> order(samples.size());
+  std::iota(order.begin(), order.end(), 0);
+  // Most valid tokens first; equal counts by length, then index, so every
+  // rank computes the same plan.
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    if (valid[a] != valid[b]) return valid[a] > valid[b];
+    return samples[a].input_tokens.size() > samples[b].input_tokens.size();
+  });
+  std::vector<std::vector<int>> assignment(num_ranks);
+  std::vector<int64_t> load(num_ranks, 0);
+  for (int index : order) {
+    const int rank = static_cast<int>(
+        std::min_element(load.begin(), load.end()) - load.begin());
+    assignment[rank].push_back(index);
+    load[rank] += valid[index];
+  }
+  for (auto& rows : assignment) std::sort(rows.begin(), rows.end());
+  return assignment;
 }
 
 LossTerms ComputeLoss(const torch::Tensor& target_logprobs,

@@ -9,7 +9,8 @@
 // to one single-device step on every sample of the window.
 //
 //   TALLY_RETURN_IF_ERROR(tally::ValidateSamples(config, samples));
-//   for (const tally::PackedBatch& batch : tally::PackSamples(samples, 8192)) {
+//   for (const std::vector<int>& rows : tally::PlanBatches(samples, all, 8192)) {
+//     tally::PackedBatch batch = tally::PackRows(samples, rows, dtype);
 //     torch::Tensor logprobs = model.TargetLogprobs(batch.inputs, ...);
 //     tally::LossTerms terms = tally::ComputeLoss(logprobs, batch, reduction);
 //     terms.raw_loss.backward();
@@ -46,12 +47,24 @@ struct PackedBatch {
   torch::Tensor valid;            // [B, T] bool: has_target and weight > 0
 };
 
-// Splits validated samples into batches of at most `max_batch_tokens` padded
-// tokens (a longer sample gets a batch of its own), grouping similar lengths
-// to limit padding.
-std::vector<PackedBatch> PackSamples(const std::vector<Sample>& samples,
-                                     torch::ScalarType dtype,
-                                     int64_t max_batch_tokens);
+// Groups the samples `indices` of `samples` into batches of
+// at most `max_batch_tokens` padded tokens (a longer sample gets a batch of
+// its own), longest first so each batch holds similar lengths. Returns the
+// sample indices of each batch; a pure function of its inputs, so every rank
+// can plan every other rank's batches.
+std::vector<std::vector<int>> PlanBatches(const std::vector<Sample>& samples,
+                                          const std::vector<int>& indices,
+                                          int64_t max_batch_tokens);
+
+// Pads samples[rows] into one batch.
+PackedBatch PackRows(const std::vector<Sample>& samples,
+                     const std::vector<int>& rows, torch::ScalarType dtype);
+
+// Assigns each sample to one of `num_ranks` data-parallel ranks, balancing
+// valid tokens (largest first, to the least loaded rank, ties to the lower
+// rank). Deterministic; a rank may get nothing.
+std::vector<std::vector<int>> PartitionSamples(
+    const std::vector<Sample>& samples, int num_ranks);
 
 struct LossTerms {
   torch::Tensor raw_loss;            // scalar, differentiable

@@ -19,6 +19,9 @@ enum class OptimizerKind { kAdamW, kSgd };
 enum class LossReduction { kTokenMean, kSampleMean, kSum };
 enum class NormType { kL2, kInf };
 enum class NonFinitePolicy { kSkip, kError };
+// When data-parallel replicas sum their gradients: after every
+// ForwardBackward (EAGER) or once at OptimStep (DEFERRED, DDP's no_sync).
+enum class GradSync { kEager, kDeferred };
 
 const char* DTypeName(DType dtype);                  // "float32"
 const char* OptimizerName(OptimizerKind optimizer);  // "adamw"
@@ -54,6 +57,7 @@ struct ModelSpec {
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   AdamParams default_adam;
   double default_max_grad_norm = 0.0;
+  GradSync grad_sync = GradSync::kEager;
   // Tally checkpoint or HF Llama directory. Its config.json is used; a
   // `config` given as well (vocab_size != 0) must equal it.
   std::string init_checkpoint;
@@ -124,6 +128,7 @@ struct ModelSummary {
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   AdamParams default_adam;
   double default_max_grad_norm = 0.0;
+  GradSync grad_sync = GradSync::kEager;
 };
 
 struct SaveResult {

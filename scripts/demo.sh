@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# End-to-end demo: starts tally-server with the embedded demo model on free
-# ports, trains it for 30 steps with tallyctl on the bundled corpus, shows a
-# few of the server's metrics, then stops the server with SIGTERM and checks
-# that it shut down cleanly.
+# End-to-end demo: starts a 4-rank tally-server (dp_shard 2 x tp 2) with the
+# embedded demo model on free ports, trains it for 30 steps with tallyctl on
+# the bundled corpus, shows a few of the server's metrics, then stops the
+# server with SIGTERM and checks that it shut down cleanly.
 #
 #   scripts/demo.sh [BUILD_DIR]   # default: build
 #
@@ -45,9 +45,12 @@ port_of() {
   sed -n "s/.*\"$1\": *\([0-9][0-9]*\).*/\1/p" "$port_file" 2>/dev/null
 }
 
-echo "demo: starting $server"
-"$server" --grpc-port 0 --metrics-port 0 --port-file "$port_file" \
-  --demo-model >"$server_log" 2>&1 &
+# Four local ranks: 2 ZeRO-3 shards x 2 tensor-parallel ranks. The results
+# equal a single-rank run (tests/unit/multirank_golden_test.cc).
+mesh_flags=(--nproc-per-node 4 --dp-shard 2 --tp 2)
+echo "demo: starting $server ${mesh_flags[*]}"
+"$server" "${mesh_flags[@]}" --grpc-port 0 --metrics-port 0 \
+  --port-file "$port_file" --demo-model >"$server_log" 2>&1 &
 server_pid=$!
 
 # The server writes the port file (atomically) once it is SERVING.

@@ -89,6 +89,12 @@ absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
     case v1::OPTIMIZER_SGD: spec.optimizer = OptimizerKind::kSgd; break;
     default: return BadEnum("optimizer", r.optimizer());
   }
+  switch (r.grad_sync()) {
+    case v1::GRAD_SYNC_UNSPECIFIED:
+    case v1::GRAD_SYNC_EAGER: spec.grad_sync = GradSync::kEager; break;
+    case v1::GRAD_SYNC_DEFERRED: spec.grad_sync = GradSync::kDeferred; break;
+    default: return BadEnum("grad_sync", r.grad_sync());
+  }
   const AdamOverrides adam = ParseAdam(r.default_adam());
   if (spec.optimizer == OptimizerKind::kSgd &&
       (adam.beta1 || adam.beta2 || adam.eps)) {
@@ -210,6 +216,9 @@ void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
   adam->set_eps(s.default_adam.eps);
   adam->set_weight_decay(s.default_adam.weight_decay);
   out->set_default_max_grad_norm(s.default_max_grad_norm);
+  out->set_grad_sync(s.grad_sync == GradSync::kDeferred
+                         ? v1::GRAD_SYNC_DEFERRED
+                         : v1::GRAD_SYNC_EAGER);
 }
 
 void ToProto(const ForwardBackwardResult& r, v1::ForwardBackwardResponse* out) {

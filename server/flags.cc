@@ -39,6 +39,39 @@ auto IntFlag(const char* flag, int64_t min, int64_t max,
 
 const std::vector<FlagSpec>& Flags() {
   static const auto* flags = new std::vector<FlagSpec>{
+      {"nproc-per-node", "N",
+       "launch and supervise N local rank processes (like torchrun)",
+       IntFlag("nproc-per-node", 1, 1024,
+               [](ServerOptions& o, int64_t v) { o.nproc_per_node = v; })},
+      {"dp-replicate", "N", "data-parallel replicas (gradients all-reduced)",
+       IntFlag("dp-replicate", 1, 1024,
+               [](ServerOptions& o, int64_t v) { o.mesh.dp_replicate = v; })},
+      {"dp-shard", "N", "ZeRO-3 / FSDP parameter shards",
+       IntFlag("dp-shard", 1, 1024,
+               [](ServerOptions& o, int64_t v) { o.mesh.dp_shard = v; })},
+      {"tp", "N", "Megatron tensor-parallel ranks",
+       IntFlag("tp", 1, 1024,
+               [](ServerOptions& o, int64_t v) { o.mesh.tp = v; })},
+      {"rank", "R", "this process's rank (overrides RANK / LWS_WORKER_INDEX)",
+       IntFlag("rank", 0, 1 << 20,
+               [](ServerOptions& o, int64_t v) { o.rank_env.rank = v; })},
+      {"world-size", "N", "ranks in the world (overrides WORLD_SIZE)",
+       IntFlag("world-size", 1, 1 << 20,
+               [](ServerOptions& o, int64_t v) { o.rank_env.world_size = v; })},
+      {"master-addr", "HOST", "rank 0's address (overrides MASTER_ADDR)",
+       [](ServerOptions& o, const std::string& v) {
+         o.rank_env.master_addr = v;
+         return absl::OkStatus();
+       }},
+      {"master-port", "N", "rendezvous port on rank 0 (overrides MASTER_PORT)",
+       IntFlag("master-port", 1, 65535,
+               [](ServerOptions& o, int64_t v) { o.rank_env.master_port = v; })},
+      {"rendezvous-timeout-secs", "S",
+       "how long ranks retry reaching rank 0 (DNS may lag in Kubernetes)",
+       IntFlag("rendezvous-timeout-secs", 1, 86400,
+               [](ServerOptions& o, int64_t v) {
+                 o.rendezvous_timeout_secs = static_cast<double>(v);
+               })},
       {"host", "ADDR", "address to listen on (gRPC and metrics)",
        [](ServerOptions& o, const std::string& v) {
          o.host = v;

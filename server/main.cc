@@ -4,7 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/log.h"
+#include "server/commands.h"
 #include "server/flags.h"
+#include "server/launcher.h"
 #include "server/server.h"
 
 int main(int argc, char** argv) {
@@ -18,18 +20,51 @@ int main(int argc, char** argv) {
     std::cout << tally::ServerUsage();
     return 0;
   }
-  tally::SetLogLevel(*tally::ParseLogLevel(flags->options.log_level));
+  const tally::ServerOptions& options = flags->options;
+  tally::SetLogLevel(*tally::ParseLogLevel(options.log_level));
 
   // Block the shutdown signals before any thread starts, so every thread
-  // inherits the mask and sigwait below is their only receiver.
+  // inherits the mask and sigwait below (or the launcher) is their only
+  // receiver.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  if (options.nproc_per_node > 1) {
+    tally::LaunchOptions launch;
+    launch.nproc = options.nproc_per_node;
+    launch.args = tally::ArgsForRanks(argc, argv);
+    absl::Status status = tally::LaunchAndSupervise(launch);
+    if (!status.ok()) {
+      tally::Log(tally::LogLevel::kError, std::string(status.message()));
+      return 1;
+    }
+    return 0;
+  }
+
+  absl::StatusOr<std::unique_ptr<tally::Engine>> engine =
+      tally::CreateRankEngine(options);
+  if (!engine.ok()) {
+    tally::Log(tally::LogLevel::kError,
+               absl::StrCat("cannot start: ", engine.status().ToString()));
+    return 1;
+  }
+  if ((*engine)->mesh().rank() != 0) {
+    // Ranks > 0 ignore SIGTERM (it stays blocked): they stop when rank 0,
+    // having drained its requests, replicates the shutdown command.
+    absl::Status status =
+        tally::CommandLoop(**engine, (*engine)->control());
+    if (!status.ok()) {
+      tally::Log(tally::LogLevel::kError,
+                 absl::StrCat("command loop: ", status.ToString()));
+      return 1;
+    }
+    return 0;
+  }
   absl::StatusOr<std::unique_ptr<tally::TallyServer>> server =
-      tally::TallyServer::Start(flags->options);
+      tally::TallyServer::Start(options, *std::move(engine));
   if (!server.ok()) {
     tally::Log(tally::LogLevel::kError,
                absl::StrCat("cannot start: ", server.status().ToString()));

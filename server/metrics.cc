@@ -154,31 +154,31 @@ void ServerMetrics::RecordRequest(const std::string& method,
 }
 
 void ServerMetrics::RecordForwardBackward(const std::string& model_id,
-                                          const ForwardBackwardResult& result,
+                                          const v1::ForwardBackwardResponse& result,
                                           bool accumulated, double seconds) {
   absl::MutexLock lock(&mu_);
   ModelSeries& s = Series(model_id);
   s.forward_backward_seconds->Observe(seconds);
-  s.loss->Set(result.loss_mean);
+  s.loss->Set(result.loss_mean());
   if (!accumulated) return;
-  s.valid_tokens->Increment(static_cast<double>(result.valid_tokens));
-  s.samples->Increment(static_cast<double>(result.num_samples));
-  s.pending_tokens->Set(static_cast<double>(result.window.tokens));
+  s.valid_tokens->Increment(static_cast<double>(result.valid_tokens()));
+  s.samples->Increment(static_cast<double>(result.num_samples()));
+  s.pending_tokens->Set(static_cast<double>(result.accumulated_tokens()));
 }
 
 void ServerMetrics::RecordOptimStep(const std::string& model_id,
-                                    const OptimStepResult& result,
+                                    const v1::OptimStepResponse& result,
                                     double seconds) {
   absl::MutexLock lock(&mu_);
   ModelSeries& s = Series(model_id);
   s.optim_step_seconds->Observe(seconds);
-  s.grad_norm->Set(result.grad_norm);
-  if (std::isfinite(result.grad_norm)) {
-    s.grad_norm_distribution->Observe(result.grad_norm);
+  s.grad_norm->Set(result.grad_norm());
+  if (std::isfinite(result.grad_norm())) {
+    s.grad_norm_distribution->Observe(result.grad_norm());
   }
-  s.clip_coefficient->Set(result.clip_coef);
-  (result.skipped ? s.steps_skipped : s.steps_applied)->Increment();
-  s.step->Set(static_cast<double>(result.step));
+  s.clip_coefficient->Set(result.clip_coef());
+  (result.skipped() ? s.steps_skipped : s.steps_applied)->Increment();
+  s.step->Set(static_cast<double>(result.step()));
   s.pending_tokens->Set(0);
 }
 

@@ -22,7 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "runtime/types.h"
+#include "tally/v1/trainer.pb.h"
 
 namespace tally {
 
@@ -39,10 +39,10 @@ class ServerMetrics {
   void RecordRequest(const std::string& method, const std::string& code);
   // `accumulated`: false for forward_only calls, which add no tokens.
   void RecordForwardBackward(const std::string& model_id,
-                             const ForwardBackwardResult& result,
+                             const v1::ForwardBackwardResponse& result,
                              bool accumulated, double seconds);
   void RecordOptimStep(const std::string& model_id,
-                       const OptimStepResult& result, double seconds);
+                       const v1::OptimStepResponse& result, double seconds);
   // Pending tokens of a model's window (after abort, load, step, ...).
   void SetPendingTokens(const std::string& model_id, int64_t tokens);
   void SetModelCount(size_t count);

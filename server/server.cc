@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
+#include "server/commands.h"
 
 namespace tally {
 namespace {
@@ -33,8 +34,57 @@ absl::Status WritePortFile(const std::string& path, int grpc_port,
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
+absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     const ServerOptions& options) {
+  EngineOptions engine_options;
+  engine_options.max_batch_tokens = options.max_batch_tokens;
+  TALLY_ASSIGN_OR_RETURN(
+      RankEnv env,
+      ResolveRankEnv(options.rank_env,
+                     [](const char* name) -> std::optional<std::string> {
+                       const char* value = std::getenv(name);
+                       if (value == nullptr) return std::nullopt;
+                       return std::string(value);
+                     }));
+  if (env.world_size != options.mesh.world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the world has ", env.world_size, " ranks (from ", env.source,
+        ") but the mesh (", options.mesh.ToString(), ") needs ",
+        options.mesh.world_size()));
+  }
+  TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(options.mesh, env.rank));
+  std::unique_ptr<Engine> engine;
+  if (env.world_size == 1) {
+    TALLY_ASSIGN_OR_RETURN(engine, Engine::CreateSingleRank(engine_options));
+  } else {
+    Log(LogLevel::kInfo,
+        absl::StrCat("rank ", env.rank, " of ", env.world_size, " (from ",
+                     env.source, "), mesh ", options.mesh.ToString(),
+                     ", rendezvous at ", env.master_addr, ":",
+                     env.master_port));
+    TALLY_ASSIGN_OR_RETURN(
+        auto groups,
+        ProcessGroups::Create(env, mesh,
+                              absl::Seconds(options.rendezvous_timeout_secs)));
+    TALLY_ASSIGN_OR_RETURN(
+        engine, Engine::Create(engine_options, mesh, std::move(groups)));
+  }
+  if (options.demo_model) {
+    // Every rank creates it, in the same order, before any command.
+    ModelSpec spec;
+    spec.model_id = kDemoModelId;
+    spec.config = LlamaConfig::EmbeddedDefault();
+    spec.default_max_grad_norm = 1.0;
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    Log(LogLevel::kInfo, absl::StrCat("created model '", kDemoModelId, "' (",
+                                      spec.config.NumParameters(),
+                                      " parameters)"));
+  }
+  return engine;
+}
+
+absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
+    const ServerOptions& options, std::unique_ptr<Engine> engine) {
   if (options.max_message_bytes < 1024 ||
       options.max_message_bytes > std::numeric_limits<int>::max()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -43,28 +93,16 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   }
   std::unique_ptr<TallyServer> s(new TallyServer());
   s->options_ = options;
-  EngineOptions engine_options;
-  engine_options.max_batch_tokens = options.max_batch_tokens;
-  TALLY_ASSIGN_OR_RETURN(s->engine_, Engine::CreateSingleRank(engine_options));
+  s->engine_ = std::move(engine);
   TALLY_ASSIGN_OR_RETURN(
       s->metrics_,
       ServerMetrics::Create(absl::StrCat(options.host, ":", options.metrics_port)));
+  s->metrics_->SetModelCount(s->engine_->num_models());
   s->executor_ = std::make_unique<CommandExecutor>();
 
-  if (options.demo_model) {
-    ModelSpec spec;
-    spec.model_id = kDemoModelId;
-    spec.config = LlamaConfig::EmbeddedDefault();
-    spec.default_max_grad_norm = 1.0;
-    TALLY_RETURN_IF_ERROR(s->engine_->CreateModel(spec).status());
-    s->metrics_->SetModelCount(s->engine_->num_models());
-    Log(LogLevel::kInfo, absl::StrCat("created model '", kDemoModelId, "' (",
-                                      spec.config.NumParameters(),
-                                      " parameters)"));
-  }
-
   s->service_ = std::make_unique<TrainerService>(
-      s->engine_.get(), s->executor_.get(), s->metrics_.get());
+      s->engine_.get(), &s->engine_->control(), s->executor_.get(),
+      s->metrics_.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -107,6 +145,14 @@ void TallyServer::Shutdown() {
     server_->Shutdown(deadline);
   }
   if (executor_) executor_->Stop();
+  if (engine_) {
+    absl::Status told = ReplicateCommand(engine_->control(), Command::kShutdown,
+                                         v1::ListModelsRequest());
+    if (!told.ok()) {
+      Log(LogLevel::kWarning,
+          absl::StrCat("could not stop the other ranks: ", told.ToString()));
+    }
+  }
   Log(LogLevel::kInfo, "shut down");
 }
 

@@ -17,7 +17,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
+#include "runtime/distributed.h"
 #include "runtime/engine.h"
+#include "runtime/mesh.h"
 #include "server/executor.h"
 #include "server/metrics.h"
 #include "server/trainer_service.h"
@@ -25,6 +27,14 @@
 namespace tally {
 
 struct ServerOptions {
+  // Local ranks to launch and supervise (> 1: this process is the launcher).
+  int nproc_per_node = 1;
+  // The mesh; the product of its sizes must equal the world size.
+  MeshShape mesh;
+  // Flags that override the torchrun / LeaderWorkerSet environment.
+  RankEnvOverrides rank_env;
+  double rendezvous_timeout_secs = 300;
+
   std::string host = "0.0.0.0";
   int grpc_port = 50051;    // 0: any free port
   int metrics_port = 9090;  // 0: any free port
@@ -41,16 +51,25 @@ struct ServerOptions {
 
 inline constexpr char kDemoModelId[] = "demo";
 
+// Builds this rank's engine: the rank environment, the mesh, the process
+// groups (a rendezvous when the world has more than one rank), and the demo
+// model when asked for.
+absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
+    const ServerOptions& options);
+
+// Rank 0's front end over `engine`: gRPC and metrics. Ranks > 0 run
+// CommandLoop (commands.h) instead.
 class TallyServer {
  public:
   static absl::StatusOr<std::unique_ptr<TallyServer>> Start(
-      const ServerOptions& options);
+      const ServerOptions& options, std::unique_ptr<Engine> engine);
   ~TallyServer();
 
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_->port(); }
 
-  // Idempotent.
+  // Health NOT_SERVING, in-flight requests finish, the other ranks are told
+  // to stop. Idempotent.
   void Shutdown();
 
  private:

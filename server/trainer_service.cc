@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/status.h"
+#include "server/commands.h"
 #include "server/convert.h"
 
 namespace tally {
@@ -61,15 +62,14 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
 grpc::ServerUnaryReactor* TrainerService::CreateModel(
     grpc::CallbackServerContext* context, const v1::CreateModelRequest* request,
     v1::ModelInfo* response) {
-  auto spec = std::make_shared<absl::StatusOr<ModelSpec>>(
-      ParseCreateModel(*request));
-  return Execute("CreateModel", context, spec->status(),
-                 [this, spec, response]() -> absl::Status {
-                   TALLY_ASSIGN_OR_RETURN(ModelSummary summary,
-                                          engine_->CreateModel(**spec));
+  return Execute("CreateModel", context, ParseCreateModel(*request).status(),
+                 [this, request, response]() -> absl::Status {
+                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
+                       *control_, Command::kCreateModel, *request));
+                   TALLY_RETURN_IF_ERROR(
+                       ExecuteCreateModel(*engine_, *request, response));
                    metrics_->SetModelCount(engine_->num_models());
-                   metrics_->SetPendingTokens(summary.model_id, 0);
-                   ToProto(summary, response);
+                   metrics_->SetPendingTokens(response->model_id(), 0);
                    return absl::OkStatus();
                  });
 }
@@ -104,12 +104,12 @@ grpc::ServerUnaryReactor* TrainerService::DeleteModel(
     v1::DeleteModelResponse* response) {
   return Execute("DeleteModel", context, ValidateModelId(request->model_id()),
                  [this, request, response]() -> absl::Status {
-                   TALLY_ASSIGN_OR_RETURN(
-                       ModelSummary summary,
-                       engine_->DeleteModel(request->model_id()));
-                   metrics_->RemoveModel(summary.model_id);
+                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
+                       *control_, Command::kDeleteModel, *request));
+                   TALLY_RETURN_IF_ERROR(
+                       ExecuteDeleteModel(*engine_, *request, response));
+                   metrics_->RemoveModel(request->model_id());
                    metrics_->SetModelCount(engine_->num_models());
-                   ToProto(summary, response->mutable_model());
                    return absl::OkStatus();
                  });
 }
@@ -118,19 +118,17 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
     grpc::CallbackServerContext* context,
     const v1::ForwardBackwardRequest* request,
     v1::ForwardBackwardResponse* response) {
-  auto args = std::make_shared<absl::StatusOr<ForwardBackwardArgs>>(
-      ParseForwardBackward(*request));
   return Execute(
-      "ForwardBackward", context, args->status(),
-      [this, request, response, args]() -> absl::Status {
+      "ForwardBackward", context, ParseForwardBackward(*request).status(),
+      [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
-        TALLY_ASSIGN_OR_RETURN(
-            ForwardBackwardResult result,
-            engine_->ForwardBackward(request->model_id(), **args));
-        metrics_->RecordForwardBackward(request->model_id(), result,
-                                        !(*args)->forward_only,
+        TALLY_RETURN_IF_ERROR(ReplicateCommand(
+            *control_, Command::kForwardBackward, *request));
+        TALLY_RETURN_IF_ERROR(
+            ExecuteForwardBackward(*engine_, *request, response));
+        metrics_->RecordForwardBackward(request->model_id(), *response,
+                                        !request->forward_only(),
                                         SecondsSince(start));
-        ToProto(result, response);
         return absl::OkStatus();
       });
 }
@@ -138,17 +136,15 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
 grpc::ServerUnaryReactor* TrainerService::OptimStep(
     grpc::CallbackServerContext* context, const v1::OptimStepRequest* request,
     v1::OptimStepResponse* response) {
-  auto args = std::make_shared<absl::StatusOr<OptimStepArgs>>(
-      ParseOptimStep(*request));
-  return Execute("OptimStep", context, args->status(),
-                 [this, request, response, args]() -> absl::Status {
+  return Execute("OptimStep", context, ParseOptimStep(*request).status(),
+                 [this, request, response]() -> absl::Status {
                    const auto start = std::chrono::steady_clock::now();
-                   TALLY_ASSIGN_OR_RETURN(
-                       OptimStepResult result,
-                       engine_->OptimStep(request->model_id(), **args));
-                   metrics_->RecordOptimStep(request->model_id(), result,
+                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
+                       *control_, Command::kOptimStep, *request));
+                   TALLY_RETURN_IF_ERROR(
+                       ExecuteOptimStep(*engine_, *request, response));
+                   metrics_->RecordOptimStep(request->model_id(), *response,
                                              SecondsSince(start));
-                   ToProto(result, response);
                    return absl::OkStatus();
                  });
 }
@@ -160,15 +156,11 @@ grpc::ServerUnaryReactor* TrainerService::AbortAccumulation(
   return Execute("AbortAccumulation", context,
                  ValidateModelId(request->model_id()),
                  [this, request, response]() -> absl::Status {
-                   TALLY_ASSIGN_OR_RETURN(
-                       WindowCounts discarded,
-                       engine_->AbortAccumulation(request->model_id()));
+                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
+                       *control_, Command::kAbortAccumulation, *request));
+                   TALLY_RETURN_IF_ERROR(
+                       ExecuteAbortAccumulation(*engine_, *request, response));
                    metrics_->SetPendingTokens(request->model_id(), 0);
-                   response->set_discarded_calls(discarded.calls);
-                   response->set_discarded_tokens(discarded.tokens);
-                   response->set_discarded_samples(discarded.samples);
-                   response->set_discarded_reduction(
-                       ToProto(discarded.reduction));
                    return absl::OkStatus();
                  });
 }
@@ -181,14 +173,9 @@ grpc::ServerUnaryReactor* TrainerService::SaveCheckpoint(
   if (validation.ok()) validation = ValidateCheckpointPath(request->path());
   return Execute("SaveCheckpoint", context, validation,
                  [this, request, response]() -> absl::Status {
-                   TALLY_ASSIGN_OR_RETURN(
-                       SaveResult saved,
-                       engine_->SaveCheckpoint(request->model_id(),
-                                               request->path()));
-                   response->set_path(saved.path);
-                   response->set_step(saved.step);
-                   response->set_bytes_written(saved.bytes_written);
-                   return absl::OkStatus();
+                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
+                       *control_, Command::kSaveCheckpoint, *request));
+                   return ExecuteSaveCheckpoint(*engine_, *request, response);
                  });
 }
 
@@ -200,16 +187,11 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
   if (validation.ok()) validation = ValidateCheckpointPath(request->path());
   return Execute("LoadCheckpoint", context, validation,
                  [this, request, response]() -> absl::Status {
-                   TALLY_ASSIGN_OR_RETURN(
-                       LoadResult loaded,
-                       engine_->LoadCheckpoint(request->model_id(),
-                                               request->path(),
-                                               request->load_optimizer()));
+                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
+                       *control_, Command::kLoadCheckpoint, *request));
+                   TALLY_RETURN_IF_ERROR(
+                       ExecuteLoadCheckpoint(*engine_, *request, response));
                    metrics_->SetPendingTokens(request->model_id(), 0);
-                   ToProto(loaded.model, response->mutable_model());
-                   response->set_discarded_calls(loaded.discarded.calls);
-                   response->set_discarded_tokens(loaded.discarded.tokens);
-                   response->set_discarded_samples(loaded.discarded.samples);
                    return absl::OkStatus();
                  });
 }

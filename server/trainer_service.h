@@ -1,11 +1,12 @@
 // TrainerService: the gRPC front end of tally.v1.Trainer (callback API).
 //
 // A handler validates its request's proto-level fields on the gRPC thread,
-// then queues the command on the CommandExecutor, which runs it on the engine
-// and finishes the RPC. A request whose client cancelled it or whose deadline
+// then queues the command on the CommandExecutor, which replicates it to the
+// other ranks (commands.h), runs it on the engine and finishes the RPC. A request whose client cancelled it or whose deadline
 // passed while it waited is not executed.
 //
-//   tally::TrainerService service(engine.get(), &executor, metrics.get());
+//   tally::TrainerService service(engine.get(), &control, &executor,
+//                                 metrics.get());
 //   grpc::ServerBuilder builder;
 //   builder.RegisterService(&service);
 #ifndef TALLY_SERVER_TRAINER_SERVICE_H_
@@ -25,9 +26,14 @@ namespace tally {
 
 class TrainerService final : public v1::Trainer::CallbackService {
  public:
-  TrainerService(Engine* engine, CommandExecutor* executor,
-                 ServerMetrics* metrics)
-      : engine_(engine), executor_(executor), metrics_(metrics) {}
+  // `control`: the group mutating commands are replicated over (ranks > 0
+  // run CommandLoop); a one-rank group in a single-rank deployment.
+  TrainerService(Engine* engine, Communicator* control,
+                 CommandExecutor* executor, ServerMetrics* metrics)
+      : engine_(engine),
+        control_(control),
+        executor_(executor),
+        metrics_(metrics) {}
 
   grpc::ServerUnaryReactor* CreateModel(grpc::CallbackServerContext* context,
                                         const v1::CreateModelRequest* request,
@@ -73,6 +79,7 @@ class TrainerService final : public v1::Trainer::CallbackService {
               const absl::Status& status);
 
   Engine* engine_;
+  Communicator* control_;
   CommandExecutor* executor_;
   ServerMetrics* metrics_;
 };

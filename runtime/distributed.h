@@ -1,0 +1,122 @@
+// Distributed start-up: who this rank is (from flags or a launcher's
+// environment), the rendezvous of all ranks through a c10d::TCPStore, and the
+// Gloo process groups of every mesh dimension this rank belongs to.
+//
+// A rank is told its identity by flags, by torchrun / a PyTorchJob (RANK,
+// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or by a LeaderWorkerSet
+// (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX). ProcessGroups then
+// creates every communicator the runtime uses, once, at start-up.
+//
+//   TALLY_ASSIGN_OR_RETURN(
+//       tally::RankEnv env,
+//       tally::ResolveRankEnv(overrides, [](const char* name) {
+//         const char* value = std::getenv(name);
+//         return value ? std::optional<std::string>(value) : std::nullopt;
+//       }));
+//   TALLY_ASSIGN_OR_RETURN(tally::Mesh mesh,
+//                          tally::Mesh::Create(shape, env.rank));
+//   TALLY_ASSIGN_OR_RETURN(
+//       std::unique_ptr<tally::ProcessGroups> groups,
+//       tally::ProcessGroups::Create(env, mesh, absl::Minutes(5)));
+//   TALLY_ASSIGN_OR_RETURN(tally::Communicator* dp,
+//                          groups->group({tally::MeshDim::kDpReplicate,
+//                                         tally::MeshDim::kDpShard}));
+//   TALLY_RETURN_IF_ERROR(dp->AllReduce(tokens, tally::ReduceOp::kSum));
+#ifndef TALLY_RUNTIME_DISTRIBUTED_H_
+#define TALLY_RUNTIME_DISTRIBUTED_H_
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "runtime/communicator.h"
+#include "runtime/mesh.h"
+
+namespace tally {
+
+inline constexpr int kDefaultMasterPort = 29500;
+
+struct RankEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = kDefaultMasterPort;
+  // GLOO_SOCKET_IFNAME: the network interface Gloo binds to; empty means
+  // loopback for a loopback master, else the interface of this host's name.
+  std::string gloo_interface;
+  // Which source gave rank and world size: "flags", "torchrun", "lws" or
+  // "default" (a single rank).
+  std::string source = "default";
+};
+
+// Values from command-line flags (--rank, --world-size, --local-rank,
+// --master-addr, --master-port); each one that is set wins over the
+// environment.
+struct RankEnvOverrides {
+  std::optional<int> rank;
+  std::optional<int> world_size;
+  std::optional<int> local_rank;
+  std::optional<std::string> master_addr;
+  std::optional<int> master_port;
+};
+
+// Returns the environment variable `name`, or nullopt when it is unset.
+using EnvLookup = std::function<std::optional<std::string>(const char* name)>;
+
+// Torchrun's variables win over LeaderWorkerSet's (torchrun may run inside an
+// LWS pod and then knows the finer rank); flags win over both. MASTER_PORT
+// applies to every source. INVALID_ARGUMENT, starting with the variable's
+// name, for a malformed value, a rank outside [0, world size), or a partial
+// set (RANK without WORLD_SIZE, an LWS variable without the others).
+absl::StatusOr<RankEnv> ResolveRankEnv(const RankEnvOverrides& overrides,
+                                       const EnvLookup& lookup);
+
+// Every communicator of this rank. All ranks create the same sequence of
+// groups, so none waits on a group another rank will not form.
+class ProcessGroups {
+ public:
+  // Rendezvous at env.master_addr:master_port (rank 0 runs the store there)
+  // and create the groups; all of it must finish within `rendezvous_timeout`
+  // (DEADLINE_EXCEEDED otherwise). Connecting to the master is retried with
+  // backoff because rank 0, or its DNS name, may come up late. A world of one
+  // rank needs no store: its groups are local single-rank communicators.
+  // INVALID_ARGUMENT when `env` and `mesh` disagree on rank or world size.
+  static absl::StatusOr<std::unique_ptr<ProcessGroups>> Create(
+      const RankEnv& env, const Mesh& mesh, absl::Duration rendezvous_timeout);
+
+  ProcessGroups(const ProcessGroups&) = delete;
+  ProcessGroups& operator=(const ProcessGroups&) = delete;
+  ~ProcessGroups();
+
+  Communicator& world() { return *world_; }
+  // Every rank, like world(), but reserved for broadcasting commands so their
+  // traffic and counters never mix with the training collectives.
+  Communicator& control() { return *control_; }
+
+  // The group spanning the world dims `dims` (any order) that holds this
+  // rank. Created: each single world dim, {dp_replicate, dp_shard},
+  // {dp_replicate, dp_shard, cp} and {dp_shard, cp}; FAILED_PRECONDITION for
+  // any other combination, INVALID_ARGUMENT for ep or a repeated dim.
+  absl::StatusOr<Communicator*> group(std::vector<MeshDim> dims);
+
+ private:
+  ProcessGroups() = default;
+
+  // Declared first so the groups using it are destroyed before it.
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<Communicator> world_;
+  std::unique_ptr<Communicator> control_;
+  std::vector<std::pair<std::vector<MeshDim>, std::unique_ptr<Communicator>>>
+      groups_;
+};
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_DISTRIBUTED_H_

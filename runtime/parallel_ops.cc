@@ -1,0 +1,271 @@
+#include "runtime/parallel_ops.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace tally {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// torch::autograd::Function rather than a hand-written Node: it already wires
+// non-tensor arguments, zero-fills undefined incoming gradients (a backward
+// that runs always has a tensor to reduce, so no rank skips its collective)
+// and re-wraps inputs returned unchanged. Its saved_data holds IValues only, so
+// the Communicator travels as its address in an int64; that is safe because the
+// communicator outlives every graph (see the header's contract).
+constexpr char kGroupKey[] = "group";
+constexpr char kFullDim0Key[] = "full_dim0";
+
+void SaveGroup(AutogradContext* ctx, Communicator* group) {
+  ctx->saved_data[kGroupKey] =
+      static_cast<int64_t>(reinterpret_cast<intptr_t>(group));
+}
+
+Communicator& SavedGroup(AutogradContext* ctx) {
+  return *reinterpret_cast<Communicator*>(
+      static_cast<intptr_t>(ctx->saved_data.at(kGroupKey).toInt()));
+}
+
+void ThrowIfError(const absl::Status& status, const char* what) {
+  TORCH_CHECK(status.ok(), what, ": ", std::string(status.message()));
+}
+
+torch::Tensor ValueOrThrow(absl::StatusOr<torch::Tensor> result,
+                           const char* what) {
+  ThrowIfError(result.status(), what);
+  return *std::move(result);
+}
+
+// Reduces into a dense buffer of its own: `t` may be an expanded or strided
+// incoming gradient, or an input the caller still holds.
+torch::Tensor AllReduceSum(const torch::Tensor& t, Communicator& group,
+                           const char* what) {
+  torch::Tensor reduced = t.clone(at::MemoryFormat::Contiguous);
+  ThrowIfError(group.AllReduce(reduced, ReduceOp::kSum), what);
+  return reduced;
+}
+
+void CheckFloating(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined() && t.is_floating_point(), name,
+              " must be a floating-point tensor");
+}
+
+class GatherShardedParameterFunction
+    : public torch::autograd::Function<GatherShardedParameterFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& shard,
+                               int64_t full_dim0, Communicator* group) {
+    SaveGroup(ctx, group);
+    ctx->saved_data[kFullDim0Key] = full_dim0;
+    torch::Tensor gathered = ValueOrThrow(group->AllGather(shard),
+                                          "GatherShardedParameter all_gather");
+    // Shrinking a fresh tensor keeps its leading rows in place: no copy, and
+    // the result is not a view callers could trip over.
+    std::vector<int64_t> sizes = gathered.sizes().vec();
+    sizes[0] = full_dim0;
+    return gathered.resize_(sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx,
+                                variable_list grad_outputs) {
+    Communicator& group = SavedGroup(ctx);
+    const int64_t full_dim0 = ctx->saved_data.at(kFullDim0Key).toInt();
+    const torch::Tensor& grad = grad_outputs[0];
+    const int64_t padded_rows =
+        ShardRows(full_dim0, group.size()) * group.size();
+    torch::Tensor padded = grad;
+    if (padded_rows > full_dim0) {
+      std::vector<int64_t> pad_sizes = grad.sizes().vec();
+      pad_sizes[0] = padded_rows - full_dim0;
+      padded = torch::cat({grad, torch::zeros(pad_sizes, grad.options())}, 0);
+    }
+    torch::Tensor shard_grad =
+        ValueOrThrow(group.ReduceScatter(padded.contiguous()),
+                     "GatherShardedParameter reduce_scatter");
+    return {shard_grad, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+class CopyToTensorParallelRegionFunction
+    : public torch::autograd::Function<CopyToTensorParallelRegionFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               Communicator* tp) {
+    SaveGroup(ctx, tp);
+    return x;
+  }
+
+  static variable_list backward(AutogradContext* ctx,
+                                variable_list grad_outputs) {
+    return {AllReduceSum(grad_outputs[0], SavedGroup(ctx),
+                         "CopyToTensorParallelRegion all_reduce"),
+            torch::Tensor()};
+  }
+};
+
+class ReduceFromTensorParallelRegionFunction
+    : public torch::autograd::Function<ReduceFromTensorParallelRegionFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* /*ctx*/, const torch::Tensor& x,
+                               Communicator* tp) {
+    return AllReduceSum(x, *tp, "ReduceFromTensorParallelRegion all_reduce");
+  }
+
+  static variable_list backward(AutogradContext* /*ctx*/,
+                                variable_list grad_outputs) {
+    return {grad_outputs[0], torch::Tensor()};
+  }
+};
+
+class VocabParallelTargetLogprobsFunction
+    : public torch::autograd::Function<VocabParallelTargetLogprobsFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx,
+                               const torch::Tensor& logits_shard,
+                               const torch::Tensor& targets,
+                               int64_t vocab_start, Communicator* tp) {
+    const int64_t local_vocab = logits_shard.size(-1);
+    const torch::Tensor owned =
+        (targets >= vocab_start) & (targets < vocab_start + local_vocab);
+    // Targets owned elsewhere read column 0 and are then zeroed by `owned`.
+    const torch::Tensor local_index =
+        (targets - vocab_start).masked_fill(~owned, 0).unsqueeze(-1);
+
+    // The max only stabilizes exp(); its gradient contribution cancels, so
+    // it is a constant here.
+    torch::Tensor global_max = logits_shard.amax(-1);
+    ThrowIfError(tp->AllReduce(global_max, ReduceOp::kMax),
+                 "VocabParallelTargetLogprobs max all_reduce");
+    torch::Tensor exp = (logits_shard - global_max.unsqueeze(-1)).exp();
+    torch::Tensor target_logit =
+        logits_shard.gather(-1, local_index).squeeze(-1).masked_fill(~owned, 0);
+    // One collective for both sums.
+    torch::Tensor sums =
+        AllReduceSum(torch::stack({exp.sum(-1), target_logit}), *tp,
+                     "VocabParallelTargetLogprobs sum all_reduce");
+    torch::Tensor sum_exp = sums[0];
+    torch::Tensor global_target_logit = sums[1];
+
+    ctx->save_for_backward(
+        {exp.div_(sum_exp.unsqueeze(-1)), local_index, owned});
+    return global_target_logit - global_max - sum_exp.log();
+  }
+
+  static variable_list backward(AutogradContext* ctx,
+                                variable_list grad_outputs) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor& softmax = saved[0];
+    const torch::Tensor& local_index = saved[1];
+    const torch::Tensor& owned = saved[2];
+    const torch::Tensor g = grad_outputs[0].unsqueeze(-1);
+    torch::Tensor onehot_minus_softmax = softmax.neg().scatter_add(
+        -1, local_index, owned.to(softmax.scalar_type()).unsqueeze(-1));
+    return {g * onehot_minus_softmax, torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+int64_t ShardRows(int64_t full_dim0, int size) {
+  TORCH_CHECK(size > 0, "ShardRows: size must be positive, got ", size);
+  TORCH_CHECK(full_dim0 >= 0, "ShardRows: full_dim0 must be >= 0, got ",
+              full_dim0);
+  return (full_dim0 + size - 1) / size;
+}
+
+torch::Tensor ShardDim0(const torch::Tensor& full, int rank, int size) {
+  TORCH_CHECK(full.dim() >= 1, "ShardDim0: full must have a dim 0");
+  TORCH_CHECK(rank >= 0 && rank < size, "ShardDim0: rank ", rank,
+              " outside [0, ", size, ")");
+  const int64_t full_dim0 = full.size(0);
+  const int64_t rows = ShardRows(full_dim0, size);
+  const int64_t start = std::min<int64_t>(rank * rows, full_dim0);
+  const int64_t present = std::min<int64_t>(rows, full_dim0 - start);
+  std::vector<int64_t> padding_sizes = full.sizes().vec();
+  padding_sizes[0] = rows - present;
+  return torch::cat({full.narrow(0, start, present),
+                     torch::zeros(padding_sizes, full.options())},
+                    0);
+}
+
+torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
+                                     int64_t full_dim0, Communicator& group) {
+  CheckFloating(shard, "GatherShardedParameter: shard");
+  TORCH_CHECK(shard.dim() >= 1,
+              "GatherShardedParameter: shard must have a dim 0");
+  TORCH_CHECK(full_dim0 >= 1,
+              "GatherShardedParameter: full_dim0 must be >= 1, got ",
+              full_dim0);
+  const int64_t rows = ShardRows(full_dim0, group.size());
+  TORCH_CHECK(shard.size(0) == rows, "GatherShardedParameter: shard has ",
+              shard.size(0), " rows but full_dim0 ", full_dim0, " over ",
+              group.size(), " ranks needs ", rows);
+  return GatherShardedParameterFunction::apply(shard, full_dim0, &group);
+}
+
+torch::Tensor CopyToTensorParallelRegion(const torch::Tensor& x,
+                                         Communicator& tp) {
+  CheckFloating(x, "CopyToTensorParallelRegion: x");
+  return CopyToTensorParallelRegionFunction::apply(x, &tp);
+}
+
+torch::Tensor ReduceFromTensorParallelRegion(const torch::Tensor& x,
+                                             Communicator& tp) {
+  CheckFloating(x, "ReduceFromTensorParallelRegion: x");
+  return ReduceFromTensorParallelRegionFunction::apply(x, &tp);
+}
+
+torch::Tensor VocabParallelEmbedding(const torch::Tensor& ids,
+                                     const torch::Tensor& weight_shard,
+                                     int64_t vocab_start, Communicator& tp) {
+  CheckFloating(weight_shard, "VocabParallelEmbedding: weight_shard");
+  TORCH_CHECK(weight_shard.dim() == 2,
+              "VocabParallelEmbedding: weight_shard must be [rows, D], got ",
+              weight_shard.sizes());
+  TORCH_CHECK(ids.scalar_type() == torch::kLong,
+              "VocabParallelEmbedding: ids must be int64");
+  const int64_t rows = weight_shard.size(0);
+  const torch::Tensor owned = (ids >= vocab_start) & (ids < vocab_start + rows);
+  const torch::Tensor local_ids = (ids - vocab_start).masked_fill(~owned, 0);
+  torch::Tensor partial = torch::embedding(weight_shard, local_ids)
+                              .masked_fill(~owned.unsqueeze(-1), 0);
+  return ReduceFromTensorParallelRegion(partial, tp);
+}
+
+torch::Tensor VocabParallelTargetLogprobs(const torch::Tensor& logits_shard,
+                                          const torch::Tensor& targets,
+                                          int64_t vocab_start,
+                                          Communicator& tp) {
+  CheckFloating(logits_shard, "VocabParallelTargetLogprobs: logits_shard");
+  TORCH_CHECK(targets.scalar_type() == torch::kLong,
+              "VocabParallelTargetLogprobs: targets must be int64");
+  TORCH_CHECK(
+      logits_shard.dim() == targets.dim() + 1 &&
+          logits_shard.sizes().slice(0, targets.dim()) == targets.sizes(),
+      "VocabParallelTargetLogprobs: logits_shard ", logits_shard.sizes(),
+      " must be targets ", targets.sizes(), " plus a vocab dim");
+  const int64_t local_vocab = logits_shard.size(-1);
+  const int64_t vocab = local_vocab * tp.size();
+  TORCH_CHECK(local_vocab >= 1 && vocab_start >= 0 &&
+                  vocab_start + local_vocab <= vocab,
+              "VocabParallelTargetLogprobs: vocab_start ", vocab_start,
+              " with ", local_vocab, " local columns is outside vocab ", vocab);
+  if (targets.numel() > 0) {
+    TORCH_CHECK(targets.min().item<int64_t>() >= 0 &&
+                    targets.max().item<int64_t>() < vocab,
+                "VocabParallelTargetLogprobs: targets must lie in [0, ", vocab,
+                ")");
+  }
+  return VocabParallelTargetLogprobsFunction::apply(logits_shard, targets,
+                                                    vocab_start, &tp);
+}
+
+}  // namespace tally

@@ -1,0 +1,102 @@
+// Differentiable parallel building blocks: the ZeRO-3 / FSDP parameter gather
+// and the Megatron tensor-parallel region, embedding and cross-entropy ops.
+//
+// Each op is a LibTorch autograd Function whose forward and backward issue
+// their collectives explicitly through a Communicator, so gradients never flow
+// "through" a collective by accident and the number of collectives per op is
+// fixed (tests count them through the Communicator's stats; on Gloo the
+// Communicator's ReduceScatter is itself an all-reduce plus a local slice):
+//
+//   op                              forward                 backward
+//   GatherShardedParameter          1 AllGather             1 ReduceScatter
+//   CopyToTensorParallelRegion      none                    1 AllReduce(SUM)
+//   ReduceFromTensorParallelRegion  1 AllReduce(SUM)        none
+//   VocabParallelEmbedding          1 AllReduce(SUM)        none
+//   VocabParallelTargetLogprobs     2 AllReduce (MAX; SUM   none
+//                                   of [sum-exp, target])
+//
+// Gradient reductions always SUM (never average): tally normalizes by the
+// global token count in the loss, so averaging here would scale by 1/group.
+//
+// Contract shared by every op:
+// - Autograd has no Status channel, so failures (bad shapes, a failed
+//   collective) throw c10::Error; call the ops inside tally::CatchTorch.
+//   Argument checks depend only on values every rank of the group shares
+//   (shapes, the targets a tp group sees alike), so they fail on all ranks
+//   together instead of leaving peers blocked in a collective.
+// - Every rank of the group must build the same graph: the autograd engine
+//   then runs the backward collectives in the same order everywhere. On CPU
+//   the backward runs on the thread that calls backward().
+// - The Communicator is held by address inside the graph; it must outlive
+//   every graph built with it (the runtime creates its groups once at
+//   start-up; graphs die with the ForwardBackward that built them).
+// - Every op takes float or double tensors of any shape [..., D]. Outputs
+//   must not be modified in place (they carry a custom backward).
+//
+//   torch::Tensor w_shard = tally::ShardDim0(w_full, dp_rank, dp_size)
+//                               .requires_grad_();
+//   torch::Tensor w = tally::GatherShardedParameter(w_shard, w_full.size(0),
+//                                                   dp_shard_group);
+//   torch::Tensor h = tally::CopyToTensorParallelRegion(x, tp_group);
+//   torch::Tensor y = tally::ReduceFromTensorParallelRegion(
+//       torch::linear(torch::linear(h, w1_shard).relu(), w2_shard), tp_group);
+#ifndef TALLY_RUNTIME_PARALLEL_OPS_H_
+#define TALLY_RUNTIME_PARALLEL_OPS_H_
+
+#include <cstdint>
+
+#include <torch/torch.h>
+
+#include "runtime/communicator.h"
+
+namespace tally {
+
+// Rows of each dim-0 shard when `full_dim0` rows are split over `size` ranks:
+// ceil(full_dim0 / size), so every shard has the same (padded) shape.
+int64_t ShardRows(int64_t full_dim0, int size);
+
+// Rank `rank`'s dim-0 shard of `full`: ShardRows(full.size(0), size) rows,
+// the rows past the end of `full` zero. A fresh tensor (differentiable through
+// plain ops; detach it to make a leaf parameter).
+torch::Tensor ShardDim0(const torch::Tensor& full, int rank, int size);
+
+// ZeRO-3: the full parameter from every rank's equal-sized `shard`. Forward
+// all-gathers and keeps the first `full_dim0` rows; backward zero-pads the
+// full gradient back to group.size() * shard rows and reduce-scatters it with
+// SUM, so `shard.grad` receives the sum over the group of its rows' gradients
+// (padding rows get zero).
+torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
+                                     int64_t full_dim0, Communicator& group);
+
+// Megatron's "f": the input of a column-parallel layer. Forward is the
+// identity; backward sums the partial input gradients of the tp ranks.
+torch::Tensor CopyToTensorParallelRegion(const torch::Tensor& x,
+                                         Communicator& tp);
+
+// Megatron's "g": the output of a row-parallel layer. Forward sums the tp
+// ranks' partial outputs; backward is the identity.
+torch::Tensor ReduceFromTensorParallelRegion(const torch::Tensor& x,
+                                             Communicator& tp);
+
+// Embedding whose rows [vocab_start, vocab_start + weight_shard.size(0)) live
+// on this rank. ids [...] (int64, global) outside that range contribute zero
+// rows here; the tp sum then yields the full embedding [..., D] on every rank.
+// weight_shard's gradient is local (rows of ids this rank owns).
+torch::Tensor VocabParallelEmbedding(const torch::Tensor& ids,
+                                     const torch::Tensor& weight_shard,
+                                     int64_t vocab_start, Communicator& tp);
+
+// log softmax(full logits)[target] without gathering the logits.
+// logits_shard [..., V / tp] is this rank's vocab slice starting at
+// `vocab_start` (equal slices, vocab = V/tp * tp.size()); targets [...] are
+// global ids in [0, vocab). Returns [...] identical on every tp rank.
+// Backward (no collective): d/d logits_shard = g * (onehot_local - softmax),
+// where onehot_local is zero on ranks that do not own the target.
+torch::Tensor VocabParallelTargetLogprobs(const torch::Tensor& logits_shard,
+                                          const torch::Tensor& targets,
+                                          int64_t vocab_start,
+                                          Communicator& tp);
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_PARALLEL_OPS_H_

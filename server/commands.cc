@@ -1,0 +1,167 @@
+#include "server/commands.h"
+
+#include "absl/strings/str_cat.h"
+#include "runtime/log.h"
+#include "runtime/status.h"
+#include "server/convert.h"
+
+namespace tally {
+
+absl::Status ExecuteCreateModel(Engine& engine,
+                                const v1::CreateModelRequest& request,
+                                v1::ModelInfo* response) {
+  TALLY_ASSIGN_OR_RETURN(ModelSpec spec, ParseCreateModel(request));
+  TALLY_ASSIGN_OR_RETURN(ModelSummary summary, engine.CreateModel(spec));
+  ToProto(summary, response);
+  return absl::OkStatus();
+}
+
+absl::Status ExecuteDeleteModel(Engine& engine,
+                                const v1::DeleteModelRequest& request,
+                                v1::DeleteModelResponse* response) {
+  TALLY_ASSIGN_OR_RETURN(ModelSummary summary,
+                         engine.DeleteModel(request.model_id()));
+  ToProto(summary, response->mutable_model());
+  return absl::OkStatus();
+}
+
+absl::Status ExecuteForwardBackward(Engine& engine,
+                                    const v1::ForwardBackwardRequest& request,
+                                    v1::ForwardBackwardResponse* response) {
+  TALLY_ASSIGN_OR_RETURN(ForwardBackwardArgs args,
+                         ParseForwardBackward(request));
+  TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult result,
+                         engine.ForwardBackward(request.model_id(), args));
+  ToProto(result, response);
+  return absl::OkStatus();
+}
+
+absl::Status ExecuteOptimStep(Engine& engine,
+                              const v1::OptimStepRequest& request,
+                              v1::OptimStepResponse* response) {
+  TALLY_ASSIGN_OR_RETURN(OptimStepArgs args, ParseOptimStep(request));
+  TALLY_ASSIGN_OR_RETURN(OptimStepResult result,
+                         engine.OptimStep(request.model_id(), args));
+  ToProto(result, response);
+  return absl::OkStatus();
+}
+
+absl::Status ExecuteAbortAccumulation(
+    Engine& engine, const v1::AbortAccumulationRequest& request,
+    v1::AbortAccumulationResponse* response) {
+  TALLY_ASSIGN_OR_RETURN(WindowCounts discarded,
+                         engine.AbortAccumulation(request.model_id()));
+  response->set_discarded_calls(discarded.calls);
+  response->set_discarded_tokens(discarded.tokens);
+  response->set_discarded_samples(discarded.samples);
+  response->set_discarded_reduction(ToProto(discarded.reduction));
+  return absl::OkStatus();
+}
+
+absl::Status ExecuteSaveCheckpoint(Engine& engine,
+                                   const v1::SaveCheckpointRequest& request,
+                                   v1::SaveCheckpointResponse* response) {
+  TALLY_ASSIGN_OR_RETURN(
+      SaveResult saved, engine.SaveCheckpoint(request.model_id(), request.path()));
+  response->set_path(saved.path);
+  response->set_step(saved.step);
+  response->set_bytes_written(saved.bytes_written);
+  return absl::OkStatus();
+}
+
+absl::Status ExecuteLoadCheckpoint(Engine& engine,
+                                   const v1::LoadCheckpointRequest& request,
+                                   v1::LoadCheckpointResponse* response) {
+  TALLY_ASSIGN_OR_RETURN(LoadResult loaded,
+                         engine.LoadCheckpoint(request.model_id(),
+                                               request.path(),
+                                               request.load_optimizer()));
+  ToProto(loaded.model, response->mutable_model());
+  response->set_discarded_calls(loaded.discarded.calls);
+  response->set_discarded_tokens(loaded.discarded.tokens);
+  response->set_discarded_samples(loaded.discarded.samples);
+  return absl::OkStatus();
+}
+
+absl::Status ReplicateCommand(Communicator& control, Command command,
+                              const google::protobuf::Message& request) {
+  if (control.size() == 1) return absl::OkStatus();
+  std::string payload;
+  if (!request.SerializeToString(&payload)) {
+    return absl::InternalError("cannot serialize the command");
+  }
+  torch::Tensor header = torch::tensor(
+      {static_cast<int64_t>(command), static_cast<int64_t>(payload.size())},
+      torch::kInt64);
+  TALLY_RETURN_IF_ERROR(control.Broadcast(header, /*root=*/0));
+  if (payload.empty()) return absl::OkStatus();
+  torch::Tensor bytes = torch::from_blob(payload.data(),
+                                         {static_cast<int64_t>(payload.size())},
+                                         torch::kUInt8);
+  return control.Broadcast(bytes, /*root=*/0);
+}
+
+namespace {
+
+// Parses the payload as `Request` and runs `execute` on it.
+template <typename Request, typename Response>
+absl::Status Run(Engine& engine, const std::string& payload,
+                 absl::Status (*execute)(Engine&, const Request&, Response*)) {
+  Request request;
+  if (!request.ParseFromString(payload)) {
+    return absl::DataLossError("cannot parse a replicated command");
+  }
+  Response response;
+  return execute(engine, request, &response);
+}
+
+}  // namespace
+
+absl::Status CommandLoop(Engine& engine, Communicator& control) {
+  while (true) {
+    torch::Tensor header = torch::zeros({2}, torch::kInt64);
+    TALLY_RETURN_IF_ERROR(control.Broadcast(header, /*root=*/0));
+    const auto command = static_cast<Command>(header[0].item<int64_t>());
+    std::string payload(static_cast<size_t>(header[1].item<int64_t>()), '\0');
+    if (!payload.empty()) {
+      torch::Tensor bytes = torch::from_blob(
+          payload.data(), {static_cast<int64_t>(payload.size())}, torch::kUInt8);
+      TALLY_RETURN_IF_ERROR(control.Broadcast(bytes, /*root=*/0));
+    }
+    absl::Status status;
+    switch (command) {
+      case Command::kShutdown:
+        return absl::OkStatus();
+      case Command::kCreateModel:
+        status = Run(engine, payload, &ExecuteCreateModel);
+        break;
+      case Command::kDeleteModel:
+        status = Run(engine, payload, &ExecuteDeleteModel);
+        break;
+      case Command::kForwardBackward:
+        status = Run(engine, payload, &ExecuteForwardBackward);
+        break;
+      case Command::kOptimStep:
+        status = Run(engine, payload, &ExecuteOptimStep);
+        break;
+      case Command::kAbortAccumulation:
+        status = Run(engine, payload, &ExecuteAbortAccumulation);
+        break;
+      case Command::kSaveCheckpoint:
+        status = Run(engine, payload, &ExecuteSaveCheckpoint);
+        break;
+      case Command::kLoadCheckpoint:
+        status = Run(engine, payload, &ExecuteLoadCheckpoint);
+        break;
+      default:
+        return absl::DataLossError(absl::StrCat(
+            "unknown replicated command ", static_cast<int64_t>(command)));
+    }
+    if (!status.ok()) {
+      Log(LogLevel::kDebug, absl::StrCat("replicated command failed: ",
+                                         status.ToString()));
+    }
+  }
+}
+
+}  // namespace tally

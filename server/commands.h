@@ -1,0 +1,77 @@
+// Commands: what every rank executes for a mutating request, and how rank 0
+// hands each one to the other ranks.
+//
+// Rank 0 validates a request, broadcasts it over the control group, then
+// executes it; ranks > 0 run CommandLoop, which receives the same requests in
+// the same order and executes them through the same functions, so every rank
+// takes part in the same collectives. Read-only requests (GetModel,
+// ListModels) stay on rank 0.
+//
+//   // rank 0, on the executor thread:
+//   TALLY_RETURN_IF_ERROR(ReplicateCommand(control, Command::kOptimStep, req));
+//   TALLY_RETURN_IF_ERROR(ExecuteOptimStep(engine, req, &resp));
+//   // ranks > 0:
+//   return tally::CommandLoop(engine, control);
+#ifndef TALLY_SERVER_COMMANDS_H_
+#define TALLY_SERVER_COMMANDS_H_
+
+#include <cstdint>
+
+#include <google/protobuf/message.h>
+
+#include "absl/status/status.h"
+#include "runtime/communicator.h"
+#include "runtime/engine.h"
+#include "tally/v1/trainer.pb.h"
+
+namespace tally {
+
+enum class Command : int64_t {
+  kShutdown = 0,
+  kCreateModel,
+  kDeleteModel,
+  kForwardBackward,
+  kOptimStep,
+  kAbortAccumulation,
+  kSaveCheckpoint,
+  kLoadCheckpoint,
+};
+
+// Engine execution of each mutating request; responses filled on success.
+// Requests must already have passed the proto-level validation in
+// convert.h.
+absl::Status ExecuteCreateModel(Engine& engine,
+                                const v1::CreateModelRequest& request,
+                                v1::ModelInfo* response);
+absl::Status ExecuteDeleteModel(Engine& engine,
+                                const v1::DeleteModelRequest& request,
+                                v1::DeleteModelResponse* response);
+absl::Status ExecuteForwardBackward(Engine& engine,
+                                    const v1::ForwardBackwardRequest& request,
+                                    v1::ForwardBackwardResponse* response);
+absl::Status ExecuteOptimStep(Engine& engine,
+                              const v1::OptimStepRequest& request,
+                              v1::OptimStepResponse* response);
+absl::Status ExecuteAbortAccumulation(
+    Engine& engine, const v1::AbortAccumulationRequest& request,
+    v1::AbortAccumulationResponse* response);
+absl::Status ExecuteSaveCheckpoint(Engine& engine,
+                                   const v1::SaveCheckpointRequest& request,
+                                   v1::SaveCheckpointResponse* response);
+absl::Status ExecuteLoadCheckpoint(Engine& engine,
+                                   const v1::LoadCheckpointRequest& request,
+                                   v1::LoadCheckpointResponse* response);
+
+// Rank 0: sends (command, serialized request) to every rank. A no-op in a
+// single-rank deployment.
+absl::Status ReplicateCommand(Communicator& control, Command command,
+                              const google::protobuf::Message& request);
+
+// Ranks > 0: executes replicated commands until kShutdown. A command that
+// fails fails on rank 0 as well (the engine agrees on errors), so failures
+// are logged, not fatal; a broken control group ends the loop with its error.
+absl::Status CommandLoop(Engine& engine, Communicator& control);
+
+}  // namespace tally
+
+#endif  // TALLY_SERVER_COMMANDS_H_

@@ -1,0 +1,232 @@
+// Golden tests of the multi-rank runtime: real rank processes on loopback,
+// each running a multi-rank engine, and in the same process a single-rank
+// engine on the same samples. Every rank checks its own shards against the
+// matching shards of the single-device run: losses, gradients (EAGER),
+// norm, clip coefficient and updated parameters.
+#include <cmath>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "runtime/distributed.h"
+#include "runtime/engine.h"
+#include "runtime/status.h"
+#include "tests/testing/multirank.h"
+#include "tests/testing/test_util.h"
+
+namespace tally {
+namespace {
+
+using testing::MakeSamples;
+using testing::RelativeDiff;
+using testing::TinySpec;
+
+struct MeshCase {
+  const char* name;
+  MeshShape shape;
+};
+
+MeshShape Shape(int dp_replicate, int dp_shard, int tp) {
+  MeshShape shape;
+  shape.dp_replicate = dp_replicate;
+  shape.dp_shard = dp_shard;
+  shape.tp = tp;
+  return shape;
+}
+
+struct Variant {
+  DType dtype;
+  OptimizerKind optimizer;
+  GradSync sync;
+  LossReduction reduction;
+};
+
+std::string VariantName(const Variant& v) {
+  return absl::StrCat(DTypeName(v.dtype), "/", OptimizerName(v.optimizer), "/",
+                      v.sync == GradSync::kEager ? "eager" : "deferred", "/",
+                      ReductionName(v.reduction));
+}
+
+// Three calls of very uneven size: the first holds one valid token (so
+// every data rank but one has nothing), the others mix long, short and
+// fully ignored samples.
+std::vector<std::vector<Sample>> Calls() {
+  const int64_t vocab = testing::TinyConfig().vocab_size;
+  return {MakeSamples(vocab, {1}, 21), MakeSamples(vocab, {50, 3, 0, 7}, 22),
+          MakeSamples(vocab, {120, 2, 9, 30, 1}, 23)};
+}
+
+// Checks one variant on this rank; gtest failures are reported by the rank.
+absl::Status CheckVariant(Engine& engine, Engine& reference,
+                          const Variant& v, const std::string& id) {
+  SCOPED_TRACE(VariantName(v));
+  const double tol = testing::GoldenTolerance(v.dtype);
+  ModelSpec spec = TinySpec(id, v.dtype, v.optimizer);
+  spec.grad_sync = v.sync;
+  if (v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW) {
+    spec.default_adam.eps = 1e-4;  // see accumulation_golden_test.cc
+  }
+  TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
+  TALLY_RETURN_IF_ERROR(reference.CreateModel(spec).status());
+  LlamaModel& model = *engine.model(id).value();
+  LlamaModel& ref_model = *reference.model(id).value();
+
+  for (const std::vector<Sample>& call : Calls()) {
+    ForwardBackwardArgs args{call, v.reduction};
+    args.return_logprobs = true;
+    TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult got,
+                           engine.ForwardBackward(id, args));
+    TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult want,
+                           reference.ForwardBackward(id, args));
+    EXPECT_LT(RelativeDiff(got.loss_sum, want.loss_sum), tol);
+    EXPECT_EQ(got.valid_tokens, want.valid_tokens);
+    EXPECT_EQ(got.num_samples, want.num_samples);
+    EXPECT_EQ(got.window.tokens, want.window.tokens);
+    EXPECT_EQ(got.window.samples, want.window.samples);
+    for (size_t i = 0; i < call.size(); ++i) {
+      EXPECT_LT(RelativeDiff(got.samples[i].loss_sum, want.samples[i].loss_sum),
+                tol + 1e-300);
+      EXPECT_EQ(got.samples[i].logprobs.size(), want.samples[i].logprobs.size());
+      const size_t n = std::min(got.samples[i].logprobs.size(),
+                                want.samples[i].logprobs.size());
+      for (size_t t = 0; t < n; ++t) {
+        EXPECT_NEAR(got.samples[i].logprobs[t], want.samples[i].logprobs[t],
+                    tol * 10);
+      }
+    }
+  }
+  if (v.sync == GradSync::kEager) {
+    // Summed over replicas after every call: this rank's gradient shard is
+    // the single-device gradient's shard.
+    for (size_t i = 0; i < model.parameters().size(); ++i) {
+      const Parameter& p = model.parameters()[i];
+      torch::Tensor want = model.LocalShard(p, ref_model.parameters()[i].tensor.grad());
+      EXPECT_LT(RelativeDiff(p.tensor.grad(), want), tol) << p.name;
+    }
+  }
+
+  OptimStepArgs step;
+  step.max_grad_norm = 0.05;  // far below the norm: clipping is active
+  TALLY_ASSIGN_OR_RETURN(OptimStepResult got, engine.OptimStep(id, step));
+  TALLY_ASSIGN_OR_RETURN(OptimStepResult want, reference.OptimStep(id, step));
+  EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), tol);
+  EXPECT_LT(RelativeDiff(got.clip_coef, want.clip_coef), tol);
+  EXPECT_LT(got.clip_coef, 0.5);
+  EXPECT_EQ(got.normalizer, want.normalizer);
+
+  // The norm is the same bits on every rank.
+  torch::Tensor norm = torch::tensor({got.grad_norm}, torch::kFloat64);
+  TALLY_ASSIGN_OR_RETURN(torch::Tensor norms, engine.world().AllGather(norm));
+  for (int r = 0; r < norms.size(0); ++r) {
+    EXPECT_EQ(norms[r].item<double>(), got.grad_norm) << "rank " << r;
+  }
+
+  const double param_tol =
+      v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW
+          ? 1e-4
+          : tol;
+  for (size_t i = 0; i < model.parameters().size(); ++i) {
+    const Parameter& p = model.parameters()[i];
+    torch::Tensor want = model.LocalShard(p, ref_model.parameters()[i].tensor);
+    EXPECT_LT(RelativeDiff(p.tensor, want), param_tol) << p.name;
+    // Replicas are bitwise identical: across dp_replicate for everything,
+    // across tp for what tp replicates.
+    std::vector<Communicator*> replica_groups = {engine.groups().dp_replicate};
+    if (!p.placements.at(MeshDim::kTp).is_shard()) {
+      replica_groups.push_back(engine.groups().tp);
+    }
+    for (Communicator* group : replica_groups) {
+      if (group->size() == 1) continue;
+      TALLY_ASSIGN_OR_RETURN(torch::Tensor copies,
+                             group->AllGather(p.tensor.detach().flatten()));
+      for (const torch::Tensor& copy : copies.chunk(group->size())) {
+        EXPECT_TRUE(torch::equal(copy, p.tensor.detach().flatten())) << p.name;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A checkpoint saved on the mesh is one consolidated HF directory: the
+// single-rank engine loads it bitwise, and both then take the same next step
+// (optimizer state included); a single-rank checkpoint loads on the mesh.
+absl::Status CheckCheckpointsAcrossMeshes(Engine& engine, Engine& reference,
+                                          const std::string& id,
+                                          const RankEnv& env) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "tally_golden_",
+                                       env.master_port, "_", id);
+  // Rank 0 writes; SaveCheckpoint returns on every rank once it has.
+  TALLY_RETURN_IF_ERROR(engine.SaveCheckpoint(id, dir).status());
+  TALLY_RETURN_IF_ERROR(reference.LoadCheckpoint(id, dir, true).status());
+  LlamaModel& model = *engine.model(id).value();
+  LlamaModel& ref_model = *reference.model(id).value();
+  for (size_t i = 0; i < model.parameters().size(); ++i) {
+    const Parameter& p = model.parameters()[i];
+    EXPECT_TRUE(torch::equal(
+        p.tensor, model.LocalShard(p, ref_model.parameters()[i].tensor)))
+        << p.name;
+  }
+  const std::string single_dir = absl::StrCat(dir, "_single_rank", env.rank);
+  TALLY_RETURN_IF_ERROR(reference.SaveCheckpoint(id, single_dir).status());
+  TALLY_RETURN_IF_ERROR(engine.LoadCheckpoint(id, single_dir, true).status());
+  for (const std::vector<Sample>& call : Calls()) {
+    TALLY_RETURN_IF_ERROR(engine.ForwardBackward(id, {call}).status());
+    TALLY_RETURN_IF_ERROR(reference.ForwardBackward(id, {call}).status());
+  }
+  TALLY_ASSIGN_OR_RETURN(OptimStepResult got, engine.OptimStep(id, {}));
+  TALLY_ASSIGN_OR_RETURN(OptimStepResult want, reference.OptimStep(id, {}));
+  EXPECT_EQ(got.step, want.step);
+  EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), 1e-10);
+  for (size_t i = 0; i < model.parameters().size(); ++i) {
+    const Parameter& p = model.parameters()[i];
+    EXPECT_LT(RelativeDiff(p.tensor,
+                           model.LocalShard(p, ref_model.parameters()[i].tensor)),
+              1e-10)
+        << p.name;
+  }
+  return absl::OkStatus();
+}
+
+class MultiRankGoldenTest : public ::testing::TestWithParam<MeshCase> {};
+
+TEST_P(MultiRankGoldenTest, EqualsTheSingleDeviceRun) {
+  const MeshShape shape = GetParam().shape;
+  testing::RunOnRanks(shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+    TALLY_ASSIGN_OR_RETURN(auto groups,
+                           ProcessGroups::Create(env, mesh, absl::Seconds(60)));
+    EngineOptions options;
+    options.max_batch_tokens = 96;  // several micro-batches per call
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           Engine::Create(options, mesh, std::move(groups)));
+    TALLY_ASSIGN_OR_RETURN(auto reference, Engine::CreateSingleRank(options));
+    int n = 0;
+    for (GradSync sync : {GradSync::kEager, GradSync::kDeferred}) {
+      for (LossReduction reduction :
+           {LossReduction::kTokenMean, LossReduction::kSampleMean}) {
+        TALLY_RETURN_IF_ERROR(CheckVariant(
+            *engine, *reference,
+            {DType::kFloat64, OptimizerKind::kAdamW, sync, reduction},
+            absl::StrCat("m", n++)));
+      }
+    }
+    TALLY_RETURN_IF_ERROR(CheckCheckpointsAcrossMeshes(*engine, *reference,
+                                                      "m0", env));
+    return CheckVariant(*engine, *reference,
+                        {DType::kFloat32, OptimizerKind::kAdamW,
+                         GradSync::kEager, LossReduction::kTokenMean},
+                        "fp32");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, MultiRankGoldenTest,
+    ::testing::Values(MeshCase{"dp_replicate2", Shape(2, 1, 1)},
+                      MeshCase{"dp_shard2", Shape(1, 2, 1)},
+                      MeshCase{"tp2", Shape(1, 1, 2)},
+                      MeshCase{"dp_shard2_tp2", Shape(1, 2, 2)},
+                      MeshCase{"dp_replicate2_dp_shard2_tp2", Shape(2, 2, 2)}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace tally
