@@ -422,6 +422,18 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   result.metrics["grad_norm_expert"] = clip.norm.expert;
   result.metrics["window_calls"] =
       static_cast<double>(state->window.counts().calls);
+  // This rank's share of the training state (1/S of it under dp_shard = S).
+  double param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  for (const Parameter& p : params) {
+    param_bytes += p.tensor.nbytes();
+    if (p.tensor.grad().defined()) grad_bytes += p.tensor.grad().nbytes();
+  }
+  for (const auto& [name, t] : state->optimizer->StateTensors()) {
+    optimizer_bytes += t.nbytes();
+  }
+  result.metrics["rank_param_bytes"] = param_bytes;
+  result.metrics["rank_grad_bytes"] = grad_bytes;
+  result.metrics["rank_optimizer_bytes"] = optimizer_bytes;
   if (!std::isfinite(clip.norm.total)) {
     const std::string reason =
         absl::StrCat("non-finite gradient norm (", clip.norm.total, ")");

@@ -7,38 +7,39 @@
 #include "runtime/status.h"
 
 namespace tally {
-namespace {
-
-// Non-finite severity, reduced with the INF norm (MAX keeps the worst).
-constexpr double kSawInf = 1.0;
-constexpr double kSawNan = 2.0;
-
-double NonFiniteCode(const kernels::GradStats& stats) {
-  if (!stats.nonfinite) return 0.0;
-  return std::isnan(stats.sum_squares) ? kSawNan : kSawInf;
-}
-
-}  // namespace
 
 absl::StatusOr<GradNorm> ComputeGlobalGradNorm(
     const std::vector<Parameter>& parameters, const Mesh& mesh,
     Communicator& world, NormType type) {
-  std::vector<torch::Tensor> dense, expert;
+  std::vector<torch::Tensor> dense, expert, replicas;
   for (const Parameter& p : parameters) {
     const torch::Tensor& grad = p.tensor.grad();
-    if (!grad.defined() || !p.placements.IsCanonicalReplica(mesh)) continue;
-    (p.is_expert ? expert : dense).push_back(grad);
+    if (!grad.defined()) continue;
+    if (!p.placements.IsCanonicalReplica(mesh)) {
+      replicas.push_back(grad);
+    } else {
+      (p.is_expert ? expert : dense).push_back(grad);
+    }
   }
+  // Slots: [dense, expert] squares (L2) or max |g| (INF), then the NaN and
+  // Inf flags. Replicas the norm does not count still report non-finite
+  // values, so a NaN on any rank makes every rank skip.
   TALLY_ASSIGN_OR_RETURN(
       torch::Tensor slots,
       CatchTorch("grad stats", [&]() -> absl::StatusOr<torch::Tensor> {
-        kernels::GradStats d = kernels::MultiTensorGradStats(dense);
-        kernels::GradStats e = kernels::MultiTensorGradStats(expert);
-        const double code = std::max(NonFiniteCode(d), NonFiniteCode(e));
-        if (type == NormType::kInf) {
-          return torch::tensor({d.max_abs, e.max_abs, code}, torch::kFloat64);
+        const kernels::GradStats d = kernels::MultiTensorGradStats(dense);
+        const kernels::GradStats e = kernels::MultiTensorGradStats(expert);
+        const kernels::GradStats r = kernels::MultiTensorGradStats(replicas);
+        double saw_nan = 0, saw_inf = 0;
+        for (const kernels::GradStats* s : {&d, &e, &r}) {
+          if (!s->nonfinite) continue;
+          (std::isnan(s->max_abs) ? saw_nan : saw_inf) = 1;
         }
-        return torch::tensor({d.sum_squares, e.sum_squares, code},
+        if (type == NormType::kInf) {
+          return torch::tensor({d.max_abs, e.max_abs, saw_nan, saw_inf},
+                               torch::kFloat64);
+        }
+        return torch::tensor({d.sum_squares, e.sum_squares, saw_nan, saw_inf},
                              torch::kFloat64);
       }));
   TALLY_RETURN_IF_ERROR(world.AllReduce(
@@ -55,12 +56,11 @@ absl::StatusOr<GradNorm> ComputeGlobalGradNorm(
     norm.expert = std::sqrt(values[1]);
     norm.total = std::sqrt(values[0] + values[1]);
   }
-  // A backend's MAX may drop NaN (SUM propagates it on its own); the reduced
-  // code restores it so every rank sees the same non-finite value.
-  if (type == NormType::kInf && values[2] > 0) {
-    norm.total = values[2] >= kSawNan
-                     ? std::numeric_limits<double>::quiet_NaN()
-                     : std::numeric_limits<double>::infinity();
+  // The flags decide, not the reduced values: a backend's MAX may drop NaN.
+  if (values[2] > 0) {
+    norm.total = std::numeric_limits<double>::quiet_NaN();
+  } else if (values[3] > 0) {
+    norm.total = std::numeric_limits<double>::infinity();
   }
   return norm;
 }

@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "runtime/log.h"
 #include "server/commands.h"
 #include "server/flags.h"
@@ -36,6 +37,14 @@ int main(int argc, char** argv) {
     tally::LaunchOptions launch;
     launch.nproc = options.nproc_per_node;
     launch.args = tally::ArgsForRanks(argc, argv);
+    if (options.rank_env.master_addr) {
+      launch.master_addr = *options.rank_env.master_addr;
+    }
+    if (options.rank_env.master_port) {
+      launch.master_port = *options.rank_env.master_port;
+    }
+    // Rank 0 drains in-flight requests before the ranks exit.
+    launch.stop_grace = absl::Seconds(options.shutdown_timeout_secs + 10);
     absl::Status status = tally::LaunchAndSupervise(launch);
     if (!status.ok()) {
       tally::Log(tally::LogLevel::kError, std::string(status.message()));

@@ -1,4 +1,4 @@
-"""Shared helpers of tally's Python tests: a tally-server per test, the
+"""Shared helpers of tally's Python tests: tally-server processes per test, the
 generated gRPC stubs, and a numpy-only safetensors reader.
 
 The tests run under Debian's /usr/bin/python3 with the environment that
@@ -12,7 +12,15 @@ tests/CMakeLists.txt sets (TALLY_SERVER, TALLY_SOURCE_DIR, TALLY_PYTHON_STUBS).
             info = self.stub.GetModel(pb.GetModelRequest(model_id="demo"))
             weights = read_safetensors("/some/dir/model.safetensors")
 
-tearDown stops the server with SIGTERM and fails the test unless it exits 0.
+        def test_two_servers(self):
+            single = self.start_server(name="single")
+            sharded = self.start_server(
+                name="sharded",
+                extra_args=["--nproc-per-node", "4", "--dp-shard", "2", "--tp", "2"])
+            single.stub.CreateModel(...)
+            sharded.stub.CreateModel(...)
+
+tearDown stops every server with SIGTERM and fails the test unless each exits 0.
 """
 
 import json
@@ -89,7 +97,10 @@ class TallyServer:
     START_TIMEOUT_SECS = 60.0
     STOP_TIMEOUT_SECS = 30.0
 
-    def __init__(self, work_dir, demo_model=False):
+    def __init__(self, work_dir, demo_model=False, extra_args=()):
+        """`extra_args` go to tally-server after the port flags, e.g.
+        ["--nproc-per-node", "4", "--dp-shard", "2", "--tp", "2"]."""
+        os.makedirs(work_dir, exist_ok=True)
         self.work_dir = work_dir
         self.log_path = os.path.join(work_dir, "server.log")
         port_file = os.path.join(work_dir, "ports.json")
@@ -97,6 +108,7 @@ class TallyServer:
                 "--port-file", port_file]
         if demo_model:
             args.append("--demo-model")
+        args.extend(extra_args)
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(args, stdout=self._log,
                                         stderr=subprocess.STDOUT)
@@ -148,9 +160,19 @@ class TallyServer:
         return self.process.returncode
 
 
+class ServerConnection:
+    """A started TallyServer with its channel and Trainer stub."""
+
+    def __init__(self, server, channel, stub):
+        self.server = server
+        self.channel = channel
+        self.stub = stub
+
+
 class ServerTestCase(unittest.TestCase):
     """Gives each test a temp dir and, on start_server(), a tally-server with
-    a connected Trainer stub; tearDown asserts a clean SIGTERM exit."""
+    a connected Trainer stub; tearDown asserts a clean SIGTERM exit of every
+    server the test started."""
 
     def setUp(self):
         super().setUp()
@@ -158,24 +180,38 @@ class ServerTestCase(unittest.TestCase):
         self.server = None
         self.channel = None
         self.stub = None
+        self._connections = []
 
-    def start_server(self, demo_model=False):
+    def start_server(self, demo_model=False, extra_args=(), name=None):
+        """Starts a server in the test's temp dir (its subdirectory `name`
+        when given, so that several servers can run side by side) and returns
+        its ServerConnection. The first server is also self.server /
+        self.channel / self.stub."""
         import grpc  # pylint: disable=import-outside-toplevel
-        self.server = TallyServer(self.temp_dir, demo_model=demo_model)
+        work_dir = self.temp_dir if name is None else os.path.join(self.temp_dir, name)
+        server = TallyServer(work_dir, demo_model=demo_model, extra_args=extra_args)
         # Kills the process even when the test (or tearDown's check) fails.
-        self.addCleanup(self.server.kill)
-        self.channel = grpc.insecure_channel(f"localhost:{self.server.grpc_port}")
-        grpc.channel_ready_future(self.channel).result(timeout=30)
-        self.stub = pb_grpc.TrainerStub(self.channel)
+        self.addCleanup(server.kill)
+        channel = grpc.insecure_channel(f"localhost:{server.grpc_port}")
+        connection = ServerConnection(server, channel, pb_grpc.TrainerStub(channel))
+        self._connections.append(connection)
+        grpc.channel_ready_future(channel).result(timeout=30)
+        if self.server is None:
+            self.server, self.channel, self.stub = server, channel, connection.stub
+        return connection
 
     def tearDown(self):
         try:
-            if self.channel is not None:
-                self.channel.close()
-            if self.server is not None:
-                code = self.server.terminate()
-                self.assertEqual(code, 0, f"tally-server exited with {code} on "
-                                 f"SIGTERM:\n{self.server.log_tail()}")
+            for connection in self._connections:
+                connection.channel.close()
+            # Every server is stopped before any failure is reported.
+            failures = []
+            for connection in self._connections:
+                code = connection.server.terminate()
+                if code != 0:
+                    failures.append(f"tally-server exited with {code} on SIGTERM:"
+                                    f"\n{connection.server.log_tail()}")
+            self.assertFalse(failures, "\n".join(failures))
         finally:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             super().tearDown()

@@ -10,6 +10,7 @@
 
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
+#include "runtime/grad_norm.h"
 #include "runtime/status.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
@@ -219,14 +220,129 @@ TEST_P(MultiRankGoldenTest, EqualsTheSingleDeviceRun) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Meshes, MultiRankGoldenTest,
-    ::testing::Values(MeshCase{"dp_replicate2", Shape(2, 1, 1)},
-                      MeshCase{"dp_shard2", Shape(1, 2, 1)},
-                      MeshCase{"tp2", Shape(1, 1, 2)},
-                      MeshCase{"dp_shard2_tp2", Shape(1, 2, 2)},
-                      MeshCase{"dp_replicate2_dp_shard2_tp2", Shape(2, 2, 2)}),
-    [](const auto& info) { return std::string(info.param.name); });
+// The staged reduction of the reference design, one collective per
+// parameter and dimension: squares summed over tp and dp_shard where the
+// parameter is sharded, nothing over replicas. Test-only.
+absl::StatusOr<double> StagedL2Norm(LlamaModel& model, const EngineGroups& g) {
+  double total = 0;
+  for (const Parameter& p : model.parameters()) {
+    torch::Tensor sq =
+        p.tensor.grad().to(torch::kFloat64).pow(2).sum().reshape({1});
+    if (p.placements.at(MeshDim::kDpShard).is_shard()) {
+      TALLY_RETURN_IF_ERROR(g.dp_shard->AllReduce(sq, ReduceOp::kSum));
+    }
+    if (p.placements.at(MeshDim::kTp).is_shard()) {
+      TALLY_RETURN_IF_ERROR(g.tp->AllReduce(sq, ReduceOp::kSum));
+    }
+    total += sq.item<double>();
+  }
+  return std::sqrt(total);
+}
+
+// Sets every gradient to this rank's shard of `full(p)`.
+template <typename Fn>
+void SetGradients(LlamaModel& model, Fn full) {
+  for (Parameter& p : model.parameters()) {
+    p.tensor.mutable_grad() = model.LocalShard(p, full(p));
+  }
+}
+
+class MultiRankNormTest : public ::testing::TestWithParam<MeshCase> {};
+
+TEST_P(MultiRankNormTest, OneCollectiveEqualsTheStagedReduction) {
+  const MeshShape shape = GetParam().shape;
+  testing::RunOnRanks(shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+    TALLY_ASSIGN_OR_RETURN(auto groups,
+                           ProcessGroups::Create(env, mesh, absl::Seconds(60)));
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           Engine::Create({}, mesh, std::move(groups)));
+    ModelSpec spec = TinySpec("n", DType::kFloat64, OptimizerKind::kAdamW);
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    LlamaModel& model = *engine->model("n").value();
+    Communicator& world = engine->world();
+
+    // All-ones oracle: sqrt of the logical numel on every mesh.
+    SetGradients(model, [](const Parameter& p) {
+      return torch::ones(p.full_shape, torch::kFloat64);
+    });
+    TALLY_ASSIGN_OR_RETURN(GradNorm ones, ComputeGlobalGradNorm(
+        model.parameters(), mesh, world, NormType::kL2));
+    EXPECT_LT(RelativeDiff(ones.total, std::sqrt(static_cast<double>(
+                                           model.NumParameters()))),
+              1e-14);
+
+    // Random full gradients (same seed on every rank): one collective, equal
+    // to the staged reduction and to the norm of the full tensors.
+    torch::manual_seed(5);
+    std::vector<torch::Tensor> full;
+    for (const Parameter& p : model.parameters()) {
+      full.push_back(torch::randn(p.full_shape, torch::kFloat64));
+    }
+    size_t i = 0;
+    SetGradients(model, [&](const Parameter&) { return full[i++]; });
+    world.stats().Reset();
+    TALLY_ASSIGN_OR_RETURN(GradNorm l2, ComputeGlobalGradNorm(
+        model.parameters(), mesh, world, NormType::kL2));
+    EXPECT_EQ(world.stats().TotalCalls(), 1);
+    TALLY_ASSIGN_OR_RETURN(double staged, StagedL2Norm(model, engine->groups()));
+    EXPECT_LT(RelativeDiff(l2.total, staged), 1e-12);
+    torch::Tensor all = torch::cat([&] {
+      std::vector<torch::Tensor> flat;
+      for (const auto& t : full) flat.push_back(t.flatten());
+      return flat;
+    }());
+    EXPECT_LT(RelativeDiff(l2.total, all.norm().item<double>()), 1e-12);
+    TALLY_ASSIGN_OR_RETURN(GradNorm inf, ComputeGlobalGradNorm(
+        model.parameters(), mesh, world, NormType::kInf));
+    EXPECT_EQ(inf.total, all.abs().max().item<double>());
+
+    // A NaN on the last rank only (possibly in a replica the norm does not
+    // count) makes every rank skip with nothing changed.
+    TALLY_RETURN_IF_ERROR(engine->ForwardBackward(
+        "n", {MakeSamples(spec.config.vocab_size, {9, 4, 2, 7}, 3)}).status());
+    const std::vector<torch::Tensor> before = testing::ParameterValues(model);
+    if (env.rank == env.world_size - 1) {
+      model.parameters().back().tensor.mutable_grad().view({-1})[0] = NAN;
+    }
+    TALLY_ASSIGN_OR_RETURN(OptimStepResult skipped, engine->OptimStep("n", {}));
+    EXPECT_TRUE(skipped.skipped);
+    EXPECT_TRUE(std::isnan(skipped.grad_norm));
+    const std::vector<torch::Tensor> after = testing::ParameterValues(model);
+    for (size_t k = 0; k < before.size(); ++k) {
+      EXPECT_TRUE(torch::equal(before[k], after[k])) << k;
+    }
+
+    // The training state per rank shrinks as 1/dp_shard (up to padding).
+    TALLY_RETURN_IF_ERROR(engine->ForwardBackward(
+        "n", {MakeSamples(spec.config.vocab_size, {9, 4}, 4)}).status());
+    TALLY_ASSIGN_OR_RETURN(OptimStepResult stepped, engine->OptimStep("n", {}));
+    const double full_bytes =
+        static_cast<double>(model.NumParameters()) * sizeof(double);
+    const double share = 1.0 / (shape.dp_shard * shape.tp);
+    for (const char* key : {"rank_param_bytes", "rank_grad_bytes"}) {
+      EXPECT_GE(stepped.metrics[key], full_bytes * share) << key;
+      EXPECT_LT(stepped.metrics[key], full_bytes * share * 1.3 + 4096) << key;
+    }
+    EXPECT_EQ(stepped.metrics["rank_optimizer_bytes"],
+              2 * stepped.metrics["rank_param_bytes"]);
+    return absl::OkStatus();
+  });
+}
+
+const auto kMeshes = ::testing::Values(
+    MeshCase{"dp_replicate2", Shape(2, 1, 1)},
+    MeshCase{"dp_shard2", Shape(1, 2, 1)}, MeshCase{"tp2", Shape(1, 1, 2)},
+    MeshCase{"dp_shard2_tp2", Shape(1, 2, 2)},
+    MeshCase{"dp_replicate2_dp_shard2_tp2", Shape(2, 2, 2)});
+
+std::string MeshName(const ::testing::TestParamInfo<MeshCase>& info) {
+  return info.param.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, MultiRankNormTest, kMeshes, MeshName);
+
+INSTANTIATE_TEST_SUITE_P(Meshes, MultiRankGoldenTest, kMeshes, MeshName);
 
 }  // namespace
 }  // namespace tally

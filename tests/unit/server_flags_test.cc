@@ -27,6 +27,29 @@ TEST(ServerFlagsTest, ParsesKebabCaseInBothForms) {
   EXPECT_FALSE(Parse({"--demo-model=false"})->options.demo_model);
 }
 
+TEST(ServerFlagsTest, MeshAndRankFlags) {
+  auto flags = Parse({"--nproc-per-node", "8", "--dp-replicate=2",
+                      "--dp-shard", "2", "--tp", "2", "--rank", "3",
+                      "--world-size", "8", "--master-addr", "tally-0.tally",
+                      "--master-port", "29400", "--rendezvous-timeout-secs",
+                      "60"});
+  ASSERT_TRUE(flags.ok()) << flags.status();
+  const ServerOptions& o = flags->options;
+  EXPECT_EQ(o.nproc_per_node, 8);
+  EXPECT_EQ(o.mesh.world_size(), 8);
+  EXPECT_EQ(o.mesh.dp_replicate, 2);
+  EXPECT_EQ(o.mesh.dp_shard, 2);
+  EXPECT_EQ(o.mesh.tp, 2);
+  EXPECT_EQ(o.rank_env.rank, 3);
+  EXPECT_EQ(o.rank_env.world_size, 8);
+  EXPECT_EQ(o.rank_env.master_addr, "tally-0.tally");
+  EXPECT_EQ(o.rank_env.master_port, 29400);
+  EXPECT_EQ(o.rendezvous_timeout_secs, 60);
+  // Unset overrides leave the environment in charge.
+  EXPECT_FALSE(Parse({})->options.rank_env.rank.has_value());
+  EXPECT_FALSE(Parse({"--tp", "0"}).ok());
+}
+
 TEST(ServerFlagsTest, DefaultsAndHelp) {
   auto flags = Parse({"--help"});
   ASSERT_TRUE(flags.ok());
