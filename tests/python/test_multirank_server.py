@@ -23,6 +23,12 @@ IGNORE = -100
 MODEL_ID = "tiny"
 SEED = 7
 MAX_GRAD_NORM = 1.0
+# AdamW's update lr * g / (|g| + eps) is ill-conditioned where |g| is near
+# eps: with the default eps 1e-8, float32 rounding of one gradient element
+# (2e-11 apart, as the meshes sum in different orders) moved a weight by
+# 5.7e-6, 7.5e-5 of its tensor's largest magnitude, in one step. With eps
+# 1e-6 that amplification is at most lr * 2e-11 / eps = 2e-8.
+ADAM_EPS = 1e-6
 TINY_LLAMA = {
     "vocab_size": 64,
     "hidden_size": 32,
@@ -160,6 +166,7 @@ class MultiRankServerTest(ServerTestCase):
             info = connection.stub.CreateModel(pb.CreateModelRequest(
                 model_id=model_id, config=pb.ModelConfig(**TINY_LLAMA), seed=SEED,
                 dtype=dtype, optimizer=pb.OPTIMIZER_ADAMW,
+                default_adam=pb.AdamParams(eps=ADAM_EPS),
                 default_max_grad_norm=MAX_GRAD_NORM, grad_sync=grad_sync))
             self.assertEqual(info.model_id, model_id)
             if grad_sync != pb.GRAD_SYNC_UNSPECIFIED:
@@ -169,9 +176,9 @@ class MultiRankServerTest(ServerTestCase):
                          forward_only=False):
         return connection.stub.ForwardBackward(pb.ForwardBackwardRequest(
             model_id=model_id, samples=samples, reduction=reduction,
-            forward_only=forward_only, return_logprobs=forward_only))
+            forward_only=forward_only, return_logprobs=True))
 
-    def check_call(self, reference, other, samples, reduction, rtol, what):
+    def check_call(self, reference, other, samples, rtol, what):
         """`other`'s response equals `reference`'s, and both count what the
         samples hold."""
         counts = [valid_tokens(s) for s in samples]
@@ -192,7 +199,8 @@ class MultiRankServerTest(ServerTestCase):
         for j, (a, b) in enumerate(zip(reference.samples, other.samples)):
             self.assert_close(a.loss_sum, b.loss_sum, rtol,
                               f"{what} sample {j} loss_sum")
-            self.assertEqual(len(a.logprobs), len(b.logprobs))
+            self.assertEqual(len(a.logprobs), len(samples[j].input_tokens))
+            self.assertEqual(len(b.logprobs), len(samples[j].input_tokens))
             for i, (x, y) in enumerate(zip(a.logprobs, b.logprobs)):
                 self.assert_close(x, y, rtol, f"{what} sample {j} logprob {i}")
 
@@ -205,7 +213,7 @@ class MultiRankServerTest(ServerTestCase):
             responses = [self.forward_backward(c, samples, reduction, model_id)
                          for c, model_id in zip(connections, model_ids)]
             for other in responses[1:]:
-                self.check_call(responses[0], other, samples, reduction, rtol,
+                self.check_call(responses[0], other, samples, rtol,
                                 f"{what} call {index}")
         steps = [c.stub.OptimStep(pb.OptimStepRequest(model_id=model_id))
                  for c, model_id in zip(connections, model_ids)]
@@ -241,7 +249,6 @@ class MultiRankServerTest(ServerTestCase):
         difference = float(np.max(np.abs(a - b))) / scale
         self.assertLessEqual(difference, rtol, f"{what}: probe log-probs differ "
                              f"by {difference:.3g} of their max")
-        return difference
 
     def save(self, connection, name, model_id=MODEL_ID):
         path = os.path.join(self.temp_dir, name)
