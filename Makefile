@@ -1,9 +1,9 @@
-# The two commands of the README: `make demo` and `make test`.
+# The README's two commands, `make demo` and `make test`, and `make bench`.
 BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps configure build test demo format clean
+.PHONY: all deps configure build test demo bench format clean
 
 all: build
 
@@ -22,8 +22,11 @@ test: build
 demo: build
 	bash scripts/demo.sh $(BUILD_DIR)
 
+bench: build
+	$(BUILD_DIR)/bench/bench_comm
+
 format:
-	find server runtime kernels client tests -name '*.h' -o -name '*.cc' -o -name '*.cu' \
+	find server runtime kernels client tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' \
 	  | xargs clang-format -i
 
 clean:

@@ -1,0 +1,674 @@
+// bench_comm: the communication volume of one training step of tally's
+// multi-rank runtime, measured from the Communicator counters of real rank
+// processes, against the theoretical data-parallel / ZeRO-3 / Megatron
+// volumes; and the parameter + gradient + optimizer bytes per rank as
+// dp_shard grows. Reported, not timed: see docs/performance.md.
+//
+//   build/bench/bench_comm   # or `make bench`; tables, then one JSON per row
+//
+// The binary is its own launcher: for each mesh it starts one copy of itself
+// per rank through tally's local launcher (torchrun's RANK / WORLD_SIZE /
+// MASTER_ADDR / MASTER_PORT), each rank builds a multi-rank Engine, and rank
+// 0 writes its rows as JSON lines to a file the launcher then reads. The
+// launcher turns the counted bytes into per-rank wire bytes and compares
+// them with the theory.
+#include <signal.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "runtime/communicator.h"
+#include "runtime/distributed.h"
+#include "runtime/engine.h"
+#include "runtime/log.h"
+#include "runtime/mesh.h"
+#include "runtime/optimizer.h"
+#include "runtime/status.h"
+#include "server/launcher.h"
+
+namespace tally {
+namespace {
+
+using nlohmann::json;
+
+// A rank's command line: the mesh ("dp_replicate,dp_shard,tp") and the file
+// rank 0 appends its JSON rows to.
+constexpr char kMeshFlag[] = "--rank-of-mesh=";
+constexpr char kResultsFlag[] = "--results=";
+
+constexpr absl::Duration kRendezvousTimeout = absl::Seconds(60);
+// A rank stuck in a collective dies of SIGALRM after this, and the launcher
+// then stops its peers: a hung run fails instead of hanging `make bench`.
+constexpr unsigned kRankDeadlineSeconds = 300;
+
+constexpr int kSamplesPerCall = 8;  // divisible by every data-parallel size
+constexpr int kTokensPerSample = 16;
+constexpr int kCallsPerStep[] = {1, 4};
+// A dp_shard-only mesh's model-state bytes may exceed total(1) / S by shard
+// padding (zero for the embedded model, whose dims all divide by 4).
+constexpr double kShardingTolerance = 0.01;
+
+MeshShape Shape(int dp_replicate, int dp_shard, int tp) {
+  MeshShape shape;
+  shape.dp_replicate = dp_replicate;
+  shape.dp_shard = dp_shard;
+  shape.tp = tp;
+  return shape;
+}
+
+// The single rank is the baseline; dp_shard = 4 completes the 1/S series.
+std::vector<MeshShape> BenchMeshes() {
+  return {Shape(1, 1, 1), Shape(2, 1, 1), Shape(1, 2, 1), Shape(1, 1, 2),
+          Shape(1, 2, 2), Shape(2, 2, 2), Shape(1, 4, 1)};
+}
+
+const char* SyncName(GradSync sync) {
+  return sync == GradSync::kEager ? "eager" : "deferred";
+}
+
+// ---------------------------------------------------------------------------
+// Rank side.
+
+// k calls of kSamplesPerCall equal-length samples (so every data-parallel
+// rank gets the same number of tokens), next-token targets.
+std::vector<std::vector<Sample>> MakeCalls(int k) {
+  std::vector<std::vector<Sample>> calls(k);
+  for (int c = 0; c < k; ++c) {
+    for (int s = 0; s < kSamplesPerCall; ++s) {
+      std::vector<int32_t> text(kTokensPerSample + 1);
+      for (int t = 0; t <= kTokensPerSample; ++t) {
+        text[t] = (31 * s + 17 * t + 7 * c) % kByteVocab;
+      }
+      Sample sample;
+      sample.input_tokens.assign(text.begin(), text.end() - 1);
+      sample.target_tokens.assign(text.begin() + 1, text.end());
+      calls[c].push_back(std::move(sample));
+    }
+  }
+  return calls;
+}
+
+ModelSpec BenchSpec(const std::string& id, GradSync sync) {
+  ModelSpec spec;
+  spec.model_id = id;
+  spec.config = LlamaConfig::EmbeddedDefault();
+  spec.seed = 1;
+  spec.dtype = DType::kFloat32;
+  spec.optimizer = OptimizerKind::kAdamW;
+  spec.default_max_grad_norm = 1.0;
+  spec.grad_sync = sync;
+  return spec;
+}
+
+struct RoleGroup {
+  const char* role;
+  Communicator* comm;
+};
+
+// The engine's communicators by role, each once (a role may alias another).
+std::vector<RoleGroup> DistinctGroups(const EngineGroups& g) {
+  std::vector<RoleGroup> distinct;
+  for (const RoleGroup& candidate :
+       {RoleGroup{"world", g.world}, RoleGroup{"data", g.data},
+        RoleGroup{"dp_replicate", g.dp_replicate},
+        RoleGroup{"dp_shard", g.dp_shard}, RoleGroup{"tp", g.tp}}) {
+    bool seen = false;
+    for (const RoleGroup& kept : distinct) seen |= kept.comm == candidate.comm;
+    if (!seen) distinct.push_back(candidate);
+  }
+  return distinct;
+}
+
+struct StepTotals {
+  int64_t micro_batches = 0;  // forward/backward passes of this rank
+  int64_t padded_tokens = 0;  // their [batch x sequence] positions
+  double seconds = 0.0;
+};
+
+// k ForwardBackward calls, then OptimStep.
+absl::StatusOr<StepTotals> RunStep(
+    Engine& engine, const std::string& id,
+    const std::vector<std::vector<Sample>>& calls) {
+  StepTotals totals;
+  const auto start = std::chrono::steady_clock::now();
+  for (const std::vector<Sample>& call : calls) {
+    TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult fb,
+                           engine.ForwardBackward(id, {call}));
+    totals.micro_batches +=
+        static_cast<int64_t>(fb.metrics.at("micro_batches"));
+    totals.padded_tokens +=
+        static_cast<int64_t>(fb.metrics.at("padded_tokens"));
+  }
+  TALLY_ASSIGN_OR_RETURN(OptimStepResult step, engine.OptimStep(id, {}));
+  if (step.skipped) {
+    return absl::InternalError(
+        absl::StrCat("the step of ", id, " was skipped: ", step.skip_reason));
+  }
+  totals.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  return totals;
+}
+
+// Whether every rank passed the same `values`.
+absl::StatusOr<bool> SameOnEveryRank(Communicator& world,
+                                     const std::vector<int64_t>& values) {
+  torch::Tensor mine = torch::tensor(values, torch::kInt64);
+  TALLY_ASSIGN_OR_RETURN(torch::Tensor all, world.AllGather(mine));
+  for (const torch::Tensor& theirs : all.chunk(world.size())) {
+    if (!torch::equal(theirs, mine)) return false;
+  }
+  return true;
+}
+
+json MeshJson(const MeshShape& shape) {
+  return {{"dp_replicate", shape.dp_replicate},
+          {"dp_shard", shape.dp_shard},
+          {"tp", shape.tp}};
+}
+
+// One warm-up step (first-touch allocations stay out of the timing), then
+// the measured step with every counter reset just before it.
+absl::StatusOr<json> MeasureStep(Engine& engine, GradSync sync, int k) {
+  const std::string id = absl::StrCat(SyncName(sync), "-k", k);
+  TALLY_RETURN_IF_ERROR(engine.CreateModel(BenchSpec(id, sync)).status());
+  const std::vector<std::vector<Sample>> calls = MakeCalls(k);
+  TALLY_RETURN_IF_ERROR(RunStep(engine, id, calls).status());
+  const std::vector<RoleGroup> groups = DistinctGroups(engine.groups());
+  for (const RoleGroup& g : groups) g.comm->stats().Reset();
+  TALLY_ASSIGN_OR_RETURN(StepTotals step, RunStep(engine, id, calls));
+
+  json group_rows = json::array();
+  std::vector<int64_t> counters;
+  for (const RoleGroup& g : groups) {
+    json ops = json::object();
+    for (int op = 0; op < kNumCommOps; ++op) {
+      const CommCounter& c = g.comm->stats().Get(static_cast<CommOp>(op));
+      ops[CommOpName(static_cast<CommOp>(op))] = {{"calls", c.calls},
+                                                  {"bytes", c.bytes}};
+      counters.push_back(c.calls);
+      counters.push_back(c.bytes);
+    }
+    group_rows.push_back(
+        {{"role", g.role}, {"size", g.comm->size()}, {"ops", ops}});
+  }
+  TALLY_ASSIGN_OR_RETURN(bool uniform,
+                         SameOnEveryRank(engine.world(), counters));
+
+  TALLY_ASSIGN_OR_RETURN(LlamaModel * model, engine.model(id));
+  const int64_t element_bytes =
+      static_cast<int64_t>(torch::elementSize(model->scalar_type()));
+  int64_t tp_local_param_bytes = 0;
+  for (const Parameter& p : model->parameters()) {
+    int64_t numel = 1;
+    for (int64_t size : p.tp_local_shape) numel *= size;
+    tp_local_param_bytes += numel * element_bytes;
+  }
+  json row = {{"kind", "comm"},
+              {"mesh", MeshJson(engine.mesh().shape())},
+              {"sync", SyncName(sync)},
+              {"k", k},
+              {"micro_batches", step.micro_batches},
+              {"padded_tokens", step.padded_tokens},
+              {"hidden_size", model->config().hidden_size},
+              {"num_layers", model->config().num_hidden_layers},
+              {"element_bytes", element_bytes},
+              {"param_bytes",
+               static_cast<int64_t>(model->NumParameters()) * element_bytes},
+              {"tp_local_param_bytes", tp_local_param_bytes},
+              {"step_seconds", step.seconds},
+              {"uniform_across_ranks", uniform},
+              {"groups", group_rows}};
+  TALLY_RETURN_IF_ERROR(engine.DeleteModel(id).status());
+  return row;
+}
+
+// Parameter, gradient and AdamW state bytes of this rank, as the engine
+// reports them from an OptimStep (while the window's gradients exist).
+absl::StatusOr<json> MeasureModelState(Engine& engine) {
+  const std::string id = "model-state";
+  TALLY_RETURN_IF_ERROR(
+      engine.CreateModel(BenchSpec(id, GradSync::kEager)).status());
+  TALLY_RETURN_IF_ERROR(engine.ForwardBackward(id, {MakeCalls(1)[0]}).status());
+  TALLY_ASSIGN_OR_RETURN(OptimStepResult step, engine.OptimStep(id, {}));
+  const auto params = static_cast<int64_t>(step.metrics["rank_param_bytes"]);
+  const auto grads = static_cast<int64_t>(step.metrics["rank_grad_bytes"]);
+  const auto optimizer =
+      static_cast<int64_t>(step.metrics["rank_optimizer_bytes"]);
+  TALLY_ASSIGN_OR_RETURN(
+      bool uniform,
+      SameOnEveryRank(engine.world(), {params, grads, optimizer}));
+  TALLY_RETURN_IF_ERROR(engine.DeleteModel(id).status());
+  return json{
+      {"kind", "model_state"},        {"mesh", MeshJson(engine.mesh().shape())},
+      {"param_bytes", params},        {"grad_bytes", grads},
+      {"optimizer_bytes", optimizer}, {"uniform_across_ranks", uniform}};
+}
+
+std::optional<std::string> GetEnv(const char* name) {
+  const char* value = std::getenv(name);
+  return value ? std::optional<std::string>(value) : std::nullopt;
+}
+
+absl::Status RunRank(const MeshShape& shape, const std::string& results_path) {
+  SetLogLevel(LogLevel::kWarning);
+  // One intra-op thread per rank: up to 8 ranks share the machine's cores.
+  torch::set_num_threads(1);
+  TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv({}, GetEnv));
+  TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+  TALLY_ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroups> groups,
+                         ProcessGroups::Create(env, mesh, kRendezvousTimeout));
+  TALLY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                         Engine::Create({}, mesh, std::move(groups)));
+  std::vector<json> rows;
+  for (GradSync sync : {GradSync::kEager, GradSync::kDeferred}) {
+    for (int k : kCallsPerStep) {
+      TALLY_ASSIGN_OR_RETURN(json row, MeasureStep(*engine, sync, k));
+      rows.push_back(std::move(row));
+    }
+  }
+  TALLY_ASSIGN_OR_RETURN(json state, MeasureModelState(*engine));
+  rows.push_back(std::move(state));
+  if (env.rank != 0) return absl::OkStatus();
+  std::ofstream out(results_path, std::ios::app);
+  for (const json& row : rows) out << row.dump() << "\n";
+  out.close();
+  if (!out) {
+    return absl::InternalError(absl::StrCat("cannot write ", results_path));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MeshShape> ParseMesh(absl::string_view text) {
+  std::vector<absl::string_view> parts = absl::StrSplit(text, ',');
+  int sizes[3];
+  if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &sizes[0]) ||
+      !absl::SimpleAtoi(parts[1], &sizes[1]) ||
+      !absl::SimpleAtoi(parts[2], &sizes[2])) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kMeshFlag, " wants dp_replicate,dp_shard,tp; got ", text));
+  }
+  return Shape(sizes[0], sizes[1], sizes[2]);
+}
+
+// ---------------------------------------------------------------------------
+// Launcher side: wire bytes, theory and tables.
+
+std::string MeshLabel(const json& mesh) {
+  std::vector<std::string> dims;
+  for (const char* dim : {"dp_replicate", "dp_shard", "tp"}) {
+    const int size = mesh.at(dim).get<int>();
+    if (size > 1) dims.push_back(absl::StrCat(dim, "=", size));
+  }
+  return dims.empty() ? "single rank" : absl::StrJoin(dims, " x ");
+}
+
+int WorldSize(const json& mesh) {
+  return mesh.at("dp_replicate").get<int>() * mesh.at("dp_shard").get<int>() *
+         mesh.at("tp").get<int>();
+}
+
+// Per-rank bytes on the wire of a bandwidth-optimal (ring) algorithm, from
+// the bytes a rank contributed (what the Communicator counts) in a group of
+// n ranks: all-reduce of X sends 2X(n-1)/n; all-gather of a shard s sends
+// s(n-1); reduce-scatter of a full input F sends F(n-1)/n natively, and
+// 2F(n-1)/n on Gloo, where tally runs it as an all-reduce of F. Broadcast
+// and send (none in a training step) count once.
+struct Wire {
+  double gloo = 0.0;
+  double native_reduce_scatter = 0.0;
+};
+
+Wire WireBytes(const json& group) {
+  const double n = group.at("size").get<int>();
+  const json& ops = group.at("ops");
+  auto bytes = [&](const char* op) {
+    return ops.at(op).at("bytes").get<double>();
+  };
+  const double ring = (n - 1) / n;
+  const double common = 2 * ring * bytes("all_reduce") +
+                        (n - 1) * bytes("all_gather") + bytes("broadcast") +
+                        bytes("send");
+  return {common + 2 * ring * bytes("reduce_scatter"),
+          common + ring * bytes("reduce_scatter")};
+}
+
+struct Volumes {
+  int64_t collectives = 0;
+  int64_t calls[3] = {0, 0, 0};  // all_reduce, all_gather, reduce_scatter
+  int64_t counted[3] = {0, 0, 0};
+  Wire dp;  // dp_replicate + dp_shard: gradients and ZeRO-3 parameters
+  Wire tp;  // Megatron activations
+  int64_t control_counted = 0;  // world + data: flags, token counts, norm
+  double dp_theory = 0.0;
+  double tp_theory = 0.0;
+};
+
+constexpr const char* kCountedOps[3] = {"all_reduce", "all_gather",
+                                        "reduce_scatter"};
+
+Volumes ComputeVolumes(const json& row) {
+  Volumes v;
+  for (const json& group : row.at("groups")) {
+    const std::string role = group.at("role").get<std::string>();
+    for (const auto& [op, counter] : group.at("ops").items()) {
+      v.collectives += counter.at("calls").get<int64_t>();
+    }
+    for (int i = 0; i < 3; ++i) {
+      const json& counter = group.at("ops").at(kCountedOps[i]);
+      v.calls[i] += counter.at("calls").get<int64_t>();
+      v.counted[i] += counter.at("bytes").get<int64_t>();
+    }
+    const Wire wire = WireBytes(group);
+    if (role == "dp_replicate" || role == "dp_shard") {
+      v.dp.gloo += wire.gloo;
+      v.dp.native_reduce_scatter += wire.native_reduce_scatter;
+    } else if (role == "tp") {
+      v.tp = wire;
+    } else {
+      for (const auto& [op, counter] : group.at("ops").items()) {
+        v.control_counted += counter.at("bytes").get<int64_t>();
+      }
+    }
+  }
+
+  const json& mesh = row.at("mesh");
+  const double r = mesh.at("dp_replicate").get<int>();
+  const double s = mesh.at("dp_shard").get<int>();
+  const double t = mesh.at("tp").get<int>();
+  // psi: the parameter bytes the data-parallel groups move, i.e. this rank's
+  // tp slice (tp-replicated norms in full); the whole model when tp = 1.
+  const double psi = row.at("tp_local_param_bytes").get<double>();
+  const double passes = row.at("micro_batches").get<double>();
+  // ZeRO-3, ring-style (seed-data-parallelism-zero): per forward/backward
+  // pass, forward all-gather psi + backward all-gather psi + gradient
+  // reduce-scatter psi, each (s-1)/s of it on the wire.
+  if (s > 1) v.dp_theory += 3 * psi * (s - 1) / s * passes;
+  // DP all-reduce of this rank's gradient shard psi/s: 2 psi/s (r-1)/r per
+  // synchronization; EAGER syncs after each of the k calls, DEFERRED once.
+  if (r > 1) {
+    const double syncs =
+        row.at("sync") == "eager" ? row.at("k").get<double>() : 1.0;
+    v.dp_theory += syncs * 2 * (psi / s) * (r - 1) / r;
+  }
+  // Megatron, per pass over P positions of hidden size h: 2 activation
+  // all-reduces per layer forward and 2 backward, the vocab-parallel
+  // embedding's forward and the lm_head input's backward ((4L + 2) P h
+  // elements), plus the vocab-parallel cross-entropy's max and [sum-exp,
+  // target] (3 P).
+  if (t > 1) {
+    const double positions = row.at("padded_tokens").get<double>();
+    const double elements = (4 * row.at("num_layers").get<double>() + 2) *
+                                positions *
+                                row.at("hidden_size").get<double>() +
+                            3 * positions;
+    v.tp_theory =
+        elements * row.at("element_bytes").get<double>() * 2 * (t - 1) / t;
+  }
+  return v;
+}
+
+std::string Megabytes(double bytes) {
+  return absl::StrFormat("%.3f", bytes / 1e6);
+}
+
+std::string Ratio(double measured, double theory) {
+  return theory > 0 ? absl::StrFormat("%.2f", measured / theory) : "-";
+}
+
+void PrintCommTables(const std::vector<json>& rows) {
+  const json& first = rows.front();
+  std::cout << absl::StrFormat(
+      "Model: embedded default (%.3f MB of fp32 parameters = Psi), %d samples "
+      "x %d tokens per ForwardBackward; one step = k ForwardBackward + "
+      "OptimStep.\n\n",
+      first.at("param_bytes").get<double>() / 1e6, kSamplesPerCall,
+      kTokensPerSample);
+
+  std::cout << "Table 1. Collectives and counted bytes per rank per step "
+               "(counted = bytes this rank contributed: the input of an "
+               "all-reduce or reduce-scatter, the shard of an all-gather; MB "
+               "= 1e6 bytes)\n";
+  std::cout << absl::StrFormat(
+      "%-34s %-8s %2s %6s %11s | %9s %9s | %9s %9s | %9s %9s | %8s\n", "mesh",
+      "sync", "k", "passes", "collectives", "AR calls", "AR MB", "AG calls",
+      "AG MB", "RS calls", "RS MB", "step ms");
+  for (const json& row : rows) {
+    const Volumes v = ComputeVolumes(row);
+    std::cout << absl::StrFormat(
+        "%-34s %-8s %2d %6d %11d | %9d %9s | %9d %9s | %9d %9s | %8.1f%s\n",
+        MeshLabel(row.at("mesh")), row.at("sync").get<std::string>(),
+        row.at("k").get<int>(), row.at("micro_batches").get<int>(),
+        v.collectives, v.calls[0], Megabytes(v.counted[0]), v.calls[1],
+        Megabytes(v.counted[1]), v.calls[2], Megabytes(v.counted[2]),
+        row.at("step_seconds").get<double>() * 1e3,
+        row.at("uniform_across_ranks").get<bool>()
+            ? ""
+            : "  (ranks differ: rank 0 shown)");
+  }
+
+  std::cout
+      << "\nTable 2. Wire bytes per rank per step (ring model: all-reduce "
+         "2X(n-1)/n, all-gather s(n-1), reduce-scatter F(n-1)/n natively, "
+         "2F(n-1)/n as Gloo's all-reduce + slice) against the theory\n"
+         "  dp theory: ZeRO-3 3*Psi_tp*(S-1)/S per forward/backward pass "
+         "+ DP all-reduce 2*(Psi_tp/S)*(R-1)/R per gradient sync (EAGER: k, "
+         "DEFERRED: 1); Psi_tp = this rank's tp slice of Psi\n"
+         "  tp theory: Megatron activation all-reduces ((4L+2)*P*h + 3P "
+         "elements per pass over P positions) * 2(T-1)/T\n"
+         "  control B: counted bytes on the world and data groups (failure "
+         "flags, per-sample loss sums, the gradient norm's one all-reduce)\n";
+  std::cout << absl::StrFormat(
+      "%-34s %-8s %2s | %10s %10s %6s %10s %6s | %9s %9s %6s | %10s\n", "mesh",
+      "sync", "k", "dp MB gloo", "dp theory", "ratio", "dp native", "ratio",
+      "tp MB", "tp theory", "ratio", "control B");
+  for (const json& row : rows) {
+    const Volumes v = ComputeVolumes(row);
+    std::cout << absl::StrFormat(
+        "%-34s %-8s %2d | %10s %10s %6s %10s %6s | %9s %9s %6s | %10d\n",
+        MeshLabel(row.at("mesh")), row.at("sync").get<std::string>(),
+        row.at("k").get<int>(), Megabytes(v.dp.gloo), Megabytes(v.dp_theory),
+        Ratio(v.dp.gloo, v.dp_theory), Megabytes(v.dp.native_reduce_scatter),
+        Ratio(v.dp.native_reduce_scatter, v.dp_theory), Megabytes(v.tp.gloo),
+        Megabytes(v.tp_theory), Ratio(v.tp.gloo, v.tp_theory),
+        v.control_counted);
+  }
+}
+
+// Prints the model-state table; false when the dp_shard-only meshes do not
+// scale as 1/S.
+bool PrintModelStateTable(const std::vector<json>& rows) {
+  std::optional<double> unsharded;
+  for (const json& row : rows) {
+    const json& mesh = row.at("mesh");
+    if (WorldSize(mesh) == 1) {
+      unsharded = row.at("param_bytes").get<double>() +
+                  row.at("grad_bytes").get<double>() +
+                  row.at("optimizer_bytes").get<double>();
+    }
+  }
+  std::cout << "\nTable 3. Model state per rank (fp32 parameters, gradients "
+               "after one ForwardBackward, AdamW moments)\n";
+  std::cout << absl::StrFormat("%-34s %10s %10s %12s %10s %16s\n", "mesh",
+                               "params MB", "grads MB", "optimizer MB",
+                               "total MB", "total*S/total(1)");
+  bool scales = unsharded.has_value();
+  for (const json& row : rows) {
+    const json& mesh = row.at("mesh");
+    const double total = row.at("param_bytes").get<double>() +
+                         row.at("grad_bytes").get<double>() +
+                         row.at("optimizer_bytes").get<double>();
+    const int s = mesh.at("dp_shard").get<int>();
+    const bool shard_only = WorldSize(mesh) == s;
+    std::string scaling = "-";
+    if (shard_only && unsharded) {
+      const double ratio = total * s / *unsharded;
+      scaling = absl::StrFormat("%.4f", ratio);
+      if (ratio < 1.0 || ratio > 1.0 + kShardingTolerance) {
+        scaling += "  NOT 1/S";
+        scales = false;
+      }
+    }
+    std::cout << absl::StrFormat(
+        "%-34s %10s %10s %12s %10s %16s%s\n", MeshLabel(mesh),
+        Megabytes(row.at("param_bytes").get<double>()),
+        Megabytes(row.at("grad_bytes").get<double>()),
+        Megabytes(row.at("optimizer_bytes").get<double>()), Megabytes(total),
+        scaling,
+        row.at("uniform_across_ranks").get<bool>()
+            ? ""
+            : "  (ranks differ: rank 0 shown)");
+  }
+  std::cout << (scales ? "dp_shard meshes scale as 1/S: yes\n"
+                       : "dp_shard meshes scale as 1/S: NO\n");
+  return scales;
+}
+
+json SummaryJson(const json& row) {
+  const Volumes v = ComputeVolumes(row);
+  json out = {{"bench", "comm"},
+              {"mesh", row.at("mesh")},
+              {"sync", row.at("sync")},
+              {"k", row.at("k")},
+              {"passes", row.at("micro_batches")},
+              {"collectives", v.collectives},
+              {"param_bytes", row.at("param_bytes")},
+              {"dp_wire_bytes_gloo", std::llround(v.dp.gloo)},
+              {"dp_wire_bytes_native_reduce_scatter",
+               std::llround(v.dp.native_reduce_scatter)},
+              {"dp_theory_bytes", std::llround(v.dp_theory)},
+              {"tp_wire_bytes", std::llround(v.tp.gloo)},
+              {"tp_theory_bytes", std::llround(v.tp_theory)},
+              {"control_counted_bytes", v.control_counted},
+              {"step_seconds", row.at("step_seconds")},
+              {"uniform_across_ranks", row.at("uniform_across_ranks")}};
+  for (int i = 0; i < 3; ++i) {
+    out["counted"][kCountedOps[i]] = {{"calls", v.calls[i]},
+                                      {"bytes", v.counted[i]}};
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<json>> LaunchMesh(const std::string& self,
+                                             const MeshShape& shape) {
+  std::string path = "/tmp/bench_comm_XXXXXX";
+  const int fd = mkstemp(path.data());
+  if (fd < 0) return absl::InternalError("mkstemp failed for the results file");
+  close(fd);
+  LaunchOptions launch;
+  launch.nproc = shape.world_size();
+  launch.args = {self,
+                 absl::StrCat(kMeshFlag, shape.dp_replicate, ",",
+                              shape.dp_shard, ",", shape.tp),
+                 absl::StrCat(kResultsFlag, path)};
+  const absl::Status launched = LaunchAndSupervise(launch);
+  std::vector<json> rows;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    rows.push_back(json::parse(line, nullptr, /*allow_exceptions=*/false));
+    if (rows.back().is_discarded()) {
+      return absl::InternalError(absl::StrCat("bad result line: ", line));
+    }
+  }
+  std::remove(path.c_str());
+  if (!launched.ok()) {
+    return absl::Status(
+        launched.code(),
+        absl::StrCat("mesh ", shape.ToString(), ": ", launched.message()));
+  }
+  return rows;
+}
+
+int RunBenchmark(const std::string& self) {
+  // The launcher waits for these with sigtimedwait; block them before any
+  // thread starts (see server/launcher.h).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // The launcher's per-rank start and exit lines would bury the tables.
+  SetLogLevel(LogLevel::kWarning);
+  std::vector<json> comm_rows, state_rows;
+  for (const MeshShape& shape : BenchMeshes()) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<json>> rows = LaunchMesh(self, shape);
+    if (!rows.ok()) {
+      std::cerr << "bench_comm: " << rows.status() << "\n";
+      return 1;
+    }
+    std::cerr << absl::StrFormat("bench_comm: %s (%d ranks) done in %.1f s\n",
+                                 shape.ToString(), shape.world_size(),
+                                 absl::ToDoubleSeconds(absl::Now() - start));
+    for (json& row : *rows) {
+      (row.at("kind") == "comm" ? comm_rows : state_rows)
+          .push_back(std::move(row));
+    }
+  }
+  PrintCommTables(comm_rows);
+  const bool scales = PrintModelStateTable(state_rows);
+  std::cout << "\nJSON (one line per row):\n";
+  for (const json& row : comm_rows)
+    std::cout << SummaryJson(row).dump() << "\n";
+  for (json row : state_rows) {
+    row.erase("kind");
+    row["bench"] = "model_state";
+    std::cout << row.dump() << "\n";
+  }
+  return scales ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace tally
+
+int main(int argc, char** argv) {
+  std::optional<std::string> mesh_arg, results_path;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (absl::ConsumePrefix(&arg, tally::kMeshFlag)) {
+      mesh_arg = std::string(arg);
+    } else if (absl::ConsumePrefix(&arg, tally::kResultsFlag)) {
+      results_path = std::string(arg);
+    } else {
+      std::cerr << "usage: " << argv[0]
+                << "\n  (runs every mesh; no options)\n";
+      return 2;
+    }
+  }
+  if (!mesh_arg) return tally::RunBenchmark(argv[0]);
+
+  alarm(tally::kRankDeadlineSeconds);
+  absl::Status status = absl::InvalidArgumentError(absl::StrCat(
+      tally::kResultsFlag, " is required with ", tally::kMeshFlag));
+  if (results_path) {
+    absl::StatusOr<tally::MeshShape> shape = tally::ParseMesh(*mesh_arg);
+    status =
+        shape.ok() ? tally::RunRank(*shape, *results_path) : shape.status();
+  }
+  if (!status.ok()) {
+    std::cerr << "bench_comm rank: " << status << "\n";
+    return 1;
+  }
+  return 0;
+}
