@@ -348,8 +348,13 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
   return contents;
 }
 
-absl::Status LoadWeightsInto(const CheckpointContents& contents,
-                             LlamaModel& model) {
+namespace {
+
+using WeightCopies = std::vector<std::pair<torch::Tensor*, const torch::Tensor*>>;
+
+// Every check of LoadWeightsInto, and the copies it would make.
+absl::StatusOr<WeightCopies> PlanWeightCopies(
+    const CheckpointContents& contents, LlamaModel& model) {
   TALLY_RETURN_IF_ERROR(CheckSameConfig(contents.config, model.config()));
 
   std::map<std::string, const torch::Tensor*> unclaimed;
@@ -359,9 +364,7 @@ absl::Status LoadWeightsInto(const CheckpointContents& contents,
           absl::StrCat("checkpoint weight ", name, " appears more than once"));
     }
   }
-  // Everything is validated before the first copy, so a failure leaves the
-  // model as it was.
-  std::vector<std::pair<torch::Tensor*, const torch::Tensor*>> copies;
+  WeightCopies copies;
   for (Parameter& p : model.parameters()) {
     const auto it = unclaimed.find(p.name);
     if (it == unclaimed.end()) {
@@ -391,6 +394,22 @@ absl::Status LoadWeightsInto(const CheckpointContents& contents,
     return absl::InvalidArgumentError(absl::StrCat(
         "checkpoint weight ", name, " is not a parameter of the model"));
   }
+  return copies;
+}
+
+}  // namespace
+
+absl::Status ValidateWeightsFor(const CheckpointContents& contents,
+                                LlamaModel& model) {
+  return PlanWeightCopies(contents, model).status();
+}
+
+absl::Status LoadWeightsInto(const CheckpointContents& contents,
+                             LlamaModel& model) {
+  // Everything is validated before the first copy, so a failure leaves the
+  // model as it was.
+  TALLY_ASSIGN_OR_RETURN(WeightCopies copies,
+                         PlanWeightCopies(contents, model));
   return CatchTorch("load weights", [&] {
     torch::NoGradGuard no_grad;
     for (auto& [target, source] : copies) target->copy_(*source);

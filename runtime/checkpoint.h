@@ -81,6 +81,12 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
 absl::Status LoadWeightsInto(const CheckpointContents& contents,
                              LlamaModel& model);
 
+// The checks of LoadWeightsInto without the copy: OK exactly when
+// LoadWeightsInto(contents, model) would succeed. Lets several ranks agree
+// before any of them changes its model.
+absl::Status ValidateWeightsFor(const CheckpointContents& contents,
+                                LlamaModel& model);
+
 }  // namespace tally
 
 #endif  // TALLY_RUNTIME_CHECKPOINT_H_

@@ -152,20 +152,29 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> MakeGlooDevice(
       });
 }
 
+// How long a training collective may wait for its peers (LibTorch's
+// default): long enough for a slow checkpoint write on rank 0.
+constexpr std::chrono::milliseconds kCollectiveTimeout = std::chrono::minutes(30);
+// Ranks > 0 wait on the control group for rank 0's next command, and a server
+// may sit idle for days: effectively never time out (ten years; Gloo adds the
+// timeout to the current time, so "max" would overflow).
+constexpr std::chrono::milliseconds kControlTimeout =
+    std::chrono::hours(24 * 365 * 10);
+
 // A Gloo group of `ranks` (this rank among them) under its own key prefix, so
 // groups never read each other's rendezvous keys.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooGroup(
     const c10::intrusive_ptr<c10d::Store>& store,
     const std::shared_ptr<gloo::transport::Device>& device,
     const std::string& name, const std::vector<int>& ranks, int rank,
-    absl::Time deadline) {
+    absl::Time deadline, std::chrono::milliseconds op_timeout) {
   if (ranks.size() == 1) return MakeSingleRankCommunicator();
   const int group_rank = static_cast<int>(
       std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
   absl::StatusOr<std::unique_ptr<Communicator>> group = CatchTorch(
       "creating a gloo group",
       [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {
-        auto options = c10d::ProcessGroupGloo::Options::create();
+        auto options = c10d::ProcessGroupGloo::Options::create(op_timeout);
         options->devices.push_back(device);
         auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
         return MakeProcessGroupCommunicator(
@@ -301,15 +310,17 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
     TALLY_ASSIGN_OR_RETURN(groups->store_, ConnectStore(env, deadline));
     TALLY_ASSIGN_OR_RETURN(device, MakeGlooDevice(env));
   }
-  auto make_group = [&](const std::string& name,
-                        const std::vector<int>& ranks) {
+  auto make_group = [&](const std::string& name, const std::vector<int>& ranks,
+                        std::chrono::milliseconds op_timeout =
+                            kCollectiveTimeout) {
     return MakeGlooGroup(groups->store_, device, name, ranks, env.rank,
-                         deadline);
+                         deadline, op_timeout);
   };
   std::vector<int> everyone(env.world_size);
   std::iota(everyone.begin(), everyone.end(), 0);
   TALLY_ASSIGN_OR_RETURN(groups->world_, make_group("world", everyone));
-  TALLY_ASSIGN_OR_RETURN(groups->control_, make_group("control", everyone));
+  TALLY_ASSIGN_OR_RETURN(groups->control_,
+                         make_group("control", everyone, kControlTimeout));
   for (const std::vector<MeshDim>& dims : GroupDims()) {
     const std::vector<int> ranks = mesh.GroupRanks(dims);
     // Named by its members, so the name is unique among all ranks' groups.

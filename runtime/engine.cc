@@ -129,6 +129,18 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
         absl::StrCat("default_max_grad_norm must be finite and >= 0, got ",
                      spec.default_max_grad_norm));
   }
+  // Building can fail on one rank only (an unreadable init_checkpoint, memory):
+  // the ranks agree before any of them adds the model.
+  absl::StatusOr<std::unique_ptr<ModelState>> built = BuildModel(spec);
+  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(built.status()));
+  std::unique_ptr<ModelState> state = *std::move(built);
+  ModelSummary summary = Summarize(*state);
+  models_[state->spec.model_id] = std::move(state);
+  return summary;
+}
+
+absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
+    ModelSpec spec) {
   std::optional<CheckpointContents> init;
   if (!spec.init_checkpoint.empty()) {
     TALLY_ASSIGN_OR_RETURN(init, ReadCheckpoint(spec.init_checkpoint,
@@ -157,10 +169,8 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
   }
   state->optimizer = std::make_unique<Optimizer>(
       spec.optimizer, &state->model->parameters());
-  state->spec = spec;
-  ModelSummary summary = Summarize(*state);
-  models_[spec.model_id] = std::move(state);
-  return summary;
+  state->spec = std::move(spec);
+  return state;
 }
 
 absl::StatusOr<ModelSummary> Engine::GetModel(
@@ -515,28 +525,39 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
                                                   const std::string& path,
                                                   bool load_optimizer) {
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
-  TALLY_ASSIGN_OR_RETURN(CheckpointContents contents,
-                         ReadCheckpoint(path, load_optimizer));
-  if (state->model->sharded()) KeepLocalShards(*state->model, contents);
-  // Stage the optimizer first so a bad file changes nothing.
+  // Phase 1, which changes nothing: read, keep the local shards, stage the
+  // optimizer and check the weights. A file one rank cannot read fails on
+  // that rank only, so the ranks agree before any of them loads.
+  CheckpointContents contents;
   auto optimizer = std::make_unique<Optimizer>(state->spec.optimizer,
                                                &state->model->parameters());
-  if (load_optimizer) {
-    if (!contents.manifest) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, " holds no optimizer state (not a tally checkpoint); use "
-                "load_optimizer = false"));
+  absl::Status staged = [&]() -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(contents, ReadCheckpoint(path, load_optimizer));
+    if (state->model->sharded()) KeepLocalShards(*state->model, contents);
+    if (load_optimizer) {
+      if (!contents.manifest) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            path, " holds no optimizer state (not a tally checkpoint); use "
+                  "load_optimizer = false"));
+      }
+      if (contents.manifest->optimizer != state->spec.optimizer) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            path, " holds ", OptimizerName(contents.manifest->optimizer),
+            " state but model '", model_id, "' uses ",
+            OptimizerName(state->spec.optimizer)));
+      }
+      TALLY_RETURN_IF_ERROR(optimizer->LoadState(
+          contents.optimizer_state, contents.manifest->optimizer_step_count));
     }
-    if (contents.manifest->optimizer != state->spec.optimizer) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, " holds ", OptimizerName(contents.manifest->optimizer),
-          " state but model '", model_id, "' uses ",
-          OptimizerName(state->spec.optimizer)));
-    }
-    TALLY_RETURN_IF_ERROR(optimizer->LoadState(
-        contents.optimizer_state, contents.manifest->optimizer_step_count));
+    return ValidateWeightsFor(contents, *state->model);
+  }();
+  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(staged));
+  // Phase 2: apply.
+  absl::Status loaded = LoadWeightsInto(contents, *state->model);
+  if (!loaded.ok()) {
+    state->poisoned = true;  // a copy failed midway: weights are mixed
+    return loaded;
   }
-  TALLY_RETURN_IF_ERROR(LoadWeightsInto(contents, *state->model));
   LoadResult result;
   result.discarded = state->window.counts();
   state->optimizer = std::move(optimizer);

@@ -113,6 +113,8 @@ class Engine {
   absl::StatusOr<ModelState*> Find(const std::string& model_id);
   absl::StatusOr<const ModelState*> Find(const std::string& model_id) const;
   static ModelSummary Summarize(const ModelState& state);
+  // Everything CreateModel does that may fail, before the model is added.
+  absl::StatusOr<std::unique_ptr<ModelState>> BuildModel(ModelSpec spec);
   absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
       ModelState& state, const ForwardBackwardArgs& args);
   // Sums this call's gradients over dp_replicate, leaving earlier calls'

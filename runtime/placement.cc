@@ -11,6 +11,9 @@ std::string Placement::ToString() const {
 bool Placements::IsCanonicalReplica(const Mesh& mesh) const {
   for (int d = 0; d < kNumMeshDims; ++d) {
     MeshDim dim = static_cast<MeshDim>(d);
+    // ep is carved out of dp_shard x cp, whose placements already decide
+    // which copies count.
+    if (dim == MeshDim::kEp) continue;
     if (!placements_[d].is_shard() && mesh.coord(dim) != 0) return false;
   }
   return true;

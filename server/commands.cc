@@ -158,8 +158,13 @@ absl::Status CommandLoop(Engine& engine, Communicator& control) {
             "unknown replicated command ", static_cast<int64_t>(command)));
     }
     if (!status.ok()) {
-      Log(LogLevel::kDebug, absl::StrCat("replicated command failed: ",
-                                         status.ToString()));
+      // Rejected requests are the client's business (rank 0 answers them);
+      // anything else is worth a look on this rank too.
+      const bool rejected =
+          absl::IsInvalidArgument(status) || absl::IsNotFound(status) ||
+          absl::IsAlreadyExists(status) || absl::IsFailedPrecondition(status);
+      Log(rejected ? LogLevel::kDebug : LogLevel::kWarning,
+          absl::StrCat("replicated command failed: ", status.ToString()));
     }
   }
 }

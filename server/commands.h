@@ -67,9 +67,10 @@ absl::Status ExecuteLoadCheckpoint(Engine& engine,
 absl::Status ReplicateCommand(Communicator& control, Command command,
                               const google::protobuf::Message& request);
 
-// Ranks > 0: executes replicated commands until kShutdown. A command that
-// fails fails on rank 0 as well (the engine agrees on errors), so failures
-// are logged, not fatal; a broken control group ends the loop with its error.
+// Ranks > 0: executes replicated commands until kShutdown. Failures that can
+// differ between ranks are agreed inside the engine, so a failed command
+// failed on rank 0 too and is only logged; a broken control group ends the
+// loop with its error.
 absl::Status CommandLoop(Engine& engine, Communicator& control);
 
 }  // namespace tally

@@ -32,6 +32,31 @@ absl::Status WritePortFile(const std::string& path, int grpc_port,
   return absl::OkStatus();
 }
 
+// Settings every rank must share: the micro-batch plan decides how many
+// collectives a ForwardBackward issues, and the demo model must exist
+// everywhere. An external launcher may pass ranks different flags.
+absl::Status CheckSameOnEveryRank(Communicator& world,
+                                  const ServerOptions& options) {
+  if (world.size() == 1) return absl::OkStatus();
+  const std::vector<std::pair<const char*, double>> settings = {
+      {"--max-batch-tokens", static_cast<double>(options.max_batch_tokens)},
+      {"--demo-model", options.demo_model ? 1.0 : 0.0}};
+  std::vector<double> values;
+  for (const auto& [flag, value] : settings) values.push_back(value);
+  torch::Tensor high = torch::tensor(values, torch::kFloat64);
+  torch::Tensor negated_low = -high;
+  TALLY_RETURN_IF_ERROR(world.AllReduce(high, ReduceOp::kMax));
+  TALLY_RETURN_IF_ERROR(world.AllReduce(negated_low, ReduceOp::kMax));
+  for (size_t i = 0; i < settings.size(); ++i) {
+    if (high[i].item<double>() != -negated_low[i].item<double>()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          settings[i].first, " differs between ranks; every rank needs the "
+                             "same value"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
@@ -69,6 +94,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     TALLY_ASSIGN_OR_RETURN(
         engine, Engine::Create(engine_options, mesh, std::move(groups)));
   }
+  TALLY_RETURN_IF_ERROR(CheckSameOnEveryRank(engine->world(), options));
   if (options.demo_model) {
     // Every rank creates it, in the same order, before any command.
     ModelSpec spec;

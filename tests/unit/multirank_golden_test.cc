@@ -174,6 +174,19 @@ absl::Status CheckCheckpointsAcrossMeshes(Engine& engine, Engine& reference,
   }
   const std::string single_dir = absl::StrCat(dir, "_single_rank", env.rank);
   TALLY_RETURN_IF_ERROR(reference.SaveCheckpoint(id, single_dir).status());
+
+  // A checkpoint that one rank cannot read: every rank refuses, none loads.
+  const std::vector<torch::Tensor> before = testing::ParameterValues(model);
+  TALLY_RETURN_IF_ERROR(engine.ForwardBackward(id, {Calls()[1]}).status());
+  const std::string unreadable_on_last_rank =
+      env.rank == env.world_size - 1 ? dir + "_missing" : dir;
+  EXPECT_FALSE(engine.LoadCheckpoint(id, unreadable_on_last_rank, true).ok());
+  EXPECT_EQ(engine.GetModel(id)->window.calls, 1);  // kept everywhere
+  const std::vector<torch::Tensor> after = testing::ParameterValues(model);
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(torch::equal(before[i], after[i])) << i;
+  }
+  TALLY_RETURN_IF_ERROR(engine.AbortAccumulation(id).status());
   TALLY_RETURN_IF_ERROR(engine.LoadCheckpoint(id, single_dir, true).status());
   for (const std::vector<Sample>& call : Calls()) {
     TALLY_RETURN_IF_ERROR(engine.ForwardBackward(id, {call}).status());
