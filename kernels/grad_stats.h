@@ -12,9 +12,9 @@
 #ifndef TALLY_KERNELS_GRAD_STATS_H_
 #define TALLY_KERNELS_GRAD_STATS_H_
 
-#include <vector>
-
 #include <torch/torch.h>
+
+#include <vector>
 
 namespace tally::kernels {
 

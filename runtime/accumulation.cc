@@ -9,11 +9,11 @@ namespace tally {
 
 absl::Status AccumulationWindow::CheckReduction(LossReduction reduction) const {
   if (counts_.reduction && *counts_.reduction != reduction) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "reduction ", ReductionName(reduction),
-        " differs from the pending window's ",
-        ReductionName(*counts_.reduction), " (", counts_.calls,
-        " calls); call OptimStep or AbortAccumulation first"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("reduction ", ReductionName(reduction),
+                     " differs from the pending window's ",
+                     ReductionName(*counts_.reduction), " (", counts_.calls,
+                     " calls); call OptimStep or AbortAccumulation first"));
   }
   return absl::OkStatus();
 }
@@ -47,8 +47,8 @@ absl::StatusOr<ClipResult> NormalizeAndClip(std::vector<Parameter>& parameters,
   if (!(normalizer > 0)) {
     return absl::FailedPreconditionError("normalizer must be > 0");
   }
-  TALLY_ASSIGN_OR_RETURN(GradNorm raw, ComputeGlobalGradNorm(
-                                           parameters, mesh, world, norm_type));
+  TALLY_ASSIGN_OR_RETURN(
+      GradNorm raw, ComputeGlobalGradNorm(parameters, mesh, world, norm_type));
   // ||g / N|| = ||g|| / N: measuring the raw gradient lets a non-finite
   // result leave the window untouched.
   ClipResult result;

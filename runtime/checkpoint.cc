@@ -6,6 +6,7 @@
 #include <fstream>
 #include <initializer_list>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -14,8 +15,6 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -350,7 +349,8 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
 
 namespace {
 
-using WeightCopies = std::vector<std::pair<torch::Tensor*, const torch::Tensor*>>;
+using WeightCopies =
+    std::vector<std::pair<torch::Tensor*, const torch::Tensor*>>;
 
 // Every check of LoadWeightsInto, and the copies it would make.
 absl::StatusOr<WeightCopies> PlanWeightCopies(

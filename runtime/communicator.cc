@@ -11,12 +11,18 @@ namespace tally {
 
 const char* CommOpName(CommOp op) {
   switch (op) {
-    case CommOp::kAllReduce: return "all_reduce";
-    case CommOp::kAllGather: return "all_gather";
-    case CommOp::kReduceScatter: return "reduce_scatter";
-    case CommOp::kBroadcast: return "broadcast";
-    case CommOp::kSend: return "send";
-    case CommOp::kRecv: return "recv";
+    case CommOp::kAllReduce:
+      return "all_reduce";
+    case CommOp::kAllGather:
+      return "all_gather";
+    case CommOp::kReduceScatter:
+      return "reduce_scatter";
+    case CommOp::kBroadcast:
+      return "broadcast";
+    case CommOp::kSend:
+      return "send";
+    case CommOp::kRecv:
+      return "recv";
   }
   return "unknown";
 }
@@ -77,16 +83,17 @@ class ProcessGroupCommunicator : public Communicator {
   absl::StatusOr<torch::Tensor> ReduceScatter(
       const torch::Tensor& input) override {
     if (input.dim() == 0 || input.size(0) % size() != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "reduce_scatter: dim 0 of ", c10::str(input.sizes()),
-          " is not divisible by the group size ", size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("reduce_scatter: dim 0 of ", c10::str(input.sizes()),
+                       " is not divisible by the group size ", size()));
     }
     stats_.Record(CommOp::kReduceScatter, Bytes(input));
     return CatchTorch("reduce_scatter", [&]() -> absl::StatusOr<torch::Tensor> {
       int64_t chunk = input.size(0) / size();
       if (native_reduce_scatter_) {
         torch::Tensor contiguous = input.contiguous();
-        torch::Tensor output = torch::empty_like(contiguous.narrow(0, 0, chunk));
+        torch::Tensor output =
+            torch::empty_like(contiguous.narrow(0, 0, chunk));
         group_->_reduce_scatter_base(output, contiguous)->wait();
         return output;
       }

@@ -13,13 +13,13 @@
 #ifndef TALLY_RUNTIME_COMMUNICATOR_H_
 #define TALLY_RUNTIME_COMMUNICATOR_H_
 
+#include <torch/torch.h>
+
 #include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <torch/torch.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"

@@ -154,7 +154,8 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> MakeGlooDevice(
 
 // How long a training collective may wait for its peers (LibTorch's
 // default): long enough for a slow checkpoint write on rank 0.
-constexpr std::chrono::milliseconds kCollectiveTimeout = std::chrono::minutes(30);
+constexpr std::chrono::milliseconds kCollectiveTimeout =
+    std::chrono::minutes(30);
 // Ranks > 0 wait on the control group for rank 0's next command, and a server
 // may sit idle for days: effectively never time out (ten years; Gloo adds the
 // timeout to the current time, so "max" would overflow).

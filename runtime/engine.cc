@@ -12,8 +12,7 @@ namespace tally {
 namespace {
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                       start)
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
       .count();
 }
 
@@ -52,9 +51,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   std::unique_ptr<Engine> engine(new Engine(options, std::move(mesh)));
   EngineGroups& g = engine->groups_;
   g.world = &groups->world();
-  TALLY_ASSIGN_OR_RETURN(g.data, groups->group({MeshDim::kDpReplicate,
-                                                MeshDim::kDpShard}));
-  TALLY_ASSIGN_OR_RETURN(g.dp_replicate, groups->group({MeshDim::kDpReplicate}));
+  TALLY_ASSIGN_OR_RETURN(
+      g.data, groups->group({MeshDim::kDpReplicate, MeshDim::kDpShard}));
+  TALLY_ASSIGN_OR_RETURN(g.dp_replicate,
+                         groups->group({MeshDim::kDpReplicate}));
   TALLY_ASSIGN_OR_RETURN(g.dp_shard, groups->group({MeshDim::kDpShard}));
   TALLY_ASSIGN_OR_RETURN(g.tp, groups->group({MeshDim::kTp}));
   engine->control_ = &groups->control();
@@ -160,15 +160,15 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   ModelSharding sharding;
   sharding.tp = groups_.tp;
   sharding.dp_shard = groups_.dp_shard;
-  TALLY_ASSIGN_OR_RETURN(state->model, LlamaModel::Create(spec.config,
-                                                          spec.dtype, spec.seed,
-                                                          sharding));
+  TALLY_ASSIGN_OR_RETURN(
+      state->model,
+      LlamaModel::Create(spec.config, spec.dtype, spec.seed, sharding));
   if (init) {
     if (state->model->sharded()) KeepLocalShards(*state->model, *init);
     TALLY_RETURN_IF_ERROR(LoadWeightsInto(*init, *state->model));
   }
-  state->optimizer = std::make_unique<Optimizer>(
-      spec.optimizer, &state->model->parameters());
+  state->optimizer =
+      std::make_unique<Optimizer>(spec.optimizer, &state->model->parameters());
   state->spec = std::move(spec);
   return state;
 }
@@ -228,13 +228,11 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     num_batches = std::max(num_batches, plan.size());
     if (r == groups_.data->rank()) batches = std::move(plan);
   }
-  static const std::vector<Sample> kEmpty = {
-      Sample{{0}, {kIgnoreIndex}, {}}};
+  static const std::vector<Sample> kEmpty = {Sample{{0}, {kIgnoreIndex}, {}}};
 
-  const bool sync_call = !args.forward_only &&
-                         groups_.dp_replicate->size() > 1 &&
-                         (state.spec.grad_sync == GradSync::kEager ||
-                          state.replicas_summed);
+  const bool sync_call =
+      !args.forward_only && groups_.dp_replicate->size() > 1 &&
+      (state.spec.grad_sync == GradSync::kEager || state.replicas_summed);
   std::vector<torch::Tensor> earlier;
   if (sync_call) {
     for (Parameter& p : params) {
@@ -295,7 +293,8 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     TALLY_RETURN_IF_ERROR(groups_.data->AllReduce(gathered, ReduceOp::kSum));
   }
   if (sync_call) {
-    TALLY_RETURN_IF_ERROR(SumCallGradientsOverReplicas(params, std::move(earlier)));
+    TALLY_RETURN_IF_ERROR(
+        SumCallGradientsOverReplicas(params, std::move(earlier)));
   }
 
   ForwardBackwardResult result;
@@ -321,9 +320,8 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     result.loss_mean =
         result.num_samples > 0 ? sample_mean_sum / result.num_samples : 0.0;
   } else {
-    result.loss_mean = result.valid_tokens > 0
-                           ? result.loss_sum / result.valid_tokens
-                           : 0.0;
+    result.loss_mean =
+        result.valid_tokens > 0 ? result.loss_sum / result.valid_tokens : 0.0;
   }
   if (!args.forward_only) {
     state.window.Add(args.reduction, result.valid_tokens, result.num_samples);
@@ -350,8 +348,8 @@ absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
 absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
   for (Parameter& p : params) {
     if (!p.tensor.grad().defined()) continue;
-    TALLY_RETURN_IF_ERROR(
-        groups_.dp_replicate->AllReduce(p.tensor.mutable_grad(), ReduceOp::kSum));
+    TALLY_RETURN_IF_ERROR(groups_.dp_replicate->AllReduce(
+        p.tensor.mutable_grad(), ReduceOp::kSum));
   }
   return absl::OkStatus();
 }
@@ -395,8 +393,8 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   const double max_norm =
       args.max_grad_norm.value_or(state->spec.default_max_grad_norm);
   if (!std::isfinite(max_norm) || max_norm < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_grad_norm must be finite and >= 0, got ", max_norm));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_grad_norm must be finite and >= 0, got ", max_norm));
   }
   if (state->window.empty()) {
     return absl::FailedPreconditionError(
@@ -449,8 +447,9 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
         absl::StrCat("non-finite gradient norm (", clip.norm.total, ")");
     if (args.nonfinite == NonFinitePolicy::kError) {
       return absl::FailedPreconditionError(absl::StrCat(
-          reason, "; nothing changed and the window is kept (policy ERROR); "
-                  "call AbortAccumulation to discard it"));
+          reason,
+          "; nothing changed and the window is kept (policy ERROR); "
+          "call AbortAccumulation to discard it"));
     }
     ClearWindow(*state);
     result.skipped = true;
@@ -505,7 +504,8 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
         full_optimizer->LoadState(full_state, optimizer->step_count()));
     for (size_t i = 0; i < model->parameters().size(); ++i) {
       const Parameter& p = model->parameters()[i];
-      TALLY_ASSIGN_OR_RETURN(torch::Tensor full, model->GatherFull(p, p.tensor));
+      TALLY_ASSIGN_OR_RETURN(torch::Tensor full,
+                             model->GatherFull(p, p.tensor));
       torch::NoGradGuard no_grad;
       full_model->parameters()[i].tensor.copy_(full);
     }
@@ -537,8 +537,9 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
     if (load_optimizer) {
       if (!contents.manifest) {
         return absl::FailedPreconditionError(absl::StrCat(
-            path, " holds no optimizer state (not a tally checkpoint); use "
-                  "load_optimizer = false"));
+            path,
+            " holds no optimizer state (not a tally checkpoint); use "
+            "load_optimizer = false"));
       }
       if (contents.manifest->optimizer != state->spec.optimizer) {
         return absl::FailedPreconditionError(absl::StrCat(

@@ -119,8 +119,8 @@ class Engine {
       ModelState& state, const ForwardBackwardArgs& args);
   // Sums this call's gradients over dp_replicate, leaving earlier calls'
   // (already summed) untouched.
-  absl::Status SumCallGradientsOverReplicas(
-      std::vector<Parameter>& params, std::vector<torch::Tensor> earlier);
+  absl::Status SumCallGradientsOverReplicas(std::vector<Parameter>& params,
+                                            std::vector<torch::Tensor> earlier);
   absl::Status SumGradientsOverReplicas(std::vector<Parameter>& params);
   // Every rank returns an error if any rank's `local` is one, so no rank
   // applies what another refused.

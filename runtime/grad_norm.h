@@ -26,7 +26,8 @@
 namespace tally {
 
 struct GradNorm {
-  double total = 0.0;   // NaN if any gradient element is NaN, else Inf if any is Inf
+  double total =
+      0.0;  // NaN if any gradient element is NaN, else Inf if any is Inf
   double dense = 0.0;
   double expert = 0.0;
 };

@@ -1,7 +1,6 @@
 #include "runtime/llama_config.h"
 
 #include <cmath>
-
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -49,20 +48,20 @@ absl::Status LlamaConfig::Validate() const {
     if (absl::Status s = positive(field, value); !s.ok()) return s;
   }
   if (hidden_size % num_attention_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.num_attention_heads (", num_attention_heads,
-        ") must divide config.hidden_size (", hidden_size, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.num_attention_heads (", num_attention_heads,
+                     ") must divide config.hidden_size (", hidden_size, ")"));
   }
   if (head_dim() % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.hidden_size / config.num_attention_heads (", head_dim(),
-        ") must be even for rotary embeddings"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.hidden_size / config.num_attention_heads (",
+                     head_dim(), ") must be even for rotary embeddings"));
   }
   if (num_attention_heads % num_key_value_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.num_key_value_heads (", num_key_value_heads,
-        ") must divide config.num_attention_heads (", num_attention_heads,
-        ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.num_key_value_heads (", num_key_value_heads,
+                     ") must divide config.num_attention_heads (",
+                     num_attention_heads, ")"));
   }
   if (!(rms_norm_eps > 0.0) || !std::isfinite(rms_norm_eps)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -113,19 +112,20 @@ std::string LlamaConfig::ToHfJson(const std::string& dtype_name) const {
 }
 
 absl::StatusOr<LlamaConfig> LlamaConfig::FromHfJson(const std::string& text) {
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  nlohmann::json j =
+      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError("config.json is not a JSON object");
   }
   if (j.contains("model_type") && j["model_type"] != "llama") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json model_type is ", j["model_type"].dump(),
-        "; tally loads llama models"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json model_type is ", j["model_type"].dump(),
+                     "; tally loads llama models"));
   }
   if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json hidden_act is ", j["hidden_act"].dump(),
-        "; tally implements silu"));
+    return absl::InvalidArgumentError(absl::StrCat("config.json hidden_act is ",
+                                                   j["hidden_act"].dump(),
+                                                   "; tally implements silu"));
   }
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     return absl::InvalidArgumentError(

@@ -21,9 +21,9 @@ struct LlamaConfig {
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
   int64_t num_attention_heads = 0;
-  int64_t num_key_value_heads = 0;  // 0: = num_attention_heads
-  double rms_norm_eps = 0.0;        // 0: 1e-6
-  double rope_theta = 0.0;          // 0: 10000
+  int64_t num_key_value_heads = 0;      // 0: = num_attention_heads
+  double rms_norm_eps = 0.0;            // 0: 1e-6
+  double rope_theta = 0.0;              // 0: 10000
   int64_t max_position_embeddings = 0;  // 0: 2048
   bool tie_word_embeddings = false;
 

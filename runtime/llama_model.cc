@@ -1,8 +1,8 @@
 #include "runtime/llama_model.h"
 
-#include <cmath>
-
 #include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/parallel_ops.h"
@@ -22,9 +22,9 @@ absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp) {
         {"intermediate_size", config.intermediate_size},
         {"vocab_size", config.vocab_size}}) {
     if (value % tp != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.", field, " (", value, ") is not divisible by tp (", tp,
-          ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.", field, " (", value,
+                       ") is not divisible by tp (", tp, ")"));
     }
   }
   return absl::OkStatus();
@@ -35,8 +35,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
     const ModelSharding& sharding) {
   TALLY_RETURN_IF_ERROR(config.Validate());
   TALLY_RETURN_IF_ERROR(ValidateTensorParallel(config, sharding.tp_size()));
-  std::unique_ptr<LlamaModel> model(
-      new LlamaModel(config, dtype, sharding));
+  std::unique_ptr<LlamaModel> model(new LlamaModel(config, dtype, sharding));
   TALLY_RETURN_IF_ERROR(CatchTorch("model init", [&] {
     torch::NoGradGuard no_grad;
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -45,8 +44,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
     // tp_dim: the dim split over tp (-1: replicated over tp).
     auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm,
                    int tp_dim) -> int {
-      torch::Tensor full = is_norm ? torch::ones(shape, options)
-                                   : torch::empty(shape, options);
+      torch::Tensor full =
+          is_norm ? torch::ones(shape, options) : torch::empty(shape, options);
       if (!is_norm) full.normal_(0.0, 0.02, generator);
       Parameter p;
       p.name = std::move(name);
@@ -101,11 +100,12 @@ torch::Tensor LlamaModel::LocalShard(const Parameter& p,
   torch::Tensor local = full;
   const Placement& tp = p.placements.at(MeshDim::kTp);
   if (tp.is_shard()) {
-    local = local.chunk(sharding_.tp_size(), tp.shard_dim())[sharding_.tp_rank()];
+    local =
+        local.chunk(sharding_.tp_size(), tp.shard_dim())[sharding_.tp_rank()];
   }
   if (p.placements.at(MeshDim::kDpShard).is_shard()) {
-    local = ShardDim0(local, sharding_.dp_shard_rank(),
-                      sharding_.dp_shard_size());
+    local =
+        ShardDim0(local, sharding_.dp_shard_rank(), sharding_.dp_shard_size());
   }
   return local.contiguous().clone();
 }
@@ -136,8 +136,9 @@ torch::Tensor LlamaModel::Weight(int index) {
 }
 
 torch::Tensor LlamaModel::EnterTensorParallel(const torch::Tensor& x) {
-  return sharding_.tp_size() == 1 ? x
-                                  : CopyToTensorParallelRegion(x, *sharding_.tp);
+  return sharding_.tp_size() == 1
+             ? x
+             : CopyToTensorParallelRegion(x, *sharding_.tp);
 }
 
 torch::Tensor LlamaModel::LeaveTensorParallel(const torch::Tensor& x) {
@@ -219,8 +220,8 @@ torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
 
   // Rotary tables in the model dtype: inv_freq = 1 / theta^(2i/d).
   torch::Tensor inv_freq =
-      1.0 / torch::pow(config_.rope_theta,
-                       torch::arange(0, d, 2, options) / static_cast<double>(d));
+      1.0 / torch::pow(config_.rope_theta, torch::arange(0, d, 2, options) /
+                                               static_cast<double>(d));
   torch::Tensor freqs =
       torch::outer(torch::arange(seq, options), inv_freq);  // [T, d/2]
   torch::Tensor emb = torch::cat({freqs, freqs}, -1);       // [T, d]
@@ -238,22 +239,20 @@ torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
   // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
   const int64_t vocab_start =
       sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
-  torch::Tensor x =
-      sharding_.tp_size() == 1
-          ? torch::embedding(Weight(embed_), inputs)
-          : VocabParallelEmbedding(inputs, Weight(embed_), vocab_start,
-                                   *sharding_.tp);
+  torch::Tensor x = sharding_.tp_size() == 1
+                        ? torch::embedding(Weight(embed_), inputs)
+                        : VocabParallelEmbedding(inputs, Weight(embed_),
+                                                 vocab_start, *sharding_.tp);
   for (size_t layer = 0; layer < layers_.size(); ++layer) {
     const LayerIndex& idx = layers_[layer];
     x = x + Attention(static_cast<int>(layer),
                       EnterTensorParallel(RmsNorm(x, Weight(idx.input_norm))),
                       cos, sin, mask);
-    torch::Tensor h =
-        EnterTensorParallel(RmsNorm(x, Weight(idx.post_norm)));
-    x = x + LeaveTensorParallel(torch::linear(
-                torch::silu(torch::linear(h, Weight(idx.gate))) *
-                    torch::linear(h, Weight(idx.up)),
-                Weight(idx.down)));
+    torch::Tensor h = EnterTensorParallel(RmsNorm(x, Weight(idx.post_norm)));
+    x = x + LeaveTensorParallel(
+                torch::linear(torch::silu(torch::linear(h, Weight(idx.gate))) *
+                                  torch::linear(h, Weight(idx.up)),
+                              Weight(idx.down)));
   }
   torch::Tensor logits = torch::linear(
       EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), Weight(lm_head_));

@@ -13,12 +13,12 @@
 #ifndef TALLY_RUNTIME_LLAMA_MODEL_H_
 #define TALLY_RUNTIME_LLAMA_MODEL_H_
 
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <torch/torch.h>
 
 #include "absl/status/statusor.h"
 #include "runtime/communicator.h"

@@ -16,10 +16,14 @@ std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
 
 const char* LevelTag(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "D";
-    case LogLevel::kInfo: return "I";
-    case LogLevel::kWarning: return "W";
-    case LogLevel::kError: return "E";
+    case LogLevel::kDebug:
+      return "D";
+    case LogLevel::kInfo:
+      return "I";
+    case LogLevel::kWarning:
+      return "W";
+    case LogLevel::kError:
+      return "E";
   }
   return "?";
 }
@@ -42,10 +46,11 @@ bool LogEnabled(LogLevel level) { return static_cast<int>(level) >= g_level; }
 void Log(LogLevel level, absl::string_view message) {
   if (!LogEnabled(level)) return;
   // One fputs per line keeps lines from different threads whole.
-  std::string line = absl::StrCat(
-      LevelTag(level),
-      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()),
-      " ", getpid(), "] ", message, "\n");
+  std::string line =
+      absl::StrCat(LevelTag(level),
+                   absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(),
+                                    absl::UTCTimeZone()),
+                   " ", getpid(), "] ", message, "\n");
   std::fputs(line.c_str(), stderr);
 }
 

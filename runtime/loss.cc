@@ -21,9 +21,9 @@ absl::Status ValidateSamples(const LlamaConfig& config,
           absl::StrCat(field, ".input_tokens must not be empty"));
     }
     if (s.target_tokens.size() != s.input_tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".target_tokens has ", s.target_tokens.size(),
-          " tokens but input_tokens has ", s.input_tokens.size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".target_tokens has ", s.target_tokens.size(),
+                       " tokens but input_tokens has ", s.input_tokens.size()));
     }
     if (!s.weights.empty() && s.weights.size() != s.input_tokens.size()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -32,10 +32,10 @@ absl::Status ValidateSamples(const LlamaConfig& config,
     }
     if (static_cast<int64_t>(s.input_tokens.size()) >
         config.max_position_embeddings) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".input_tokens has ", s.input_tokens.size(),
-          " tokens, more than max_position_embeddings (",
-          config.max_position_embeddings, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".input_tokens has ", s.input_tokens.size(),
+                       " tokens, more than max_position_embeddings (",
+                       config.max_position_embeddings, ")"));
     }
     for (size_t t = 0; t < s.input_tokens.size(); ++t) {
       const int32_t in = s.input_tokens[t], target = s.target_tokens[t];
@@ -168,11 +168,11 @@ LossTerms ComputeLoss(const torch::Tensor& target_logprobs,
   terms.counted_samples = counted.sum().item<int64_t>();
   if (reduction == LossReduction::kSampleMean) {
     // 1 / T_b for counted samples; samples with T_b = 0 contribute nothing.
-    torch::Tensor inv_len =
-        torch::where(counted,
-                     1.0 / terms.sample_valid_tokens.clamp_min(1).to(
-                               per_sample.scalar_type()),
-                     torch::zeros_like(per_sample));
+    torch::Tensor inv_len = torch::where(
+        counted,
+        1.0 /
+            terms.sample_valid_tokens.clamp_min(1).to(per_sample.scalar_type()),
+        torch::zeros_like(per_sample));
     terms.raw_loss = (per_sample * inv_len).sum();
   } else {
     terms.raw_loss = per_sample.sum();

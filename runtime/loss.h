@@ -9,7 +9,8 @@
 // to one single-device step on every sample of the window.
 //
 //   TALLY_RETURN_IF_ERROR(tally::ValidateSamples(config, samples));
-//   for (const std::vector<int>& rows : tally::PlanBatches(samples, all, 8192)) {
+//   for (const std::vector<int>& rows : tally::PlanBatches(samples, all, 8192))
+//   {
 //     tally::PackedBatch batch = tally::PackRows(samples, rows, dtype);
 //     torch::Tensor logprobs = model.TargetLogprobs(batch.inputs, ...);
 //     tally::LossTerms terms = tally::ComputeLoss(logprobs, batch, reduction);
@@ -18,10 +19,10 @@
 #ifndef TALLY_RUNTIME_LOSS_H_
 #define TALLY_RUNTIME_LOSS_H_
 
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <vector>
-
-#include <torch/torch.h>
 
 #include "absl/status/status.h"
 #include "runtime/llama_config.h"
@@ -67,9 +68,9 @@ std::vector<std::vector<int>> PartitionSamples(
     const std::vector<Sample>& samples, int num_ranks);
 
 struct LossTerms {
-  torch::Tensor raw_loss;            // scalar, differentiable
-  torch::Tensor sample_loss_sums;    // [B] fp64, detached: sum of w * l
-  torch::Tensor sample_valid_tokens; // [B] int64
+  torch::Tensor raw_loss;             // scalar, differentiable
+  torch::Tensor sample_loss_sums;     // [B] fp64, detached: sum of w * l
+  torch::Tensor sample_valid_tokens;  // [B] int64
   int64_t valid_tokens = 0;
   int64_t counted_samples = 0;  // rows with at least one valid token
 };

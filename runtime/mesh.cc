@@ -7,24 +7,36 @@ namespace tally {
 
 const char* MeshDimName(MeshDim dim) {
   switch (dim) {
-    case MeshDim::kPp: return "pp";
-    case MeshDim::kDpReplicate: return "dp_replicate";
-    case MeshDim::kDpShard: return "dp_shard";
-    case MeshDim::kCp: return "cp";
-    case MeshDim::kTp: return "tp";
-    case MeshDim::kEp: return "ep";
+    case MeshDim::kPp:
+      return "pp";
+    case MeshDim::kDpReplicate:
+      return "dp_replicate";
+    case MeshDim::kDpShard:
+      return "dp_shard";
+    case MeshDim::kCp:
+      return "cp";
+    case MeshDim::kTp:
+      return "tp";
+    case MeshDim::kEp:
+      return "ep";
   }
   return "unknown";
 }
 
 int MeshShape::size(MeshDim dim) const {
   switch (dim) {
-    case MeshDim::kPp: return pp;
-    case MeshDim::kDpReplicate: return dp_replicate;
-    case MeshDim::kDpShard: return dp_shard;
-    case MeshDim::kCp: return cp;
-    case MeshDim::kTp: return tp;
-    case MeshDim::kEp: return ep;
+    case MeshDim::kPp:
+      return pp;
+    case MeshDim::kDpReplicate:
+      return dp_replicate;
+    case MeshDim::kDpShard:
+      return dp_shard;
+    case MeshDim::kCp:
+      return cp;
+    case MeshDim::kTp:
+      return tp;
+    case MeshDim::kEp:
+      return ep;
   }
   return 1;
 }
@@ -44,9 +56,9 @@ absl::StatusOr<Mesh> Mesh::Create(const MeshShape& shape, int rank) {
     }
   }
   if ((shape.dp_shard * shape.cp) % shape.ep != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mesh.ep (", shape.ep, ") must divide dp_shard * cp (",
-        shape.dp_shard * shape.cp, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("mesh.ep (", shape.ep, ") must divide dp_shard * cp (",
+                     shape.dp_shard * shape.cp, ")"));
   }
   if (rank < 0 || rank >= shape.world_size()) {
     return absl::InvalidArgumentError(absl::StrCat(

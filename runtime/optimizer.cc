@@ -75,10 +75,9 @@ absl::Status Optimizer::LoadState(
     for (const auto& [n, t] : tensors) {
       if (n != name) continue;
       if (t.sizes() != like.sizes()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("optimizer state ", name, " has shape ", 
-                         c10::str(t.sizes()), ", expected ",
-                         c10::str(like.sizes())));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer state ", name, " has shape ", c10::str(t.sizes()),
+            ", expected ", c10::str(like.sizes())));
       }
       return t.to(like.scalar_type()).clone();
     }
@@ -87,7 +86,8 @@ absl::Status Optimizer::LoadState(
   };
   if (kind_ == OptimizerKind::kAdamW) {
     for (const Parameter& p : *parameters_) {
-      TALLY_ASSIGN_OR_RETURN(torch::Tensor m, find(p.name + ".exp_avg", p.tensor));
+      TALLY_ASSIGN_OR_RETURN(torch::Tensor m,
+                             find(p.name + ".exp_avg", p.tensor));
       TALLY_ASSIGN_OR_RETURN(torch::Tensor v,
                              find(p.name + ".exp_avg_sq", p.tensor));
       exp_avg.push_back(std::move(m));
@@ -109,8 +109,10 @@ absl::Status ValidateAdamParams(const AdamParams& hp,
   if (!std::isfinite(hp.learning_rate) || hp.learning_rate < 0) {
     return bad("learning_rate", hp.learning_rate, "finite and >= 0");
   }
-  if (!(hp.beta1 >= 0 && hp.beta1 < 1)) return bad("beta1", hp.beta1, "in [0, 1)");
-  if (!(hp.beta2 >= 0 && hp.beta2 < 1)) return bad("beta2", hp.beta2, "in [0, 1)");
+  if (!(hp.beta1 >= 0 && hp.beta1 < 1))
+    return bad("beta1", hp.beta1, "in [0, 1)");
+  if (!(hp.beta2 >= 0 && hp.beta2 < 1))
+    return bad("beta2", hp.beta2, "in [0, 1)");
   if (!std::isfinite(hp.eps) || hp.eps <= 0) {
     return bad("eps", hp.eps, "finite and > 0");
   }

@@ -12,12 +12,12 @@
 #ifndef TALLY_RUNTIME_OPTIMIZER_H_
 #define TALLY_RUNTIME_OPTIMIZER_H_
 
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <torch/torch.h>
 
 #include "absl/status/status.h"
 #include "runtime/llama_model.h"

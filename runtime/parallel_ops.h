@@ -43,9 +43,9 @@
 #ifndef TALLY_RUNTIME_PARALLEL_OPS_H_
 #define TALLY_RUNTIME_PARALLEL_OPS_H_
 
-#include <cstdint>
-
 #include <torch/torch.h>
+
+#include <cstdint>
 
 #include "runtime/communicator.h"
 

@@ -27,7 +27,9 @@ class Placement {
   bool is_shard() const { return shard_dim_ >= 0; }
   int shard_dim() const { return shard_dim_; }
   std::string ToString() const;  // "Replicate" or "Shard(0)"
-  bool operator==(const Placement& o) const { return shard_dim_ == o.shard_dim_; }
+  bool operator==(const Placement& o) const {
+    return shard_dim_ == o.shard_dim_;
+  }
 
  private:
   explicit Placement(int shard_dim) : shard_dim_(shard_dim) {}

@@ -9,12 +9,11 @@
 #include <cstdint>
 #include <filesystem>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <tuple>
 #include <variant>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/status.h"

@@ -17,12 +17,12 @@
 #ifndef TALLY_RUNTIME_SAFETENSORS_H_
 #define TALLY_RUNTIME_SAFETENSORS_H_
 
+#include <torch/torch.h>
+
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <torch/torch.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"

@@ -26,18 +26,18 @@
 #define TALLY_STATUS_CONCAT_INNER_(a, b) a##b
 #define TALLY_STATUS_CONCAT_(a, b) TALLY_STATUS_CONCAT_INNER_(a, b)
 
-#define TALLY_RETURN_IF_ERROR(expr)                  \
-  do {                                               \
-    ::absl::Status tally_status_ = (expr);           \
-    if (!tally_status_.ok()) return tally_status_;   \
+#define TALLY_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::absl::Status tally_status_ = (expr);         \
+    if (!tally_status_.ok()) return tally_status_; \
   } while (false)
 
-#define TALLY_ASSIGN_OR_RETURN(lhs, expr)                                   \
-  TALLY_ASSIGN_OR_RETURN_IMPL_(                                             \
+#define TALLY_ASSIGN_OR_RETURN(lhs, expr) \
+  TALLY_ASSIGN_OR_RETURN_IMPL_(           \
       TALLY_STATUS_CONCAT_(tally_statusor_, __LINE__), lhs, expr)
 
-#define TALLY_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                                 \
+#define TALLY_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr)  \
+  auto statusor = (expr);                                  \
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = std::move(statusor).value()
 
@@ -47,9 +47,9 @@ namespace tally {
 // INTERNAL status naming `what`. `fn` returns void, absl::Status or
 // absl::StatusOr<T>.
 template <typename Fn>
-auto CatchTorch(const char* what, Fn&& fn) -> decltype(
-    std::conditional_t<std::is_void_v<decltype(fn())>, absl::Status,
-                       decltype(fn())>()) {
+auto CatchTorch(const char* what, Fn&& fn)
+    -> decltype(std::conditional_t<std::is_void_v<decltype(fn())>, absl::Status,
+                                   decltype(fn())>()) {
   using R = decltype(fn());
   try {
     if constexpr (std::is_void_v<R>) {

@@ -12,9 +12,12 @@ const char* OptimizerName(OptimizerKind optimizer) {
 
 const char* ReductionName(LossReduction reduction) {
   switch (reduction) {
-    case LossReduction::kTokenMean: return "token_mean";
-    case LossReduction::kSampleMean: return "sample_mean";
-    case LossReduction::kSum: return "sum";
+    case LossReduction::kTokenMean:
+      return "token_mean";
+    case LossReduction::kSampleMean:
+      return "sample_mean";
+    case LossReduction::kSum:
+      return "sum";
   }
   return "unknown";
 }

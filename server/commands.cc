@@ -62,7 +62,8 @@ absl::Status ExecuteSaveCheckpoint(Engine& engine,
                                    const v1::SaveCheckpointRequest& request,
                                    v1::SaveCheckpointResponse* response) {
   TALLY_ASSIGN_OR_RETURN(
-      SaveResult saved, engine.SaveCheckpoint(request.model_id(), request.path()));
+      SaveResult saved,
+      engine.SaveCheckpoint(request.model_id(), request.path()));
   response->set_path(saved.path);
   response->set_step(saved.step);
   response->set_bytes_written(saved.bytes_written);
@@ -72,10 +73,10 @@ absl::Status ExecuteSaveCheckpoint(Engine& engine,
 absl::Status ExecuteLoadCheckpoint(Engine& engine,
                                    const v1::LoadCheckpointRequest& request,
                                    v1::LoadCheckpointResponse* response) {
-  TALLY_ASSIGN_OR_RETURN(LoadResult loaded,
-                         engine.LoadCheckpoint(request.model_id(),
-                                               request.path(),
-                                               request.load_optimizer()));
+  TALLY_ASSIGN_OR_RETURN(
+      LoadResult loaded,
+      engine.LoadCheckpoint(request.model_id(), request.path(),
+                            request.load_optimizer()));
   ToProto(loaded.model, response->mutable_model());
   response->set_discarded_calls(loaded.discarded.calls);
   response->set_discarded_tokens(loaded.discarded.tokens);
@@ -95,9 +96,8 @@ absl::Status ReplicateCommand(Communicator& control, Command command,
       torch::kInt64);
   TALLY_RETURN_IF_ERROR(control.Broadcast(header, /*root=*/0));
   if (payload.empty()) return absl::OkStatus();
-  torch::Tensor bytes = torch::from_blob(payload.data(),
-                                         {static_cast<int64_t>(payload.size())},
-                                         torch::kUInt8);
+  torch::Tensor bytes = torch::from_blob(
+      payload.data(), {static_cast<int64_t>(payload.size())}, torch::kUInt8);
   return control.Broadcast(bytes, /*root=*/0);
 }
 
@@ -125,7 +125,8 @@ absl::Status CommandLoop(Engine& engine, Communicator& control) {
     std::string payload(static_cast<size_t>(header[1].item<int64_t>()), '\0');
     if (!payload.empty()) {
       torch::Tensor bytes = torch::from_blob(
-          payload.data(), {static_cast<int64_t>(payload.size())}, torch::kUInt8);
+          payload.data(), {static_cast<int64_t>(payload.size())},
+          torch::kUInt8);
       TALLY_RETURN_IF_ERROR(control.Broadcast(bytes, /*root=*/0));
     }
     absl::Status status;
@@ -154,8 +155,8 @@ absl::Status CommandLoop(Engine& engine, Communicator& control) {
         status = Run(engine, payload, &ExecuteLoadCheckpoint);
         break;
       default:
-        return absl::DataLossError(absl::StrCat(
-            "unknown replicated command ", static_cast<int64_t>(command)));
+        return absl::DataLossError(absl::StrCat("unknown replicated command ",
+                                                static_cast<int64_t>(command)));
     }
     if (!status.ok()) {
       // Rejected requests are the client's business (rank 0 answers them);

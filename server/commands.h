@@ -15,9 +15,9 @@
 #ifndef TALLY_SERVER_COMMANDS_H_
 #define TALLY_SERVER_COMMANDS_H_
 
-#include <cstdint>
-
 #include <google/protobuf/message.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "runtime/communicator.h"

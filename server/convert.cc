@@ -74,26 +74,42 @@ absl::Status ValidateModelId(const std::string& model_id,
 
 absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
   ModelSpec spec;
-  if (!r.model_id().empty()) TALLY_RETURN_IF_ERROR(ValidateModelId(r.model_id()));
+  if (!r.model_id().empty())
+    TALLY_RETURN_IF_ERROR(ValidateModelId(r.model_id()));
   spec.model_id = r.model_id();
   spec.seed = r.seed();
   switch (r.dtype()) {
     case v1::DTYPE_UNSPECIFIED:
-    case v1::DTYPE_FLOAT32: spec.dtype = DType::kFloat32; break;
-    case v1::DTYPE_FLOAT64: spec.dtype = DType::kFloat64; break;
-    default: return BadEnum("dtype", r.dtype());
+    case v1::DTYPE_FLOAT32:
+      spec.dtype = DType::kFloat32;
+      break;
+    case v1::DTYPE_FLOAT64:
+      spec.dtype = DType::kFloat64;
+      break;
+    default:
+      return BadEnum("dtype", r.dtype());
   }
   switch (r.optimizer()) {
     case v1::OPTIMIZER_UNSPECIFIED:
-    case v1::OPTIMIZER_ADAMW: spec.optimizer = OptimizerKind::kAdamW; break;
-    case v1::OPTIMIZER_SGD: spec.optimizer = OptimizerKind::kSgd; break;
-    default: return BadEnum("optimizer", r.optimizer());
+    case v1::OPTIMIZER_ADAMW:
+      spec.optimizer = OptimizerKind::kAdamW;
+      break;
+    case v1::OPTIMIZER_SGD:
+      spec.optimizer = OptimizerKind::kSgd;
+      break;
+    default:
+      return BadEnum("optimizer", r.optimizer());
   }
   switch (r.grad_sync()) {
     case v1::GRAD_SYNC_UNSPECIFIED:
-    case v1::GRAD_SYNC_EAGER: spec.grad_sync = GradSync::kEager; break;
-    case v1::GRAD_SYNC_DEFERRED: spec.grad_sync = GradSync::kDeferred; break;
-    default: return BadEnum("grad_sync", r.grad_sync());
+    case v1::GRAD_SYNC_EAGER:
+      spec.grad_sync = GradSync::kEager;
+      break;
+    case v1::GRAD_SYNC_DEFERRED:
+      spec.grad_sync = GradSync::kDeferred;
+      break;
+    default:
+      return BadEnum("grad_sync", r.grad_sync());
   }
   const AdamOverrides adam = ParseAdam(r.default_adam());
   if (spec.optimizer == OptimizerKind::kSgd &&
@@ -128,15 +144,19 @@ absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
     case v1::LOSS_REDUCTION_SAMPLE_MEAN:
       args.reduction = LossReduction::kSampleMean;
       break;
-    case v1::LOSS_REDUCTION_SUM: args.reduction = LossReduction::kSum; break;
-    default: return BadEnum("reduction", r.reduction());
+    case v1::LOSS_REDUCTION_SUM:
+      args.reduction = LossReduction::kSum;
+      break;
+    default:
+      return BadEnum("reduction", r.reduction());
   }
   args.forward_only = r.forward_only();
   args.return_logprobs = r.return_logprobs();
   args.samples.reserve(r.samples_size());
   for (const v1::Sample& s : r.samples()) {
     Sample sample;
-    sample.input_tokens.assign(s.input_tokens().begin(), s.input_tokens().end());
+    sample.input_tokens.assign(s.input_tokens().begin(),
+                               s.input_tokens().end());
     sample.target_tokens.assign(s.target_tokens().begin(),
                                 s.target_tokens().end());
     sample.weights.assign(s.weights().begin(), s.weights().end());
@@ -161,9 +181,14 @@ absl::StatusOr<OptimStepArgs> ParseOptimStep(const v1::OptimStepRequest& r) {
   }
   switch (r.norm_type()) {
     case v1::NORM_TYPE_UNSPECIFIED:
-    case v1::NORM_TYPE_L2: args.norm_type = NormType::kL2; break;
-    case v1::NORM_TYPE_INF: args.norm_type = NormType::kInf; break;
-    default: return BadEnum("norm_type", r.norm_type());
+    case v1::NORM_TYPE_L2:
+      args.norm_type = NormType::kL2;
+      break;
+    case v1::NORM_TYPE_INF:
+      args.norm_type = NormType::kInf;
+      break;
+    default:
+      return BadEnum("norm_type", r.norm_type());
   }
   switch (r.nonfinite()) {
     case v1::NON_FINITE_POLICY_UNSPECIFIED:
@@ -173,7 +198,8 @@ absl::StatusOr<OptimStepArgs> ParseOptimStep(const v1::OptimStepRequest& r) {
     case v1::NON_FINITE_POLICY_ERROR:
       args.nonfinite = NonFinitePolicy::kError;
       break;
-    default: return BadEnum("nonfinite", r.nonfinite());
+    default:
+      return BadEnum("nonfinite", r.nonfinite());
   }
   return args;
 }
@@ -189,9 +215,12 @@ absl::Status ValidateCheckpointPath(const std::string& path) {
 v1::LossReduction ToProto(std::optional<LossReduction> reduction) {
   if (!reduction) return v1::LOSS_REDUCTION_UNSPECIFIED;
   switch (*reduction) {
-    case LossReduction::kTokenMean: return v1::LOSS_REDUCTION_TOKEN_MEAN;
-    case LossReduction::kSampleMean: return v1::LOSS_REDUCTION_SAMPLE_MEAN;
-    case LossReduction::kSum: return v1::LOSS_REDUCTION_SUM;
+    case LossReduction::kTokenMean:
+      return v1::LOSS_REDUCTION_TOKEN_MEAN;
+    case LossReduction::kSampleMean:
+      return v1::LOSS_REDUCTION_SAMPLE_MEAN;
+    case LossReduction::kSum:
+      return v1::LOSS_REDUCTION_SUM;
   }
   return v1::LOSS_REDUCTION_UNSPECIFIED;
 }
@@ -216,9 +245,8 @@ void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
   adam->set_eps(s.default_adam.eps);
   adam->set_weight_decay(s.default_adam.weight_decay);
   out->set_default_max_grad_norm(s.default_max_grad_norm);
-  out->set_grad_sync(s.grad_sync == GradSync::kDeferred
-                         ? v1::GRAD_SYNC_DEFERRED
-                         : v1::GRAD_SYNC_EAGER);
+  out->set_grad_sync(s.grad_sync == GradSync::kDeferred ? v1::GRAD_SYNC_DEFERRED
+                                                        : v1::GRAD_SYNC_EAGER);
 }
 
 void ToProto(const ForwardBackwardResult& r, v1::ForwardBackwardResponse* out) {

@@ -25,10 +25,12 @@ namespace tally {
 absl::Status ValidateModelId(const std::string& model_id,
                              const std::string& field = "model_id");
 
-absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& request);
+absl::StatusOr<ModelSpec> ParseCreateModel(
+    const v1::CreateModelRequest& request);
 absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
     const v1::ForwardBackwardRequest& request);
-absl::StatusOr<OptimStepArgs> ParseOptimStep(const v1::OptimStepRequest& request);
+absl::StatusOr<OptimStepArgs> ParseOptimStep(
+    const v1::OptimStepRequest& request);
 // Non-empty path with no NUL byte.
 absl::Status ValidateCheckpointPath(const std::string& path);
 

@@ -20,8 +20,8 @@ struct FlagSpec {
 
 absl::Status BadValue(const char* flag, const std::string& value,
                       const char* expected) {
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--", flag, ": expected ", expected, ", got '", value, "'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, ": expected ", expected, ", got '", value, "'"));
 }
 
 auto IntFlag(const char* flag, int64_t min, int64_t max,
@@ -29,8 +29,9 @@ auto IntFlag(const char* flag, int64_t min, int64_t max,
   return [=](ServerOptions& o, const std::string& v) -> absl::Status {
     int64_t parsed;
     if (!absl::SimpleAtoi(v, &parsed) || parsed < min || parsed > max) {
-      return BadValue(flag, v,
-                      absl::StrCat("an integer in [", min, ", ", max, "]").c_str());
+      return BadValue(
+          flag, v,
+          absl::StrCat("an integer in [", min, ", ", max, "]").c_str());
     }
     assign(o, parsed);
     return absl::OkStatus();
@@ -64,8 +65,9 @@ const std::vector<FlagSpec>& Flags() {
          return absl::OkStatus();
        }},
       {"master-port", "N", "rendezvous port on rank 0 (overrides MASTER_PORT)",
-       IntFlag("master-port", 1, 65535,
-               [](ServerOptions& o, int64_t v) { o.rank_env.master_port = v; })},
+       IntFlag(
+           "master-port", 1, 65535,
+           [](ServerOptions& o, int64_t v) { o.rank_env.master_port = v; })},
       {"rendezvous-timeout-secs", "S",
        "how long ranks retry reaching rank 0 (DNS may lag in Kubernetes)",
        IntFlag("rendezvous-timeout-secs", 1, 86400,

@@ -63,8 +63,7 @@ int main(int argc, char** argv) {
   if ((*engine)->mesh().rank() != 0) {
     // Ranks > 0 ignore SIGTERM (it stays blocked): they stop when rank 0,
     // having drained its requests, replicates the shutdown command.
-    absl::Status status =
-        tally::CommandLoop(**engine, (*engine)->control());
+    absl::Status status = tally::CommandLoop(**engine, (*engine)->control());
     if (!status.ok()) {
       tally::Log(tally::LogLevel::kError,
                  absl::StrCat("command loop: ", status.ToString()));

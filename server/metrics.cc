@@ -57,8 +57,9 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
            .Register(r);
   m->clip_coefficient_ = &prometheus::BuildGauge()
                               .Name("tally_clip_coefficient")
-                              .Help("Clip coefficient of the last step (1: "
-                                    "not clipped)")
+                              .Help(
+                                  "Clip coefficient of the last step (1: "
+                                  "not clipped)")
                               .Register(r);
   m->optim_steps_ = &prometheus::BuildCounter()
                          .Name("tally_optim_steps_total")
@@ -70,8 +71,9 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
                           .Register(r);
   m->samples_ = &prometheus::BuildCounter()
                      .Name("tally_samples_total")
-                     .Help("Samples with at least one valid token "
-                           "backpropagated")
+                     .Help(
+                         "Samples with at least one valid token "
+                         "backpropagated")
                      .Register(r);
   m->pending_tokens_ = &prometheus::BuildGauge()
                             .Name("tally_pending_tokens")
@@ -85,11 +87,10 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
                         .Name("tally_model_step")
                         .Help("Optimizer steps applied to the model")
                         .Register(r);
-  m->forward_backward_seconds_ =
-      &prometheus::BuildHistogram()
-           .Name("tally_forward_backward_seconds")
-           .Help("ForwardBackward execution time")
-           .Register(r);
+  m->forward_backward_seconds_ = &prometheus::BuildHistogram()
+                                      .Name("tally_forward_backward_seconds")
+                                      .Help("ForwardBackward execution time")
+                                      .Register(r);
   m->optim_step_seconds_ = &prometheus::BuildHistogram()
                                 .Name("tally_optim_step_seconds")
                                 .Help("OptimStep execution time")
@@ -137,11 +138,8 @@ ServerMetrics::ModelSeries& ServerMetrics::Series(const std::string& id) {
         &clip_coefficient_->Add(l),
         &optim_steps_->Add(with("outcome", "applied")),
         &optim_steps_->Add(with("outcome", "skipped_nonfinite")),
-        &valid_tokens_->Add(l),
-        &samples_->Add(l),
-        &pending_tokens_->Add(l),
-        &loss_->Add(l),
-        &model_step_->Add(l),
+        &valid_tokens_->Add(l), &samples_->Add(l), &pending_tokens_->Add(l),
+        &loss_->Add(l), &model_step_->Add(l),
         &forward_backward_seconds_->Add(l, LatencyBuckets()),
         &optim_step_seconds_->Add(l, LatencyBuckets())});
   }
@@ -153,9 +151,9 @@ void ServerMetrics::RecordRequest(const std::string& method,
   requests_->Add({{"method", method}, {"code", code}}).Increment();
 }
 
-void ServerMetrics::RecordForwardBackward(const std::string& model_id,
-                                          const v1::ForwardBackwardResponse& result,
-                                          bool accumulated, double seconds) {
+void ServerMetrics::RecordForwardBackward(
+    const std::string& model_id, const v1::ForwardBackwardResponse& result,
+    bool accumulated, double seconds) {
   absl::MutexLock lock(&mu_);
   ModelSeries& s = Series(model_id);
   s.forward_backward_seconds->Observe(seconds);

@@ -10,15 +10,15 @@
 #ifndef TALLY_SERVER_METRICS_H_
 #define TALLY_SERVER_METRICS_H_
 
-#include <map>
-#include <memory>
-#include <string>
-
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+
+#include <map>
+#include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -69,7 +69,8 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>* pending_tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* loss_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_step_ = nullptr;
-  prometheus::Family<prometheus::Histogram>* forward_backward_seconds_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* forward_backward_seconds_ =
+      nullptr;
   prometheus::Family<prometheus::Histogram>* optim_step_seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
   prometheus::Gauge* models_ = nullptr;

@@ -1,10 +1,10 @@
 #include "server/server.h"
 
-#include <chrono>
-#include <fstream>
-
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+
+#include <chrono>
+#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/log.h"
@@ -27,7 +27,8 @@ absl::Status WritePortFile(const std::string& path, int grpc_port,
     }
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", path));
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", tmp, " to ", path));
   }
   return absl::OkStatus();
 }
@@ -49,9 +50,10 @@ absl::Status CheckSameOnEveryRank(Communicator& world,
   TALLY_RETURN_IF_ERROR(world.AllReduce(negated_low, ReduceOp::kMax));
   for (size_t i = 0; i < settings.size(); ++i) {
     if (high[i].item<double>() != -negated_low[i].item<double>()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          settings[i].first, " differs between ranks; every rank needs the "
-                             "same value"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(settings[i].first,
+                       " differs between ranks; every rank needs the "
+                       "same value"));
     }
   }
   return absl::OkStatus();
@@ -72,10 +74,10 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
                        return std::string(value);
                      }));
   if (env.world_size != options.mesh.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the world has ", env.world_size, " ranks (from ", env.source,
-        ") but the mesh (", options.mesh.ToString(), ") needs ",
-        options.mesh.world_size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the world has ", env.world_size, " ranks (from ",
+                     env.source, ") but the mesh (", options.mesh.ToString(),
+                     ") needs ", options.mesh.world_size()));
   }
   TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(options.mesh, env.rank));
   std::unique_ptr<Engine> engine;
@@ -102,9 +104,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     spec.config = LlamaConfig::EmbeddedDefault();
     spec.default_max_grad_norm = 1.0;
     TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
-    Log(LogLevel::kInfo, absl::StrCat("created model '", kDemoModelId, "' (",
-                                      spec.config.NumParameters(),
-                                      " parameters)"));
+    Log(LogLevel::kInfo,
+        absl::StrCat("created model '", kDemoModelId, "' (",
+                     spec.config.NumParameters(), " parameters)"));
   }
   return engine;
 }
@@ -113,22 +115,22 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
     const ServerOptions& options, std::unique_ptr<Engine> engine) {
   if (options.max_message_bytes < 1024 ||
       options.max_message_bytes > std::numeric_limits<int>::max()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max-message-bytes must be in [1024, 2^31), got ",
-        options.max_message_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-message-bytes must be in [1024, 2^31), got ",
+                     options.max_message_bytes));
   }
   std::unique_ptr<TallyServer> s(new TallyServer());
   s->options_ = options;
   s->engine_ = std::move(engine);
   TALLY_ASSIGN_OR_RETURN(
-      s->metrics_,
-      ServerMetrics::Create(absl::StrCat(options.host, ":", options.metrics_port)));
+      s->metrics_, ServerMetrics::Create(
+                       absl::StrCat(options.host, ":", options.metrics_port)));
   s->metrics_->SetModelCount(s->engine_->num_models());
   s->executor_ = std::make_unique<CommandExecutor>();
 
-  s->service_ = std::make_unique<TrainerService>(
-      s->engine_.get(), &s->engine_->control(), s->executor_.get(),
-      s->metrics_.get());
+  s->service_ =
+      std::make_unique<TrainerService>(s->engine_.get(), &s->engine_->control(),
+                                       s->executor_.get(), s->metrics_.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -148,8 +150,8 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
                    s->grpc_port_, ", metrics on http://", options.host, ":",
                    s->metrics_->port(), "/metrics"));
   if (!options.port_file.empty()) {
-    TALLY_RETURN_IF_ERROR(WritePortFile(options.port_file, s->grpc_port_,
-                                        s->metrics_->port()));
+    TALLY_RETURN_IF_ERROR(
+        WritePortFile(options.port_file, s->grpc_port_, s->metrics_->port()));
   }
   return s;
 }
@@ -163,10 +165,9 @@ void TallyServer::Shutdown() {
     // Load balancers and probes see NOT_SERVING before the port closes.
     server_->GetHealthCheckService()->SetServingStatus(false);
     Log(LogLevel::kInfo, "shutting down: finishing in-flight requests");
-    const auto deadline =
-        std::chrono::system_clock::now() +
-        std::chrono::milliseconds(
-            static_cast<int64_t>(options_.shutdown_timeout_secs * 1000));
+    const auto deadline = std::chrono::system_clock::now() +
+                          std::chrono::milliseconds(static_cast<int64_t>(
+                              options_.shutdown_timeout_secs * 1000));
     // Waits for queued commands, which the executor is still running.
     server_->Shutdown(deadline);
   }

@@ -10,11 +10,11 @@
 #ifndef TALLY_SERVER_SERVER_H_
 #define TALLY_SERVER_SERVER_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "runtime/distributed.h"

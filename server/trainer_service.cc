@@ -18,8 +18,7 @@ grpc::Status ToGrpc(const absl::Status& status) {
 }
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                       start)
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
       .count();
 }
 
@@ -62,16 +61,16 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
 grpc::ServerUnaryReactor* TrainerService::CreateModel(
     grpc::CallbackServerContext* context, const v1::CreateModelRequest* request,
     v1::ModelInfo* response) {
-  return Execute("CreateModel", context, ParseCreateModel(*request).status(),
-                 [this, request, response]() -> absl::Status {
-                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
-                       *control_, Command::kCreateModel, *request));
-                   TALLY_RETURN_IF_ERROR(
-                       ExecuteCreateModel(*engine_, *request, response));
-                   metrics_->SetModelCount(engine_->num_models());
-                   metrics_->SetPendingTokens(response->model_id(), 0);
-                   return absl::OkStatus();
-                 });
+  return Execute(
+      "CreateModel", context, ParseCreateModel(*request).status(),
+      [this, request, response]() -> absl::Status {
+        TALLY_RETURN_IF_ERROR(
+            ReplicateCommand(*control_, Command::kCreateModel, *request));
+        TALLY_RETURN_IF_ERROR(ExecuteCreateModel(*engine_, *request, response));
+        metrics_->SetModelCount(engine_->num_models());
+        metrics_->SetPendingTokens(response->model_id(), 0);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::GetModel(
@@ -102,16 +101,16 @@ grpc::ServerUnaryReactor* TrainerService::ListModels(
 grpc::ServerUnaryReactor* TrainerService::DeleteModel(
     grpc::CallbackServerContext* context, const v1::DeleteModelRequest* request,
     v1::DeleteModelResponse* response) {
-  return Execute("DeleteModel", context, ValidateModelId(request->model_id()),
-                 [this, request, response]() -> absl::Status {
-                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
-                       *control_, Command::kDeleteModel, *request));
-                   TALLY_RETURN_IF_ERROR(
-                       ExecuteDeleteModel(*engine_, *request, response));
-                   metrics_->RemoveModel(request->model_id());
-                   metrics_->SetModelCount(engine_->num_models());
-                   return absl::OkStatus();
-                 });
+  return Execute(
+      "DeleteModel", context, ValidateModelId(request->model_id()),
+      [this, request, response]() -> absl::Status {
+        TALLY_RETURN_IF_ERROR(
+            ReplicateCommand(*control_, Command::kDeleteModel, *request));
+        TALLY_RETURN_IF_ERROR(ExecuteDeleteModel(*engine_, *request, response));
+        metrics_->RemoveModel(request->model_id());
+        metrics_->SetModelCount(engine_->num_models());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
@@ -122,8 +121,8 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
       "ForwardBackward", context, ParseForwardBackward(*request).status(),
       [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
-        TALLY_RETURN_IF_ERROR(ReplicateCommand(
-            *control_, Command::kForwardBackward, *request));
+        TALLY_RETURN_IF_ERROR(
+            ReplicateCommand(*control_, Command::kForwardBackward, *request));
         TALLY_RETURN_IF_ERROR(
             ExecuteForwardBackward(*engine_, *request, response));
         metrics_->RecordForwardBackward(request->model_id(), *response,
@@ -136,17 +135,17 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
 grpc::ServerUnaryReactor* TrainerService::OptimStep(
     grpc::CallbackServerContext* context, const v1::OptimStepRequest* request,
     v1::OptimStepResponse* response) {
-  return Execute("OptimStep", context, ParseOptimStep(*request).status(),
-                 [this, request, response]() -> absl::Status {
-                   const auto start = std::chrono::steady_clock::now();
-                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
-                       *control_, Command::kOptimStep, *request));
-                   TALLY_RETURN_IF_ERROR(
-                       ExecuteOptimStep(*engine_, *request, response));
-                   metrics_->RecordOptimStep(request->model_id(), *response,
-                                             SecondsSince(start));
-                   return absl::OkStatus();
-                 });
+  return Execute(
+      "OptimStep", context, ParseOptimStep(*request).status(),
+      [this, request, response]() -> absl::Status {
+        const auto start = std::chrono::steady_clock::now();
+        TALLY_RETURN_IF_ERROR(
+            ReplicateCommand(*control_, Command::kOptimStep, *request));
+        TALLY_RETURN_IF_ERROR(ExecuteOptimStep(*engine_, *request, response));
+        metrics_->RecordOptimStep(request->model_id(), *response,
+                                  SecondsSince(start));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::AbortAccumulation(

@@ -2,8 +2,9 @@
 //
 // A handler validates its request's proto-level fields on the gRPC thread,
 // then queues the command on the CommandExecutor, which replicates it to the
-// other ranks (commands.h), runs it on the engine and finishes the RPC. A request whose client cancelled it or whose deadline
-// passed while it waited is not executed.
+// other ranks (commands.h), runs it on the engine and finishes the RPC. A
+// request whose client cancelled it or whose deadline passed while it waited is
+// not executed.
 //
 //   tally::TrainerService service(engine.get(), &control, &executor,
 //                                 metrics.get());
@@ -12,9 +13,9 @@
 #ifndef TALLY_SERVER_TRAINER_SERVICE_H_
 #define TALLY_SERVER_TRAINER_SERVICE_H_
 
-#include <functional>
-
 #include <grpcpp/grpcpp.h>
+
+#include <functional>
 
 #include "absl/status/status.h"
 #include "runtime/engine.h"
@@ -41,9 +42,10 @@ class TrainerService final : public v1::Trainer::CallbackService {
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
                                      const v1::GetModelRequest* request,
                                      v1::ModelInfo* response) override;
-  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
-                                       const v1::ListModelsRequest* request,
-                                       v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* ListModels(
+      grpc::CallbackServerContext* context,
+      const v1::ListModelsRequest* request,
+      v1::ListModelsResponse* response) override;
   grpc::ServerUnaryReactor* DeleteModel(
       grpc::CallbackServerContext* context,
       const v1::DeleteModelRequest* request,

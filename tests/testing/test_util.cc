@@ -22,7 +22,8 @@ LlamaConfig TinyConfig(bool tie_word_embeddings) {
 
 Sample MakeSample(int64_t vocab, int length, int valid, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab) - 1);
+  std::uniform_int_distribution<int32_t> token(0,
+                                               static_cast<int32_t>(vocab) - 1);
   std::uniform_real_distribution<float> weight(0.5f, 1.5f);
   Sample s;
   s.input_tokens.resize(length);

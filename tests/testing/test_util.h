@@ -3,12 +3,12 @@
 #ifndef TALLY_TESTS_TESTING_TEST_UTIL_H_
 #define TALLY_TESTS_TESTING_TEST_UTIL_H_
 
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
-#include <torch/torch.h>
 
 #include "runtime/engine.h"
 #include "runtime/llama_config.h"

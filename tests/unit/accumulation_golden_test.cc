@@ -2,10 +2,10 @@
 // produces the gradients, norm and update of one single-device step on all of
 // its samples, and both equal an independent reference built directly from
 // the model's log-probabilities.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <string>
-
-#include <gtest/gtest.h>
 
 #include "runtime/engine.h"
 #include "tests/testing/test_util.h"
@@ -51,9 +51,9 @@ torch::Tensor ReferenceLoss(LlamaModel& model, const std::vector<Sample>& all,
       weight[t] = ok ? s.weights[t] : 0.0;
       valid += ok;
     }
-    torch::Tensor logprobs = model.TargetLogprobs(
-        torch::tensor(in).view({1, n}), torch::tensor(target).view({1, n}),
-        {n});
+    torch::Tensor logprobs =
+        model.TargetLogprobs(torch::tensor(in).view({1, n}),
+                             torch::tensor(target).view({1, n}), {n});
     torch::Tensor w = torch::tensor(weight).to(dtype).view({1, n});
     torch::Tensor sample_sum = -(logprobs * w).sum();
     tokens += valid;
@@ -66,9 +66,12 @@ torch::Tensor ReferenceLoss(LlamaModel& model, const std::vector<Sample>& all,
     }
   }
   switch (reduction) {
-    case LossReduction::kTokenMean: return total / static_cast<double>(tokens);
-    case LossReduction::kSampleMean: return total / static_cast<double>(samples);
-    case LossReduction::kSum: return total;
+    case LossReduction::kTokenMean:
+      return total / static_cast<double>(tokens);
+    case LossReduction::kSampleMean:
+      return total / static_cast<double>(samples);
+    case LossReduction::kSum:
+      return total;
   }
   return total;
 }
@@ -85,7 +88,8 @@ TEST_P(WindowEquivalenceTest, UnevenCallsEqualOneCallAndTheReference) {
       MakeSamples(vocab, {1}, 11), MakeSamples(vocab, {3, 0, 4}, 12),
       MakeSamples(vocab, {20, 30}, 13), MakeSamples(vocab, {100, 150, 50}, 14)};
   std::vector<Sample> all;
-  for (const auto& call : calls) all.insert(all.end(), call.begin(), call.end());
+  for (const auto& call : calls)
+    all.insert(all.end(), call.begin(), call.end());
 
   ModelSpec spec = TinySpec("split", c.dtype, c.optimizer);
   // Adam's first step is lr * g / (|g| + eps): with |g| near a tiny eps it
@@ -94,8 +98,8 @@ TEST_P(WindowEquivalenceTest, UnevenCallsEqualOneCallAndTheReference) {
   // therefore runs with eps 1e-4 (update linear in g for tiny elements) and
   // 1e-4 on parameters; its gradients and norm keep 1e-5, and FLOAT64 checks
   // the default eps at 1e-10.
-  const bool fp32_adamw = c.dtype == DType::kFloat32 &&
-                          c.optimizer == OptimizerKind::kAdamW;
+  const bool fp32_adamw =
+      c.dtype == DType::kFloat32 && c.optimizer == OptimizerKind::kAdamW;
   if (fp32_adamw) spec.default_adam.eps = 1e-4;
   const double param_tol = fp32_adamw ? 1e-4 : tol;
   for (const char* id : {"split", "whole", "ref"}) {
@@ -179,8 +183,9 @@ std::vector<Case> AllCases() {
   std::vector<Case> cases;
   for (DType d : {DType::kFloat64, DType::kFloat32}) {
     for (OptimizerKind o : {OptimizerKind::kAdamW, OptimizerKind::kSgd}) {
-      for (LossReduction r : {LossReduction::kTokenMean,
-                              LossReduction::kSampleMean, LossReduction::kSum}) {
+      for (LossReduction r :
+           {LossReduction::kTokenMean, LossReduction::kSampleMean,
+            LossReduction::kSum}) {
         cases.push_back({d, o, r});
       }
     }

@@ -1,22 +1,21 @@
 #include "runtime/checkpoint.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <torch/torch.h>
 
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <tuple>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-#include <torch/torch.h>
 
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"

@@ -1,11 +1,11 @@
 // Accumulation-window semantics of the engine: what ForwardBackward,
 // OptimStep, AbortAccumulation and LoadCheckpoint may and may not change.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include "runtime/engine.h"
 #include "tests/testing/test_util.h"
@@ -34,10 +34,10 @@ class EngineSemanticsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     engine_ = Engine::CreateSingleRank({}).value();
-    ASSERT_TRUE(engine_
-                    ->CreateModel(TinySpec("m", DType::kFloat64,
-                                           OptimizerKind::kAdamW))
-                    .ok());
+    ASSERT_TRUE(
+        engine_
+            ->CreateModel(TinySpec("m", DType::kFloat64, OptimizerKind::kAdamW))
+            .ok());
   }
   LlamaModel& model() { return *engine_->model("m").value(); }
   absl::Status Train(const std::vector<int>& valid, uint64_t seed,
@@ -75,7 +75,8 @@ TEST_F(EngineSemanticsTest, ForwardOnlyAccumulatesNothing) {
   const double loss = ForwardLoss();
   EXPECT_GT(loss, 0);
   EXPECT_EQ(engine_->GetModel("m")->window.calls, 0);
-  for (const auto& g : Gradients(model())) EXPECT_EQ(g.abs().sum().item<double>(), 0);
+  for (const auto& g : Gradients(model()))
+    EXPECT_EQ(g.abs().sum().item<double>(), 0);
 }
 
 TEST_F(EngineSemanticsTest, LogprobsComeBackPerPositionZeroWhereIgnored) {
@@ -140,7 +141,8 @@ TEST_F(EngineSemanticsTest, AbortAccumulationDiscardsTheWindow) {
   EXPECT_EQ(discarded.calls, 2);
   EXPECT_EQ(discarded.tokens, 7);
   EXPECT_EQ(engine_->GetModel("m")->window.calls, 0);
-  for (const auto& g : Gradients(model())) EXPECT_EQ(g.abs().sum().item<double>(), 0);
+  for (const auto& g : Gradients(model()))
+    EXPECT_EQ(g.abs().sum().item<double>(), 0);
   // A new window with another reduction is now allowed.
   EXPECT_TRUE(Train({2}, 3, LossReduction::kSum).ok());
 }
@@ -163,7 +165,8 @@ TEST_F(EngineSemanticsTest, LoadCheckpointClearsThePendingWindow) {
   EXPECT_EQ(loaded->model.window.calls, 0);
   EXPECT_EQ(loaded->model.step, 1);
   EXPECT_TRUE(AllEqual(saved, ParameterValues(model())));
-  for (const auto& g : Gradients(model())) EXPECT_EQ(g.abs().sum().item<double>(), 0);
+  for (const auto& g : Gradients(model()))
+    EXPECT_EQ(g.abs().sum().item<double>(), 0);
   std::filesystem::remove_all(dir);
 }
 
@@ -278,8 +281,8 @@ TEST(AdamWTest, MatchesTorchOptimAdamWWithPerStepHyperparameters) {
       b.mutable_grad() = gb.clone();
       params[0].tensor.mutable_grad() = ga.clone();
       params[1].tensor.mutable_grad() = gb.clone();
-      auto& options =
-          static_cast<torch::optim::AdamWOptions&>(theirs.param_groups()[0].options());
+      auto& options = static_cast<torch::optim::AdamWOptions&>(
+          theirs.param_groups()[0].options());
       options.lr(hp.learning_rate)
           .betas({hp.beta1, hp.beta2})
           .eps(hp.eps)

@@ -1,12 +1,13 @@
 // The gradient norm and clipping of OptimStep, on a single rank (the
 // multi-rank golden tests reuse the same code with larger meshes).
-#include <cmath>
+#include "runtime/grad_norm.h"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
-#include "runtime/grad_norm.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -51,15 +52,15 @@ TEST_P(GradNormTest, AllOnesOracleIsSqrtOfNumel) {
 
   // Clipping to half the norm: every gradient becomes max/(norm + 1e-6).
   const double max_norm = norm.total / 2;
-  ClipResult clip = NormalizeAndClip(params(), 1.0, mesh_, *world_,
-                                     NormType::kL2, max_norm)
-                        .value();
+  ClipResult clip =
+      NormalizeAndClip(params(), 1.0, mesh_, *world_, NormType::kL2, max_norm)
+          .value();
   const double expected = max_norm / (norm.total + 1e-6);
   EXPECT_LT(RelativeDiff(clip.clip_coef, expected), 1e-14);
   for (auto& p : params()) {
-    EXPECT_LT(RelativeDiff(p.tensor.grad(),
-                           torch::full_like(p.tensor, expected)),
-              GetParam() == DType::kFloat64 ? 1e-15 : 1e-7);
+    EXPECT_LT(
+        RelativeDiff(p.tensor.grad(), torch::full_like(p.tensor, expected)),
+        GetParam() == DType::kFloat64 ? 1e-15 : 1e-7);
   }
 }
 
@@ -68,7 +69,8 @@ TEST_P(GradNormTest, L2AndInfMatchTorchOnTheConcatenation) {
     return torch::randn_like(p) * static_cast<double>(i + 1);
   });
   const torch::Tensor all = Concatenated().to(torch::kFloat64);
-  const double l2 = torch::linalg_vector_norm(all, 2, {}, false, {}).item<double>();
+  const double l2 =
+      torch::linalg_vector_norm(all, 2, {}, false, {}).item<double>();
   const double inf =
       torch::linalg_vector_norm(all, INFINITY, {}, false, {}).item<double>();
   GradNorm got_l2 =
@@ -82,9 +84,8 @@ TEST_P(GradNormTest, L2AndInfMatchTorchOnTheConcatenation) {
 
 TEST_P(GradNormTest, HugeGradientsStayFiniteWithFp64Squares) {
   // (1e20)^2 overflows fp32; the fp64 accumulation must not.
-  SetGrads([](size_t, const torch::Tensor& p) {
-    return torch::full_like(p, 1e20);
-  });
+  SetGrads(
+      [](size_t, const torch::Tensor& p) { return torch::full_like(p, 1e20); });
   GradNorm norm =
       ComputeGlobalGradNorm(params(), mesh_, *world_, NormType::kL2).value();
   const double numel = static_cast<double>(model_->NumParameters());
@@ -105,9 +106,9 @@ TEST_P(GradNormTest, NormBelowMaxLeavesNormalizedGradientsUnclipped) {
   SetGrads([](size_t, const torch::Tensor& p) { return torch::randn_like(p); });
   std::vector<torch::Tensor> raw = testing::Gradients(*model_);
   const double normalizer = 13.0;
-  ClipResult clip = NormalizeAndClip(params(), normalizer, mesh_, *world_,
-                                     NormType::kL2, 1e9)
-                        .value();
+  ClipResult clip =
+      NormalizeAndClip(params(), normalizer, mesh_, *world_, NormType::kL2, 1e9)
+          .value();
   EXPECT_EQ(clip.clip_coef, 1.0);
   for (size_t i = 0; i < raw.size(); ++i) {
     // One rounding of g * (1/N) against g / N: a few ulps.
@@ -119,14 +120,13 @@ TEST_P(GradNormTest, NormBelowMaxLeavesNormalizedGradientsUnclipped) {
 TEST_P(GradNormTest, ClippedGradientHasExactlyMaxNorm) {
   SetGrads([](size_t, const torch::Tensor& p) { return torch::randn_like(p); });
   const double max_norm = 0.25;
-  ClipResult clip = NormalizeAndClip(params(), 3.0, mesh_, *world_,
-                                     NormType::kL2, max_norm)
-                        .value();
+  ClipResult clip =
+      NormalizeAndClip(params(), 3.0, mesh_, *world_, NormType::kL2, max_norm)
+          .value();
   ASSERT_LT(clip.clip_coef, 1.0);
-  const double after =
-      torch::linalg_vector_norm(Concatenated().to(torch::kFloat64), 2, {},
-                                false, {})
-          .item<double>();
+  const double after = torch::linalg_vector_norm(
+                           Concatenated().to(torch::kFloat64), 2, {}, false, {})
+                           .item<double>();
   EXPECT_LT(RelativeDiff(after, max_norm), 1e-6);
 }
 

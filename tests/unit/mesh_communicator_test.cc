@@ -60,7 +60,8 @@ TEST(CommunicatorTest, SingleRankCollectivesAndCounters) {
 
   torch::Tensor t = torch::tensor({1.5, -2.0, 3.0}, torch::kFloat64);
   ASSERT_TRUE(world->AllReduce(t, ReduceOp::kSum).ok());
-  EXPECT_TRUE(torch::equal(t, torch::tensor({1.5, -2.0, 3.0}, torch::kFloat64)));
+  EXPECT_TRUE(
+      torch::equal(t, torch::tensor({1.5, -2.0, 3.0}, torch::kFloat64)));
   ASSERT_TRUE(world->AllReduce(t, ReduceOp::kMax).ok());
 
   auto gathered = world->AllGather(torch::arange(4, torch::kFloat32)).value();

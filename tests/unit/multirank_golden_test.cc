@@ -3,10 +3,10 @@
 // engine on the same samples. Every rank checks its own shards against the
 // matching shards of the single-device run: losses, gradients (EAGER),
 // norm, clip coefficient and updated parameters.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <string>
-
-#include <gtest/gtest.h>
 
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
@@ -58,8 +58,8 @@ std::vector<std::vector<Sample>> Calls() {
 }
 
 // Checks one variant on this rank; gtest failures are reported by the rank.
-absl::Status CheckVariant(Engine& engine, Engine& reference,
-                          const Variant& v, const std::string& id) {
+absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
+                          const std::string& id) {
   SCOPED_TRACE(VariantName(v));
   const double tol = testing::GoldenTolerance(v.dtype);
   ModelSpec spec = TinySpec(id, v.dtype, v.optimizer);
@@ -87,7 +87,8 @@ absl::Status CheckVariant(Engine& engine, Engine& reference,
     for (size_t i = 0; i < call.size(); ++i) {
       EXPECT_LT(RelativeDiff(got.samples[i].loss_sum, want.samples[i].loss_sum),
                 tol + 1e-300);
-      EXPECT_EQ(got.samples[i].logprobs.size(), want.samples[i].logprobs.size());
+      EXPECT_EQ(got.samples[i].logprobs.size(),
+                want.samples[i].logprobs.size());
       const size_t n = std::min(got.samples[i].logprobs.size(),
                                 want.samples[i].logprobs.size());
       for (size_t t = 0; t < n; ++t) {
@@ -102,7 +103,8 @@ absl::Status CheckVariant(Engine& engine, Engine& reference,
   for (size_t i = 0; i < model.parameters().size(); ++i) {
     const Parameter& p = model.parameters()[i];
     torch::Tensor got = p.tensor.grad().clone();
-    if (v.sync == GradSync::kDeferred && engine.groups().dp_replicate->size() > 1) {
+    if (v.sync == GradSync::kDeferred &&
+        engine.groups().dp_replicate->size() > 1) {
       TALLY_RETURN_IF_ERROR(
           engine.groups().dp_replicate->AllReduce(got, ReduceOp::kSum));
     }
@@ -128,9 +130,8 @@ absl::Status CheckVariant(Engine& engine, Engine& reference,
   }
 
   const double param_tol =
-      v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW
-          ? 1e-4
-          : tol;
+      v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW ? 1e-4
+                                                                         : tol;
   for (size_t i = 0; i < model.parameters().size(); ++i) {
     const Parameter& p = model.parameters()[i];
     torch::Tensor want = model.LocalShard(p, ref_model.parameters()[i].tensor);
@@ -198,8 +199,8 @@ absl::Status CheckCheckpointsAcrossMeshes(Engine& engine, Engine& reference,
   EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), 1e-10);
   for (size_t i = 0; i < model.parameters().size(); ++i) {
     const Parameter& p = model.parameters()[i];
-    EXPECT_LT(RelativeDiff(p.tensor,
-                           model.LocalShard(p, ref_model.parameters()[i].tensor)),
+    EXPECT_LT(RelativeDiff(p.tensor, model.LocalShard(
+                                         p, ref_model.parameters()[i].tensor)),
               1e-10)
         << p.name;
   }
@@ -210,39 +211,41 @@ class MultiRankGoldenTest : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(MultiRankGoldenTest, EqualsTheSingleDeviceRun) {
   const MeshShape shape = GetParam().shape;
-  testing::RunOnRanks(shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-    TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
-    TALLY_ASSIGN_OR_RETURN(auto groups,
-                           ProcessGroups::Create(env, mesh, absl::Seconds(60)));
-    EngineOptions options;
-    options.max_batch_tokens = 96;  // several micro-batches per call
-    TALLY_ASSIGN_OR_RETURN(auto engine,
-                           Engine::Create(options, mesh, std::move(groups)));
-    TALLY_ASSIGN_OR_RETURN(auto reference, Engine::CreateSingleRank(options));
-    int n = 0;
-    for (GradSync sync : {GradSync::kEager, GradSync::kDeferred}) {
-      for (LossReduction reduction :
-           {LossReduction::kTokenMean, LossReduction::kSampleMean}) {
-        TALLY_RETURN_IF_ERROR(CheckVariant(
-            *engine, *reference,
-            {DType::kFloat64, OptimizerKind::kAdamW, sync, reduction},
-            absl::StrCat("m", n++)));
-      }
-    }
-    TALLY_RETURN_IF_ERROR(CheckCheckpointsAcrossMeshes(*engine, *reference,
-                                                      "m0", env));
-    // FLOAT32: SGD keeps every comparison at 1e-5; AdamW runs with eps 1e-4
-    // (see accumulation_golden_test.cc for why).
-    TALLY_RETURN_IF_ERROR(CheckVariant(
-        *engine, *reference,
-        {DType::kFloat32, OptimizerKind::kSgd, GradSync::kDeferred,
-         LossReduction::kSampleMean},
-        "fp32_sgd"));
-    return CheckVariant(*engine, *reference,
-                        {DType::kFloat32, OptimizerKind::kAdamW,
-                         GradSync::kEager, LossReduction::kTokenMean},
-                        "fp32_adamw");
-  });
+  testing::RunOnRanks(
+      shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+        TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+        TALLY_ASSIGN_OR_RETURN(
+            auto groups, ProcessGroups::Create(env, mesh, absl::Seconds(60)));
+        EngineOptions options;
+        options.max_batch_tokens = 96;  // several micro-batches per call
+        TALLY_ASSIGN_OR_RETURN(
+            auto engine, Engine::Create(options, mesh, std::move(groups)));
+        TALLY_ASSIGN_OR_RETURN(auto reference,
+                               Engine::CreateSingleRank(options));
+        int n = 0;
+        for (GradSync sync : {GradSync::kEager, GradSync::kDeferred}) {
+          for (LossReduction reduction :
+               {LossReduction::kTokenMean, LossReduction::kSampleMean}) {
+            TALLY_RETURN_IF_ERROR(CheckVariant(
+                *engine, *reference,
+                {DType::kFloat64, OptimizerKind::kAdamW, sync, reduction},
+                absl::StrCat("m", n++)));
+          }
+        }
+        TALLY_RETURN_IF_ERROR(
+            CheckCheckpointsAcrossMeshes(*engine, *reference, "m0", env));
+        // FLOAT32: SGD keeps every comparison at 1e-5; AdamW runs with eps 1e-4
+        // (see accumulation_golden_test.cc for why).
+        TALLY_RETURN_IF_ERROR(
+            CheckVariant(*engine, *reference,
+                         {DType::kFloat32, OptimizerKind::kSgd,
+                          GradSync::kDeferred, LossReduction::kSampleMean},
+                         "fp32_sgd"));
+        return CheckVariant(*engine, *reference,
+                            {DType::kFloat32, OptimizerKind::kAdamW,
+                             GradSync::kEager, LossReduction::kTokenMean},
+                            "fp32_adamw");
+      });
 }
 
 // The staged reduction of the reference design, one collective per
@@ -276,83 +279,100 @@ class MultiRankNormTest : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(MultiRankNormTest, OneCollectiveEqualsTheStagedReduction) {
   const MeshShape shape = GetParam().shape;
-  testing::RunOnRanks(shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-    TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
-    TALLY_ASSIGN_OR_RETURN(auto groups,
-                           ProcessGroups::Create(env, mesh, absl::Seconds(60)));
-    TALLY_ASSIGN_OR_RETURN(auto engine,
-                           Engine::Create({}, mesh, std::move(groups)));
-    ModelSpec spec = TinySpec("n", DType::kFloat64, OptimizerKind::kAdamW);
-    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
-    LlamaModel& model = *engine->model("n").value();
-    Communicator& world = engine->world();
+  testing::RunOnRanks(
+      shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+        TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+        TALLY_ASSIGN_OR_RETURN(
+            auto groups, ProcessGroups::Create(env, mesh, absl::Seconds(60)));
+        TALLY_ASSIGN_OR_RETURN(auto engine,
+                               Engine::Create({}, mesh, std::move(groups)));
+        ModelSpec spec = TinySpec("n", DType::kFloat64, OptimizerKind::kAdamW);
+        TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+        LlamaModel& model = *engine->model("n").value();
+        Communicator& world = engine->world();
 
-    // All-ones oracle: sqrt of the logical numel on every mesh.
-    SetGradients(model, [](const Parameter& p) {
-      return torch::ones(p.full_shape, torch::kFloat64);
-    });
-    TALLY_ASSIGN_OR_RETURN(GradNorm ones, ComputeGlobalGradNorm(
-        model.parameters(), mesh, world, NormType::kL2));
-    EXPECT_LT(RelativeDiff(ones.total, std::sqrt(static_cast<double>(
-                                           model.NumParameters()))),
-              1e-14);
+        // All-ones oracle: sqrt of the logical numel on every mesh.
+        SetGradients(model, [](const Parameter& p) {
+          return torch::ones(p.full_shape, torch::kFloat64);
+        });
+        TALLY_ASSIGN_OR_RETURN(GradNorm ones,
+                               ComputeGlobalGradNorm(model.parameters(), mesh,
+                                                     world, NormType::kL2));
+        EXPECT_LT(
+            RelativeDiff(ones.total,
+                         std::sqrt(static_cast<double>(model.NumParameters()))),
+            1e-14);
 
-    // Random full gradients (same seed on every rank): one collective, equal
-    // to the staged reduction and to the norm of the full tensors.
-    torch::manual_seed(5);
-    std::vector<torch::Tensor> full;
-    for (const Parameter& p : model.parameters()) {
-      full.push_back(torch::randn(p.full_shape, torch::kFloat64));
-    }
-    size_t i = 0;
-    SetGradients(model, [&](const Parameter&) { return full[i++]; });
-    world.stats().Reset();
-    TALLY_ASSIGN_OR_RETURN(GradNorm l2, ComputeGlobalGradNorm(
-        model.parameters(), mesh, world, NormType::kL2));
-    EXPECT_EQ(world.stats().TotalCalls(), 1);
-    TALLY_ASSIGN_OR_RETURN(double staged, StagedL2Norm(model, engine->groups()));
-    EXPECT_LT(RelativeDiff(l2.total, staged), 1e-12);
-    torch::Tensor all = torch::cat([&] {
-      std::vector<torch::Tensor> flat;
-      for (const auto& t : full) flat.push_back(t.flatten());
-      return flat;
-    }());
-    EXPECT_LT(RelativeDiff(l2.total, all.norm().item<double>()), 1e-12);
-    TALLY_ASSIGN_OR_RETURN(GradNorm inf, ComputeGlobalGradNorm(
-        model.parameters(), mesh, world, NormType::kInf));
-    EXPECT_EQ(inf.total, all.abs().max().item<double>());
+        // Random full gradients (same seed on every rank): one collective,
+        // equal to the staged reduction and to the norm of the full tensors.
+        torch::manual_seed(5);
+        std::vector<torch::Tensor> full;
+        for (const Parameter& p : model.parameters()) {
+          full.push_back(torch::randn(p.full_shape, torch::kFloat64));
+        }
+        size_t i = 0;
+        SetGradients(model, [&](const Parameter&) { return full[i++]; });
+        world.stats().Reset();
+        TALLY_ASSIGN_OR_RETURN(
+            GradNorm l2, ComputeGlobalGradNorm(model.parameters(), mesh, world,
+                                               NormType::kL2));
+        EXPECT_EQ(world.stats().TotalCalls(), 1);
+        TALLY_ASSIGN_OR_RETURN(double staged,
+                               StagedL2Norm(model, engine->groups()));
+        EXPECT_LT(RelativeDiff(l2.total, staged), 1e-12);
+        torch::Tensor all = torch::cat([&] {
+          std::vector<torch::Tensor> flat;
+          for (const auto& t : full) flat.push_back(t.flatten());
+          return flat;
+        }());
+        EXPECT_LT(RelativeDiff(l2.total, all.norm().item<double>()), 1e-12);
+        TALLY_ASSIGN_OR_RETURN(
+            GradNorm inf, ComputeGlobalGradNorm(model.parameters(), mesh, world,
+                                                NormType::kInf));
+        EXPECT_EQ(inf.total, all.abs().max().item<double>());
 
-    // A NaN on the last rank only (possibly in a replica the norm does not
-    // count) makes every rank skip with nothing changed.
-    TALLY_RETURN_IF_ERROR(engine->ForwardBackward(
-        "n", {MakeSamples(spec.config.vocab_size, {9, 4, 2, 7}, 3)}).status());
-    const std::vector<torch::Tensor> before = testing::ParameterValues(model);
-    if (env.rank == env.world_size - 1) {
-      model.parameters().back().tensor.mutable_grad().view({-1})[0] = NAN;
-    }
-    TALLY_ASSIGN_OR_RETURN(OptimStepResult skipped, engine->OptimStep("n", {}));
-    EXPECT_TRUE(skipped.skipped);
-    EXPECT_TRUE(std::isnan(skipped.grad_norm));
-    const std::vector<torch::Tensor> after = testing::ParameterValues(model);
-    for (size_t k = 0; k < before.size(); ++k) {
-      EXPECT_TRUE(torch::equal(before[k], after[k])) << k;
-    }
+        // A NaN on the last rank only (possibly in a replica the norm does not
+        // count) makes every rank skip with nothing changed.
+        TALLY_RETURN_IF_ERROR(
+            engine
+                ->ForwardBackward(
+                    "n", {MakeSamples(spec.config.vocab_size, {9, 4, 2, 7}, 3)})
+                .status());
+        const std::vector<torch::Tensor> before =
+            testing::ParameterValues(model);
+        if (env.rank == env.world_size - 1) {
+          model.parameters().back().tensor.mutable_grad().view({-1})[0] = NAN;
+        }
+        TALLY_ASSIGN_OR_RETURN(OptimStepResult skipped,
+                               engine->OptimStep("n", {}));
+        EXPECT_TRUE(skipped.skipped);
+        EXPECT_TRUE(std::isnan(skipped.grad_norm));
+        const std::vector<torch::Tensor> after =
+            testing::ParameterValues(model);
+        for (size_t k = 0; k < before.size(); ++k) {
+          EXPECT_TRUE(torch::equal(before[k], after[k])) << k;
+        }
 
-    // The training state per rank shrinks as 1/dp_shard (up to padding).
-    TALLY_RETURN_IF_ERROR(engine->ForwardBackward(
-        "n", {MakeSamples(spec.config.vocab_size, {9, 4}, 4)}).status());
-    TALLY_ASSIGN_OR_RETURN(OptimStepResult stepped, engine->OptimStep("n", {}));
-    const double full_bytes =
-        static_cast<double>(model.NumParameters()) * sizeof(double);
-    const double share = 1.0 / (shape.dp_shard * shape.tp);
-    for (const char* key : {"rank_param_bytes", "rank_grad_bytes"}) {
-      EXPECT_GE(stepped.metrics[key], full_bytes * share) << key;
-      EXPECT_LT(stepped.metrics[key], full_bytes * share * 1.3 + 4096) << key;
-    }
-    EXPECT_EQ(stepped.metrics["rank_optimizer_bytes"],
-              2 * stepped.metrics["rank_param_bytes"]);
-    return absl::OkStatus();
-  });
+        // The training state per rank shrinks as 1/dp_shard (up to padding).
+        TALLY_RETURN_IF_ERROR(
+            engine
+                ->ForwardBackward(
+                    "n", {MakeSamples(spec.config.vocab_size, {9, 4}, 4)})
+                .status());
+        TALLY_ASSIGN_OR_RETURN(OptimStepResult stepped,
+                               engine->OptimStep("n", {}));
+        const double full_bytes =
+            static_cast<double>(model.NumParameters()) * sizeof(double);
+        const double share = 1.0 / (shape.dp_shard * shape.tp);
+        for (const char* key : {"rank_param_bytes", "rank_grad_bytes"}) {
+          EXPECT_GE(stepped.metrics[key], full_bytes * share) << key;
+          EXPECT_LT(stepped.metrics[key], full_bytes * share * 1.3 + 4096)
+              << key;
+        }
+        EXPECT_EQ(stepped.metrics["rank_optimizer_bytes"],
+                  2 * stepped.metrics["rank_param_bytes"]);
+        return absl::OkStatus();
+      });
 }
 
 const auto kMeshes = ::testing::Values(

@@ -3,6 +3,10 @@
 // references in fp64, with the collectives each op issues counted.
 #include "runtime/parallel_ops.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -10,13 +14,9 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/torch.h>
+#include <vector>
 
 #include "runtime/communicator.h"
 #include "runtime/status.h"

@@ -1,6 +1,9 @@
 #include "runtime/safetensors.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <stdlib.h>
+#include <torch/torch.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -11,10 +14,6 @@
 #include <ostream>
 #include <string>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <torch/torch.h>
 
 namespace tally {
 namespace {

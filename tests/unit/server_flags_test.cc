@@ -28,11 +28,10 @@ TEST(ServerFlagsTest, ParsesKebabCaseInBothForms) {
 }
 
 TEST(ServerFlagsTest, MeshAndRankFlags) {
-  auto flags = Parse({"--nproc-per-node", "8", "--dp-replicate=2",
-                      "--dp-shard", "2", "--tp", "2", "--rank", "3",
-                      "--world-size", "8", "--master-addr", "tally-0.tally",
-                      "--master-port", "29400", "--rendezvous-timeout-secs",
-                      "60"});
+  auto flags = Parse({"--nproc-per-node", "8", "--dp-replicate=2", "--dp-shard",
+                      "2", "--tp", "2", "--rank", "3", "--world-size", "8",
+                      "--master-addr", "tally-0.tally", "--master-port",
+                      "29400", "--rendezvous-timeout-secs", "60"});
   ASSERT_TRUE(flags.ok()) << flags.status();
   const ServerOptions& o = flags->options;
   EXPECT_EQ(o.nproc_per_node, 8);
@@ -57,9 +56,9 @@ TEST(ServerFlagsTest, DefaultsAndHelp) {
   EXPECT_EQ(flags->options.grpc_port, 50051);
   EXPECT_EQ(flags->options.max_message_bytes, int64_t{256} << 20);
   const std::string usage = ServerUsage();
-  for (const char* flag : {"--grpc-port", "--metrics-port",
-                           "--max-message-bytes", "--log-level",
-                           "--demo-model"}) {
+  for (const char* flag :
+       {"--grpc-port", "--metrics-port", "--max-message-bytes", "--log-level",
+        "--demo-model"}) {
     EXPECT_NE(usage.find(flag), std::string::npos) << flag;
   }
 }
@@ -69,14 +68,14 @@ TEST(ServerFlagsTest, BadFlagsAreNamed) {
     std::vector<const char*> args;
     const char* named;
   };
-  for (const Case& c : std::vector<Case>{{{"--grpc-port", "70000"}, "--grpc-port"},
-                                         {{"--grpc-port", "abc"}, "--grpc-port"},
-                                         {{"--log-level", "loud"}, "--log-level"},
-                                         {{"--max-message-bytes", "10"},
-                                          "--max-message-bytes"},
-                                         {{"--metrics-port"}, "--metrics-port"},
-                                         {{"--no-such-flag"}, "--no-such-flag"},
-                                         {{"positional"}, "positional"}}) {
+  for (const Case& c :
+       std::vector<Case>{{{"--grpc-port", "70000"}, "--grpc-port"},
+                         {{"--grpc-port", "abc"}, "--grpc-port"},
+                         {{"--log-level", "loud"}, "--log-level"},
+                         {{"--max-message-bytes", "10"}, "--max-message-bytes"},
+                         {{"--metrics-port"}, "--metrics-port"},
+                         {{"--no-such-flag"}, "--no-such-flag"},
+                         {{"positional"}, "positional"}}) {
     auto flags = Parse(c.args);
     ASSERT_FALSE(flags.ok()) << c.named;
     EXPECT_EQ(flags.status().code(), absl::StatusCode::kInvalidArgument);
