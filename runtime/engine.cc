@@ -483,39 +483,50 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   manifest.default_max_grad_norm = state->spec.default_max_grad_norm;
   LlamaModel* model = state->model.get();
   Optimizer* optimizer = state->optimizer.get();
-  // A sharded model is consolidated into an unsharded copy first, so the
-  // checkpoint is one HF directory whatever the mesh.
+  // One writer. A sharded model is consolidated so the checkpoint is one HF
+  // directory whatever the mesh: only the writer holds the unsharded copy;
+  // the other ranks help gather it one tensor at a time.
+  const bool writer = mesh_.rank() == 0;
+  absl::Status ready = absl::OkStatus();
   std::unique_ptr<LlamaModel> full_model;
   std::unique_ptr<Optimizer> full_optimizer;
   if (model->sharded()) {
-    TALLY_ASSIGN_OR_RETURN(full_model,
-                           LlamaModel::Create(model->config(), model->dtype(),
-                                              /*seed=*/0));
-    full_optimizer = std::make_unique<Optimizer>(state->spec.optimizer,
-                                                 &full_model->parameters());
+    if (writer) {
+      absl::StatusOr<std::unique_ptr<LlamaModel>> created =
+          LlamaModel::Create(model->config(), model->dtype(), /*seed=*/0);
+      ready = created.status();
+      if (ready.ok()) full_model = *std::move(created);
+    }
+    // Before the gathers, so a writer that could not allocate stops every
+    // rank rather than leaving them in a collective.
+    TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(ready));
     std::vector<std::pair<std::string, torch::Tensor>> full_state;
     for (const auto& [name, local] : optimizer->StateTensors()) {
       const std::string param = name.substr(0, name.rfind('.'));
       TALLY_ASSIGN_OR_RETURN(torch::Tensor full,
                              model->GatherFull(*model->Find(param), local));
-      full_state.emplace_back(name, full);
+      if (writer) full_state.emplace_back(name, std::move(full));
     }
-    TALLY_RETURN_IF_ERROR(
-        full_optimizer->LoadState(full_state, optimizer->step_count()));
     for (size_t i = 0; i < model->parameters().size(); ++i) {
       const Parameter& p = model->parameters()[i];
       TALLY_ASSIGN_OR_RETURN(torch::Tensor full,
                              model->GatherFull(p, p.tensor));
+      if (!writer) continue;
       torch::NoGradGuard no_grad;
       full_model->parameters()[i].tensor.copy_(full);
+    }
+    if (writer) {
+      full_optimizer = std::make_unique<Optimizer>(state->spec.optimizer,
+                                                   &full_model->parameters());
+      ready = full_optimizer->LoadState(full_state, optimizer->step_count());
     }
     model = full_model.get();
     optimizer = full_optimizer.get();
   }
-  // One writer: every rank holds the same full values now.
   absl::StatusOr<uint64_t> bytes = uint64_t{0};
-  if (mesh_.rank() == 0) {
-    bytes = WriteCheckpoint(path, *model, *optimizer, manifest);
+  if (writer) {
+    bytes = ready.ok() ? WriteCheckpoint(path, *model, *optimizer, manifest)
+                       : absl::StatusOr<uint64_t>(ready);
   }
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(bytes.status()));
   return SaveResult{path, state->step, *bytes};
