@@ -35,29 +35,19 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "runtime/status.h"
+#include "tests/e2e/e2e_util.h"
 #include "tests/e2e/server_process.h"
-
-// Test-only: ASSERTs that `expr` (an absl::StatusOr) is OK, then moves its
-// value into `lhs`.
-#define TALLY_ASSERT_OK_AND_ASSIGN(lhs, expr) \
-  TALLY_ASSERT_OK_AND_ASSIGN_IMPL_(           \
-      TALLY_MR_CONCAT_(tally_assert_statusor_, __LINE__), lhs, expr)
-#define TALLY_MR_CONCAT_(a, b) TALLY_MR_CONCAT_INNER_(a, b)
-#define TALLY_MR_CONCAT_INNER_(a, b) a##b
-#define TALLY_ASSERT_OK_AND_ASSIGN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                                     \
-  ASSERT_TRUE(statusor.ok()) << statusor.status();            \
-  lhs = std::move(statusor).value()
 
 namespace tally {
 namespace {
 
+using ::tally::testing::kIgnoredTarget;
 using ::tally::testing::ServerBinaryFromEnv;
 using ::tally::testing::ServerProcess;
+using ::tally::testing::ValidTokens;
 using ::testing::HasSubstr;
 
 constexpr int32_t kVocab = 64;
-constexpr int32_t kIgnoredTarget = -100;
 constexpr double kMaxGradNorm = 1.0;
 // AdamW's update lr * g / (|g| + eps) is ill-conditioned where |g| is near
 // eps: with the default eps 1e-8, float32 rounding of a gradient element
@@ -128,16 +118,6 @@ Calls StepCalls(int step) {
   std::vector<v1::Sample> lopsided = {MakeSample(rng, 1, 0, false),
                                       MakeSample(rng, 48, 0, true)};
   return {many, single_token, lopsided};
-}
-
-// What the proto calls valid: a real target and a positive weight.
-int64_t ValidTokens(const v1::Sample& sample) {
-  int64_t valid = 0;
-  for (int i = 0; i < sample.target_tokens_size(); ++i) {
-    const bool weighted = sample.weights_size() == 0 || sample.weights(i) > 0;
-    if (sample.target_tokens(i) != kIgnoredTarget && weighted) ++valid;
-  }
-  return valid;
 }
 
 ::testing::AssertionResult RelativelyClose(double single, double multi,

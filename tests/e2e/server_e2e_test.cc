@@ -39,19 +39,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "runtime/status.h"
+#include "tests/e2e/e2e_util.h"
 #include "tests/e2e/server_process.h"
-
-// Test-only: ASSERTs that `expr` (an absl::StatusOr) is OK, then moves its
-// value into `lhs`.
-#define TALLY_ASSERT_OK_AND_ASSIGN(lhs, expr) \
-  TALLY_ASSERT_OK_AND_ASSIGN_IMPL_(           \
-      TALLY_E2E_CONCAT_(tally_assert_statusor_, __LINE__), lhs, expr)
-#define TALLY_E2E_CONCAT_(a, b) TALLY_E2E_CONCAT_INNER_(a, b)
-#define TALLY_E2E_CONCAT_INNER_(a, b) a##b
-#define TALLY_ASSERT_OK_AND_ASSIGN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                                     \
-  ASSERT_TRUE(statusor.ok()) << statusor.status();            \
-  lhs = std::move(statusor).value()
 
 namespace tally {
 namespace {
@@ -59,8 +48,10 @@ namespace {
 using ::google::protobuf::util::MessageDifferencer;
 using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
+using ::tally::testing::kIgnoredTarget;
 using ::tally::testing::ServerBinaryFromEnv;
 using ::tally::testing::ServerProcess;
+using ::tally::testing::ValidTokens;
 using ::testing::HasSubstr;
 
 // The tiny FLOAT64 Llama every test trains.
@@ -73,7 +64,6 @@ constexpr int32_t kKvHeads = 2;
 constexpr int32_t kMaxPositions = 64;
 constexpr double kMaxGradNorm = 1.0;
 
-constexpr int32_t kIgnoredTarget = -100;
 constexpr int kCallsPerStep = 3;
 constexpr absl::Duration kShutdownTimeout = absl::Seconds(30);
 
@@ -132,16 +122,6 @@ v1::Sample MakeSample(std::mt19937& rng, int length, int masked,
     }
   }
   return sample;
-}
-
-// What the proto calls valid: a real target and a positive weight.
-int64_t ValidTokens(const v1::Sample& sample) {
-  int64_t valid = 0;
-  for (int i = 0; i < sample.target_tokens_size(); ++i) {
-    const bool weighted = sample.weights_size() == 0 || sample.weights(i) > 0;
-    if (sample.target_tokens(i) != kIgnoredTarget && weighted) ++valid;
-  }
-  return valid;
 }
 
 struct ValidCounts {

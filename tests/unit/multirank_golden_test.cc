@@ -48,6 +48,15 @@ std::string VariantName(const Variant& v) {
                       ReductionName(v.reduction));
 }
 
+// This rank's engine of a deployment laid out as `shape`.
+absl::StatusOr<std::unique_ptr<Engine>> RankEngine(
+    const MeshShape& shape, const RankEnv& env, const EngineOptions& options) {
+  TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+  TALLY_ASSIGN_OR_RETURN(auto groups,
+                         ProcessGroups::Create(env, mesh, absl::Seconds(60)));
+  return Engine::Create(options, mesh, std::move(groups));
+}
+
 // Three calls of very uneven size: the first holds one valid token (so
 // every data rank but one has nothing), the others mix long, short and
 // fully ignored samples.
@@ -213,13 +222,9 @@ TEST_P(MultiRankGoldenTest, EqualsTheSingleDeviceRun) {
   const MeshShape shape = GetParam().shape;
   testing::RunOnRanks(
       shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
-        TALLY_ASSIGN_OR_RETURN(
-            auto groups, ProcessGroups::Create(env, mesh, absl::Seconds(60)));
         EngineOptions options;
         options.max_batch_tokens = 96;  // several micro-batches per call
-        TALLY_ASSIGN_OR_RETURN(
-            auto engine, Engine::Create(options, mesh, std::move(groups)));
+        TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(shape, env, options));
         TALLY_ASSIGN_OR_RETURN(auto reference,
                                Engine::CreateSingleRank(options));
         int n = 0;
@@ -281,11 +286,8 @@ TEST_P(MultiRankNormTest, OneCollectiveEqualsTheStagedReduction) {
   const MeshShape shape = GetParam().shape;
   testing::RunOnRanks(
       shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
-        TALLY_ASSIGN_OR_RETURN(
-            auto groups, ProcessGroups::Create(env, mesh, absl::Seconds(60)));
-        TALLY_ASSIGN_OR_RETURN(auto engine,
-                               Engine::Create({}, mesh, std::move(groups)));
+        TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(shape, env, {}));
+        const Mesh& mesh = engine->mesh();
         ModelSpec spec = TinySpec("n", DType::kFloat64, OptimizerKind::kAdamW);
         TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
         LlamaModel& model = *engine->model("n").value();
