@@ -215,3 +215,17 @@ class ServerTestCase(unittest.TestCase):
         finally:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             super().tearDown()
+
+
+# The tiny Llama (HF LlamaConfig fields) the Python tests train.
+TINY_LLAMA = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 64,
+}

@@ -15,21 +15,11 @@ import unittest
 import numpy as np
 import torch
 
-from tally_testing import ServerTestCase, pb, read_json, read_safetensors
+from tally_testing import (TINY_LLAMA, ServerTestCase, pb, read_json,
+                           read_safetensors)
 
 IGNORE = -100
 
-TINY_LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 64,
-}
 
 FLOAT64_RTOL = 1e-10
 FLOAT32_RTOL = 1e-5

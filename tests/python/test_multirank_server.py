@@ -17,7 +17,8 @@ import unittest
 
 import numpy as np
 
-from tally_testing import ServerTestCase, pb, read_json, read_safetensors
+from tally_testing import (TINY_LLAMA, ServerTestCase, pb, read_json,
+                           read_safetensors)
 
 IGNORE = -100
 MODEL_ID = "tiny"
@@ -29,15 +30,6 @@ MAX_GRAD_NORM = 1.0
 # 5.7e-6, 7.5e-5 of its tensor's largest magnitude, in one step. With eps
 # 1e-6 that amplification is at most lr * 2e-11 / eps = 2e-8.
 ADAM_EPS = 1e-6
-TINY_LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 FLOAT32_RTOL = 1e-5
 FLOAT64_RTOL = 1e-10
 
