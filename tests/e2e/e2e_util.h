@@ -4,10 +4,15 @@
 #define TALLY_TESTS_E2E_E2E_UTIL_H_
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "tally/v1/trainer.pb.h"
+#include "tests/e2e/server_process.h"
 
 // ASSERTs that `expr` (an absl::StatusOr) is OK, then moves its value into
 // `lhs`.
@@ -33,6 +38,32 @@ inline int64_t ValidTokens(const v1::Sample& sample) {
     if (sample.target_tokens(i) != kIgnoredTarget && weighted) ++valid;
   }
   return valid;
+}
+
+// Starts the server under test with `args` and adds it to `servers`; nullptr,
+// with the failure recorded, when it does not come up.
+inline ServerProcess* StartServerOrFail(
+    const std::vector<std::string>& args,
+    std::vector<std::unique_ptr<ServerProcess>>& servers) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> started =
+      ServerProcess::Start(ServerBinaryFromEnv(), args);
+  if (!started.ok()) {
+    ADD_FAILURE() << started.status();
+    return nullptr;
+  }
+  servers.push_back(*std::move(started));
+  return servers.back().get();
+}
+
+// SIGTERMs every server and expects each to exit 0 within `timeout`.
+inline void ExpectCleanShutdown(
+    const std::vector<std::unique_ptr<ServerProcess>>& servers,
+    absl::Duration timeout) {
+  for (const std::unique_ptr<ServerProcess>& server : servers) {
+    const absl::StatusOr<int> exit_code = server->Stop(timeout);
+    EXPECT_TRUE(exit_code.ok()) << exit_code.status();
+    EXPECT_EQ(exit_code.value_or(-1), 0) << server->ReadLog();
+  }
 }
 
 }  // namespace tally::testing

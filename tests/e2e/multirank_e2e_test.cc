@@ -380,24 +380,14 @@ class MultiRankE2eTest : public ::testing::Test {
  protected:
   void TearDown() override {
     clients_.clear();  // idle channels would slow gRPC's graceful shutdown
-    for (const std::unique_ptr<ServerProcess>& server : servers_) {
-      const absl::StatusOr<int> exit_code = server->Stop(kShutdownTimeout);
-      EXPECT_TRUE(exit_code.ok()) << exit_code.status();
-      EXPECT_EQ(exit_code.value_or(-1), 0) << server->ReadLog();
-    }
+    testing::ExpectCleanShutdown(servers_, kShutdownTimeout);
   }
 
   // A SERVING server and a client of it; nullptr (with the failure
   // recorded) otherwise. TearDown expects it to exit 0 on SIGTERM.
   TrainerClient* StartServer(const std::vector<std::string>& args) {
-    absl::StatusOr<std::unique_ptr<ServerProcess>> started =
-        ServerProcess::Start(ServerBinaryFromEnv(), args);
-    if (!started.ok()) {
-      ADD_FAILURE() << started.status();
-      return nullptr;
-    }
-    servers_.push_back(*std::move(started));
-    return Connect(*servers_.back());
+    ServerProcess* server = testing::StartServerOrFail(args, servers_);
+    return server == nullptr ? nullptr : Connect(*server);
   }
 
   TrainerClient* Connect(const ServerProcess& server) {

@@ -375,23 +375,12 @@ class ServerE2eTest : public ::testing::Test {
     // (covered once, by SigtermWithAnIdleClientConnectedExitsZero); closing it
     // first keeps the suite fast.
     client_.reset();
-    for (const std::unique_ptr<ServerProcess>& server : servers_) {
-      const absl::StatusOr<int> exit_code = server->Stop(kShutdownTimeout);
-      EXPECT_TRUE(exit_code.ok()) << exit_code.status();
-      EXPECT_EQ(exit_code.value_or(-1), 0) << server->ReadLog();
-    }
+    testing::ExpectCleanShutdown(servers_, kShutdownTimeout);
   }
 
   // nullptr, with the failure recorded, when the server does not come up.
   ServerProcess* StartServer(const std::vector<std::string>& args) {
-    absl::StatusOr<std::unique_ptr<ServerProcess>> started =
-        ServerProcess::Start(ServerBinaryFromEnv(), args);
-    if (!started.ok()) {
-      ADD_FAILURE() << started.status();
-      return nullptr;
-    }
-    servers_.push_back(std::move(started).value());
-    return servers_.back().get();
+    return testing::StartServerOrFail(args, servers_);
   }
 
   static std::unique_ptr<TrainerClient> Connect(const ServerProcess& server) {
