@@ -52,6 +52,7 @@ const std::vector<std::vector<MeshDim>>& GroupDims() {
       {MeshDim::kDpReplicate, MeshDim::kDpShard},
       {MeshDim::kDpReplicate, MeshDim::kDpShard, MeshDim::kCp},
       {MeshDim::kDpShard, MeshDim::kCp},
+      {MeshDim::kDpReplicate, MeshDim::kCp},
   };
   return *dims;
 }

@@ -102,7 +102,8 @@ class ProcessGroups {
 
   // The group spanning the world dims `dims` (any order) that holds this
   // rank. Created: each single world dim, {dp_replicate, dp_shard},
-  // {dp_replicate, dp_shard, cp} and {dp_shard, cp}; FAILED_PRECONDITION for
+  // {dp_replicate, dp_shard, cp}, {dp_shard, cp} and {dp_replicate, cp};
+  // FAILED_PRECONDITION for
   // any other combination, INVALID_ARGUMENT for ep or a repeated dim.
   absl::StatusOr<Communicator*> group(std::vector<MeshDim> dims);
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/checkpoint.h"
+#include "runtime/context_parallel.h"
 #include "runtime/loss.h"
 #include "runtime/status.h"
 
@@ -53,9 +54,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   g.world = &groups->world();
   TALLY_ASSIGN_OR_RETURN(
       g.data, groups->group({MeshDim::kDpReplicate, MeshDim::kDpShard}));
+  TALLY_ASSIGN_OR_RETURN(
+      g.data_and_cp,
+      groups->group({MeshDim::kDpReplicate, MeshDim::kDpShard, MeshDim::kCp}));
+  TALLY_ASSIGN_OR_RETURN(g.replicas,
+                         groups->group({MeshDim::kDpReplicate, MeshDim::kCp}));
   TALLY_ASSIGN_OR_RETURN(g.dp_replicate,
                          groups->group({MeshDim::kDpReplicate}));
   TALLY_ASSIGN_OR_RETURN(g.dp_shard, groups->group({MeshDim::kDpShard}));
+  TALLY_ASSIGN_OR_RETURN(g.cp, groups->group({MeshDim::kCp}));
   TALLY_ASSIGN_OR_RETURN(g.tp, groups->group({MeshDim::kTp}));
   engine->control_ = &groups->control();
   engine->process_groups_ = std::move(groups);
@@ -71,7 +78,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::CreateSingleRank(
   TALLY_ASSIGN_OR_RETURN(engine->single_rank_world_,
                          MakeSingleRankCommunicator());
   Communicator* world = engine->single_rank_world_.get();
-  engine->groups_ = {world, world, world, world, world};
+  engine->groups_ = {world, world, world, world, world, world, world, world};
   engine->control_ = world;
   return engine;
 }
@@ -160,6 +167,7 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   ModelSharding sharding;
   sharding.tp = groups_.tp;
   sharding.dp_shard = groups_.dp_shard;
+  sharding.cp = groups_.cp;
   TALLY_ASSIGN_OR_RETURN(
       state->model,
       LlamaModel::Create(spec.config, spec.dtype, spec.seed, sharding));
@@ -215,10 +223,11 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   const std::vector<Sample>& samples = args.samples;
   const int num_samples = static_cast<int>(samples.size());
 
-  // Samples are split over the ranks that hold distinct data; tp peers see
-  // the same ones. Every data rank runs as many micro-batches as the busiest
-  // one, padding with empty batches, because the forward pass gathers
-  // dp_shard parameters collectively.
+  // Samples are split over the ranks that hold distinct data; tp and cp
+  // peers see the same ones (cp peers each take a part of every sample's
+  // tokens). Every data rank runs as many micro-batches as the busiest one,
+  // padding with empty batches, because the forward pass gathers dp_shard
+  // parameters collectively.
   const std::vector<std::vector<int>> assignment =
       PartitionSamples(samples, groups_.data->size());
   std::vector<std::vector<int>> batches;
@@ -231,7 +240,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   static const std::vector<Sample> kEmpty = {Sample{{0}, {kIgnoreIndex}, {}}};
 
   const bool sync_call =
-      !args.forward_only && groups_.dp_replicate->size() > 1 &&
+      !args.forward_only && groups_.replicas->size() > 1 &&
       (state.spec.grad_sync == GradSync::kEager || state.replicas_summed);
   std::vector<torch::Tensor> earlier;
   if (sync_call) {
@@ -241,8 +250,46 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     }
   }
 
+  // Every micro-batch is packed (and split over cp) up front: under cp,
+  // SAMPLE_MEAN needs each sample's T_b before the first backward.
+  const int cp = groups_.cp->size();
+  const bool split_samples =
+      cp > 1 && args.reduction == LossReduction::kSampleMean;
+  std::vector<PackedBatch> packed;
+  std::vector<AttentionLayout> layouts;
+  torch::Tensor sample_tokens = torch::zeros({num_samples}, torch::kFloat64);
+  TALLY_RETURN_IF_ERROR(CatchTorch("pack micro-batches", [&] {
+    for (size_t b = 0; b < num_batches; ++b) {
+      PackedBatch batch =
+          b < batches.size()
+              ? PackRows(samples, batches[b], model.scalar_type())
+              : PackRows(kEmpty, {0}, model.scalar_type());
+      if (cp > 1) {
+        ContextParallelBatch split =
+            SplitForContextParallel(batch, groups_.cp->rank(), cp);
+        batch = std::move(split.local);
+        layouts.push_back(std::move(split.layout));
+      } else {
+        layouts.push_back(
+            AttentionLayout::RightPadded(batch.lengths, batch.inputs.size(1)));
+      }
+      if (split_samples && b < batches.size()) {
+        sample_tokens.index_put_(
+            {torch::tensor(batch.sample_index, torch::kInt64)},
+            batch.valid.sum(1).to(torch::kFloat64));
+      }
+      packed.push_back(std::move(batch));
+    }
+  }));
+  // A cp rank holds only a part of each sample: T_b is the sum of the parts,
+  // one collective for the whole call.
+  if (split_samples) {
+    TALLY_RETURN_IF_ERROR(groups_.cp->AllReduce(sample_tokens, ReduceOp::kSum));
+  }
+
   // Per sample: [loss_sum, valid_tokens], then (with return_logprobs) every
-  // sample's logprobs; filled by the sample's owner, summed over data ranks.
+  // sample's logprobs; filled by the sample's owners (each cp rank its own
+  // tokens), summed over the ranks holding distinct tokens.
   std::vector<int64_t> logprob_offset(num_samples, 0);
   int64_t size = 2 * num_samples;
   if (args.return_logprobs) {
@@ -258,39 +305,52 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     if (args.forward_only) no_grad.emplace();
     double* out = gathered.data_ptr<double>();
     for (size_t b = 0; b < num_batches; ++b) {
-      const bool real = b < batches.size();
-      const PackedBatch batch =
-          real ? PackRows(samples, batches[b], model.scalar_type())
-               : PackRows(kEmpty, {0}, model.scalar_type());
+      const PackedBatch& batch = packed[b];
+      const AttentionLayout& layout = layouts[b];
       torch::Tensor logprobs =
-          model.TargetLogprobs(batch.inputs, batch.targets, batch.lengths);
-      LossTerms terms = ComputeLoss(logprobs, batch, args.reduction);
+          model.TargetLogprobs(batch.inputs, batch.targets, layout);
+      const bool real = b < batches.size();
+      torch::Tensor row_tokens;
+      if (split_samples && real) {
+        row_tokens =
+            sample_tokens
+                .index({torch::tensor(batch.sample_index, torch::kInt64)})
+                .to(torch::kInt64);
+      }
+      LossTerms terms =
+          ComputeLoss(logprobs, batch, args.reduction, row_tokens);
       if (!args.forward_only) terms.raw_loss.backward();
       if (!real) continue;
       padded_tokens += batch.inputs.numel();
       auto loss_sums = terms.sample_loss_sums.accessor<double, 1>();
       auto valid = terms.sample_valid_tokens.accessor<int64_t, 1>();
-      torch::Tensor rows;
+      torch::Tensor rows, positions;
       if (args.return_logprobs) {
         rows = logprobs.detach()
                    .masked_fill(~batch.has_target, 0.0)
                    .to(torch::kFloat64)
                    .contiguous();
+        positions = layout.positions.contiguous();
       }
       for (size_t r = 0; r < batch.sample_index.size(); ++r) {
         const int i = batch.sample_index[r];
         out[2 * i] = loss_sums[r];
         out[2 * i + 1] = static_cast<double>(valid[r]);
         if (args.return_logprobs) {
+          // Back to the sample's token order (cp ranks hold two chunks).
           const double* row = rows[r].data_ptr<double>();
-          std::copy(row, row + batch.lengths[r], out + logprob_offset[i]);
+          const int64_t* at = positions[r].data_ptr<int64_t>();
+          for (int64_t t = 0; t < batch.lengths[r]; ++t) {
+            out[logprob_offset[i] + at[t]] = row[t];
+          }
         }
       }
     }
   });
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(computed));
-  if (groups_.data->size() > 1) {
-    TALLY_RETURN_IF_ERROR(groups_.data->AllReduce(gathered, ReduceOp::kSum));
+  if (groups_.data_and_cp->size() > 1) {
+    TALLY_RETURN_IF_ERROR(
+        groups_.data_and_cp->AllReduce(gathered, ReduceOp::kSum));
   }
   if (sync_call) {
     TALLY_RETURN_IF_ERROR(
@@ -348,8 +408,8 @@ absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
 absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
   for (Parameter& p : params) {
     if (!p.tensor.grad().defined()) continue;
-    TALLY_RETURN_IF_ERROR(groups_.dp_replicate->AllReduce(
-        p.tensor.mutable_grad(), ReduceOp::kSum));
+    TALLY_RETURN_IF_ERROR(
+        groups_.replicas->AllReduce(p.tensor.mutable_grad(), ReduceOp::kSum));
   }
   return absl::OkStatus();
 }
@@ -410,7 +470,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
 
   std::vector<Parameter>& params = state->model->parameters();
   if (state->spec.grad_sync == GradSync::kDeferred &&
-      groups_.dp_replicate->size() > 1 && !state->replicas_summed) {
+      groups_.replicas->size() > 1 && !state->replicas_summed) {
     absl::Status summed = SumGradientsOverReplicas(params);
     // A partial sum cannot be undone: the window is no longer trustworthy.
     if (!summed.ok()) state->poisoned = true;

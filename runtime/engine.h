@@ -35,11 +35,18 @@ namespace tally {
 // The communicators of one rank, by the role they play. In a single-rank
 // engine every role is the same one-rank group.
 struct EngineGroups {
-  Communicator* world = nullptr;         // the gradient norm's one collective
-  Communicator* data = nullptr;          // ranks holding distinct samples
-  Communicator* dp_replicate = nullptr;  // gradient all-reduce (SUM)
-  Communicator* dp_shard = nullptr;      // ZeRO-3 gather / reduce-scatter
-  Communicator* tp = nullptr;            // Megatron tensor parallelism
+  Communicator* world = nullptr;  // the gradient norm's one collective
+  Communicator* data = nullptr;   // ranks holding distinct samples
+  // data x cp: ranks holding distinct tokens; per-sample results sum here.
+  Communicator* data_and_cp = nullptr;
+  // dp_replicate x cp: ranks holding the same parameter shards, each with a
+  // partial gradient. Gradients SUM here (EAGER: per call; DEFERRED: at
+  // OptimStep).
+  Communicator* replicas = nullptr;
+  Communicator* dp_replicate = nullptr;
+  Communicator* dp_shard = nullptr;  // ZeRO-3 gather / reduce-scatter
+  Communicator* cp = nullptr;        // the K/V gather of context parallelism
+  Communicator* tp = nullptr;        // Megatron tensor parallelism
 };
 
 struct EngineOptions {
@@ -101,7 +108,7 @@ class Engine {
     // Set when a ForwardBackward failed after it may have added gradients:
     // the window can no longer be trusted until it is aborted.
     bool poisoned = false;
-    // DEFERRED: the window's gradients were already summed over dp_replicate
+    // DEFERRED: the window's gradients were already summed over the replicas
     // (by an OptimStep that then refused to step), so later calls of the
     // window must sum their own share before adding it.
     bool replicas_summed = false;
@@ -117,8 +124,8 @@ class Engine {
   absl::StatusOr<std::unique_ptr<ModelState>> BuildModel(ModelSpec spec);
   absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
       ModelState& state, const ForwardBackwardArgs& args);
-  // Sums this call's gradients over dp_replicate, leaving earlier calls'
-  // (already summed) untouched.
+  // Sums this call's gradients over groups_.replicas, leaving earlier
+  // calls' (already summed) untouched.
   absl::Status SumCallGradientsOverReplicas(std::vector<Parameter>& params,
                                             std::vector<torch::Tensor> earlier);
   absl::Status SumGradientsOverReplicas(std::vector<Parameter>& params);

@@ -170,6 +170,16 @@ torch::Tensor LlamaModel::RmsNorm(const torch::Tensor& x,
   return w * (x * torch::rsqrt(variance + config_.rms_norm_eps));
 }
 
+AttentionLayout AttentionLayout::RightPadded(
+    const std::vector<int64_t>& lengths, int64_t seq) {
+  const int64_t batch = static_cast<int64_t>(lengths.size());
+  AttentionLayout layout;
+  layout.positions = torch::arange(seq).expand({batch, seq});
+  layout.key_positions = layout.positions;
+  layout.key_valid = layout.positions < torch::tensor(lengths).unsqueeze(1);
+  return layout;
+}
+
 namespace {
 
 // HF's rotate_half: (x1, x2) -> (-x2, x1) over the two halves of head_dim.
@@ -198,6 +208,11 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   torch::Tensor v = split_heads(torch::linear(h, Weight(idx.v)), kv_heads);
   q = q * cos + RotateHalf(q) * sin;
   k = k * cos + RotateHalf(k) * sin;
+  if (sharding_.cp_size() > 1) {
+    // Before the GQA repeat, so the gather moves kv_heads, not heads.
+    k = GatherSequenceBlocks(k, *sharding_.cp);
+    v = GatherSequenceBlocks(v, *sharding_.cp);
+  }
   if (heads != kv_heads) {
     // Query head j reads kv head j / (heads / kv_heads), as HF's repeat_kv.
     k = k.repeat_interleave(heads / kv_heads, /*dim=*/1);
@@ -213,28 +228,25 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
 
 torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
                                          const torch::Tensor& targets,
-                                         const std::vector<int64_t>& lengths) {
-  const int64_t batch = inputs.size(0), seq = inputs.size(1);
+                                         const AttentionLayout& layout) {
   const int64_t d = config_.head_dim();
   const auto options = torch::TensorOptions().dtype(scalar_type());
 
-  // Rotary tables in the model dtype: inv_freq = 1 / theta^(2i/d).
+  // Rotary tables at each token's position in its sample, in the model
+  // dtype: inv_freq = 1 / theta^(2i/d).
   torch::Tensor inv_freq =
       1.0 / torch::pow(config_.rope_theta, torch::arange(0, d, 2, options) /
                                                static_cast<double>(d));
-  torch::Tensor freqs =
-      torch::outer(torch::arange(seq, options), inv_freq);  // [T, d/2]
-  torch::Tensor emb = torch::cat({freqs, freqs}, -1);       // [T, d]
+  torch::Tensor freqs = layout.positions.to(scalar_type()).unsqueeze(-1) *
+                        inv_freq;  // [B, T, d/2]
+  torch::Tensor emb = torch::cat({freqs, freqs}, -1).unsqueeze(1);  // [B,1,T,d]
   torch::Tensor cos = emb.cos(), sin = emb.sin();
 
-  // masked[b, 0, i, j]: key j is in the future of i or is padding of b.
-  torch::Tensor causal =
-      torch::ones({seq, seq}, torch::kBool).triu(/*diagonal=*/1);
-  torch::Tensor key_is_pad =
-      torch::arange(seq).unsqueeze(0) >=
-      torch::tensor(lengths, torch::kInt64).unsqueeze(1);  // [B, T]
-  torch::Tensor mask =
-      causal.view({1, 1, seq, seq}) | key_is_pad.view({batch, 1, 1, seq});
+  // masked[b, 0, i, j]: key j is padding or in the future of query i.
+  torch::Tensor visible =
+      layout.key_valid.unsqueeze(1) &
+      (layout.key_positions.unsqueeze(1) <= layout.positions.unsqueeze(2));
+  torch::Tensor mask = (~visible).unsqueeze(1);  // [B, 1, T, K]
 
   // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
   const int64_t vocab_start =

@@ -4,12 +4,15 @@
 // Parameters are held under their HF names so checkpoints move between tally
 // and the PyTorch ecosystem unchanged; each carries its Placements so the
 // gradient norm and the optimizer work on local shards whatever the mesh.
-// Samples are batched with right padding: positions restart at 0 per sample
-// and no token attends across samples or to padding.
+// Samples are batched one per row: positions restart at 0 per sample and no
+// token attends across samples or to padding. Under context parallelism a row
+// holds only this rank's tokens of its sample (see context_parallel.h); the
+// AttentionLayout gives their positions in the sample.
 //
 //   TALLY_ASSIGN_OR_RETURN(auto model, tally::LlamaModel::Create(
 //       tally::LlamaConfig::EmbeddedDefault(), tally::DType::kFloat32, 7));
-//   torch::Tensor logprobs = model->TargetLogprobs(inputs, targets, lengths);
+//   torch::Tensor logprobs = model->TargetLogprobs(
+//       inputs, targets, tally::AttentionLayout::RightPadded(lengths, seq));
 #ifndef TALLY_RUNTIME_LLAMA_MODEL_H_
 #define TALLY_RUNTIME_LLAMA_MODEL_H_
 
@@ -39,16 +42,37 @@ struct Parameter {
   std::vector<int64_t> tp_local_shape;
 };
 
+// Where each token of a [B, T] batch sits in its sample, and which keys its
+// query may read: key j of row b is visible to query i iff key_valid[b, j]
+// and key_positions[b, j] <= positions[b, i]. Under context parallelism the
+// keys are those of every cp rank (K = cp * T); otherwise they are the row's
+// own tokens (K = T). Padding queries must be placed at or after their
+// sample's last position, so that they see at least one key and stay finite.
+struct AttentionLayout {
+  torch::Tensor positions;      // [B, T] int64
+  torch::Tensor key_positions;  // [B, K] int64
+  torch::Tensor key_valid;      // [B, K] bool
+
+  // Whole samples, right-padded to `seq`: positions 0..seq-1 on every row
+  // and keys valid below each row's length.
+  static AttentionLayout RightPadded(const std::vector<int64_t>& lengths,
+                                     int64_t seq);
+};
+
 // The groups a model is split over. A null or single-rank group means the
 // dimension is not split; the default is the single-device model.
 struct ModelSharding {
   Communicator* tp = nullptr;        // Megatron tensor parallelism
   Communicator* dp_shard = nullptr;  // ZeRO-3 / FSDP parameter sharding
+  // Context parallelism: the ranks splitting each sample's tokens, whose
+  // keys and values attention gathers. Parameters are replicated over it.
+  Communicator* cp = nullptr;
 
   int tp_size() const { return tp ? tp->size() : 1; }
   int tp_rank() const { return tp ? tp->rank() : 0; }
   int dp_shard_size() const { return dp_shard ? dp_shard->size() : 1; }
   int dp_shard_rank() const { return dp_shard ? dp_shard->rank() : 0; }
+  int cp_size() const { return cp ? cp->size() : 1; }
 };
 
 // INVALID_ARGUMENT naming the config field that tp does not divide.
@@ -91,13 +115,14 @@ class LlamaModel {
     return sharding_.tp_size() > 1 || sharding_.dp_shard_size() > 1;
   }
 
-  // log p(targets[b, t] | inputs[b, 0..t]) for a right-padded batch.
+  // log p(targets[b, t] | the tokens of b's sample at or before t).
   // inputs/targets: [B, T] int64 (ignored targets already replaced by any
-  // in-range id); lengths[b] <= T is sample b's real length. Returns [B, T]
-  // in the model dtype; padded positions hold values that must be masked.
+  // in-range id), laid out as `layout` says. Returns [B, T] in the model
+  // dtype; padded positions hold finite values that must be masked. Under
+  // cp, every rank of the cp group must call it with the same B and T.
   torch::Tensor TargetLogprobs(const torch::Tensor& inputs,
                                const torch::Tensor& targets,
-                               const std::vector<int64_t>& lengths);
+                               const AttentionLayout& layout);
 
  private:
   LlamaModel(const LlamaConfig& config, DType dtype,

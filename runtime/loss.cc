@@ -154,7 +154,8 @@ std::vector<std::vector<int>> PartitionSamples(
 }
 
 LossTerms ComputeLoss(const torch::Tensor& target_logprobs,
-                      const PackedBatch& batch, LossReduction reduction) {
+                      const PackedBatch& batch, LossReduction reduction,
+                      const torch::Tensor& sample_tokens) {
   LossTerms terms;
   // Padding and ignored positions carry weight 0; masked_fill also stops a
   // non-finite logprob there from leaking NaN into the sum (0 * inf = NaN).
@@ -164,14 +165,12 @@ LossTerms ComputeLoss(const torch::Tensor& target_logprobs,
   terms.sample_valid_tokens = batch.valid.sum(1);
   terms.sample_loss_sums = per_sample.detach().to(torch::kFloat64);
   terms.valid_tokens = terms.sample_valid_tokens.sum().item<int64_t>();
-  torch::Tensor counted = terms.sample_valid_tokens > 0;
-  terms.counted_samples = counted.sum().item<int64_t>();
   if (reduction == LossReduction::kSampleMean) {
+    const torch::Tensor& counts =
+        sample_tokens.defined() ? sample_tokens : terms.sample_valid_tokens;
     // 1 / T_b for counted samples; samples with T_b = 0 contribute nothing.
     torch::Tensor inv_len = torch::where(
-        counted,
-        1.0 /
-            terms.sample_valid_tokens.clamp_min(1).to(per_sample.scalar_type()),
+        counts > 0, 1.0 / counts.clamp_min(1).to(per_sample.scalar_type()),
         torch::zeros_like(per_sample));
     terms.raw_loss = (per_sample * inv_len).sum();
   } else {

@@ -70,13 +70,17 @@ std::vector<std::vector<int>> PartitionSamples(
 struct LossTerms {
   torch::Tensor raw_loss;             // scalar, differentiable
   torch::Tensor sample_loss_sums;     // [B] fp64, detached: sum of w * l
-  torch::Tensor sample_valid_tokens;  // [B] int64
+  torch::Tensor sample_valid_tokens;  // [B] int64, of this batch's rows
   int64_t valid_tokens = 0;
-  int64_t counted_samples = 0;  // rows with at least one valid token
 };
 
+// `sample_tokens` [B] int64: the valid-token count T_b of each row's whole
+// sample, which SAMPLE_MEAN divides by. Leave it undefined when the rows hold
+// whole samples (their own counts are T_b); under context parallelism a row
+// holds a part of its sample and T_b comes from the whole cp group.
 LossTerms ComputeLoss(const torch::Tensor& target_logprobs,
-                      const PackedBatch& batch, LossReduction reduction);
+                      const PackedBatch& batch, LossReduction reduction,
+                      const torch::Tensor& sample_tokens = {});
 
 }  // namespace tally
 

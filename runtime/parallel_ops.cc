@@ -211,6 +211,18 @@ torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
   return GatherShardedParameterFunction::apply(shard, full_dim0, &group);
 }
 
+torch::Tensor GatherSequenceBlocks(const torch::Tensor& x,
+                                   Communicator& group) {
+  CheckFloating(x, "GatherSequenceBlocks: x");
+  TORCH_CHECK(x.dim() == 4,
+              "GatherSequenceBlocks: x must be [B, H, T, D], got ", x.sizes());
+  // The sequence goes to dim 0, where the parameter gather concatenates; the
+  // blocks are equal, so the gather pads nothing.
+  torch::Tensor blocks = GatherShardedParameter(
+      x.permute({2, 0, 1, 3}).contiguous(), x.size(2) * group.size(), group);
+  return blocks.permute({1, 2, 0, 3});
+}
+
 torch::Tensor CopyToTensorParallelRegion(const torch::Tensor& x,
                                          Communicator& tp) {
   CheckFloating(x, "CopyToTensorParallelRegion: x");

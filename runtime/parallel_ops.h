@@ -1,5 +1,6 @@
-// Differentiable parallel building blocks: the ZeRO-3 / FSDP parameter gather
-// and the Megatron tensor-parallel region, embedding and cross-entropy ops.
+// Differentiable parallel building blocks: the ZeRO-3 / FSDP parameter gather,
+// the context-parallel key/value gather and the Megatron tensor-parallel
+// region, embedding and cross-entropy ops.
 //
 // Each op is a LibTorch autograd Function whose forward and backward issue
 // their collectives explicitly through a Communicator, so gradients never flow
@@ -9,6 +10,7 @@
 //
 //   op                              forward                 backward
 //   GatherShardedParameter          1 AllGather             1 ReduceScatter
+//   GatherSequenceBlocks            1 AllGather             1 ReduceScatter
 //   CopyToTensorParallelRegion      none                    1 AllReduce(SUM)
 //   ReduceFromTensorParallelRegion  1 AllReduce(SUM)        none
 //   VocabParallelEmbedding          1 AllReduce(SUM)        none
@@ -67,6 +69,14 @@ torch::Tensor ShardDim0(const torch::Tensor& full, int rank, int size);
 // (padding rows get zero).
 torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
                                      int64_t full_dim0, Communicator& group);
+
+// Context parallelism: every cp rank's block of keys or values
+// x [B, H, T_block, D] (equal T_block on every rank), concatenated along the
+// sequence in cp rank order: [B, H, group.size() * T_block, D]. Every rank's
+// queries read every block, so the backward reduce-scatters (SUM) the full
+// gradient and each rank gets the sum of all queries' gradients for its own
+// block.
+torch::Tensor GatherSequenceBlocks(const torch::Tensor& x, Communicator& group);
 
 // Megatron's "f": the input of a column-parallel layer. Forward is the
 // identity; backward sums the partial input gradients of the tp ranks.

@@ -1,7 +1,7 @@
 """A multi-rank tally-server gives the single-rank server's results.
 
 Each test starts a 1-rank server and a 4-rank one (`--nproc-per-node 4` with
-dp_shard 2 x tp 2, or dp_replicate 2 x dp_shard 2), creates the same tiny
+dp_shard 2 x tp 2, dp_replicate 2 x dp_shard 2 or cp 2 x tp 2), creates the same tiny
 Llama on both and sends both the same requests: ForwardBackward calls of very
 uneven size (a call whose only valid token is one, samples whose targets are
 all ignored, weighted positions, a sample of one token) and OptimSteps with
@@ -36,6 +36,7 @@ FLOAT64_RTOL = 1e-10
 DP_SHARD_TP = ["--nproc-per-node", "4", "--dp-shard", "2", "--tp", "2"]
 DP_REPLICATE_SHARD = ["--nproc-per-node", "4", "--dp-replicate", "2",
                       "--dp-shard", "2"]
+CP_TP = ["--nproc-per-node", "4", "--cp", "2", "--tp", "2"]
 
 TOKEN_MEAN = pb.LOSS_REDUCTION_TOKEN_MEAN
 SAMPLE_MEAN = pb.LOSS_REDUCTION_SAMPLE_MEAN
@@ -333,17 +334,27 @@ class MultiRankServerTest(ServerTestCase):
                                       self.save(multi, "multi-4"),
                                       FLOAT32_RTOL, "<f4")
 
-    def test_dp_shard_tp_float64_steps(self):
-        single, multi = self.start_pair(DP_SHARD_TP)
+    def check_float64_steps(self, mesh):
+        single, multi = self.start_pair(mesh)
         both = [single, multi]
         self.create(both, pb.DTYPE_FLOAT64)
         for step, reduction in enumerate([TOKEN_MEAN, SAMPLE_MEAN]):
             responses = self.train_step(both, step_calls(step), reduction,
                                         FLOAT64_RTOL, f"float64 step {step}")
         self.assertLess(responses[0].clip_coef, 1.0, "clipping must be active")
+        self.assert_probes_close(self.probe(single), self.probe(multi),
+                                 FLOAT64_RTOL, "logprobs after 2 steps")
         self.assert_checkpoints_close(self.save(single, "single-2"),
                                       self.save(multi, "multi-2"),
                                       FLOAT64_RTOL, "<f8")
+
+    def test_dp_shard_tp_float64_steps(self):
+        self.check_float64_steps(DP_SHARD_TP)
+
+    def test_cp_tp_float64_steps(self):
+        """Context parallelism through the server: every sample's tokens
+        split over two ranks, each with two tensor-parallel halves."""
+        self.check_float64_steps(CP_TP)
 
     def test_dp_replicate_shard_deferred_and_eager_grad_sync(self):
         single, multi = self.start_pair(DP_REPLICATE_SHARD)

@@ -61,6 +61,16 @@ std::vector<Sample> MakeSamples(int64_t vocab,
   return out;
 }
 
+Sample MakeSampleValidAt(int64_t vocab, int length,
+                         const std::vector<int>& valid_positions,
+                         uint64_t seed) {
+  Sample s = MakeSample(vocab, length, length, seed);
+  std::vector<int32_t> targets(length, kIgnoreIndex);
+  for (int t : valid_positions) targets.at(t) = s.target_tokens[t];
+  s.target_tokens = std::move(targets);
+  return s;
+}
+
 ModelSpec TinySpec(const std::string& id, DType dtype, OptimizerKind optimizer,
                    uint64_t seed) {
   ModelSpec spec;

@@ -24,6 +24,12 @@ LlamaConfig TinyConfig(bool tie_word_embeddings = false);
 // (alternating), and valid weights vary in (0.5, 1.5].
 Sample MakeSample(int64_t vocab, int length, int valid, uint64_t seed);
 
+// One sample of `length` tokens whose valid targets are exactly at
+// `valid_positions` (the others are -100), with weights in (0.5, 1.5].
+Sample MakeSampleValidAt(int64_t vocab, int length,
+                         const std::vector<int>& valid_positions,
+                         uint64_t seed);
+
 // Samples whose valid counts are `valid_per_sample`, lengths valid + extra.
 std::vector<Sample> MakeSamples(int64_t vocab,
                                 const std::vector<int>& valid_per_sample,

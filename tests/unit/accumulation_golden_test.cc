@@ -51,9 +51,9 @@ torch::Tensor ReferenceLoss(LlamaModel& model, const std::vector<Sample>& all,
       weight[t] = ok ? s.weights[t] : 0.0;
       valid += ok;
     }
-    torch::Tensor logprobs =
-        model.TargetLogprobs(torch::tensor(in).view({1, n}),
-                             torch::tensor(target).view({1, n}), {n});
+    torch::Tensor logprobs = model.TargetLogprobs(
+        torch::tensor(in).view({1, n}), torch::tensor(target).view({1, n}),
+        AttentionLayout::RightPadded({n}, n));
     torch::Tensor w = torch::tensor(weight).to(dtype).view({1, n});
     torch::Tensor sample_sum = -(logprobs * w).sum();
     tokens += valid;

@@ -221,6 +221,7 @@ const std::vector<std::vector<MeshDim>>& CreatedGroupDims() {
       {MeshDim::kDpReplicate, MeshDim::kDpShard},
       {MeshDim::kDpReplicate, MeshDim::kDpShard, MeshDim::kCp},
       {MeshDim::kDpShard, MeshDim::kCp},
+      {MeshDim::kDpReplicate, MeshDim::kCp},
   };
   return *dims;
 }

@@ -27,11 +27,12 @@ struct MeshCase {
   MeshShape shape;
 };
 
-MeshShape Shape(int dp_replicate, int dp_shard, int tp) {
+MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1) {
   MeshShape shape;
   shape.dp_replicate = dp_replicate;
   shape.dp_shard = dp_shard;
   shape.tp = tp;
+  shape.cp = cp;
   return shape;
 }
 
@@ -59,10 +60,17 @@ absl::StatusOr<std::unique_ptr<Engine>> RankEngine(
 
 // Three calls of very uneven size: the first holds one valid token (so
 // every data rank but one has nothing), the others mix long, short and
-// fully ignored samples.
+// fully ignored samples. For context parallelism the second also holds
+// samples of 1 and 3 tokens (empty chunks) and a 16-token sample whose
+// valid targets split unevenly over the cp shards: 3 and 2 at cp = 2;
+// 2, 1, none and 2 at cp = 4.
 std::vector<std::vector<Sample>> Calls() {
   const int64_t vocab = testing::TinyConfig().vocab_size;
-  return {MakeSamples(vocab, {1}, 21), MakeSamples(vocab, {50, 3, 0, 7}, 22),
+  std::vector<Sample> mixed = MakeSamples(vocab, {50, 3, 0, 7}, 22);
+  mixed.push_back(testing::MakeSampleValidAt(vocab, 16, {0, 1, 2, 6, 7}, 24));
+  mixed.push_back(testing::MakeSample(vocab, 1, 1, 25));
+  mixed.push_back(testing::MakeSample(vocab, 3, 2, 26));
+  return {MakeSamples(vocab, {1}, 21), mixed,
           MakeSamples(vocab, {120, 2, 9, 30, 1}, 23)};
 }
 
@@ -106,16 +114,16 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
       }
     }
   }
-  // EAGER: summed over replicas after every call, so this rank's gradient
-  // shard is the single-device gradient's shard. DEFERRED: the replicas'
-  // local gradients sum to it (OptimStep does that sum).
+  // EAGER: summed over the replicas (dp_replicate x cp) after every call,
+  // so this rank's gradient shard is the single-device gradient's shard.
+  // DEFERRED: the replicas' local gradients sum to it (OptimStep does that
+  // sum).
   for (size_t i = 0; i < model.parameters().size(); ++i) {
     const Parameter& p = model.parameters()[i];
     torch::Tensor got = p.tensor.grad().clone();
-    if (v.sync == GradSync::kDeferred &&
-        engine.groups().dp_replicate->size() > 1) {
+    if (v.sync == GradSync::kDeferred && engine.groups().replicas->size() > 1) {
       TALLY_RETURN_IF_ERROR(
-          engine.groups().dp_replicate->AllReduce(got, ReduceOp::kSum));
+          engine.groups().replicas->AllReduce(got, ReduceOp::kSum));
     }
     torch::Tensor want =
         model.LocalShard(p, ref_model.parameters()[i].tensor.grad());
@@ -145,9 +153,9 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
     const Parameter& p = model.parameters()[i];
     torch::Tensor want = model.LocalShard(p, ref_model.parameters()[i].tensor);
     EXPECT_LT(RelativeDiff(p.tensor, want), param_tol) << p.name;
-    // Replicas are bitwise identical: across dp_replicate for everything,
-    // across tp for what tp replicates.
-    std::vector<Communicator*> replica_groups = {engine.groups().dp_replicate};
+    // Replicas are bitwise identical: across dp_replicate and cp for
+    // everything, across tp for what tp replicates.
+    std::vector<Communicator*> replica_groups = {engine.groups().replicas};
     if (!p.placements.at(MeshDim::kTp).is_shard()) {
       replica_groups.push_back(engine.groups().tp);
     }
@@ -381,7 +389,11 @@ const auto kMeshes = ::testing::Values(
     MeshCase{"dp_replicate2", Shape(2, 1, 1)},
     MeshCase{"dp_shard2", Shape(1, 2, 1)}, MeshCase{"tp2", Shape(1, 1, 2)},
     MeshCase{"dp_shard2_tp2", Shape(1, 2, 2)},
-    MeshCase{"dp_replicate2_dp_shard2_tp2", Shape(2, 2, 2)});
+    MeshCase{"dp_replicate2_dp_shard2_tp2", Shape(2, 2, 2)},
+    MeshCase{"cp2", Shape(1, 1, 1, 2)}, MeshCase{"cp4", Shape(1, 1, 1, 4)},
+    MeshCase{"cp2_dp_shard2", Shape(1, 2, 1, 2)},
+    MeshCase{"cp2_tp2", Shape(1, 1, 2, 2)},
+    MeshCase{"dp_replicate2_cp2_tp2", Shape(2, 1, 2, 2)});
 
 std::string MeshName(const ::testing::TestParamInfo<MeshCase>& info) {
   return info.param.name;

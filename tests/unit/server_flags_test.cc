@@ -28,19 +28,21 @@ TEST(ServerFlagsTest, ParsesKebabCaseInBothForms) {
 }
 
 TEST(ServerFlagsTest, MeshAndRankFlags) {
-  auto flags = Parse({"--nproc-per-node", "8", "--dp-replicate=2", "--dp-shard",
-                      "2", "--tp", "2", "--rank", "3", "--world-size", "8",
-                      "--master-addr", "tally-0.tally", "--master-port",
-                      "29400", "--rendezvous-timeout-secs", "60"});
+  auto flags =
+      Parse({"--nproc-per-node", "16", "--dp-replicate=2", "--dp-shard", "2",
+             "--cp", "2", "--tp", "2", "--rank", "3", "--world-size", "16",
+             "--master-addr", "tally-0.tally", "--master-port", "29400",
+             "--rendezvous-timeout-secs", "60"});
   ASSERT_TRUE(flags.ok()) << flags.status();
   const ServerOptions& o = flags->options;
-  EXPECT_EQ(o.nproc_per_node, 8);
-  EXPECT_EQ(o.mesh.world_size(), 8);
+  EXPECT_EQ(o.nproc_per_node, 16);
+  EXPECT_EQ(o.mesh.world_size(), 16);
   EXPECT_EQ(o.mesh.dp_replicate, 2);
   EXPECT_EQ(o.mesh.dp_shard, 2);
+  EXPECT_EQ(o.mesh.cp, 2);
   EXPECT_EQ(o.mesh.tp, 2);
   EXPECT_EQ(o.rank_env.rank, 3);
-  EXPECT_EQ(o.rank_env.world_size, 8);
+  EXPECT_EQ(o.rank_env.world_size, 16);
   EXPECT_EQ(o.rank_env.master_addr, "tally-0.tally");
   EXPECT_EQ(o.rank_env.master_port, 29400);
   EXPECT_EQ(o.rendezvous_timeout_secs, 60);
