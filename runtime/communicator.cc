@@ -39,6 +39,25 @@ int64_t CommStats::TotalCalls() const {
   return total;
 }
 
+absl::Status Communicator::failure() const {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  return failure_;
+}
+
+absl::Status Communicator::Latch(absl::Status result) {
+  if (!result.ok()) {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (failure_.ok()) failure_ = result;
+  }
+  return result;
+}
+
+absl::StatusOr<torch::Tensor> Communicator::Latch(
+    absl::StatusOr<torch::Tensor> result) {
+  Latch(result.status()).IgnoreError();
+  return result;
+}
+
 namespace {
 
 int64_t Bytes(const torch::Tensor& t) {
@@ -57,27 +76,28 @@ class ProcessGroupCommunicator : public Communicator {
 
   absl::Status AllReduce(torch::Tensor& tensor, ReduceOp op) override {
     stats_.Record(CommOp::kAllReduce, Bytes(tensor));
-    return CatchTorch("all_reduce", [&] {
+    return Latch(CatchTorch("all_reduce", [&] {
       std::vector<at::Tensor> tensors = {tensor};
       c10d::AllreduceOptions options;
       options.reduceOp =
           op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
       group_->allreduce(tensors, options)->wait();
-    });
+    }));
   }
 
   absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& input) override {
     stats_.Record(CommOp::kAllGather, Bytes(input));
-    return CatchTorch("all_gather", [&]() -> absl::StatusOr<torch::Tensor> {
-      torch::Tensor contiguous = input.contiguous();
-      std::vector<std::vector<at::Tensor>> outputs(1);
-      for (int r = 0; r < size(); ++r) {
-        outputs[0].push_back(torch::empty_like(contiguous));
-      }
-      std::vector<at::Tensor> inputs = {contiguous};
-      group_->allgather(outputs, inputs)->wait();
-      return torch::cat(outputs[0], 0);
-    });
+    return Latch(
+        CatchTorch("all_gather", [&]() -> absl::StatusOr<torch::Tensor> {
+          torch::Tensor contiguous = input.contiguous();
+          std::vector<std::vector<at::Tensor>> outputs(1);
+          for (int r = 0; r < size(); ++r) {
+            outputs[0].push_back(torch::empty_like(contiguous));
+          }
+          std::vector<at::Tensor> inputs = {contiguous};
+          group_->allgather(outputs, inputs)->wait();
+          return torch::cat(outputs[0], 0);
+        }));
   }
 
   absl::StatusOr<torch::Tensor> ReduceScatter(
@@ -88,45 +108,46 @@ class ProcessGroupCommunicator : public Communicator {
                        " is not divisible by the group size ", size()));
     }
     stats_.Record(CommOp::kReduceScatter, Bytes(input));
-    return CatchTorch("reduce_scatter", [&]() -> absl::StatusOr<torch::Tensor> {
-      int64_t chunk = input.size(0) / size();
-      if (native_reduce_scatter_) {
-        torch::Tensor contiguous = input.contiguous();
-        torch::Tensor output =
-            torch::empty_like(contiguous.narrow(0, 0, chunk));
-        group_->_reduce_scatter_base(output, contiguous)->wait();
-        return output;
-      }
-      std::vector<at::Tensor> tensors = {input.clone()};
-      group_->allreduce(tensors)->wait();
-      return tensors[0].narrow(0, rank() * chunk, chunk).clone();
-    });
+    return Latch(
+        CatchTorch("reduce_scatter", [&]() -> absl::StatusOr<torch::Tensor> {
+          int64_t chunk = input.size(0) / size();
+          if (native_reduce_scatter_) {
+            torch::Tensor contiguous = input.contiguous();
+            torch::Tensor output =
+                torch::empty_like(contiguous.narrow(0, 0, chunk));
+            group_->_reduce_scatter_base(output, contiguous)->wait();
+            return output;
+          }
+          std::vector<at::Tensor> tensors = {input.clone()};
+          group_->allreduce(tensors)->wait();
+          return tensors[0].narrow(0, rank() * chunk, chunk).clone();
+        }));
   }
 
   absl::Status Broadcast(torch::Tensor& tensor, int root) override {
     stats_.Record(CommOp::kBroadcast, Bytes(tensor));
-    return CatchTorch("broadcast", [&] {
+    return Latch(CatchTorch("broadcast", [&] {
       std::vector<at::Tensor> tensors = {tensor};
       c10d::BroadcastOptions options;
       options.rootRank = root;
       group_->broadcast(tensors, options)->wait();
-    });
+    }));
   }
 
   absl::Status Send(const torch::Tensor& tensor, int dst) override {
     stats_.Record(CommOp::kSend, Bytes(tensor));
-    return CatchTorch("send", [&] {
+    return Latch(CatchTorch("send", [&] {
       std::vector<at::Tensor> tensors = {tensor.contiguous()};
       group_->send(tensors, dst, /*tag=*/0)->wait();
-    });
+    }));
   }
 
   absl::Status Recv(torch::Tensor& tensor, int src) override {
     stats_.Record(CommOp::kRecv, Bytes(tensor));
-    return CatchTorch("recv", [&] {
+    return Latch(CatchTorch("recv", [&] {
       std::vector<at::Tensor> tensors = {tensor};
       group_->recv(tensors, src, /*tag=*/0)->wait();
-    });
+    }));
   }
 
  private:

@@ -18,6 +18,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -83,8 +84,21 @@ class Communicator {
   CommStats& stats() { return stats_; }
   const CommStats& stats() const { return stats_; }
 
+  // The first error a collective of this group returned, OK while there was
+  // none. After a failure or a timeout the peers may be anywhere in the
+  // operation, so the group cannot be trusted again.
+  absl::Status failure() const;
+
  protected:
+  // Returns `result`, remembering its error if it is the first.
+  absl::Status Latch(absl::Status result);
+  absl::StatusOr<torch::Tensor> Latch(absl::StatusOr<torch::Tensor> result);
+
   CommStats stats_;
+
+ private:
+  mutable std::mutex failure_mu_;
+  absl::Status failure_;
 };
 
 // Wraps a c10d::ProcessGroup (Gloo on CPU, NCCL on GPU). Reduce-scatter uses

@@ -153,10 +153,6 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> MakeGlooDevice(
       });
 }
 
-// How long a training collective may wait for its peers (LibTorch's
-// default): long enough for a slow checkpoint write on rank 0.
-constexpr std::chrono::milliseconds kCollectiveTimeout =
-    std::chrono::minutes(30);
 // Ranks > 0 wait on the control group for rank 0's next command, and a server
 // may sit idle for days: effectively never time out (ten years; Gloo adds the
 // timeout to the current time, so "max" would overflow).
@@ -287,7 +283,13 @@ absl::StatusOr<RankEnv> ResolveRankEnv(const RankEnvOverrides& overrides,
 }
 
 absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
-    const RankEnv& env, const Mesh& mesh, absl::Duration rendezvous_timeout) {
+    const RankEnv& env, const Mesh& mesh, absl::Duration rendezvous_timeout,
+    absl::Duration collective_timeout) {
+  if (collective_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the collective timeout must be positive, got ",
+                     absl::FormatDuration(collective_timeout)));
+  }
   if (env.world_size != mesh.world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("world size ", env.world_size, " (from ", env.source,
@@ -312,24 +314,30 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
     TALLY_ASSIGN_OR_RETURN(groups->store_, ConnectStore(env, deadline));
     TALLY_ASSIGN_OR_RETURN(device, MakeGlooDevice(env));
   }
+  const auto op_timeout =
+      std::chrono::milliseconds(absl::ToInt64Milliseconds(collective_timeout));
   auto make_group = [&](const std::string& name, const std::vector<int>& ranks,
-                        std::chrono::milliseconds op_timeout =
-                            kCollectiveTimeout) {
+                        std::chrono::milliseconds timeout) {
     return MakeGlooGroup(groups->store_, device, name, ranks, env.rank,
-                         deadline, op_timeout);
+                         deadline, timeout);
   };
   std::vector<int> everyone(env.world_size);
   std::iota(everyone.begin(), everyone.end(), 0);
-  TALLY_ASSIGN_OR_RETURN(groups->world_, make_group("world", everyone));
-  TALLY_ASSIGN_OR_RETURN(groups->control_,
-                         make_group("control", everyone, kControlTimeout));
+  TALLY_ASSIGN_OR_RETURN(groups->world_,
+                         make_group("world", everyone, op_timeout));
+  // Rank 0 sends commands and must notice a dead or hung rank; the others
+  // wait for the next command, however long the server sits idle.
+  TALLY_ASSIGN_OR_RETURN(
+      groups->control_,
+      make_group("control", everyone,
+                 env.rank == 0 ? op_timeout : kControlTimeout));
   for (const std::vector<MeshDim>& dims : GroupDims()) {
     const std::vector<int> ranks = mesh.GroupRanks(dims);
     // Named by its members, so the name is unique among all ranks' groups.
     TALLY_ASSIGN_OR_RETURN(
         std::unique_ptr<Communicator> group,
         make_group(absl::StrCat(DimsName(dims), "/", absl::StrJoin(ranks, ",")),
-                   ranks));
+                   ranks, op_timeout));
     groups->groups_.emplace_back(dims, std::move(group));
   }
 
@@ -346,6 +354,16 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
 }
 
 ProcessGroups::~ProcessGroups() = default;
+
+absl::Status ProcessGroups::failure() const {
+  for (const Communicator* group : {world_.get(), control_.get()}) {
+    if (!group->failure().ok()) return group->failure();
+  }
+  for (const auto& [dims, group] : groups_) {
+    if (!group->failure().ok()) return group->failure();
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<Communicator*> ProcessGroups::group(std::vector<MeshDim> dims) {
   std::sort(dims.begin(), dims.end());

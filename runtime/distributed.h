@@ -41,6 +41,9 @@
 namespace tally {
 
 inline constexpr int kDefaultMasterPort = 29500;
+// How long a collective waits for its peers before failing (a dead or hung
+// rank): long enough for a slow checkpoint write on rank 0.
+inline constexpr absl::Duration kDefaultCollectiveTimeout = absl::Minutes(10);
 
 struct RankEnv {
   int rank = 0;
@@ -88,8 +91,11 @@ class ProcessGroups {
   // backoff because rank 0, or its DNS name, may come up late. A world of one
   // rank needs no store: its groups are local single-rank communicators.
   // INVALID_ARGUMENT when `env` and `mesh` disagree on rank or world size.
+  // Every collective fails after `collective_timeout`, except the control
+  // group's on ranks > 0, which wait for rank 0's next command indefinitely.
   static absl::StatusOr<std::unique_ptr<ProcessGroups>> Create(
-      const RankEnv& env, const Mesh& mesh, absl::Duration rendezvous_timeout);
+      const RankEnv& env, const Mesh& mesh, absl::Duration rendezvous_timeout,
+      absl::Duration collective_timeout = kDefaultCollectiveTimeout);
 
   ProcessGroups(const ProcessGroups&) = delete;
   ProcessGroups& operator=(const ProcessGroups&) = delete;
@@ -106,6 +112,9 @@ class ProcessGroups {
   // FAILED_PRECONDITION for
   // any other combination, INVALID_ARGUMENT for ep or a repeated dim.
   absl::StatusOr<Communicator*> group(std::vector<MeshDim> dims);
+
+  // The first collective failure of any group (Communicator::failure).
+  absl::Status failure() const;
 
  private:
   ProcessGroups() = default;

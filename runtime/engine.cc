@@ -211,7 +211,11 @@ absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
       RunForwardBackward(*state, args);
   // Validation passed, so a failure here happened mid-computation, possibly
   // after some micro-batches added their gradients.
-  if (!result.ok() && !args.forward_only) state->poisoned = true;
+  if (!result.ok() && !args.forward_only) {
+    Poison(*state, absl::StrCat("a ForwardBackward failed after it may have "
+                                "added gradients: ",
+                                result.status().message()));
+  }
   return result;
 }
 
@@ -431,7 +435,31 @@ void Engine::ClearWindow(ModelState& state) {
   ZeroGradients(state.model->parameters());
   state.window.Clear();
   state.poisoned = false;
+  state.poison_reason.clear();
   state.replicas_summed = false;
+}
+
+void Engine::Poison(ModelState& state, std::string reason) {
+  if (state.poisoned) return;  // the first cause is the one to report
+  state.poisoned = true;
+  state.poison_reason = std::move(reason);
+}
+
+absl::Status Engine::PoisonWindow(const std::string& model_id,
+                                  const std::string& reason) {
+  TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
+  Poison(*state, reason);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Engine::WindowPoisoned(const std::string& model_id) const {
+  TALLY_ASSIGN_OR_RETURN(const ModelState* state, Find(model_id));
+  return state->poisoned;
+}
+
+absl::Status Engine::CollectiveFailure() const {
+  return process_groups_ ? process_groups_->failure()
+                         : single_rank_world_->failure();
 }
 
 absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
@@ -439,9 +467,9 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   const auto start = std::chrono::steady_clock::now();
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   if (state->poisoned) {
-    return absl::AbortedError(
-        "the accumulation window is poisoned by a failed ForwardBackward; "
-        "call AbortAccumulation and resend the window");
+    return absl::AbortedError(absl::StrCat(
+        "the accumulation window is poisoned (", state->poison_reason,
+        "); call AbortAccumulation and resend the window"));
   }
   if (state->spec.optimizer == OptimizerKind::kSgd &&
       (args.adam.beta1 || args.adam.beta2 || args.adam.eps)) {
@@ -473,7 +501,10 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
       groups_.replicas->size() > 1 && !state->replicas_summed) {
     absl::Status summed = SumGradientsOverReplicas(params);
     // A partial sum cannot be undone: the window is no longer trustworthy.
-    if (!summed.ok()) state->poisoned = true;
+    if (!summed.ok()) {
+      Poison(*state, absl::StrCat("summing the window over replicas failed: ",
+                                  summed.message()));
+    }
     TALLY_RETURN_IF_ERROR(summed);
     state->replicas_summed = true;
   }
@@ -627,7 +658,9 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   // Phase 2: apply.
   absl::Status loaded = LoadWeightsInto(contents, *state->model);
   if (!loaded.ok()) {
-    state->poisoned = true;  // a copy failed midway: weights are mixed
+    // A copy failed midway: weights are mixed.
+    Poison(*state, absl::StrCat("LoadCheckpoint failed while copying weights: ",
+                                loaded.message()));
     return loaded;
   }
   LoadResult result;

@@ -79,6 +79,13 @@ class Engine {
                                             const OptimStepArgs& args);
   // Returns what was discarded.
   absl::StatusOr<WindowCounts> AbortAccumulation(const std::string& model_id);
+  // Marks the model's window poisoned, like a ForwardBackward that failed
+  // midway: the next OptimStep is ABORTED, quoting `reason`, until
+  // AbortAccumulation. The server does it when a sequenced request of the
+  // window never arrived.
+  absl::Status PoisonWindow(const std::string& model_id,
+                            const std::string& reason);
+  absl::StatusOr<bool> WindowPoisoned(const std::string& model_id) const;
 
   absl::StatusOr<SaveResult> SaveCheckpoint(const std::string& model_id,
                                             const std::string& path);
@@ -96,6 +103,10 @@ class Engine {
   // math, so a command broadcast cannot interleave with a collective).
   Communicator& control() { return *control_; }
   const EngineGroups& groups() const { return groups_; }
+  // The first failure of a collective on this rank's groups, OK while there
+  // was none. A failed or timed-out collective leaves the groups unusable
+  // (peers may be anywhere in the operation): the process must restart.
+  absl::Status CollectiveFailure() const;
   size_t num_models() const { return models_.size(); }
 
  private:
@@ -105,9 +116,11 @@ class Engine {
     std::unique_ptr<Optimizer> optimizer;
     AccumulationWindow window;
     int64_t step = 0;
-    // Set when a ForwardBackward failed after it may have added gradients:
-    // the window can no longer be trusted until it is aborted.
+    // Set when a ForwardBackward failed after it may have added gradients
+    // (or a request of the window went missing): the window can no longer be
+    // trusted until it is aborted. `poison_reason` says why.
     bool poisoned = false;
+    std::string poison_reason;
     // DEFERRED: the window's gradients were already summed over the replicas
     // (by an OptimStep that then refused to step), so later calls of the
     // window must sum their own share before adding it.
@@ -133,6 +146,7 @@ class Engine {
   // applies what another refused.
   absl::Status AgreeAcrossRanks(absl::Status local);
   static void ClearWindow(ModelState& state);
+  static void Poison(ModelState& state, std::string reason);
 
   EngineOptions options_;
   Mesh mesh_;

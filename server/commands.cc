@@ -84,6 +84,19 @@ absl::Status ExecuteLoadCheckpoint(Engine& engine,
   return absl::OkStatus();
 }
 
+absl::Status ExecutePoisonWindow(Engine& engine,
+                                 const v1::GetModelRequest& request,
+                                 v1::ModelInfo* response) {
+  TALLY_RETURN_IF_ERROR(engine.PoisonWindow(
+      request.model_id(),
+      "a sequenced request of the window did not arrive within "
+      "--seq-gap-timeout"));
+  TALLY_ASSIGN_OR_RETURN(ModelSummary summary,
+                         engine.GetModel(request.model_id()));
+  ToProto(summary, response);
+  return absl::OkStatus();
+}
+
 absl::Status ReplicateCommand(Communicator& control, Command command,
                               const google::protobuf::Message& request) {
   if (control.size() == 1) return absl::OkStatus();
@@ -154,10 +167,16 @@ absl::Status CommandLoop(Engine& engine, Communicator& control) {
       case Command::kLoadCheckpoint:
         status = Run(engine, payload, &ExecuteLoadCheckpoint);
         break;
+      case Command::kPoisonWindow:
+        status = Run(engine, payload, &ExecutePoisonWindow);
+        break;
       default:
         return absl::DataLossError(absl::StrCat("unknown replicated command ",
                                                 static_cast<int64_t>(command)));
     }
+    // This rank's groups are unusable: exit so the supervisor restarts the
+    // deployment.
+    TALLY_RETURN_IF_ERROR(engine.CollectiveFailure());
     if (!status.ok()) {
       // Rejected requests are the client's business (rank 0 answers them);
       // anything else is worth a look on this rank too.

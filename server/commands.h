@@ -35,6 +35,7 @@ enum class Command : int64_t {
   kAbortAccumulation,
   kSaveCheckpoint,
   kLoadCheckpoint,
+  kPoisonWindow,
 };
 
 // Engine execution of each mutating request; responses filled on success.
@@ -62,6 +63,12 @@ absl::Status ExecuteLoadCheckpoint(Engine& engine,
                                    const v1::LoadCheckpointRequest& request,
                                    v1::LoadCheckpointResponse* response);
 
+// Poisons the window of request.model_id (a sequenced request of it never
+// arrived, sequencer.h); `response` is the model after it.
+absl::Status ExecutePoisonWindow(Engine& engine,
+                                 const v1::GetModelRequest& request,
+                                 v1::ModelInfo* response);
+
 // Rank 0: sends (command, serialized request) to every rank. A no-op in a
 // single-rank deployment.
 absl::Status ReplicateCommand(Communicator& control, Command command,
@@ -69,8 +76,8 @@ absl::Status ReplicateCommand(Communicator& control, Command command,
 
 // Ranks > 0: executes replicated commands until kShutdown. Failures that can
 // differ between ranks are agreed inside the engine, so a failed command
-// failed on rank 0 too and is only logged; a broken control group ends the
-// loop with its error.
+// failed on rank 0 too and is only logged; a failed collective (a dead or hung
+// rank, Engine::CollectiveFailure) ends the loop with its error.
 absl::Status CommandLoop(Engine& engine, Communicator& control);
 
 }  // namespace tally

@@ -38,6 +38,19 @@ auto IntFlag(const char* flag, int64_t min, int64_t max,
   };
 }
 
+auto SecondsFlag(const char* flag, double min, double max,
+                 std::function<void(ServerOptions&, double)> assign) {
+  return [=](ServerOptions& o, const std::string& v) -> absl::Status {
+    double parsed;
+    if (!absl::SimpleAtod(v, &parsed) || !(parsed >= min && parsed <= max)) {
+      return BadValue(
+          flag, v, absl::StrCat("seconds in [", min, ", ", max, "]").c_str());
+    }
+    assign(o, parsed);
+    return absl::OkStatus();
+  };
+}
+
 const std::vector<FlagSpec>& Flags() {
   static const auto* flags = new std::vector<FlagSpec>{
       {"nproc-per-node", "N",
@@ -119,12 +132,44 @@ const std::vector<FlagSpec>& Flags() {
        "padded tokens per forward/backward micro-batch (memory bound)",
        IntFlag("max-batch-tokens", 1, int64_t{1} << 30,
                [](ServerOptions& o, int64_t v) { o.max_batch_tokens = v; })},
-      {"shutdown-timeout-secs", "S",
-       "on SIGTERM/SIGINT, how long in-flight requests may finish",
-       IntFlag("shutdown-timeout-secs", 0, 3600,
+      // Reliability (docs/reliability.md).
+      {"seq-gap-timeout-secs", "S",
+       "how long a missing seq_id may hold back the requests behind it "
+       "(then ABORTED, window poisoned)",
+       SecondsFlag(
+           "seq-gap-timeout-secs", 0.001, 3600,
+           [](ServerOptions& o, double v) { o.seq_gap_timeout_secs = v; })},
+      {"seq-cache", "N",
+       "responses kept per model for retried sequenced requests",
+       IntFlag("seq-cache", 1, 1 << 20,
+               [](ServerOptions& o, int64_t v) { o.seq_cache = v; })},
+      {"max-queued-requests", "N",
+       "requests held at once (waiting, queued, executing); beyond: "
+       "RESOURCE_EXHAUSTED",
+       IntFlag("max-queued-requests", 1, 1 << 20,
+               [](ServerOptions& o, int64_t v) { o.max_queued_requests = v; })},
+      {"max-queued-requests-per-model", "N",
+       "requests held at once for one model",
+       IntFlag("max-queued-requests-per-model", 1, 1 << 20,
                [](ServerOptions& o, int64_t v) {
-                 o.shutdown_timeout_secs = static_cast<double>(v);
+                 o.max_queued_requests_per_model = v;
                })},
+      {"shutdown-drain-secs", "S",
+       "on SIGTERM/SIGINT, keep serving this long while NOT_SERVING",
+       SecondsFlag(
+           "shutdown-drain-secs", 0, 3600,
+           [](ServerOptions& o, double v) { o.shutdown_drain_secs = v; })},
+      {"exit-timeout-secs", "S",
+       "on SIGTERM/SIGINT, exit within this (drain included; 1 if overrun)",
+       SecondsFlag(
+           "exit-timeout-secs", 0.001, 86400,
+           [](ServerOptions& o, double v) { o.exit_timeout_secs = v; })},
+      {"collective-timeout-secs", "S",
+       "a collective waiting longer on a dead or hung rank fails; the server "
+       "then exits non-zero",
+       SecondsFlag(
+           "collective-timeout-secs", 0.001, 86400,
+           [](ServerOptions& o, double v) { o.collective_timeout_secs = v; })},
   };
   return *flags;
 }
@@ -179,21 +224,29 @@ std::string ServerUsage() {
   std::string usage =
       "Usage: tally-server [flags]\n\n"
       "Serves tally.v1.Trainer over gRPC and Prometheus metrics over HTTP.\n"
-      "SIGTERM/SIGINT: health turns NOT_SERVING, in-flight requests finish,\n"
-      "the server exits 0.\n\nFlags:\n";
+      "SIGTERM/SIGINT: health turns NOT_SERVING, the server keeps serving for\n"
+      "--shutdown-drain-secs, then finishes the executing requests, refuses\n"
+      "the rest (UNAVAILABLE) and exits 0. A dead or hung rank: UNAVAILABLE,\n"
+      "exit 1.\n\nFlags:\n";
   for (const FlagSpec& f : Flags()) {
     std::string left = absl::StrCat("  --", f.name);
     if (f.value_name) absl::StrAppend(&left, " ", f.value_name);
     left.resize(std::max<size_t>(left.size() + 1, 32), ' ');
     absl::StrAppend(&usage, left, f.help, "\n");
   }
-  absl::StrAppend(&usage, "  --help                        this text\n",
-                  "\nDefaults: --host ", defaults.host, " --grpc-port ",
-                  defaults.grpc_port, " --metrics-port ", defaults.metrics_port,
-                  " --max-message-bytes ", defaults.max_message_bytes,
-                  " --log-level ", defaults.log_level, " --max-batch-tokens ",
-                  defaults.max_batch_tokens, " --shutdown-timeout-secs ",
-                  defaults.shutdown_timeout_secs, "\n");
+  absl::StrAppend(
+      &usage, "  --help                        this text\n",
+      "\nDefaults: --host ", defaults.host, " --grpc-port ", defaults.grpc_port,
+      " --metrics-port ", defaults.metrics_port, " --max-message-bytes ",
+      defaults.max_message_bytes, " --log-level ", defaults.log_level,
+      " --max-batch-tokens ", defaults.max_batch_tokens,
+      "\n          --seq-gap-timeout-secs ", defaults.seq_gap_timeout_secs,
+      " --seq-cache ", defaults.seq_cache, " --max-queued-requests ",
+      defaults.max_queued_requests, " --max-queued-requests-per-model ",
+      defaults.max_queued_requests_per_model,
+      "\n          --shutdown-drain-secs ", defaults.shutdown_drain_secs,
+      " --exit-timeout-secs ", defaults.exit_timeout_secs,
+      " --collective-timeout-secs ", defaults.collective_timeout_secs, "\n");
   return usage;
 }
 

@@ -1,6 +1,9 @@
 // tally-server: see `tally-server --help` and docs/architecture.md.
+#include <unistd.h>
+
 #include <csignal>
 #include <iostream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -43,8 +46,9 @@ int main(int argc, char** argv) {
     if (options.rank_env.master_port) {
       launch.master_port = *options.rank_env.master_port;
     }
-    // Rank 0 drains in-flight requests before the ranks exit.
-    launch.stop_grace = absl::Seconds(options.shutdown_timeout_secs + 10);
+    // Rank 0 drains and finishes its requests before the ranks exit.
+    launch.stop_grace = absl::Seconds(options.shutdown_drain_secs +
+                                      options.exit_timeout_secs + 10);
     absl::Status status = tally::LaunchAndSupervise(launch);
     if (!status.ok()) {
       tally::Log(tally::LogLevel::kError, std::string(status.message()));
@@ -78,10 +82,26 @@ int main(int argc, char** argv) {
                absl::StrCat("cannot start: ", server.status().ToString()));
     return 1;
   }
-  int signal_number = 0;
-  sigwait(&signals, &signal_number);
-  tally::Log(tally::LogLevel::kInfo,
-             absl::StrCat("received ", strsignal(signal_number)));
-  (*server)->Shutdown();
-  return 0;
+  // Until a signal, or a failed collective (a dead or hung rank), after
+  // which the process must exit for its supervisor to restart the group.
+  int signal_number = -1;
+  while (signal_number < 0 && (*server)->failure().ok()) {
+    const timespec tick = {0, 100'000'000};
+    signal_number = sigtimedwait(&signals, nullptr, &tick);
+  }
+  if (signal_number > 0) {
+    tally::Log(tally::LogLevel::kInfo,
+               absl::StrCat("received ", strsignal(signal_number)));
+  }
+  // Whatever the shutdown waits on (a hung collective, a slow command), the
+  // process is gone within --exit-timeout-secs.
+  std::thread([timeout = absl::Seconds(options.exit_timeout_secs)] {
+    absl::SleepFor(timeout);
+    tally::Log(tally::LogLevel::kError,
+               absl::StrCat("shutdown overran --exit-timeout-secs (",
+                            absl::FormatDuration(timeout), "); exiting 1"));
+    _exit(1);
+  }).detach();
+  const absl::Status failure = (*server)->Shutdown();
+  return failure.ok() ? 0 : 1;
 }

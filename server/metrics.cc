@@ -37,6 +37,8 @@ struct ServerMetrics::ModelSeries {
   prometheus::Gauge* step;
   prometheus::Histogram* forward_backward_seconds;
   prometheus::Histogram* optim_step_seconds;
+  prometheus::Counter* duplicate_requests;
+  prometheus::Counter* poisoned_windows;
 };
 
 ServerMetrics::~ServerMetrics() = default;
@@ -99,6 +101,33 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
                       .Name("tally_requests_total")
                       .Help("RPCs by method and status code")
                       .Register(r);
+  m->duplicate_requests_ =
+      &prometheus::BuildCounter()
+           .Name("tally_duplicate_requests_total")
+           .Help("Retried sequenced requests answered without re-executing")
+           .Register(r);
+  m->poisoned_windows_ = &prometheus::BuildCounter()
+                              .Name("tally_poisoned_windows_total")
+                              .Help(
+                                  "Accumulation windows poisoned (a failed "
+                                  "ForwardBackward, a seq_id gap timeout)")
+                              .Register(r);
+  m->seq_gap_wait_seconds_ =
+      &prometheus::BuildHistogram()
+           .Name("tally_seq_gap_wait_seconds")
+           .Help("How long a missing seq_id held back later requests")
+           .Register(r)
+           .Add({}, LatencyBuckets());
+  m->queue_depth_ = &prometheus::BuildGauge()
+                         .Name("tally_queue_depth")
+                         .Help("Requests held: waiting, queued or executing")
+                         .Register(r)
+                         .Add({});
+  m->rank_failures_ = &prometheus::BuildCounter()
+                           .Name("tally_rank_failures_total")
+                           .Help("Collectives that failed or timed out")
+                           .Register(r)
+                           .Add({});
   m->models_ = &prometheus::BuildGauge()
                     .Name("tally_models")
                     .Help("Models loaded")
@@ -141,7 +170,8 @@ ServerMetrics::ModelSeries& ServerMetrics::Series(const std::string& id) {
         &valid_tokens_->Add(l), &samples_->Add(l), &pending_tokens_->Add(l),
         &loss_->Add(l), &model_step_->Add(l),
         &forward_backward_seconds_->Add(l, LatencyBuckets()),
-        &optim_step_seconds_->Add(l, LatencyBuckets())});
+        &optim_step_seconds_->Add(l, LatencyBuckets()),
+        &duplicate_requests_->Add(l), &poisoned_windows_->Add(l)});
   }
   return *slot;
 }
@@ -207,7 +237,29 @@ void ServerMetrics::RemoveModel(const std::string& model_id) {
   model_step_->Remove(s.step);
   forward_backward_seconds_->Remove(s.forward_backward_seconds);
   optim_step_seconds_->Remove(s.optim_step_seconds);
+  duplicate_requests_->Remove(s.duplicate_requests);
+  poisoned_windows_->Remove(s.poisoned_windows);
   series_.erase(it);
 }
+
+void ServerMetrics::RecordDuplicate(const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  Series(model_id).duplicate_requests->Increment();
+}
+
+void ServerMetrics::RecordPoisonedWindow(const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  Series(model_id).poisoned_windows->Increment();
+}
+
+void ServerMetrics::RecordSeqGapWait(double seconds) {
+  seq_gap_wait_seconds_->Observe(seconds);
+}
+
+void ServerMetrics::SetQueueDepth(size_t depth) {
+  queue_depth_->Set(static_cast<double>(depth));
+}
+
+void ServerMetrics::RecordRankFailure() { rank_failures_->Increment(); }
 
 }  // namespace tally

@@ -49,6 +49,15 @@ class ServerMetrics {
   // Drops a deleted model's per-model series.
   void RemoveModel(const std::string& model_id);
 
+  // A retried sequenced request answered without executing it again.
+  void RecordDuplicate(const std::string& model_id);
+  void RecordPoisonedWindow(const std::string& model_id);
+  // How long a missing seq_id held back the requests behind it.
+  void RecordSeqGapWait(double seconds);
+  // Requests held (waiting, queued or executing).
+  void SetQueueDepth(size_t depth);
+  void RecordRankFailure();
+
  private:
   ServerMetrics() = default;
 
@@ -73,7 +82,12 @@ class ServerMetrics {
       nullptr;
   prometheus::Family<prometheus::Histogram>* optim_step_seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
+  prometheus::Family<prometheus::Counter>* duplicate_requests_ = nullptr;
+  prometheus::Family<prometheus::Counter>* poisoned_windows_ = nullptr;
   prometheus::Gauge* models_ = nullptr;
+  prometheus::Histogram* seq_gap_wait_seconds_ = nullptr;
+  prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Counter* rank_failures_ = nullptr;
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<ModelSeries>> series_

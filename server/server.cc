@@ -92,7 +92,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     TALLY_ASSIGN_OR_RETURN(
         auto groups,
         ProcessGroups::Create(env, mesh,
-                              absl::Seconds(options.rendezvous_timeout_secs)));
+                              absl::Seconds(options.rendezvous_timeout_secs),
+                              absl::Seconds(options.collective_timeout_secs)));
     TALLY_ASSIGN_OR_RETURN(
         engine, Engine::Create(engine_options, mesh, std::move(groups)));
   }
@@ -128,9 +129,22 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   s->metrics_->SetModelCount(s->engine_->num_models());
   s->executor_ = std::make_unique<CommandExecutor>();
 
-  s->service_ =
-      std::make_unique<TrainerService>(s->engine_.get(), &s->engine_->control(),
-                                       s->executor_.get(), s->metrics_.get());
+  TrainerService::Options service_options;
+  service_options.sequencing.gap_timeout =
+      absl::Seconds(options.seq_gap_timeout_secs);
+  service_options.sequencing.cache_size =
+      static_cast<size_t>(options.seq_cache);
+  service_options.max_queued_requests =
+      static_cast<size_t>(options.max_queued_requests);
+  service_options.max_queued_requests_per_model =
+      static_cast<size_t>(options.max_queued_requests_per_model);
+  TallyServer* server = s.get();
+  service_options.on_rank_failure = [server](const absl::Status& failure) {
+    server->OnRankFailure(failure);
+  };
+  s->service_ = std::make_unique<TrainerService>(
+      s->engine_.get(), s->executor_.get(), s->metrics_.get(),
+      std::move(service_options));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -156,23 +170,48 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   return s;
 }
 
-TallyServer::~TallyServer() { Shutdown(); }
+TallyServer::~TallyServer() { Shutdown().IgnoreError(); }
 
-void TallyServer::Shutdown() {
-  if (shut_down_) return;
+absl::Status TallyServer::failure() const {
+  absl::MutexLock lock(&failure_mu_);
+  return failure_;
+}
+
+void TallyServer::OnRankFailure(const absl::Status& failure) {
+  {
+    absl::MutexLock lock(&failure_mu_);
+    failure_ = failure;
+  }
+  // Probes see it at once; Shutdown follows from main.
+  server_->GetHealthCheckService()->SetServingStatus(false);
+}
+
+absl::Status TallyServer::Shutdown() {
+  if (shut_down_) return failure();
   shut_down_ = true;
+  const absl::Status failed = failure();
   if (server_) {
-    // Load balancers and probes see NOT_SERVING before the port closes.
+    // Load balancers and probes see NOT_SERVING before anything is refused.
     server_->GetHealthCheckService()->SetServingStatus(false);
-    Log(LogLevel::kInfo, "shutting down: finishing in-flight requests");
-    const auto deadline = std::chrono::system_clock::now() +
-                          std::chrono::milliseconds(static_cast<int64_t>(
-                              options_.shutdown_timeout_secs * 1000));
-    // Waits for queued commands, which the executor is still running.
-    server_->Shutdown(deadline);
+    if (failed.ok() && options_.shutdown_drain_secs > 0) {
+      Log(LogLevel::kInfo,
+          absl::StrCat("shutting down: NOT_SERVING, still serving for ",
+                       options_.shutdown_drain_secs, " s"));
+      absl::SleepFor(absl::Seconds(options_.shutdown_drain_secs));
+    }
+    Log(LogLevel::kInfo,
+        "shutting down: finishing executing requests, refusing the rest");
+    service_->StopExecuting();
+    // Returns once every RPC finished: the executor answers the queued ones
+    // UNAVAILABLE and completes the executing one. main's watchdog bounds
+    // the whole shutdown by --exit-timeout-secs.
+    server_->Shutdown(absl::ToChronoTime(
+        absl::Now() + absl::Seconds(options_.exit_timeout_secs)));
   }
   if (executor_) executor_->Stop();
-  if (engine_) {
+  // After a rank failure the groups are unusable; the other ranks exit on
+  // their own broken collectives.
+  if (engine_ && failed.ok()) {
     absl::Status told = ReplicateCommand(engine_->control(), Command::kShutdown,
                                          v1::ListModelsRequest());
     if (!told.ok()) {
@@ -180,7 +219,8 @@ void TallyServer::Shutdown() {
           absl::StrCat("could not stop the other ranks: ", told.ToString()));
     }
   }
-  Log(LogLevel::kInfo, "shut down");
+  Log(LogLevel::kInfo, failed.ok() ? "shut down" : "shut down after a failure");
+  return failed;
 }
 
 }  // namespace tally

@@ -6,7 +6,7 @@
 //   options.grpc_port = 0;  // any free port
 //   TALLY_ASSIGN_OR_RETURN(auto server, tally::TallyServer::Start(options));
 //   ... server->grpc_port() ...
-//   server->Shutdown();  // health NOT_SERVING, finish in-flight work, stop
+//   server->Shutdown();  // health NOT_SERVING, drain, finish executing work
 #ifndef TALLY_SERVER_SERVER_H_
 #define TALLY_SERVER_SERVER_H_
 
@@ -17,6 +17,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
 #include "runtime/mesh.h"
@@ -45,8 +47,25 @@ struct ServerOptions {
   // Written as {"grpc_port": N, "metrics_port": M} once serving.
   std::string port_file;
   int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
-  // How long Shutdown() lets in-flight RPCs finish before cancelling them.
-  double shutdown_timeout_secs = 30;
+
+  // Reliability (docs/reliability.md).
+  // How long a missing seq_id may hold back the requests behind it.
+  double seq_gap_timeout_secs = 30;
+  // Responses kept per model for retried sequenced requests.
+  int64_t seq_cache = 64;
+  // Requests held at once (waiting, queued or executing), overall and per
+  // model; beyond them RESOURCE_EXHAUSTED.
+  int64_t max_queued_requests = 1024;
+  int64_t max_queued_requests_per_model = 256;
+  // After SIGTERM: how long the server keeps serving while NOT_SERVING, for
+  // load balancers to notice.
+  double shutdown_drain_secs = 0;
+  // After SIGTERM: the bound on the whole shutdown (drain included); a
+  // process still running then exits 1.
+  double exit_timeout_secs = 30;
+  // How long a collective waits for a dead or hung rank.
+  double collective_timeout_secs =
+      absl::ToDoubleSeconds(kDefaultCollectiveTimeout);
 };
 
 inline constexpr char kDemoModelId[] = "demo";
@@ -68,12 +87,19 @@ class TallyServer {
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_->port(); }
 
-  // Health NOT_SERVING, in-flight requests finish, the other ranks are told
-  // to stop. Idempotent.
-  void Shutdown();
+  // OK, or the failed collective after which the server must stop (health
+  // is NOT_SERVING and every request is answered UNAVAILABLE already).
+  absl::Status failure() const;
+
+  // Health NOT_SERVING; unless a rank failed, the server keeps serving for
+  // --shutdown-drain-secs; then requests that have not started executing get
+  // UNAVAILABLE, executing ones finish, and the other ranks are told to stop.
+  // Returns failure(). Idempotent.
+  absl::Status Shutdown();
 
  private:
   TallyServer() = default;
+  void OnRankFailure(const absl::Status& failure);
 
   ServerOptions options_;
   std::unique_ptr<Engine> engine_;
@@ -83,6 +109,8 @@ class TallyServer {
   std::unique_ptr<grpc::Server> server_;
   int grpc_port_ = 0;
   bool shut_down_ = false;
+  mutable absl::Mutex failure_mu_;
+  absl::Status failure_ ABSL_GUARDED_BY(failure_mu_);
 };
 
 }  // namespace tally

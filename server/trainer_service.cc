@@ -1,9 +1,13 @@
 #include "server/trainer_service.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
 #include <chrono>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/log.h"
 #include "runtime/status.h"
 #include "server/commands.h"
 #include "server/convert.h"
@@ -22,7 +26,143 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
+// Deterministic, so a cached response is the bytes the first caller got.
+std::string SerializeDeterministically(
+    const google::protobuf::Message& message) {
+  std::string bytes;
+  google::protobuf::io::StringOutputStream stream(&bytes);
+  google::protobuf::io::CodedOutputStream coded(&stream);
+  coded.SetSerializationDeterministic(true);
+  message.SerializeToCodedStream(&coded);
+  coded.Trim();
+  return bytes;
+}
+
 }  // namespace
+
+TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
+                               ServerMetrics* metrics, Options options)
+    : engine_(engine),
+      executor_(executor),
+      metrics_(metrics),
+      options_(std::move(options)),
+      budget_(options_.max_queued_requests,
+              options_.max_queued_requests_per_model),
+      sequencer_(options_.sequencing,
+                 SequencerHooks{[executor](std::function<void()> work) {
+                                  return executor->Submit(std::move(work));
+                                },
+                                [this](const std::string& model_id) {
+                                  PoisonForGap(model_id);
+                                },
+                                [metrics](const std::string& model_id) {
+                                  metrics->RecordDuplicate(model_id);
+                                },
+                                [metrics](double seconds) {
+                                  metrics->RecordSeqGapWait(seconds);
+                                }}) {
+  for (const ModelSummary& model : engine_->ListModels()) {
+    sequencer_.AddModel(model.model_id);
+  }
+}
+
+void TrainerService::StopExecuting() {
+  stopped_ = true;
+  sequencer_.Stop(absl::UnavailableError(
+      "the server is shutting down before this request ran; retry it on the "
+      "restarted server"));
+}
+
+absl::Status TrainerService::Accepting() const {
+  {
+    absl::MutexLock lock(&failure_mu_);
+    if (!rank_failure_.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("a rank of this server failed and it is restarting (",
+                       rank_failure_.message(), ")"));
+    }
+  }
+  if (stopped_) {
+    return absl::UnavailableError(
+        "the server is shutting down before this request ran; retry it on "
+        "the restarted server");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TrainerService::Precheck(
+    grpc::CallbackServerContext* context) const {
+  TALLY_RETURN_IF_ERROR(Accepting());
+  if (context->IsCancelled()) {
+    return absl::CancelledError("cancelled by the client before it ran");
+  }
+  if (context->deadline() < std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError(
+        "the deadline passed before the request ran");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TrainerService::RunCommand(
+    const std::function<absl::Status()>& command) {
+  absl::Status status = command();
+  absl::Status failure = engine_->CollectiveFailure();
+  if (failure.ok()) return status;
+  OnRankFailure(failure);
+  return Accepting();
+}
+
+void TrainerService::OnRankFailure(const absl::Status& failure) {
+  {
+    absl::MutexLock lock(&failure_mu_);
+    if (!rank_failure_.ok()) return;
+    rank_failure_ = failure;
+  }
+  Log(LogLevel::kError,
+      absl::StrCat("a collective failed, so a rank is dead or hung; answering "
+                   "UNAVAILABLE and exiting: ",
+                   failure.ToString()));
+  metrics_->RecordRankFailure();
+  sequencer_.Stop(Accepting());
+  if (options_.on_rank_failure) options_.on_rank_failure(failure);
+}
+
+absl::Status TrainerService::CountingPoison(
+    const std::string& model_id, const std::function<absl::Status()>& command) {
+  const bool was_poisoned = engine_->WindowPoisoned(model_id).value_or(false);
+  absl::Status status = command();
+  if (!was_poisoned && engine_->WindowPoisoned(model_id).value_or(false)) {
+    metrics_->RecordPoisonedWindow(model_id);
+  }
+  return status;
+}
+
+void TrainerService::PoisonForGap(const std::string& model_id) {
+  // Queued before the waiting requests are answered, so an OptimStep sent
+  // after their ABORTED runs after it.
+  executor_->Submit([this, model_id] {
+    if (!Accepting().ok()) return;
+    absl::Status poisoned = RunCommand([&]() -> absl::Status {
+      v1::GetModelRequest request;
+      request.set_model_id(model_id);
+      v1::ModelInfo model;
+      TALLY_RETURN_IF_ERROR(ReplicateCommand(engine_->control(),
+                                             Command::kPoisonWindow, request));
+      return CountingPoison(model_id, [&] {
+        return ExecutePoisonWindow(*engine_, request, &model);
+      });
+    });
+    if (!poisoned.ok()) {
+      // The model was deleted meanwhile, or the server is failing.
+      Log(LogLevel::kDebug,
+          absl::StrCat("poisoning '", model_id, "': ", poisoned.ToString()));
+    }
+  });
+}
+
+void TrainerService::FillNextSeqId(v1::ModelInfo* info) const {
+  info->set_next_seq_id(sequencer_.NextSeqId(info->model_id()).value_or(1));
+}
 
 void TrainerService::Finish(const char* method,
                             grpc::ServerUnaryReactor* reactor,
@@ -32,29 +172,53 @@ void TrainerService::Finish(const char* method,
 }
 
 grpc::ServerUnaryReactor* TrainerService::Execute(
-    const char* method, grpc::CallbackServerContext* context,
-    absl::Status validation, std::function<absl::Status()> command) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    const Call& call, absl::Status validation,
+    std::function<absl::Status()> command) {
+  grpc::ServerUnaryReactor* reactor = call.context->DefaultReactor();
+  if (validation.ok()) validation = Accepting();
+  if (validation.ok()) validation = budget_.Acquire(call.model_id);
   if (!validation.ok()) {
-    Finish(method, reactor, validation);
+    Finish(call.method, reactor, validation);
     return reactor;
   }
-  bool queued = executor_->Submit([this, method, context, reactor, command] {
-    absl::Status status;
-    if (context->IsCancelled()) {
-      status = absl::CancelledError("cancelled by the client before it ran");
-    } else if (context->deadline() < std::chrono::system_clock::now()) {
-      status = absl::DeadlineExceededError(
-          "the deadline passed before the request ran");
-    } else {
-      status = command();
-    }
+  metrics_->SetQueueDepth(budget_.held());
+  auto finish = [this, method = call.method, reactor,
+                 model_id = call.model_id](const absl::Status& status) {
+    budget_.Release(model_id);
+    metrics_->SetQueueDepth(budget_.held());
     Finish(method, reactor, status);
-  });
-  if (!queued) {
-    Finish(method, reactor,
-           absl::UnavailableError("the server is shutting down"));
+  };
+  grpc::CallbackServerContext* context = call.context;
+  if (call.seq_id == 0) {
+    const bool queued = executor_->Submit([this, context, command, finish] {
+      absl::Status status = Precheck(context);
+      if (status.ok()) status = RunCommand(command);
+      finish(status);
+    });
+    if (!queued) finish(absl::UnavailableError("the server is shutting down"));
+    return reactor;
   }
+  google::protobuf::Message* response = call.response;
+  SequencedRequest sequenced;
+  sequenced.seq_id = call.seq_id;
+  sequenced.fingerprint = RequestFingerprint(*call.request);
+  sequenced.precheck = [this, context] { return Precheck(context); };
+  sequenced.execute = [this, command, response] {
+    SequencedOutcome outcome;
+    outcome.status = RunCommand(command);
+    if (outcome.status.ok()) {
+      outcome.response = SerializeDeterministically(*response);
+    }
+    return outcome;
+  };
+  sequenced.reply = [response, finish](const SequencedOutcome& outcome) {
+    if (outcome.status.ok() && !response->ParseFromString(outcome.response)) {
+      finish(absl::InternalError("cannot parse the cached response"));
+      return;
+    }
+    finish(outcome.status);
+  };
+  sequencer_.Submit(call.model_id, std::move(sequenced));
   return reactor;
 }
 
@@ -62,11 +226,14 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
     grpc::CallbackServerContext* context, const v1::CreateModelRequest* request,
     v1::ModelInfo* response) {
   return Execute(
-      "CreateModel", context, ParseCreateModel(*request).status(),
+      {"CreateModel", context, request->model_id()},
+      ParseCreateModel(*request).status(),
       [this, request, response]() -> absl::Status {
-        TALLY_RETURN_IF_ERROR(
-            ReplicateCommand(*control_, Command::kCreateModel, *request));
+        TALLY_RETURN_IF_ERROR(ReplicateCommand(
+            engine_->control(), Command::kCreateModel, *request));
         TALLY_RETURN_IF_ERROR(ExecuteCreateModel(*engine_, *request, response));
+        sequencer_.AddModel(response->model_id());
+        FillNextSeqId(response);
         metrics_->SetModelCount(engine_->num_models());
         metrics_->SetPendingTokens(response->model_id(), 0);
         return absl::OkStatus();
@@ -76,12 +243,14 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
 grpc::ServerUnaryReactor* TrainerService::GetModel(
     grpc::CallbackServerContext* context, const v1::GetModelRequest* request,
     v1::ModelInfo* response) {
-  return Execute("GetModel", context, ValidateModelId(request->model_id()),
+  return Execute({"GetModel", context, request->model_id()},
+                 ValidateModelId(request->model_id()),
                  [this, request, response]() -> absl::Status {
                    TALLY_ASSIGN_OR_RETURN(
                        ModelSummary summary,
                        engine_->GetModel(request->model_id()));
                    ToProto(summary, response);
+                   FillNextSeqId(response);
                    return absl::OkStatus();
                  });
 }
@@ -89,10 +258,12 @@ grpc::ServerUnaryReactor* TrainerService::GetModel(
 grpc::ServerUnaryReactor* TrainerService::ListModels(
     grpc::CallbackServerContext* context, const v1::ListModelsRequest* request,
     v1::ListModelsResponse* response) {
-  return Execute("ListModels", context, absl::OkStatus(),
+  return Execute({"ListModels", context, ""}, absl::OkStatus(),
                  [this, response]() -> absl::Status {
                    for (const ModelSummary& s : engine_->ListModels()) {
-                     ToProto(s, response->add_models());
+                     v1::ModelInfo* info = response->add_models();
+                     ToProto(s, info);
+                     FillNextSeqId(info);
                    }
                    return absl::OkStatus();
                  });
@@ -102,11 +273,14 @@ grpc::ServerUnaryReactor* TrainerService::DeleteModel(
     grpc::CallbackServerContext* context, const v1::DeleteModelRequest* request,
     v1::DeleteModelResponse* response) {
   return Execute(
-      "DeleteModel", context, ValidateModelId(request->model_id()),
+      {"DeleteModel", context, request->model_id()},
+      ValidateModelId(request->model_id()),
       [this, request, response]() -> absl::Status {
-        TALLY_RETURN_IF_ERROR(
-            ReplicateCommand(*control_, Command::kDeleteModel, *request));
+        TALLY_RETURN_IF_ERROR(ReplicateCommand(
+            engine_->control(), Command::kDeleteModel, *request));
         TALLY_RETURN_IF_ERROR(ExecuteDeleteModel(*engine_, *request, response));
+        FillNextSeqId(response->mutable_model());
+        sequencer_.RemoveModel(request->model_id());
         metrics_->RemoveModel(request->model_id());
         metrics_->SetModelCount(engine_->num_models());
         return absl::OkStatus();
@@ -118,13 +292,16 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
     const v1::ForwardBackwardRequest* request,
     v1::ForwardBackwardResponse* response) {
   return Execute(
-      "ForwardBackward", context, ParseForwardBackward(*request).status(),
+      {"ForwardBackward", context, request->model_id(), request->seq_id(),
+       request, response},
+      ParseForwardBackward(*request).status(),
       [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
-        TALLY_RETURN_IF_ERROR(
-            ReplicateCommand(*control_, Command::kForwardBackward, *request));
-        TALLY_RETURN_IF_ERROR(
-            ExecuteForwardBackward(*engine_, *request, response));
+        TALLY_RETURN_IF_ERROR(ReplicateCommand(
+            engine_->control(), Command::kForwardBackward, *request));
+        TALLY_RETURN_IF_ERROR(CountingPoison(request->model_id(), [&] {
+          return ExecuteForwardBackward(*engine_, *request, response);
+        }));
         metrics_->RecordForwardBackward(request->model_id(), *response,
                                         !request->forward_only(),
                                         SecondsSince(start));
@@ -136,12 +313,16 @@ grpc::ServerUnaryReactor* TrainerService::OptimStep(
     grpc::CallbackServerContext* context, const v1::OptimStepRequest* request,
     v1::OptimStepResponse* response) {
   return Execute(
-      "OptimStep", context, ParseOptimStep(*request).status(),
+      {"OptimStep", context, request->model_id(), request->seq_id(), request,
+       response},
+      ParseOptimStep(*request).status(),
       [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
-        TALLY_RETURN_IF_ERROR(
-            ReplicateCommand(*control_, Command::kOptimStep, *request));
-        TALLY_RETURN_IF_ERROR(ExecuteOptimStep(*engine_, *request, response));
+        TALLY_RETURN_IF_ERROR(ReplicateCommand(engine_->control(),
+                                               Command::kOptimStep, *request));
+        TALLY_RETURN_IF_ERROR(CountingPoison(request->model_id(), [&] {
+          return ExecuteOptimStep(*engine_, *request, response);
+        }));
         metrics_->RecordOptimStep(request->model_id(), *response,
                                   SecondsSince(start));
         return absl::OkStatus();
@@ -152,16 +333,18 @@ grpc::ServerUnaryReactor* TrainerService::AbortAccumulation(
     grpc::CallbackServerContext* context,
     const v1::AbortAccumulationRequest* request,
     v1::AbortAccumulationResponse* response) {
-  return Execute("AbortAccumulation", context,
-                 ValidateModelId(request->model_id()),
-                 [this, request, response]() -> absl::Status {
-                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
-                       *control_, Command::kAbortAccumulation, *request));
-                   TALLY_RETURN_IF_ERROR(
-                       ExecuteAbortAccumulation(*engine_, *request, response));
-                   metrics_->SetPendingTokens(request->model_id(), 0);
-                   return absl::OkStatus();
-                 });
+  return Execute(
+      {"AbortAccumulation", context, request->model_id(), request->seq_id(),
+       request, response},
+      ValidateModelId(request->model_id()),
+      [this, request, response]() -> absl::Status {
+        TALLY_RETURN_IF_ERROR(ReplicateCommand(
+            engine_->control(), Command::kAbortAccumulation, *request));
+        TALLY_RETURN_IF_ERROR(
+            ExecuteAbortAccumulation(*engine_, *request, response));
+        metrics_->SetPendingTokens(request->model_id(), 0);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::SaveCheckpoint(
@@ -170,10 +353,11 @@ grpc::ServerUnaryReactor* TrainerService::SaveCheckpoint(
     v1::SaveCheckpointResponse* response) {
   absl::Status validation = ValidateModelId(request->model_id());
   if (validation.ok()) validation = ValidateCheckpointPath(request->path());
-  return Execute("SaveCheckpoint", context, validation,
-                 [this, request, response]() -> absl::Status {
+  return Execute({"SaveCheckpoint", context, request->model_id(),
+                  request->seq_id(), request, response},
+                 validation, [this, request, response]() -> absl::Status {
                    TALLY_RETURN_IF_ERROR(ReplicateCommand(
-                       *control_, Command::kSaveCheckpoint, *request));
+                       engine_->control(), Command::kSaveCheckpoint, *request));
                    return ExecuteSaveCheckpoint(*engine_, *request, response);
                  });
 }
@@ -184,15 +368,24 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
     v1::LoadCheckpointResponse* response) {
   absl::Status validation = ValidateModelId(request->model_id());
   if (validation.ok()) validation = ValidateCheckpointPath(request->path());
-  return Execute("LoadCheckpoint", context, validation,
-                 [this, request, response]() -> absl::Status {
-                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
-                       *control_, Command::kLoadCheckpoint, *request));
-                   TALLY_RETURN_IF_ERROR(
-                       ExecuteLoadCheckpoint(*engine_, *request, response));
-                   metrics_->SetPendingTokens(request->model_id(), 0);
-                   return absl::OkStatus();
-                 });
+  return Execute(
+      {"LoadCheckpoint", context, request->model_id(), request->seq_id(),
+       request, response},
+      validation, [this, request, response]() -> absl::Status {
+        TALLY_RETURN_IF_ERROR(ReplicateCommand(
+            engine_->control(), Command::kLoadCheckpoint, *request));
+        TALLY_RETURN_IF_ERROR(CountingPoison(request->model_id(), [&] {
+          return ExecuteLoadCheckpoint(*engine_, *request, response);
+        }));
+        // A sequenced load is itself the model's current seq_id.
+        if (request->seq_id() > 0) {
+          response->mutable_model()->set_next_seq_id(request->seq_id() + 1);
+        } else {
+          FillNextSeqId(response->mutable_model());
+        }
+        metrics_->SetPendingTokens(request->model_id(), 0);
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace tally

@@ -2,7 +2,8 @@
 // --dp-shard 2 --tp 2` driven by the C++ client answers the same requests as
 // a 1-rank server (losses, token counts, gradient norms, checkpoints, and a
 // checkpoint loaded on the other mesh continues the same trajectory), and its
-// launcher exits non-zero, naming the rank, when a rank process dies.
+// launcher exits non-zero, naming the rank, when a rank process dies or hangs
+// (rank 0 answering UNAVAILABLE within --collective-timeout-secs).
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <memory>
 #include <random>
@@ -495,7 +497,7 @@ TEST_F(MultiRankE2eTest, FourRanksTrainAsOneAndCheckpointsCrossLoad) {
 TEST_F(MultiRankE2eTest, KilledRankStopsTheLauncherWithANonZeroExit) {
   // A short drain, so the launcher's grace period for the ranks is short.
   std::vector<std::string> flags = DpShardTpFlags();
-  flags.insert(flags.end(), {"--shutdown-timeout-secs", "2"});
+  flags.insert(flags.end(), {"--exit-timeout-secs", "2"});
   absl::StatusOr<std::unique_ptr<ServerProcess>> started =
       ServerProcess::Start(ServerBinaryFromEnv(), flags);
   ASSERT_TRUE(started.ok()) << started.status();
@@ -537,6 +539,66 @@ TEST_F(MultiRankE2eTest, KilledRankStopsTheLauncherWithANonZeroExit) {
         << "rank " << rank << " (pid " << pid << ") outlived the launcher";
   }
   // The client gets an error, not a hang.
+  v1::GetModelRequest get;
+  get.set_model_id(kModelId);
+  EXPECT_EQ(client->GetModel(get).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+// A hung rank (SIGSTOP) blocks the collectives of the next command: rank 0
+// keeps answering health checks meanwhile, answers the command UNAVAILABLE
+// once --collective-timeout-secs passed, turns NOT_SERVING and exits 1, so
+// the launcher exits non-zero for its supervisor to restart the group.
+TEST_F(MultiRankE2eTest, HungRankIsUnavailableWithinTheCollectiveTimeout) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> started = ServerProcess::Start(
+      ServerBinaryFromEnv(),
+      {"--nproc-per-node", "2", "--tp", "2", "--collective-timeout-secs", "3",
+       "--exit-timeout-secs", "5"});
+  ASSERT_TRUE(started.ok()) << started.status();
+  ServerProcess& launcher = **started;
+  TrainerClient* client = Connect(launcher);
+  ASSERT_NE(client, nullptr);  // SERVING
+  ASSERT_TRUE(client->CreateModel(TinyModelRequest()).ok());
+  const std::map<int, pid_t> ranks = RankProcesses(launcher.pid());
+  ASSERT_EQ(ranks.size(), 2u) << launcher.ReadLog();
+  ASSERT_EQ(kill(ranks.at(1), SIGSTOP), 0) << std::strerror(errno);
+
+  const absl::Time sent = absl::Now();
+  std::future<absl::StatusOr<StepRecord>> in_flight =
+      std::async(std::launch::async, [&] {
+        return TrainStep(*client, StepCalls(0), v1::LOSS_REDUCTION_TOKEN_MEAN);
+      });
+  absl::SleepFor(absl::Milliseconds(500));
+  ASSERT_EQ(in_flight.wait_for(std::chrono::seconds(0)),
+            std::future_status::timeout);
+  // The liveness path does not wait for the hung collective.
+  const absl::Time probed = absl::Now();
+  const auto health =
+      testing::CheckHealth(launcher.grpc_target(), absl::Seconds(2));
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_LT(absl::Now() - probed, absl::Seconds(1));
+
+  const absl::StatusOr<StepRecord> failed = in_flight.get();
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable)
+      << failed.status();
+  EXPECT_LT(absl::Now() - sent, absl::Seconds(20));
+  // The hung rank wakes up to a group that is gone.
+  kill(ranks.at(1), SIGCONT);
+  bool exited = false;
+  while (!exited && absl::Now() - sent < absl::Seconds(60)) {
+    siginfo_t info = {};
+    ASSERT_EQ(waitid(P_PID, launcher.pid(), &info, WEXITED | WNOHANG | WNOWAIT),
+              0);
+    exited = info.si_pid == launcher.pid();
+    if (!exited) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(exited) << launcher.ReadLog();
+  const absl::StatusOr<int> exit_code = launcher.Stop(kShutdownTimeout);
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_NE(*exit_code, 0);
+  EXPECT_THAT(launcher.ReadLog(), HasSubstr("rank 0 exited with status 1"));
+  EXPECT_THAT(launcher.ReadLog(), HasSubstr("a collective failed"));
   v1::GetModelRequest get;
   get.set_model_id(kModelId);
   EXPECT_EQ(client->GetModel(get).status().code(),

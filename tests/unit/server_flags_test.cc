@@ -65,6 +65,30 @@ TEST(ServerFlagsTest, DefaultsAndHelp) {
   }
 }
 
+TEST(ServerFlagsTest, ReliabilityFlags) {
+  auto flags = Parse({"--seq-gap-timeout-secs", "2.5", "--seq-cache=8",
+                      "--max-queued-requests", "9",
+                      "--max-queued-requests-per-model", "3",
+                      "--shutdown-drain-secs", "0.5", "--exit-timeout-secs",
+                      "7", "--collective-timeout-secs", "45"});
+  ASSERT_TRUE(flags.ok()) << flags.status();
+  const ServerOptions& o = flags->options;
+  EXPECT_EQ(o.seq_gap_timeout_secs, 2.5);
+  EXPECT_EQ(o.seq_cache, 8);
+  EXPECT_EQ(o.max_queued_requests, 9);
+  EXPECT_EQ(o.max_queued_requests_per_model, 3);
+  EXPECT_EQ(o.shutdown_drain_secs, 0.5);
+  EXPECT_EQ(o.exit_timeout_secs, 7);
+  EXPECT_EQ(o.collective_timeout_secs, 45);
+  for (const char* bad : {"--seq-gap-timeout-secs=0", "--seq-cache=0",
+                          "--exit-timeout-secs=-1", "--shutdown-drain-secs=x",
+                          "--collective-timeout-secs=nan"}) {
+    const auto refused = Parse({bad});
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
 TEST(ServerFlagsTest, BadFlagsAreNamed) {
   struct Case {
     std::vector<const char*> args;

@@ -1,0 +1,509 @@
+#include "server/sequencer.h"
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace tally {
+namespace {
+
+// splitmix64's finalizer: every input bit flips each output bit with
+// probability ~1/2.
+uint64_t Mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return x;
+}
+
+uint64_t Hash64(absl::string_view bytes) {
+  constexpr uint64_t kPrime = 0x100000001b3ULL;  // FNV-1a's 64-bit prime
+  uint64_t hash = 0xcbf29ce484222325ULL ^ Mix(bytes.size());
+  size_t at = 0;
+  for (; at + 8 <= bytes.size(); at += 8) {
+    uint64_t word = 0;
+    for (int i = 7; i >= 0; --i) {
+      word = word << 8 | static_cast<unsigned char>(bytes[at + i]);
+    }
+    hash = (hash ^ Mix(word)) * kPrime;
+  }
+  uint64_t tail = 0;
+  for (size_t i = bytes.size(); i > at; --i) {
+    tail = tail << 8 | static_cast<unsigned char>(bytes[i - 1]);
+  }
+  return Mix(hash ^ Mix(tail + 1));
+}
+
+// SequencerState's encoding: "TSQ1", then little-endian u64s and
+// length-prefixed strings.
+constexpr absl::string_view kStateMagic = "TSQ1";
+
+void PutU64(std::string& out, uint64_t value) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>(value >> 8 * i));
+}
+
+void PutBytes(std::string& out, absl::string_view bytes) {
+  PutU64(out, bytes.size());
+  out.append(bytes.data(), bytes.size());
+}
+
+class StateReader {
+ public:
+  explicit StateReader(absl::string_view bytes) : rest_(bytes) {}
+
+  absl::StatusOr<uint64_t> U64(const char* what) {
+    if (rest_.size() < 8) return Truncated(what);
+    uint64_t value = 0;
+    for (int i = 7; i >= 0; --i) {
+      value = value << 8 | static_cast<unsigned char>(rest_[i]);
+    }
+    rest_.remove_prefix(8);
+    return value;
+  }
+
+  absl::StatusOr<std::string> Bytes(const char* what) {
+    absl::StatusOr<uint64_t> size = U64(what);
+    if (!size.ok()) return size.status();
+    if (*size > rest_.size()) return Truncated(what);
+    std::string bytes(rest_.substr(0, *size));
+    rest_.remove_prefix(*size);
+    return bytes;
+  }
+
+  bool done() const { return rest_.empty(); }
+
+ private:
+  static absl::Status Truncated(const char* what) {
+    return absl::DataLossError(
+        absl::StrCat("sequencer state truncated in ", what));
+  }
+
+  absl::string_view rest_;
+};
+
+absl::Status ValidateState(const SequencerState& state) {
+  if (state.next_seq_id == 0) {
+    return absl::InvalidArgumentError("sequencer state: next_seq_id is 0");
+  }
+  uint64_t previous = 0;
+  for (const SequencerState::Outcome& outcome : state.outcomes) {
+    if (outcome.seq_id <= previous || outcome.seq_id >= state.next_seq_id) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequencer state: outcome seq_id ", outcome.seq_id,
+          " is not ascending within [1, next_seq_id=", state.next_seq_id, ")"));
+    }
+    previous = outcome.seq_id;
+  }
+  return absl::OkStatus();
+}
+
+SequencedOutcome Replay(const SequencerState::Outcome& cached) {
+  return {absl::Status(cached.code, cached.message), cached.response};
+}
+
+}  // namespace
+
+std::string SequencerState::Serialize() const {
+  std::string out(kStateMagic);
+  PutU64(out, next_seq_id);
+  PutU64(out, outcomes.size());
+  for (const Outcome& outcome : outcomes) {
+    PutU64(out, outcome.seq_id);
+    PutU64(out, outcome.fingerprint);
+    PutU64(out, static_cast<uint64_t>(outcome.code));
+    PutBytes(out, outcome.message);
+    PutBytes(out, outcome.response);
+  }
+  return out;
+}
+
+absl::StatusOr<SequencerState> SequencerState::Parse(absl::string_view bytes) {
+  if (bytes.substr(0, kStateMagic.size()) != kStateMagic) {
+    return absl::DataLossError("not a sequencer state (bad magic)");
+  }
+  StateReader in(bytes.substr(kStateMagic.size()));
+  SequencerState state;
+  absl::StatusOr<uint64_t> next = in.U64("next_seq_id");
+  if (!next.ok()) return next.status();
+  state.next_seq_id = *next;
+  absl::StatusOr<uint64_t> count = in.U64("the outcome count");
+  if (!count.ok()) return count.status();
+  for (uint64_t i = 0; i < *count; ++i) {
+    Outcome outcome;
+    absl::StatusOr<uint64_t> seq_id = in.U64("an outcome");
+    absl::StatusOr<uint64_t> fingerprint = in.U64("an outcome");
+    absl::StatusOr<uint64_t> code = in.U64("an outcome");
+    if (!seq_id.ok() || !fingerprint.ok() || !code.ok()) {
+      return absl::DataLossError("sequencer state truncated in an outcome");
+    }
+    if (*code > static_cast<uint64_t>(absl::StatusCode::kUnauthenticated)) {
+      return absl::DataLossError(
+          absl::StrCat("sequencer state: unknown status code ", *code));
+    }
+    absl::StatusOr<std::string> message = in.Bytes("an outcome message");
+    if (!message.ok()) return message.status();
+    absl::StatusOr<std::string> response = in.Bytes("an outcome response");
+    if (!response.ok()) return response.status();
+    outcome.seq_id = *seq_id;
+    outcome.fingerprint = *fingerprint;
+    outcome.code = static_cast<absl::StatusCode>(*code);
+    outcome.message = *std::move(message);
+    outcome.response = *std::move(response);
+    state.outcomes.push_back(std::move(outcome));
+  }
+  if (!in.done()) {
+    return absl::DataLossError("sequencer state has trailing bytes");
+  }
+  if (absl::Status valid = ValidateState(state); !valid.ok()) {
+    return absl::DataLossError(valid.message());
+  }
+  return state;
+}
+
+uint64_t RequestFingerprint(const google::protobuf::Message& request) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    request.SerializeToCodedStream(&coded);
+  }
+  return Hash64(bytes);
+}
+
+Sequencer::Sequencer(SequencerOptions options, SequencerHooks hooks)
+    : options_(std::move(options)),
+      hooks_(std::move(hooks)),
+      gap_timer_([this] { GapTimerLoop(); }) {}
+
+Sequencer::~Sequencer() {
+  Stop(absl::UnavailableError("the server is shutting down"));
+  {
+    absl::MutexLock lock(&mu_);
+    exiting_ = true;
+    gap_changed_.Signal();
+  }
+  gap_timer_.join();
+}
+
+void Sequencer::AddModel(const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  auto queue = std::make_shared<ModelQueue>();
+  queue->model_id = model_id;
+  models_[model_id] = std::move(queue);
+}
+
+void Sequencer::RemoveModel(const std::string& model_id) {
+  Replies replies;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(model_id);
+    if (it == models_.end()) return;
+    ModelQueue& queue = *it->second;
+    for (auto& [seq_id, waiting] : queue.pending) {
+      if (queue.dispatched && seq_id == queue.next_seq_id) continue;
+      for (SequencedRequest& caller : waiting.callers) {
+        replies.push_back({std::move(caller),
+                           {absl::NotFoundError(absl::StrCat(
+                                "model '", model_id, "' was deleted")),
+                            ""}});
+      }
+    }
+    CloseGap(queue);
+    models_.erase(it);
+  }
+  Send(replies);
+}
+
+void Sequencer::Submit(const std::string& model_id, SequencedRequest request) {
+  Replies replies;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(model_id);
+    auto answer = [&](absl::Status status, std::string response = "") {
+      replies.push_back(
+          {std::move(request), {std::move(status), std::move(response)}});
+    };
+    const uint64_t seq_id = request.seq_id;
+    if (!stopped_.ok()) {
+      answer(stopped_);
+    } else if (it == models_.end()) {
+      answer(absl::NotFoundError(
+          absl::StrCat("model '", model_id, "' not found")));
+    } else if (ModelQueue& queue = *it->second; seq_id < queue.next_seq_id) {
+      auto done = queue.outcomes.find(seq_id);
+      if (done == queue.outcomes.end()) {
+        answer(absl::AlreadyExistsError(absl::StrCat(
+            "seq_id ", seq_id, " of model '", model_id,
+            "' was executed and its response is no longer cached (the "
+            "server keeps the last ",
+            options_.cache_size, "); next_seq_id is ", queue.next_seq_id)));
+      } else if (done->second.fingerprint != request.fingerprint) {
+        answer(absl::AlreadyExistsError(
+            absl::StrCat("seq_id ", seq_id, " of model '", model_id,
+                         "' was already executed with a different payload")));
+      } else {
+        if (hooks_.on_duplicate) hooks_.on_duplicate(model_id);
+        SequencedOutcome cached = Replay(done->second);
+        answer(std::move(cached.status), std::move(cached.response));
+      }
+    } else {
+      auto [slot, inserted] = queue.pending.try_emplace(seq_id);
+      if (!inserted && slot->second.fingerprint != request.fingerprint) {
+        answer(absl::AlreadyExistsError(absl::StrCat(
+            "seq_id ", seq_id, " of model '", model_id,
+            "' is already taken by a pending request with a different "
+            "payload")));
+      } else {
+        if (!inserted && hooks_.on_duplicate) hooks_.on_duplicate(model_id);
+        slot->second.fingerprint = request.fingerprint;
+        slot->second.callers.push_back(std::move(request));
+        if (inserted) Advance(it->second, replies);
+      }
+    }
+  }
+  Send(replies);
+}
+
+void Sequencer::CloseGap(ModelQueue& queue) {
+  if (queue.gap_since == absl::InfiniteFuture()) return;
+  if (hooks_.on_gap_closed) {
+    hooks_.on_gap_closed(absl::ToDoubleSeconds(absl::Now() - queue.gap_since));
+  }
+  queue.gap_since = absl::InfiniteFuture();
+}
+
+void Sequencer::Advance(const std::shared_ptr<ModelQueue>& queue,
+                        Replies& replies) {
+  ModelQueue& q = *queue;
+  if (q.dispatched) return;
+  auto first = q.pending.begin();
+  if (first == q.pending.end()) {
+    CloseGap(q);
+    return;
+  }
+  if (first->first != q.next_seq_id) {
+    if (q.gap_since == absl::InfiniteFuture()) {
+      q.gap_since = absl::Now();
+      gap_changed_.Signal();
+    }
+    return;
+  }
+  CloseGap(q);
+  q.dispatched = true;
+  if (hooks_.dispatch([this, queue] { RunNext(queue); })) return;
+  // The executor stopped: nothing of this model runs any more.
+  q.dispatched = false;
+  for (auto& [seq_id, waiting] : q.pending) {
+    for (SequencedRequest& caller : waiting.callers) {
+      replies.push_back(
+          {std::move(caller),
+           {absl::UnavailableError("the server is shutting down"), ""}});
+    }
+  }
+  q.pending.clear();
+}
+
+void Sequencer::RunNext(const std::shared_ptr<ModelQueue>& queue) {
+  ModelQueue& q = *queue;
+  std::vector<SequencedRequest> live;
+  uint64_t seq_id = 0, fingerprint = 0;
+  while (live.empty()) {
+    std::vector<SequencedRequest> callers;
+    Replies abandoned;
+    {
+      absl::MutexLock lock(&mu_);
+      seq_id = q.next_seq_id;
+      auto waiting = q.pending.find(seq_id);
+      if (waiting != q.pending.end()) {
+        fingerprint = waiting->second.fingerprint;
+        callers = std::move(waiting->second.callers);
+        waiting->second.callers.clear();
+      }
+      if (callers.empty()) {
+        // Every caller gave up: the seq_id stays unused for their retry.
+        if (waiting != q.pending.end()) q.pending.erase(waiting);
+        q.dispatched = false;
+        Advance(queue, abandoned);
+      }
+    }
+    if (callers.empty()) {
+      Send(abandoned);
+      return;
+    }
+    Replies refused;
+    for (SequencedRequest& caller : callers) {
+      absl::Status ready = caller.precheck();
+      if (ready.ok()) {
+        live.push_back(std::move(caller));
+      } else {
+        refused.push_back({std::move(caller), {std::move(ready), ""}});
+      }
+    }
+    Send(refused);
+  }
+
+  const SequencedOutcome outcome = live.front().execute();
+  Replies replies;
+  {
+    absl::MutexLock lock(&mu_);
+    SequencerState::Outcome& cached = q.outcomes[seq_id];
+    cached.seq_id = seq_id;
+    cached.fingerprint = fingerprint;
+    cached.code = outcome.status.code();
+    cached.message = std::string(outcome.status.message());
+    cached.response = outcome.response;
+    while (q.outcomes.size() > std::max<size_t>(options_.cache_size, 1)) {
+      q.outcomes.erase(q.outcomes.begin());
+    }
+    q.next_seq_id = seq_id + 1;
+    auto joined = q.pending.find(seq_id);
+    for (SequencedRequest& caller : joined->second.callers) {
+      live.push_back(std::move(caller));
+    }
+    q.pending.erase(joined);
+    q.dispatched = false;
+    Advance(queue, replies);
+  }
+  for (SequencedRequest& caller : live) {
+    replies.push_back({std::move(caller), outcome});
+  }
+  Send(replies);
+}
+
+void Sequencer::GapTimerLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!exiting_) {
+    absl::Time earliest = absl::InfiniteFuture();
+    for (const auto& [id, queue] : models_) {
+      if (queue->gap_since != absl::InfiniteFuture()) {
+        earliest = std::min(earliest, queue->gap_since + options_.gap_timeout);
+      }
+    }
+    const absl::Time now = absl::Now();
+    if (earliest > now) {
+      gap_changed_.WaitWithDeadline(&mu_, earliest);
+      continue;
+    }
+    std::vector<std::pair<std::string, Replies>> timed_out;
+    for (auto& [id, queue] : models_) {
+      ModelQueue& q = *queue;
+      if (q.gap_since + options_.gap_timeout > now) continue;
+      const uint64_t missing = q.next_seq_id;
+      CloseGap(q);
+      Replies replies;
+      for (auto& [seq_id, waiting] : q.pending) {
+        for (SequencedRequest& caller : waiting.callers) {
+          replies.push_back(
+              {std::move(caller),
+               {absl::AbortedError(absl::StrCat(
+                    "seq_id ", seq_id, " of model '", id, "' waited ",
+                    absl::FormatDuration(options_.gap_timeout), " for seq_id ",
+                    missing,
+                    ", which never arrived; the accumulation window is "
+                    "poisoned: call AbortAccumulation and resend from seq_id ",
+                    missing, " (ModelInfo.next_seq_id)")),
+                ""}});
+        }
+      }
+      q.pending.clear();
+      timed_out.emplace_back(id, std::move(replies));
+    }
+    mu_.Unlock();
+    for (auto& [id, replies] : timed_out) {
+      if (hooks_.on_gap_timeout) hooks_.on_gap_timeout(id);
+      Send(replies);
+    }
+    mu_.Lock();
+  }
+}
+
+void Sequencer::Stop(absl::Status status) {
+  Replies replies;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopped_.ok()) return;
+    stopped_ = status;
+    for (auto& [id, queue] : models_) {
+      ModelQueue& q = *queue;
+      for (auto it = q.pending.begin(); it != q.pending.end();) {
+        if (q.dispatched && it->first == q.next_seq_id) {
+          ++it;
+          continue;
+        }
+        for (SequencedRequest& caller : it->second.callers) {
+          replies.push_back({std::move(caller), {status, ""}});
+        }
+        it = q.pending.erase(it);
+      }
+      CloseGap(q);
+    }
+  }
+  Send(replies);
+}
+
+absl::StatusOr<uint64_t> Sequencer::NextSeqId(
+    const std::string& model_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model_id);
+  if (it == models_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("model '", model_id, "' not found"));
+  }
+  return it->second->next_seq_id;
+}
+
+absl::StatusOr<SequencerState> Sequencer::ExportState(
+    const std::string& model_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model_id);
+  if (it == models_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("model '", model_id, "' not found"));
+  }
+  SequencerState state;
+  state.next_seq_id = it->second->next_seq_id;
+  for (const auto& [seq_id, outcome] : it->second->outcomes) {
+    state.outcomes.push_back(outcome);
+  }
+  return state;
+}
+
+absl::Status Sequencer::ImportState(const std::string& model_id,
+                                    SequencerState state) {
+  if (absl::Status valid = ValidateState(state); !valid.ok()) return valid;
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model_id);
+  if (it == models_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("model '", model_id, "' not found"));
+  }
+  ModelQueue& q = *it->second;
+  if (!q.pending.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model '", model_id, "' has sequenced requests waiting or executing"));
+  }
+  q.next_seq_id = state.next_seq_id;
+  q.outcomes.clear();
+  for (SequencerState::Outcome& outcome : state.outcomes) {
+    const uint64_t seq_id = outcome.seq_id;
+    q.outcomes[seq_id] = std::move(outcome);
+  }
+  while (q.outcomes.size() > std::max<size_t>(options_.cache_size, 1)) {
+    q.outcomes.erase(q.outcomes.begin());
+  }
+  return absl::OkStatus();
+}
+
+void Sequencer::Send(Replies& replies) {
+  for (auto& [caller, outcome] : replies) caller.reply(outcome);
+  replies.clear();
+}
+
+}  // namespace tally

@@ -1,0 +1,751 @@
+// End-to-end reliability tests of tally-server (docs/reliability.md): real
+// server processes driven over raw gRPC stubs (so no client-side retry hides
+// what the server answered). Sequenced requests run once and in order,
+// retries get the original response, gaps time out into a poisoned window,
+// requests that expired or were cancelled before they ran are not executed,
+// the request budget refuses at once, SIGTERM drains and finishes, and
+// randomized hostile clients and a 32-client soak leave the models exactly
+// where a clean run puts them.
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/util/message_differencer.h>
+#include <grpcpp/client_context.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/trainer_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tally/v1/trainer.grpc.pb.h"
+#include "tests/e2e/e2e_util.h"
+#include "tests/e2e/server_process.h"
+
+namespace tally {
+namespace {
+
+using ::google::protobuf::util::MessageDifferencer;
+using ::grpc::health::v1::HealthCheckResponse;
+using ::tally::testing::CheckHealth;
+using ::tally::testing::HttpGet;
+using ::tally::testing::kTinyVocab;
+using ::tally::testing::MetricValue;
+using ::tally::testing::ServerProcess;
+using ::tally::testing::ValidTokens;
+using ::testing::HasSubstr;
+
+using Stub = v1::Trainer::Stub;
+constexpr absl::Duration kCallDeadline = absl::Seconds(60);
+constexpr absl::Duration kShutdownTimeout = absl::Seconds(30);
+
+// One RPC through a raw stub with a deadline `deadline` from now.
+template <typename Request, typename Response>
+absl::StatusOr<Response> Send(grpc::Status (Stub::*method)(grpc::ClientContext*,
+                                                           const Request&,
+                                                           Response*),
+                              Stub& stub, const Request& request,
+                              absl::Duration deadline = kCallDeadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  Response response;
+  const grpc::Status status = (stub.*method)(&context, request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+std::string Deterministic(const google::protobuf::Message& message) {
+  std::string bytes;
+  google::protobuf::io::StringOutputStream stream(&bytes);
+  google::protobuf::io::CodedOutputStream coded(&stream);
+  coded.SetSerializationDeterministic(true);
+  message.SerializeToCodedStream(&coded);
+  coded.Trim();
+  return bytes;
+}
+
+// `count` next-token samples of `length` random tokens from `seed`.
+std::vector<v1::Sample> Samples(uint64_t seed, int count = 2, int length = 12) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::uniform_int_distribution<int32_t> token(0, kTinyVocab - 1);
+  std::vector<v1::Sample> samples;
+  for (int s = 0; s < count; ++s) {
+    std::vector<int32_t> text(length + 1);
+    for (int32_t& t : text) t = token(rng);
+    v1::Sample sample;
+    for (int i = 0; i < length; ++i) {
+      sample.add_input_tokens(text[i]);
+      sample.add_target_tokens(i < 2 ? testing::kIgnoredTarget : text[i + 1]);
+    }
+    samples.push_back(std::move(sample));
+  }
+  return samples;
+}
+
+v1::ForwardBackwardRequest Fb(const std::string& model_id, uint64_t seq_id,
+                              const std::vector<v1::Sample>& samples) {
+  v1::ForwardBackwardRequest request;
+  request.set_model_id(model_id);
+  request.set_seq_id(seq_id);
+  for (const v1::Sample& sample : samples) *request.add_samples() = sample;
+  return request;
+}
+
+v1::OptimStepRequest Step(const std::string& model_id, uint64_t seq_id) {
+  v1::OptimStepRequest request;
+  request.set_model_id(model_id);
+  request.set_seq_id(seq_id);
+  return request;
+}
+
+v1::GetModelRequest Get(const std::string& model_id) {
+  v1::GetModelRequest request;
+  request.set_model_id(model_id);
+  return request;
+}
+
+int64_t TokensOf(const std::vector<v1::Sample>& samples) {
+  int64_t tokens = 0;
+  for (const v1::Sample& sample : samples) tokens += ValidTokens(sample);
+  return tokens;
+}
+
+class ReliabilityE2eTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    stubs_.clear();
+    testing::ExpectCleanShutdown(servers_, kShutdownTimeout);
+  }
+
+  // Starts a server with `args`; its stub, or nullptr (test failed).
+  Stub* Start(const std::vector<std::string>& args) {
+    server_ = testing::StartServerOrFail(args, servers_);
+    if (server_ == nullptr) return nullptr;
+    TrainerClientOptions options;
+    options.target = server_->grpc_target();
+    stubs_.push_back(v1::Trainer::NewStub(TrainerClient::MakeChannel(options)));
+    return stubs_.back().get();
+  }
+
+  // Another channel to the server, for a concurrent client.
+  std::unique_ptr<Stub> NewStub() {
+    TrainerClientOptions options;
+    options.target = server_->grpc_target();
+    return v1::Trainer::NewStub(TrainerClient::MakeChannel(options));
+  }
+
+  void Create(Stub& stub, const std::string& model_id, uint64_t seed = 3) {
+    v1::CreateModelRequest request;
+    request.set_model_id(model_id);
+    *request.mutable_config() = testing::TinyModelConfig();
+    request.set_seed(seed);
+    request.set_dtype(v1::DTYPE_FLOAT64);
+    request.set_default_max_grad_norm(1.0);
+    const auto created = Send(&Stub::CreateModel, stub, request);
+    ASSERT_TRUE(created.ok()) << created.status();
+    EXPECT_EQ(created->next_seq_id(), 1u);
+  }
+
+  v1::ModelInfo Info(Stub& stub, const std::string& model_id) {
+    const auto info = Send(&Stub::GetModel, stub, Get(model_id));
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.value_or(v1::ModelInfo());
+  }
+
+  // Forward-only loss of fixed samples: a fingerprint of the weights, equal
+  // bit for bit in FLOAT64 for equal weights.
+  double ProbeLoss(Stub& stub, const std::string& model_id) {
+    v1::ForwardBackwardRequest probe = Fb(model_id, 0, Samples(424242, 3, 30));
+    probe.set_forward_only(true);
+    const auto probed = Send(&Stub::ForwardBackward, stub, probe);
+    EXPECT_TRUE(probed.ok()) << probed.status();
+    return probed.ok() ? probed->loss_sum() : -1;
+  }
+
+  double Metric(const std::string& name,
+                const std::map<std::string, std::string>& labels) {
+    const absl::StatusOr<std::string> text =
+        HttpGet(server_->metrics_port(), "/metrics");
+    EXPECT_TRUE(text.ok()) << text.status();
+    if (!text.ok()) return -1;
+    const absl::StatusOr<double> value = MetricValue(*text, name, labels);
+    EXPECT_TRUE(value.ok()) << value.status();
+    return value.value_or(-1);
+  }
+
+  // A forward-only ForwardBackward on `model_id` that keeps the executor
+  // busy for about `seconds`, sized from a timed call.
+  v1::ForwardBackwardRequest LongCall(Stub& stub, const std::string& model_id,
+                                      double seconds) {
+    constexpr int kTimedSamples = 32;
+    v1::ForwardBackwardRequest timed =
+        Fb(model_id, 0, Samples(77, kTimedSamples, testing::kTinyMaxPositions));
+    timed.set_forward_only(true);
+    const absl::Time start = absl::Now();
+    EXPECT_TRUE(Send(&Stub::ForwardBackward, stub, timed).ok());
+    const double per_sample =
+        absl::ToDoubleSeconds(absl::Now() - start) / kTimedSamples;
+    const int count = std::clamp(static_cast<int>(seconds / per_sample),
+                                 kTimedSamples, 20'000);
+    v1::ForwardBackwardRequest long_call =
+        Fb(model_id, 0, Samples(78, count, testing::kTinyMaxPositions));
+    long_call.set_forward_only(true);
+    return long_call;
+  }
+
+  std::vector<std::unique_ptr<ServerProcess>> servers_;
+  ServerProcess* server_ = nullptr;
+  std::vector<std::unique_ptr<Stub>> stubs_;
+};
+
+TEST_F(ReliabilityE2eTest, SequencedRequestsRunOnceInOrderAndRetriesReplay) {
+  Stub* stub = Start({});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "seq");
+  Create(*stub, "clean");
+
+  const auto first =
+      Send(&Stub::ForwardBackward, *stub, Fb("seq", 1, Samples(1)));
+  ASSERT_TRUE(first.ok()) << first.status();
+  const auto retry =
+      Send(&Stub::ForwardBackward, *stub, Fb("seq", 1, Samples(1)));
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(Deterministic(*retry), Deterministic(*first));
+  EXPECT_EQ(retry->accumulated_calls(), 1);
+  EXPECT_EQ(Info(*stub, "seq").accumulated_calls(), 1);
+
+  const auto clash =
+      Send(&Stub::ForwardBackward, *stub, Fb("seq", 1, Samples(9)));
+  EXPECT_EQ(clash.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(clash.status().message()), HasSubstr("seq_id 1 "));
+
+  // 3 overtakes 2 on the wire but waits for it.
+  auto third = std::async(std::launch::async, [&] {
+    return Send(&Stub::ForwardBackward, *stub, Fb("seq", 3, Samples(3)));
+  });
+  EXPECT_EQ(third.wait_for(std::chrono::milliseconds(500)),
+            std::future_status::timeout);
+  const auto second =
+      Send(&Stub::ForwardBackward, *stub, Fb("seq", 2, Samples(2)));
+  ASSERT_TRUE(second.ok()) << second.status();
+  const auto third_done = third.get();
+  ASSERT_TRUE(third_done.ok()) << third_done.status();
+  EXPECT_EQ(second->accumulated_calls(), 2);
+  EXPECT_EQ(third_done->accumulated_calls(), 3);
+
+  const auto stepped = Send(&Stub::OptimStep, *stub, Step("seq", 4));
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  const auto step_retry = Send(&Stub::OptimStep, *stub, Step("seq", 4));
+  ASSERT_TRUE(step_retry.ok()) << step_retry.status();
+  EXPECT_TRUE(MessageDifferencer::Equals(*step_retry, *stepped));
+  EXPECT_EQ(stepped->step(), 1);
+  EXPECT_EQ(stepped->normalizer(),
+            TokensOf(Samples(1)) + TokensOf(Samples(2)) + TokensOf(Samples(3)));
+  const v1::ModelInfo info = Info(*stub, "seq");
+  EXPECT_EQ(info.step(), 1);
+  EXPECT_EQ(info.next_seq_id(), 5u);
+  EXPECT_EQ(info.accumulated_calls(), 0);
+
+  // The same window unsequenced, once each: the same weights, bit for bit.
+  for (uint64_t seed : {1, 2, 3}) {
+    ASSERT_TRUE(
+        Send(&Stub::ForwardBackward, *stub, Fb("clean", 0, Samples(seed)))
+            .ok());
+  }
+  const auto clean_step = Send(&Stub::OptimStep, *stub, Step("clean", 0));
+  ASSERT_TRUE(clean_step.ok()) << clean_step.status();
+  EXPECT_EQ(clean_step->grad_norm(), stepped->grad_norm());
+  EXPECT_EQ(ProbeLoss(*stub, "seq"), ProbeLoss(*stub, "clean"));
+  EXPECT_EQ(Info(*stub, "clean").next_seq_id(), 1u);  // unsequenced
+
+  EXPECT_EQ(Metric("tally_duplicate_requests_total", {{"model_id", "seq"}}), 2);
+}
+
+TEST_F(ReliabilityE2eTest, AGapTimesOutIntoAPoisonedWindowUntilAborted) {
+  Stub* stub = Start({"--seq-gap-timeout-secs", "1"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "gap");
+  ASSERT_TRUE(
+      Send(&Stub::ForwardBackward, *stub, Fb("gap", 1, Samples(1))).ok());
+
+  const absl::Time start = absl::Now();
+  const auto ahead =
+      Send(&Stub::ForwardBackward, *stub, Fb("gap", 3, Samples(3)));
+  EXPECT_GE(absl::Now() - start, absl::Seconds(1));
+  EXPECT_EQ(ahead.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(ahead.status().message()), HasSubstr("seq_id 2,"));
+  v1::ModelInfo info = Info(*stub, "gap");
+  EXPECT_EQ(info.next_seq_id(), 2u);
+  EXPECT_EQ(info.accumulated_calls(), 1);
+
+  // The late seq_id 2 still runs, but the window cannot step.
+  const auto late =
+      Send(&Stub::ForwardBackward, *stub, Fb("gap", 2, Samples(2)));
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(late->accumulated_calls(), 2);
+  const double before = ProbeLoss(*stub, "gap");
+  const auto refused = Send(&Stub::OptimStep, *stub, Step("gap", 3));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("poisoned"));
+  EXPECT_EQ(Info(*stub, "gap").step(), 0);
+  EXPECT_EQ(ProbeLoss(*stub, "gap"), before);
+
+  v1::AbortAccumulationRequest abort;
+  abort.set_model_id("gap");
+  abort.set_seq_id(4);
+  const auto aborted = Send(&Stub::AbortAccumulation, *stub, abort);
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  EXPECT_EQ(aborted->discarded_calls(), 2);
+  ASSERT_TRUE(
+      Send(&Stub::ForwardBackward, *stub, Fb("gap", 5, Samples(5))).ok());
+  const auto stepped = Send(&Stub::OptimStep, *stub, Step("gap", 6));
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(stepped->step(), 1);
+  EXPECT_EQ(stepped->normalizer(), TokensOf(Samples(5)));
+
+  EXPECT_EQ(Metric("tally_poisoned_windows_total", {{"model_id", "gap"}}), 1);
+  EXPECT_GE(Metric("tally_seq_gap_wait_seconds_sum", {}), 1.0);
+}
+
+TEST_F(ReliabilityE2eTest, RequestsThatExpireOrAreCancelledBeforeRunningDoNot) {
+  Stub* stub = Start({});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "d");
+  const v1::ForwardBackwardRequest long_call = LongCall(*stub, "d", 2.0);
+  auto busy = std::async(std::launch::async, [&] {
+    return Send(&Stub::ForwardBackward, *stub, long_call);
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_EQ(busy.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the long call finished too early";
+
+  const auto expired = Send(&Stub::ForwardBackward, *stub,
+                            Fb("d", 1, Samples(1)), absl::Milliseconds(300));
+  EXPECT_EQ(expired.status().code(), absl::StatusCode::kDeadlineExceeded);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+  std::thread canceller([&context] {
+    absl::SleepFor(absl::Milliseconds(300));
+    context.TryCancel();
+  });
+  v1::ForwardBackwardResponse ignored;
+  const grpc::Status cancelled =
+      stub->ForwardBackward(&context, Fb("d", 0, Samples(2)), &ignored);
+  canceller.join();
+  EXPECT_EQ(cancelled.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(busy.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the long call finished before the checks; size it up";
+  ASSERT_TRUE(busy.get().ok());
+  v1::ModelInfo info = Info(*stub, "d");
+  EXPECT_EQ(info.accumulated_calls(), 0);  // neither ran
+  EXPECT_EQ(info.next_seq_id(), 1u);       // seq_id 1 is still unused
+
+  // Once executing, a request completes even if its client gives up, and
+  // the retry gets its result.
+  // With backward, a third of the samples still runs well past 500 ms.
+  v1::ForwardBackwardRequest sequenced_long = long_call;
+  sequenced_long.mutable_samples()->DeleteSubrange(
+      0, 2 * long_call.samples_size() / 3);
+  sequenced_long.set_forward_only(false);
+  sequenced_long.set_seq_id(1);
+  const auto gave_up = Send(&Stub::ForwardBackward, *stub, sequenced_long,
+                            absl::Milliseconds(500));
+  EXPECT_EQ(gave_up.status().code(), absl::StatusCode::kDeadlineExceeded);
+  const auto replayed = Send(&Stub::ForwardBackward, *stub, sequenced_long);
+  ASSERT_TRUE(replayed.ok()) << replayed.status();
+  EXPECT_EQ(replayed->accumulated_calls(), 1);
+  EXPECT_EQ(replayed->valid_tokens(),
+            TokensOf({sequenced_long.samples().begin(),
+                      sequenced_long.samples().end()}));
+  info = Info(*stub, "d");
+  EXPECT_EQ(info.accumulated_calls(), 1);
+  EXPECT_EQ(info.next_seq_id(), 2u);
+  EXPECT_EQ(Metric("tally_duplicate_requests_total", {{"model_id", "d"}}), 1);
+}
+
+TEST_F(ReliabilityE2eTest, AFullRequestBudgetRefusesAtOnce) {
+  Stub* stub = Start({"--seq-gap-timeout-secs", "3", "--max-queued-requests",
+                      "3", "--max-queued-requests-per-model", "2"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "a");
+  Create(*stub, "b");
+  // Requests ahead of a gap hold their slots without using the CPU.
+  auto held = [&](const std::string& model_id, uint64_t seq_id) {
+    return std::async(std::launch::async, [this, model_id, seq_id] {
+      std::unique_ptr<Stub> own = NewStub();
+      return Send(&Stub::ForwardBackward, *own,
+                  Fb(model_id, seq_id, Samples(seq_id)));
+    });
+  };
+  auto await_depth = [&](double depth) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(20);
+    while (Metric("tally_queue_depth", {}) != depth && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_EQ(Metric("tally_queue_depth", {}), depth);
+  };
+  auto a5 = held("a", 5);
+  auto a6 = held("a", 6);
+  await_depth(2);
+  absl::Time start = absl::Now();
+  const auto per_model = Send(&Stub::GetModel, *stub, Get("a"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_EQ(per_model.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(per_model.status().message()),
+              HasSubstr("--max-queued-requests-per-model"));
+  auto b5 = held("b", 5);
+  await_depth(3);
+  start = absl::Now();
+  const auto overall = Send(&Stub::GetModel, *stub, Get("b"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_EQ(overall.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(overall.status().message()),
+              HasSubstr("--max-queued-requests)"));
+  for (auto* waiting : {&a5, &a6, &b5}) {
+    EXPECT_EQ(waiting->get().status().code(), absl::StatusCode::kAborted);
+  }
+  await_depth(0);
+  EXPECT_EQ(Info(*stub, "a").accumulated_calls(), 0);
+}
+
+TEST_F(ReliabilityE2eTest, SigtermDrainsWhileNotServingThenExitsZero) {
+  Stub* stub = Start({"--shutdown-drain-secs", "2"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "m");
+  const absl::Time sent = absl::Now();
+  ASSERT_EQ(kill(server_->pid(), SIGTERM), 0);
+  absl::SleepFor(absl::Milliseconds(500));
+  const auto health = CheckHealth(server_->grpc_target());
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, HealthCheckResponse::NOT_SERVING);
+  // Still serving while the load balancer catches up.
+  EXPECT_TRUE(Send(&Stub::GetModel, *stub, Get("m")).ok());
+  stubs_.clear();
+  const absl::StatusOr<int> exit_code = server_->Stop(kShutdownTimeout);
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << server_->ReadLog();
+  EXPECT_GE(absl::Now() - sent, absl::Seconds(2));
+}
+
+TEST_F(ReliabilityE2eTest, SigtermFinishesTheExecutingCallAndRefusesQueued) {
+  Stub* stub = Start({});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "m");
+  const v1::ForwardBackwardRequest long_call = LongCall(*stub, "m", 2.0);
+  auto executing = std::async(std::launch::async, [&] {
+    return Send(&Stub::ForwardBackward, *stub, long_call);
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  auto queued = std::async(std::launch::async, [&] {
+    return Send(&Stub::ForwardBackward, *stub, Fb("m", 1, Samples(1)));
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  ASSERT_EQ(executing.wait_for(std::chrono::seconds(0)),
+            std::future_status::timeout)
+      << "the long call finished before SIGTERM";
+  const absl::StatusOr<int> exit_code = server_->Stop(kShutdownTimeout);
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << server_->ReadLog();
+  const auto finished = executing.get();
+  ASSERT_TRUE(finished.ok()) << finished.status();
+  EXPECT_EQ(finished->samples_size(), long_call.samples_size());
+  const auto refused = queued.get();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable)
+      << refused.status();
+}
+
+TEST_F(ReliabilityE2eTest, AShutdownOverrunningTheExitTimeoutExitsOne) {
+  Stub* stub = Start({"--exit-timeout-secs", "1"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "m");
+  const v1::ForwardBackwardRequest long_call = LongCall(*stub, "m", 5.0);
+  auto executing = std::async(std::launch::async, [&] {
+    return Send(&Stub::ForwardBackward, *stub, long_call);
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time sent = absl::Now();
+  const absl::StatusOr<int> exit_code = server_->Stop(kShutdownTimeout);
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 1) << server_->ReadLog();
+  EXPECT_LT(absl::Now() - sent, absl::Seconds(4));
+  EXPECT_THAT(server_->ReadLog(), HasSubstr("--exit-timeout-secs"));
+  EXPECT_FALSE(executing.get().ok());
+  // Exiting 1 was the point: not a failure for TearDown.
+  stubs_.clear();
+  servers_.clear();
+}
+
+// The request every hostile thread may send, with the codes it may get.
+struct Hostile {
+  std::string what;
+  std::function<absl::Status(Stub&)> send;
+  std::set<absl::StatusCode> allowed;
+};
+
+// Eight threads send a shuffled, retried, partly cancelled stream of valid
+// sequenced requests for model "h", mixed with malformed, oversized,
+// unknown-model and conflicting requests. Every reply carries a documented
+// code, and "h" ends where one clean client sending only the valid requests
+// puts model "clean".
+TEST_F(ReliabilityE2eTest, HostileClientsLeaveTheModelWhereACleanRunDoes) {
+  Stub* stub = Start({"--max-message-bytes", "65536"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "h");
+  Create(*stub, "clean");
+
+  // The valid stream: windows of 3 calls, then a step.
+  constexpr int kSteps = 5;
+  std::vector<std::function<absl::Status(Stub&, const std::string&, uint64_t,
+                                         absl::Duration)>>
+      valid;
+  for (int step = 0; step < kSteps; ++step) {
+    for (int call = 0; call < 3; ++call) {
+      const uint64_t seed = 100 * step + call;
+      valid.push_back([seed](Stub& s, const std::string& model_id,
+                             uint64_t seq_id, absl::Duration deadline) {
+        return Send(&Stub::ForwardBackward, s,
+                    Fb(model_id, seq_id, Samples(seed, 1 + seed % 3)), deadline)
+            .status();
+      });
+    }
+    valid.push_back([](Stub& s, const std::string& model_id, uint64_t seq_id,
+                       absl::Duration deadline) {
+      return Send(&Stub::OptimStep, s, Step(model_id, seq_id), deadline)
+          .status();
+    });
+  }
+  for (size_t i = 0; i < valid.size(); ++i) {
+    ASSERT_TRUE(valid[i](*stub, "clean", 0, kCallDeadline).ok()) << i;
+  }
+
+  const std::set<absl::StatusCode> invalid = {
+      absl::StatusCode::kInvalidArgument};
+  std::vector<Hostile> hostile = {
+      {"bad model id",
+       [](Stub& s) {
+         return Send(&Stub::ForwardBackward, s, Fb("bad id!", 1, Samples(1)))
+             .status();
+       },
+       invalid},
+      {"no samples",
+       [](Stub& s) {
+         return Send(&Stub::ForwardBackward, s, Fb("h", 2, {})).status();
+       },
+       invalid},
+      {"token outside the vocabulary",
+       [](Stub& s) {
+         std::vector<v1::Sample> samples = Samples(5);
+         samples[0].set_input_tokens(0, kTinyVocab + 7);
+         return Send(&Stub::ForwardBackward, s, Fb("h", 0, samples)).status();
+       },
+       invalid},
+      {"lengths differ",
+       [](Stub& s) {
+         std::vector<v1::Sample> samples = Samples(6);
+         samples[0].add_target_tokens(1);
+         // Checked by the engine, where a sequenced request would be final:
+         // unsequenced, like the other engine-level rejections here.
+         return Send(&Stub::ForwardBackward, s, Fb("h", 0, samples)).status();
+       },
+       invalid},
+      {"unknown reduction",
+       [](Stub& s) {
+         v1::ForwardBackwardRequest request = Fb("h", 4, Samples(7));
+         request.set_reduction(static_cast<v1::LossReduction>(42));
+         return Send(&Stub::ForwardBackward, s, request).status();
+       },
+       invalid},
+      {"negative learning rate",
+       [](Stub& s) {
+         v1::OptimStepRequest request = Step("h", 0);
+         request.mutable_adam()->set_learning_rate(-1);
+         return Send(&Stub::OptimStep, s, request).status();
+       },
+       invalid},
+      {"oversized",
+       [](Stub& s) {
+         return Send(&Stub::ForwardBackward, s,
+                     Fb("h", 5, Samples(8, 1000, testing::kTinyMaxPositions)))
+             .status();
+       },
+       {absl::StatusCode::kResourceExhausted}},
+      {"unknown model",
+       [](Stub& s) {
+         return Send(&Stub::ForwardBackward, s, Fb("ghost", 1, Samples(9)))
+             .status();
+       },
+       {absl::StatusCode::kNotFound}},
+  };
+
+  // Each thread sends its share of the valid stream in ascending seq_id
+  // order (so some thread always holds the next one), each valid request
+  // exactly once with a long deadline, plus copies with short deadlines or
+  // cancelled, a conflicting payload under a seq_id it saw succeed, and
+  // hostile requests.
+  constexpr int kThreads = 8;
+  std::vector<std::vector<uint64_t>> shares(kThreads);
+  std::mt19937 rng(2024);
+  for (uint64_t seq_id = 1; seq_id <= valid.size(); ++seq_id) {
+    shares[rng() % kThreads].push_back(seq_id);
+  }
+  std::mutex failures_mu;
+  std::vector<std::string> failures;
+  auto expect = [&](bool ok, const std::string& what, const absl::Status& s) {
+    if (ok) return;
+    std::lock_guard<std::mutex> lock(failures_mu);
+    failures.push_back(absl::StrCat(what, ": ", s.ToString()));
+  };
+  std::atomic<int> sent{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::unique_ptr<Stub> own = NewStub();
+      std::mt19937 thread_rng(t);
+      for (uint64_t seq_id : shares[t]) {
+        for (int noise = thread_rng() % 4; noise > 0; --noise) {
+          const Hostile& h = hostile[thread_rng() % hostile.size()];
+          const absl::Status status = h.send(*own);
+          expect(h.allowed.count(status.code()) > 0, h.what, status);
+          ++sent;
+        }
+        const auto& request = valid[seq_id - 1];
+        if (thread_rng() % 2 == 0) {
+          // A copy that gives up early: it ran (OK) or it did not.
+          const absl::Status copy =
+              request(*own, "h", seq_id, absl::Milliseconds(thread_rng() % 50));
+          expect(copy.ok() || absl::IsDeadlineExceeded(copy), "short copy",
+                 copy);
+          ++sent;
+        }
+        const absl::Status status = request(*own, "h", seq_id, kCallDeadline);
+        expect(status.ok(), absl::StrCat("valid seq_id ", seq_id), status);
+        const absl::Status retry = request(*own, "h", seq_id, kCallDeadline);
+        expect(retry.ok(), absl::StrCat("retried seq_id ", seq_id), retry);
+        const absl::Status conflict =
+            Send(&Stub::ForwardBackward, *own, Fb("h", seq_id, Samples(999)))
+                .status();
+        expect(absl::IsAlreadyExists(conflict),
+               absl::StrCat("conflict at seq_id ", seq_id), conflict);
+        sent += 3;
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_THAT(failures, ::testing::IsEmpty());
+  EXPECT_GT(sent.load(), static_cast<int>(3 * valid.size()));
+
+  const v1::ModelInfo h = Info(*stub, "h");
+  const v1::ModelInfo clean = Info(*stub, "clean");
+  EXPECT_EQ(h.step(), kSteps);
+  EXPECT_EQ(h.step(), clean.step());
+  EXPECT_EQ(h.accumulated_calls(), 0);
+  EXPECT_EQ(h.next_seq_id(), valid.size() + 1);
+  EXPECT_EQ(ProbeLoss(*stub, "h"), ProbeLoss(*stub, "clean"));
+  const auto health = CheckHealth(server_->grpc_target());
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, HealthCheckResponse::SERVING);
+}
+
+// 32 clients over 8 models: each model's four clients send one call of each
+// window (sequenced, in turn) and client 0 steps it. Every response matches
+// what the samples hold, the identically fed models end identical, and the
+// server holds nothing afterwards.
+TEST_F(ReliabilityE2eTest, SoakOf32ClientsOver8Models) {
+  Stub* stub = Start({});
+  ASSERT_NE(stub, nullptr);
+  constexpr int kModels = 8;
+  constexpr int kClientsPerModel = 4;
+  constexpr int kSteps = 3;
+  constexpr uint64_t kSeqPerStep = kClientsPerModel + 1;
+  for (int m = 0; m < kModels; ++m) Create(*stub, absl::StrCat("soak-", m));
+  const auto rss_kib = [&] {
+    std::ifstream status(absl::StrCat("/proc/", server_->pid(), "/status"));
+    std::string line;
+    int64_t kib = 0;
+    while (std::getline(status, line)) {
+      if (line.rfind("VmRSS:", 0) == 0) {
+        absl::SimpleAtoi(line.substr(6, line.size() - 6 - 3), &kib);
+      }
+    }
+    return kib;
+  };
+  const int64_t rss_before = rss_kib();
+
+  std::mutex failures_mu;
+  std::vector<std::string> failures;
+  auto fail = [&](const std::string& what) {
+    std::lock_guard<std::mutex> lock(failures_mu);
+    failures.push_back(what);
+  };
+  std::vector<std::thread> clients;
+  for (int m = 0; m < kModels; ++m) {
+    for (int c = 0; c < kClientsPerModel; ++c) {
+      clients.emplace_back([&, m, c] {
+        const std::string model_id = absl::StrCat("soak-", m);
+        std::unique_ptr<Stub> own = NewStub();
+        for (int step = 0; step < kSteps; ++step) {
+          const uint64_t base = step * kSeqPerStep;
+          const std::vector<v1::Sample> samples = Samples(10 * step + c);
+          const auto fb = Send(&Stub::ForwardBackward, *own,
+                               Fb(model_id, base + c + 1, samples));
+          if (!fb.ok() || fb->valid_tokens() != TokensOf(samples) ||
+              fb->accumulated_calls() != c + 1) {
+            fail(absl::StrCat(
+                model_id, " call ", step, "/", c, ": ",
+                fb.ok() ? fb->DebugString() : fb.status().ToString()));
+          }
+          if (c != 0) continue;
+          const auto stepped =
+              Send(&Stub::OptimStep, *own, Step(model_id, base + kSeqPerStep));
+          int64_t window_tokens = 0;
+          for (int k = 0; k < kClientsPerModel; ++k) {
+            window_tokens += TokensOf(Samples(10 * step + k));
+          }
+          if (!stepped.ok() || stepped->step() != step + 1 ||
+              stepped->normalizer() != window_tokens) {
+            fail(absl::StrCat(model_id, " step ", step, ": ",
+                              stepped.ok() ? stepped->DebugString()
+                                           : stepped.status().ToString()));
+          }
+        }
+      });
+    }
+  }
+  for (std::thread& client : clients) client.join();
+  EXPECT_THAT(failures, ::testing::IsEmpty());
+
+  const double reference = ProbeLoss(*stub, "soak-0");
+  for (int m = 0; m < kModels; ++m) {
+    const std::string model_id = absl::StrCat("soak-", m);
+    const v1::ModelInfo info = Info(*stub, model_id);
+    EXPECT_EQ(info.step(), kSteps) << model_id;
+    EXPECT_EQ(info.next_seq_id(), kSteps * kSeqPerStep + 1) << model_id;
+    EXPECT_EQ(ProbeLoss(*stub, model_id), reference) << model_id;
+  }
+  EXPECT_EQ(Metric("tally_queue_depth", {}), 0);
+  // Cached responses and gRPC buffers, not a leak: generously bounded.
+  EXPECT_LT(rss_kib() - rss_before, 256 * 1024);
+}
+
+}  // namespace
+}  // namespace tally
