@@ -12,11 +12,12 @@ calls before them have finished, so that no step can overtake the
 ForwardBackward calls of its window even on a server that does not order by
 seq_id. A server whose API has ModelInfo.next_seq_id executes each model's
 requests in seq_id order, so the next window's calls are sent at once; with an
-older server they wait until the window-closing call has finished. If a ForwardBackward of the window failed for good, the step is not
-sent; the window is aborted instead (under the step's seq_id) and the step's
-future raises WindowAbortedError. A server that answers ABORTED (a poisoned
-window) also raises WindowAbortedError: call abort_window() and redo the
-window.
+older server they wait until the window-closing call has finished. If a call
+of the window failed for good, its OptimStep is not sent: the window is
+aborted instead (under the step's seq_id, so the sequence has no gap) and the
+step's future raises WindowAbortedError. A server that answers ABORTED (a
+poisoned window) also raises WindowAbortedError: call abort_window() and redo
+the window.
 
     client = TrainingClient("localhost:50051", "demo", token="s3cret")
     calls = [client.forward_backward(batch) for batch in window]
@@ -261,8 +262,9 @@ class TrainingClient:
         return max(1, getattr(info, "next_seq_id", 0))
 
     def _close_window(self, method, request):
-        """Sends `request` once every call in flight has finished; if one of
-        them failed for good, aborts the window under request's seq_id."""
+        """Sends `request` once every call in flight has finished. An
+        OptimStep after a call that failed for good aborts the window instead,
+        under the step's seq_id (the sequence must stay gap-free)."""
         result = concurrent.futures.Future()
         with self._lock:
             request.seq_id = self._take_seq_id()
@@ -272,7 +274,7 @@ class TrainingClient:
 
         def send():
             failed = [f for f in earlier if f.exception() is not None]
-            if failed and method in ("OptimStep", "SaveCheckpoint"):
+            if failed and method == "OptimStep":
                 abort = pb.AbortAccumulationRequest(model_id=self.model_id,
                                                     seq_id=request.seq_id)
                 cause = failed[0].exception()
