@@ -376,9 +376,8 @@ void ServerMetrics::RecordRankStateLocked() {
         slot = std::make_unique<CommSeries>(CommSeries{
             &collective_calls_->Add(l), &collective_bytes_->Add(l), {}});
       }
-      // A counter reset (the rendezvous resets the world's) restarts the
-      // increments from zero.
-      if (now.calls < slot->copied.calls) slot->copied = {};
+      // CommStats only grow once the metrics exist (the rendezvous resets
+      // the world's before); Increment ignores a negative step.
       slot->calls->Increment(
           static_cast<double>(now.calls - slot->copied.calls));
       slot->bytes->Increment(
