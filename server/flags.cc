@@ -96,10 +96,11 @@ const std::vector<FlagSpec>& Flags() {
          o.host = v;
          return absl::OkStatus();
        }},
-      {"grpc-port", "N", "gRPC port; 0 picks a free one",
+      {"grpc-port", "N", "gRPC port (local rank r: N + r); 0 picks a free one",
        IntFlag("grpc-port", 0, 65535,
                [](ServerOptions& o, int64_t v) { o.grpc_port = v; })},
-      {"metrics-port", "N", "Prometheus /metrics port; 0 picks a free one",
+      {"metrics-port", "N",
+       "Prometheus /metrics port (local rank r: N + r); 0 picks a free one",
        IntFlag("metrics-port", 0, 65535,
                [](ServerOptions& o, int64_t v) { o.metrics_port = v; })},
       {"max-message-bytes", "N", "largest gRPC message accepted or sent",
