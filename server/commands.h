@@ -18,6 +18,7 @@
 #include <google/protobuf/message.h>
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "runtime/communicator.h"
@@ -55,12 +56,17 @@ absl::Status ExecuteOptimStep(Engine& engine,
 absl::Status ExecuteAbortAccumulation(
     Engine& engine, const v1::AbortAccumulationRequest& request,
     v1::AbortAccumulationResponse* response);
+// `server_state`: opaque bytes of the server saved with the checkpoint (rank
+// 0 writes; other ranks pass nothing).
 absl::Status ExecuteSaveCheckpoint(Engine& engine,
                                    const v1::SaveCheckpointRequest& request,
-                                   v1::SaveCheckpointResponse* response);
+                                   v1::SaveCheckpointResponse* response,
+                                   const std::string& server_state = "");
+// `server_state`, when given, receives the bytes the checkpoint holds.
 absl::Status ExecuteLoadCheckpoint(Engine& engine,
                                    const v1::LoadCheckpointRequest& request,
-                                   v1::LoadCheckpointResponse* response);
+                                   v1::LoadCheckpointResponse* response,
+                                   std::string* server_state = nullptr);
 
 // Rank 0: sends (command, serialized request) to every rank. A no-op in a
 // single-rank deployment.

@@ -104,6 +104,23 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
                     .Help("Models loaded")
                     .Register(r)
                     .Add({});
+  m->checkpoint_seconds_ =
+      &prometheus::BuildHistogram()
+           .Name("tally_checkpoint_seconds")
+           .Help("Checkpoint save / load time by kind (failures included)")
+           .Register(r);
+  m->checkpoint_last_success_ =
+      &prometheus::BuildGauge()
+           .Name("tally_checkpoint_last_success_timestamp_seconds")
+           .Help("Unix time of the last checkpoint written successfully")
+           .Register(r)
+           .Add({});
+  m->auth_failures_ = &prometheus::BuildCounter()
+                           .Name("tally_auth_failures_total")
+                           .Help(
+                               "Requests refused for missing or unknown "
+                               "bearer tokens")
+                           .Register(r);
   prometheus::BuildGauge()
       .Name("tally_build_info")
       .Help("Build information (value 1)")
@@ -184,6 +201,18 @@ void ServerMetrics::SetPendingTokens(const std::string& model_id,
                                      int64_t tokens) {
   absl::MutexLock lock(&mu_);
   Series(model_id).pending_tokens->Set(static_cast<double>(tokens));
+}
+
+void ServerMetrics::RecordCheckpoint(const std::string& kind, bool ok,
+                                     double seconds) {
+  checkpoint_seconds_->Add({{"kind", kind}}, LatencyBuckets()).Observe(seconds);
+  if (ok && (kind == "save" || kind == "periodic")) {
+    checkpoint_last_success_->SetToCurrentTime();
+  }
+}
+
+void ServerMetrics::RecordAuthFailure(const std::string& reason) {
+  auth_failures_->Add({{"reason", reason}}).Increment();
 }
 
 void ServerMetrics::SetModelCount(size_t count) {
