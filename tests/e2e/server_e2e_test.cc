@@ -618,8 +618,9 @@ TEST_F(ServerE2eTest, CheckpointRestoresWeightsOptimizerAndStep) {
   EXPECT_EQ(saved.path(), dir);
   EXPECT_EQ(saved.step(), 3);
   uint64_t file_bytes = 0;
-  for (const char* file : {"config.json", "model.safetensors",
-                           "optimizer.safetensors", "tally.json"}) {
+  for (const char* file :
+       {"config.json", "model.safetensors", "optimizer.safetensors",
+        "server_state.bin", "tally.json", "checksums.sha256"}) {
     const std::filesystem::path path = std::filesystem::path(dir) / file;
     ASSERT_TRUE(std::filesystem::is_regular_file(path)) << path;
     file_bytes += std::filesystem::file_size(path);
