@@ -2,12 +2,8 @@
 // drives it over gRPC with the C++ client, reads its Prometheus metrics over
 // plain HTTP, and checks every answer against values computed here from the
 // requests themselves.
-#include <arpa/inet.h>
 #include <google/protobuf/util/message_differencer.h>
 #include <grpcpp/client_context.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,6 +36,7 @@
 #include "gtest/gtest.h"
 #include "runtime/status.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/e2e/metrics_scrape.h"
 #include "tests/e2e/server_process.h"
 
 namespace tally {
@@ -48,7 +45,9 @@ namespace {
 using ::google::protobuf::util::MessageDifferencer;
 using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
+using ::tally::testing::HttpGet;
 using ::tally::testing::kIgnoredTarget;
+using ::tally::testing::MetricValue;
 using ::tally::testing::ServerBinaryFromEnv;
 using ::tally::testing::ServerProcess;
 using ::tally::testing::ValidTokens;
@@ -249,104 +248,6 @@ absl::StatusOr<HealthCheckResponse::ServingStatus> CheckHealth(
   grpc::Status status = stub->Check(&context, HealthCheckRequest(), &response);
   if (!status.ok()) return ToAbslStatus(status);
   return response.status();
-}
-
-// The body of `GET path` from 127.0.0.1:port over HTTP/1.0 (the server
-// closes the connection after the response); an error unless it is a 200.
-absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::ErrnoToStatus(errno, "socket");
-  struct Closer {
-    int fd;
-    ~Closer() { close(fd); }
-  } closer{fd};
-  const timeval timeout{10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&address),
-              sizeof address) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("connect 127.0.0.1:", port));
-  }
-  const std::string request =
-      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  for (size_t sent = 0; sent < request.size();) {
-    const ssize_t n =
-        send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return absl::ErrnoToStatus(errno, "send");
-    sent += static_cast<size_t>(n);
-  }
-  std::string response;
-  char buffer[16384];
-  while (true) {
-    const ssize_t n = recv(fd, buffer, sizeof buffer, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return absl::ErrnoToStatus(errno, "recv");
-    if (n == 0) break;
-    response.append(buffer, static_cast<size_t>(n));
-  }
-  const size_t header_end = response.find("\r\n\r\n");
-  const std::string status_line = response.substr(0, response.find("\r\n"));
-  if (header_end == std::string::npos ||
-      status_line.find(" 200 ") == std::string::npos) {
-    return absl::UnavailableError(absl::StrCat("GET ", path, " from port ",
-                                               port, " answered: '",
-                                               response.substr(0, 200), "'"));
-  }
-  return response.substr(header_end + 4);
-}
-
-// The value of the sample of metric `name` whose labels include every pair in
-// `labels`, read from Prometheus text exposition. Label values must hold no
-// ',' or '}', which is true of tally's (model ids, RPC names, codes).
-absl::StatusOr<double> MetricValue(
-    const std::string& exposition, const std::string& name,
-    const std::map<std::string, std::string>& labels) {
-  for (absl::string_view line : absl::StrSplit(exposition, '\n')) {
-    if (line.empty() || line.front() == '#') continue;
-    const size_t name_end = line.find_first_of("{ ");
-    if (name_end == absl::string_view::npos ||
-        line.substr(0, name_end) != name) {
-      continue;
-    }
-    absl::string_view rest = line.substr(name_end);
-    std::map<std::string, std::string> found;
-    if (rest.front() == '{') {
-      const size_t close = rest.find('}');
-      if (close == absl::string_view::npos) continue;
-      for (absl::string_view pair :
-           absl::StrSplit(rest.substr(1, close - 1), ',', absl::SkipEmpty())) {
-        const size_t equals = pair.find('=');
-        if (equals == absl::string_view::npos) continue;
-        absl::string_view value = pair.substr(equals + 1);
-        absl::ConsumePrefix(&value, "\"");
-        absl::ConsumeSuffix(&value, "\"");
-        found[std::string(pair.substr(0, equals))] = std::string(value);
-      }
-      rest = rest.substr(close + 1);
-    }
-    const bool matches =
-        std::all_of(labels.begin(), labels.end(), [&](const auto& label) {
-          auto it = found.find(label.first);
-          return it != found.end() && it->second == label.second;
-        });
-    if (!matches) continue;
-    double value = 0;
-    if (!absl::SimpleAtod(absl::StripAsciiWhitespace(rest), &value)) {
-      return absl::DataLossError(
-          absl::StrCat("unparsable sample line '", line, "'"));
-    }
-    return value;
-  }
-  std::string wanted = name;
-  for (const auto& [key, value] : labels) {
-    absl::StrAppend(&wanted, " ", key, "=", value);
-  }
-  return absl::NotFoundError(absl::StrCat("no sample ", wanted));
 }
 
 // A request that must fail with `code`, naming every one of `message_parts`.
