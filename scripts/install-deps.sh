@@ -12,6 +12,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-protobuf python3-torch python3-numpy
   nlohmann-json3-dev curl
+  libssl-dev openssl               # checkpoint SHA-256; test certificates
+  clang libclang-rt-14-dev         # the libFuzzer request fuzzer
 )
 
 missing=()
