@@ -511,6 +511,15 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint path ", dir, " names no directory"));
   }
+  // Replacing deletes what was there: only ever an earlier checkpoint.
+  if (fs::exists(target, error) &&
+      (!fs::is_directory(target, error) ||
+       !(fs::is_empty(target, error) ||
+         IsFile((target / kManifestFile).string())))) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, " exists and is not a tally checkpoint (no ",
+                     kManifestFile, "); refusing to replace it"));
+  }
   fs::create_directories(parent, error);
   if (error) {
     return ErrorCodeStatus(error,

@@ -68,12 +68,14 @@ inline constexpr int kCheckpointFormatVersion = 2;
 
 // Writes a checkpoint of `model` and `optimizer` to `dir`, replacing an
 // existing checkpoint there atomically; the parent directories are created
-// when missing. A tied model has no lm_head.weight, as in HF. The caller
-// supplies the manifest's step, defaults, seed, grad_sync and unsaved_window;
-// dtype, optimizer and optimizer_step_count are recorded from `model` and
-// `optimizer`, tally_version and format_version from this build, so the
-// manifest cannot contradict the tensors. `server_state` is stored as it is.
-// On failure `dir` is as it was. Returns the bytes written.
+// when missing. Anything else at `dir` (a file, a directory without
+// tally.json that is not empty) is FAILED_PRECONDITION and left alone. A tied
+// model has no lm_head.weight, as in HF. The caller supplies the manifest's
+// step, defaults, seed, grad_sync and unsaved_window; dtype, optimizer and
+// optimizer_step_count are recorded from `model` and `optimizer`, tally_version
+// and format_version from this build, so the manifest cannot contradict the
+// tensors. `server_state` is stored as it is. On failure `dir` is as it was.
+// Returns the bytes written.
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
                                          const LlamaModel& model,
                                          const Optimizer& optimizer,

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/engine.h"
 #include "server/auth.h"
 #include "server/convert.h"
 #include "server/flags.h"
@@ -85,6 +86,21 @@ TEST(TenancyTest, ScopesAndUnscopesModelIds) {
   // Ids name checkpoint directories.
   EXPECT_FALSE(ValidateModelId(".").ok());
   EXPECT_FALSE(ValidateModelId("..").ok());
+}
+
+// With tenants an empty CreateModel id reaches the engine as the scope
+// alone, and the engine draws the id inside it.
+TEST(TenancyTest, EngineDrawsServerAssignedIdsInsideTheScope) {
+  std::unique_ptr<Engine> engine = Engine::CreateSingleRank({}).value();
+  ModelSpec spec;
+  spec.config = LlamaConfig::EmbeddedDefault();
+  spec.model_id = ScopedModelId("alice", "");
+  absl::StatusOr<ModelSummary> created = engine->CreateModel(spec);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_TRUE(InTenant(created->model_id, "alice")) << created->model_id;
+  EXPECT_TRUE(ValidateModelId(ClientModelId(created->model_id)).ok());
+  spec.model_id = "";
+  EXPECT_FALSE(InTenant(engine->CreateModel(spec)->model_id, "alice"));
 }
 
 absl::StatusOr<ParsedFlags> Parse(std::vector<const char*> args) {

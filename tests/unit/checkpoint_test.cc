@@ -633,6 +633,26 @@ TEST_F(CheckpointTest, SaveReplacesAnExistingCheckpoint) {
   EXPECT_EQ(names, (std::set<std::string>{"a", "b"}));
 }
 
+// Replacing deletes the old directory, so only a checkpoint (or nothing) is
+// ever replaced.
+TEST_F(CheckpointTest, RefusesToReplaceWhatIsNotACheckpoint) {
+  std::unique_ptr<LlamaModel> model = MakeModel(false, DType::kFloat32, 1);
+  Optimizer optimizer(OptimizerKind::kSgd, &model->parameters());
+  const std::string data = PathOf("data");
+  fs::create_directories(data);
+  WriteText(data + "/notes.txt", "precious");
+  WriteText(PathOf("file"), "precious");
+  for (const std::string& target : {data, PathOf("file")}) {
+    const absl::Status status =
+        WriteCheckpoint(target, *model, optimizer, {}).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  }
+  EXPECT_EQ(ReadText(data + "/notes.txt"), "precious");
+  EXPECT_EQ(ReadText(PathOf("file")), "precious");
+  fs::create_directories(PathOf("empty"));
+  EXPECT_TRUE(WriteCheckpoint(PathOf("empty"), *model, optimizer, {}).ok());
+}
+
 // A failure at any step of the protocol leaves the previous checkpoint
 // readable under its name, and the failed attempt leaves nothing behind.
 TEST_F(CheckpointTest, FailedSaveLeavesThePreviousCheckpoint) {
