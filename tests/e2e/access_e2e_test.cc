@@ -142,90 +142,95 @@ TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
     EXPECT_EQ(anonymous.ListModels({}).status().code(),
               absl::StatusCode::kUnavailable);
   }
-  // Credentials are checked before anything else.
-  TrainerClient no_token = Client(*server, true, "");
-  EXPECT_EQ(no_token.ListModels({}).status().code(),
-            absl::StatusCode::kUnauthenticated);
-  EXPECT_EQ(no_token.CreateModel(TinyModel("m1")).status().code(),
-            absl::StatusCode::kUnauthenticated);
-  TrainerClient wrong_token = Client(*server, true, "alice-guess");
-  EXPECT_EQ(wrong_token.GetModel(Get("m1")).status().code(),
-            absl::StatusCode::kUnauthenticated);
+  // The clients close before the server stops: idle TLS connections would
+  // hold its shutdown for their grace period.
+  {
+    // Credentials are checked before anything else.
+    TrainerClient no_token = Client(*server, true, "");
+    EXPECT_EQ(no_token.ListModels({}).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(no_token.CreateModel(TinyModel("m1")).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    TrainerClient wrong_token = Client(*server, true, "alice-guess");
+    EXPECT_EQ(wrong_token.GetModel(Get("m1")).status().code(),
+              absl::StatusCode::kUnauthenticated);
 
-  // Tenants: alice's m1 does not exist for bob, who may have his own.
-  TrainerClient alice = Client(*server, true, kAliceToken);
-  TrainerClient bob = Client(*server, true, kBobToken);
-  absl::StatusOr<v1::ModelInfo> created = alice.CreateModel(TinyModel("m1"));
-  ASSERT_TRUE(created.ok()) << created.status();
-  EXPECT_EQ(created->model_id(), "m1");
-  EXPECT_EQ(bob.GetModel(Get("m1")).status().code(),
-            absl::StatusCode::kNotFound);
-  v1::DeleteModelRequest delete_m1;
-  delete_m1.set_model_id("m1");
-  EXPECT_EQ(bob.DeleteModel(delete_m1).status().code(),
-            absl::StatusCode::kNotFound);
-  EXPECT_EQ(bob.ListModels({})->models_size(), 0);
-  v1::CreateModelRequest bob_m1 = TinyModel("m1");
-  bob_m1.mutable_config()->set_hidden_size(8);
-  ASSERT_TRUE(bob.CreateModel(bob_m1).ok());
-  absl::StatusOr<v1::ListModelsResponse> listed = alice.ListModels({});
-  ASSERT_TRUE(listed.ok()) << listed.status();
-  ASSERT_EQ(listed->models_size(), 1);
-  EXPECT_EQ(listed->models(0).model_id(), "m1");
-  EXPECT_EQ(listed->models(0).config().hidden_size(), 16);  // alice's own
-  EXPECT_EQ(alice.CreateModel(TinyModel("bad/id")).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(alice.CreateModel(TinyModel("..")).status().code(),
-            absl::StatusCode::kInvalidArgument);
+    // Tenants: alice's m1 does not exist for bob, who may have his own.
+    TrainerClient alice = Client(*server, true, kAliceToken);
+    TrainerClient bob = Client(*server, true, kBobToken);
+    absl::StatusOr<v1::ModelInfo> created = alice.CreateModel(TinyModel("m1"));
+    ASSERT_TRUE(created.ok()) << created.status();
+    EXPECT_EQ(created->model_id(), "m1");
+    EXPECT_EQ(bob.GetModel(Get("m1")).status().code(),
+              absl::StatusCode::kNotFound);
+    v1::DeleteModelRequest delete_m1;
+    delete_m1.set_model_id("m1");
+    EXPECT_EQ(bob.DeleteModel(delete_m1).status().code(),
+              absl::StatusCode::kNotFound);
+    EXPECT_EQ(bob.ListModels({})->models_size(), 0);
+    v1::CreateModelRequest bob_m1 = TinyModel("m1");
+    bob_m1.mutable_config()->set_hidden_size(8);
+    ASSERT_TRUE(bob.CreateModel(bob_m1).ok());
+    absl::StatusOr<v1::ListModelsResponse> listed = alice.ListModels({});
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    ASSERT_EQ(listed->models_size(), 1);
+    EXPECT_EQ(listed->models(0).model_id(), "m1");
+    EXPECT_EQ(listed->models(0).config().hidden_size(), 16);  // alice's own
+    EXPECT_EQ(alice.CreateModel(TinyModel("bad/id")).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(alice.CreateModel(TinyModel("..")).status().code(),
+              absl::StatusCode::kInvalidArgument);
 
-  // Checkpoint paths stay inside <root>/<tenant>.
-  v1::SaveCheckpointRequest save;
-  save.set_model_id("m1");
-  for (const std::string& escape :
-       {std::string("../escape"), std::string("a/../../escape"),
-        dir_ + "/elsewhere", root + "/bob/stolen"}) {
-    save.set_path(escape);
-    EXPECT_EQ(alice.SaveCheckpoint(save).status().code(),
-              absl::StatusCode::kPermissionDenied)
-        << escape;
+    // Checkpoint paths stay inside <root>/<tenant>.
+    v1::SaveCheckpointRequest save;
+    save.set_model_id("m1");
+    for (const std::string& escape :
+         {std::string("../escape"), std::string("a/../../escape"),
+          dir_ + "/elsewhere", root + "/bob/stolen"}) {
+      save.set_path(escape);
+      EXPECT_EQ(alice.SaveCheckpoint(save).status().code(),
+                absl::StatusCode::kPermissionDenied)
+          << escape;
+    }
+    save.set_path("runs/one");
+    absl::StatusOr<v1::SaveCheckpointResponse> saved =
+        alice.SaveCheckpoint(save);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    const std::string alice_dir = fs::canonical(root).string() + "/alice";
+    EXPECT_EQ(saved->path(), alice_dir + "/runs/one");
+    EXPECT_TRUE(fs::exists(alice_dir + "/runs/one/model.safetensors"));
+    // The same relative path names bob's own (absent) directory.
+    v1::LoadCheckpointRequest load;
+    load.set_model_id("m1");
+    load.set_path("runs/one");
+    EXPECT_EQ(bob.LoadCheckpoint(load).status().code(),
+              absl::StatusCode::kNotFound);
+    load.set_path(alice_dir + "/runs/one");
+    EXPECT_EQ(bob.LoadCheckpoint(load).status().code(),
+              absl::StatusCode::kPermissionDenied);
+
+    absl::StatusOr<std::string> metrics =
+        HttpGet(server->metrics_port(), "/metrics");
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    // Two calls without a token, one with a wrong one (the call without a
+    // client certificate never reached the server).
+    EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
+                          {{"reason", "missing_token"}})
+                  .value_or(-1),
+              2);
+    EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
+                          {{"reason", "invalid_token"}})
+                  .value_or(-1),
+              1);
+    EXPECT_EQ(MetricValue(*metrics, "tally_checkpoint_seconds_count",
+                          {{"kind", "save"}})
+                  .value_or(-1),
+              1);
+    EXPECT_GT(MetricValue(*metrics,
+                          "tally_checkpoint_last_success_timestamp_seconds", {})
+                  .value_or(-1),
+              1.6e9);
   }
-  save.set_path("runs/one");
-  absl::StatusOr<v1::SaveCheckpointResponse> saved = alice.SaveCheckpoint(save);
-  ASSERT_TRUE(saved.ok()) << saved.status();
-  const std::string alice_dir = fs::canonical(root).string() + "/alice";
-  EXPECT_EQ(saved->path(), alice_dir + "/runs/one");
-  EXPECT_TRUE(fs::exists(alice_dir + "/runs/one/model.safetensors"));
-  // The same relative path names bob's own (absent) directory.
-  v1::LoadCheckpointRequest load;
-  load.set_model_id("m1");
-  load.set_path("runs/one");
-  EXPECT_EQ(bob.LoadCheckpoint(load).status().code(),
-            absl::StatusCode::kNotFound);
-  load.set_path(alice_dir + "/runs/one");
-  EXPECT_EQ(bob.LoadCheckpoint(load).status().code(),
-            absl::StatusCode::kPermissionDenied);
-
-  absl::StatusOr<std::string> metrics =
-      HttpGet(server->metrics_port(), "/metrics");
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
-  // Two calls without a token, one with a wrong one (the call without a
-  // client certificate never reached the server).
-  EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
-                        {{"reason", "missing_token"}})
-                .value_or(-1),
-            2);
-  EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
-                        {{"reason", "invalid_token"}})
-                .value_or(-1),
-            1);
-  EXPECT_EQ(MetricValue(*metrics, "tally_checkpoint_seconds_count",
-                        {{"kind", "save"}})
-                .value_or(-1),
-            1);
-  EXPECT_GT(MetricValue(*metrics,
-                        "tally_checkpoint_last_success_timestamp_seconds", {})
-                .value_or(-1),
-            1.6e9);
   testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
 }
 
@@ -240,10 +245,12 @@ TEST_F(AccessE2eTest, PlaintextOnlyOnLoopbackUnlessAllowed) {
   ServerProcess* allowed = StartServerOrFail(
       {"--host", "0.0.0.0", "--allow-insecure-remote"}, servers_);
   ASSERT_NE(allowed, nullptr);
-  TrainerClientOptions options;
-  options.target = allowed->grpc_target();
-  TrainerClient client(options);
-  EXPECT_TRUE(client.ListModels({}).ok());
+  {
+    TrainerClientOptions options;
+    options.target = allowed->grpc_target();
+    TrainerClient client(options);
+    EXPECT_TRUE(client.ListModels({}).ok());
+  }
   testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
 }
 

@@ -90,10 +90,10 @@ std::string ReadBytes(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-TrainerClient ClientOf(const ServerProcess& server) {
+std::unique_ptr<TrainerClient> ClientOf(const ServerProcess& server) {
   TrainerClientOptions options;
   options.target = server.grpc_target();
-  return TrainerClient(options);
+  return std::make_unique<TrainerClient>(options);
 }
 
 // The model as the server reports it.
@@ -147,24 +147,25 @@ class CheckpointE2eTest : public ::testing::Test {
 TEST_F(CheckpointE2eTest, ResumeAfterKillIsExact) {
   ServerProcess* reference = StartServerOrFail({}, servers_);
   ASSERT_NE(reference, nullptr);
-  TrainerClient reference_client = ClientOf(*reference);
+  std::unique_ptr<TrainerClient> reference_client = ClientOf(*reference);
   const std::vector<std::string> periodic = {
       "--checkpoint-dir",         dir_ + "/periodic",
       "--checkpoint-every-steps", "3",
       "--checkpoint-keep",        "2"};
   ServerProcess* first = StartServerOrFail(periodic, killed_);
   ASSERT_NE(first, nullptr);
-  TrainerClient first_client = ClientOf(*first);
+  std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
   for (int m = 0; m < 2; ++m) {
     ASSERT_TRUE(
-        reference_client.CreateModel(TinyModel(kModelIds[m], kDtypes[m])).ok());
-    Train(reference_client, kModelIds[m], 1, 6);
+        reference_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m]))
+            .ok());
+    Train(*reference_client, kModelIds[m], 1, 6);
     ASSERT_TRUE(
-        first_client.CreateModel(TinyModel(kModelIds[m], kDtypes[m])).ok());
-    Train(first_client, kModelIds[m], 1, 3);
+        first_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m])).ok());
+    Train(*first_client, kModelIds[m], 1, 3);
     // A pending window at the kill: lost, as the checkpoint never held it.
     ASSERT_TRUE(
-        first_client.ForwardBackward(StepWindow(kModelIds[m], 99)[0]).ok());
+        first_client->ForwardBackward(StepWindow(kModelIds[m], 99)[0]).ok());
   }
   Kill(*first);
 
@@ -172,21 +173,21 @@ TEST_F(CheckpointE2eTest, ResumeAfterKillIsExact) {
   resume.push_back("--resume");
   ServerProcess* second = StartServerOrFail(resume, servers_);
   ASSERT_NE(second, nullptr);
-  TrainerClient second_client = ClientOf(*second);
+  std::unique_ptr<TrainerClient> second_client = ClientOf(*second);
   for (int m = 0; m < 2; ++m) {
     const std::string id = kModelIds[m];
     SCOPED_TRACE(id);
     EXPECT_NE(second->ReadLog().find("resumed model '" + id + "' at step 3"),
               std::string::npos)
         << second->ReadLog();
-    absl::StatusOr<v1::ModelInfo> info = Info(second_client, id);
+    absl::StatusOr<v1::ModelInfo> info = Info(*second_client, id);
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->step(), 3);
     EXPECT_EQ(info->accumulated_calls(), 0);
     EXPECT_EQ(info->dtype(), kDtypes[m]);
-    Train(second_client, id, 4, 6);
-    const std::string expected = Save(reference_client, id, id + "-reference");
-    const std::string actual = Save(second_client, id, id + "-resumed");
+    Train(*second_client, id, 4, 6);
+    const std::string expected = Save(*reference_client, id, id + "-reference");
+    const std::string actual = Save(*second_client, id, id + "-resumed");
     for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
       const std::string want = ReadBytes(expected + "/" + file);
       ASSERT_FALSE(want.empty()) << file;
@@ -197,6 +198,9 @@ TEST_F(CheckpointE2eTest, ResumeAfterKillIsExact) {
     EXPECT_TRUE(fs::is_directory(model_dir + "/step-000000000003"));
     EXPECT_TRUE(fs::is_directory(model_dir + "/step-000000000006"));
   }
+  // Idle connections would hold the servers' shutdown.
+  reference_client.reset();
+  second_client.reset();
   testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
 }
 
@@ -208,10 +212,10 @@ TEST_F(CheckpointE2eTest, ResumeSkipsADamagedNewestCheckpoint) {
                                              "--checkpoint-keep",        "2"};
   ServerProcess* first = StartServerOrFail(periodic, killed_);
   ASSERT_NE(first, nullptr);
-  TrainerClient first_client = ClientOf(*first);
+  std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
   const std::string id = kModelIds[0];
-  ASSERT_TRUE(first_client.CreateModel(TinyModel(id, kDtypes[0])).ok());
-  Train(first_client, id, 1, 3);
+  ASSERT_TRUE(first_client->CreateModel(TinyModel(id, kDtypes[0])).ok());
+  Train(*first_client, id, 1, 3);
   Kill(*first);
   const std::string model_dir = dir_ + "/" + id;
   EXPECT_FALSE(fs::exists(model_dir + "/step-000000000001"));  // pruned
@@ -227,10 +231,11 @@ TEST_F(CheckpointE2eTest, ResumeSkipsADamagedNewestCheckpoint) {
   ASSERT_NE(second, nullptr);
   EXPECT_NE(second->ReadLog().find("skipping damaged checkpoint"),
             std::string::npos);
-  TrainerClient second_client = ClientOf(*second);
-  absl::StatusOr<v1::ModelInfo> info = Info(second_client, id);
+  std::unique_ptr<TrainerClient> second_client = ClientOf(*second);
+  absl::StatusOr<v1::ModelInfo> info = Info(*second_client, id);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->step(), 2);
+  second_client.reset();  // an idle connection would hold the shutdown
   testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
 }
 
