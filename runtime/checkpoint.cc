@@ -1,5 +1,11 @@
 #include "runtime/checkpoint.h"
 
+#include <fcntl.h>  // AT_FDCWD
+#include <stdio.h>  // renameat2, RENAME_EXCHANGE
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <exception>
 #include <filesystem>
@@ -16,8 +22,14 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "runtime/log.h"
 #include "runtime/status.h"
 
 namespace tally {
@@ -30,6 +42,9 @@ constexpr char kModelFile[] = "model.safetensors";
 constexpr char kShardIndexFile[] = "model.safetensors.index.json";
 constexpr char kOptimizerFile[] = "optimizer.safetensors";
 constexpr char kManifestFile[] = "tally.json";
+constexpr char kServerStateFile[] = "server_state.bin";
+constexpr char kChecksumFile[] = "checksums.sha256";
+constexpr char kStepPrefix[] = "step-";
 // A derived buffer that transformers < 4.31 saved with Llama weights.
 constexpr char kRotaryBufferSuffix[] = ".rotary_emb.inv_freq";
 
@@ -62,6 +77,10 @@ std::optional<Enum> ParseEnum(const std::string& name,
   return std::nullopt;
 }
 
+const char* GradSyncName(GradSync sync) {
+  return sync == GradSync::kDeferred ? "deferred" : "eager";
+}
+
 std::string ManifestToJson(const CheckpointManifest& m) {
   nlohmann::ordered_json j;
   j["format_version"] = m.format_version;
@@ -76,6 +95,11 @@ std::string ManifestToJson(const CheckpointManifest& m) {
                        {"eps", m.default_adam.eps},
                        {"weight_decay", m.default_adam.weight_decay}};
   j["default_max_grad_norm"] = m.default_max_grad_norm;
+  j["grad_sync"] = GradSyncName(m.grad_sync);
+  j["seed"] = m.seed;
+  j["unsaved_window"] = {{"calls", m.unsaved_window.calls},
+                         {"tokens", m.unsaved_window.tokens},
+                         {"samples", m.unsaved_window.samples}};
   return j.dump(2) + "\n";
 }
 
@@ -157,6 +181,32 @@ absl::StatusOr<CheckpointManifest> ManifestFromJson(const std::string& text,
   }
   TALLY_RETURN_IF_ERROR(
       read_double(j, "", "default_max_grad_norm", m.default_max_grad_norm));
+  if (m.format_version < 2) return m;  // the fields below came with version 2
+
+  TALLY_RETURN_IF_ERROR(read_string("grad_sync", name));
+  const std::optional<GradSync> grad_sync =
+      ParseEnum(name, {GradSync::kEager, GradSync::kDeferred}, &GradSyncName);
+  if (!grad_sync) return bad("grad_sync", "\"eager\" or \"deferred\"");
+  m.grad_sync = *grad_sync;
+  const nlohmann::json* seed =
+      find(j, "seed", &nlohmann::json::is_number_unsigned);
+  if (seed == nullptr) return bad("seed", "an unsigned integer");
+  m.seed = seed->get<uint64_t>();
+  const nlohmann::json* unsaved =
+      find(j, "unsaved_window", &nlohmann::json::is_object);
+  if (unsaved == nullptr) return bad("unsaved_window", "an object");
+  WindowCounts& w = m.unsaved_window;
+  for (auto [key, field] : {std::pair<const char*, int64_t*>{"calls", &w.calls},
+                            {"tokens", &w.tokens},
+                            {"samples", &w.samples}}) {
+    const nlohmann::json* v =
+        find(*unsaved, key, &nlohmann::json::is_number_unsigned);
+    if (v == nullptr) {
+      return bad(absl::StrCat("unsaved_window.", key),
+                 "a non-negative integer");
+    }
+    *field = v->get<int64_t>();
+  }
   return m;
 }
 
@@ -179,9 +229,79 @@ absl::StatusOr<LlamaConfig> ReadConfig(const std::string& path) {
   return config;
 }
 
+// The checksums.sha256 of a checkpoint directory; a directory without one
+// verifies nothing.
+class Checksums {
+ public:
+  // Parses `<dir>/checksums.sha256` when present and checks that every file
+  // it lists exists.
+  static absl::StatusOr<Checksums> Read(const std::string& dir) {
+    Checksums sums;
+    sums.dir_ = dir;
+    const std::string path = PathIn(dir, kChecksumFile);
+    if (!IsFile(path)) return sums;
+    TALLY_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
+    sums.present_ = true;
+    for (absl::string_view line :
+         absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+      // `sha256sum` format: 64 hex digits, two spaces, the file name.
+      const bool well_formed =
+          line.size() > 66 && line.substr(64, 2) == "  " &&
+          std::all_of(line.begin(), line.begin() + 64, [](char c) {
+            return absl::ascii_isxdigit(c) && !absl::ascii_isupper(c);
+          });
+      const std::string file(well_formed ? line.substr(66) : "");
+      if (!well_formed || file == "." || file == ".." ||
+          file.find('/') != std::string::npos) {
+        return absl::DataLossError(
+            absl::StrCat(path, ": malformed line \"", line, "\""));
+      }
+      if (!sums.digests_.emplace(file, std::string(line.substr(0, 64)))
+               .second) {
+        return absl::DataLossError(
+            absl::StrCat(path, " lists ", file, " twice"));
+      }
+      if (!IsFile(PathIn(dir, file.c_str()))) {
+        return absl::DataLossError(absl::StrCat(
+            path, " lists ", file, ", which is missing from ", dir));
+      }
+    }
+    return sums;
+  }
+
+  bool present() const { return present_; }
+  const std::map<std::string, std::string>& digests() const { return digests_; }
+
+  // OK when there is no list, or `file` is listed with its current digest.
+  absl::Status Verify(const std::string& file) const {
+    if (!present_) return absl::OkStatus();
+    const std::string path = PathIn(dir_, file.c_str());
+    const auto it = digests_.find(file);
+    if (it == digests_.end()) {
+      return absl::DataLossError(absl::StrCat(path, " is not covered by ",
+                                              kChecksumFile,
+                                              " in the same directory"));
+    }
+    TALLY_ASSIGN_OR_RETURN(std::string digest, Sha256OfFile(path));
+    if (digest != it->second) {
+      return absl::DataLossError(
+          absl::StrCat(path, " is corrupt or truncated: its SHA-256 is ",
+                       digest, ", ", kChecksumFile, " records ", it->second));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string dir_;
+  bool present_ = false;
+  std::map<std::string, std::string> digests_;
+};
+
 // HF's sharded layout: the index maps each tensor name to its shard file.
 absl::StatusOr<NamedTensors> ReadShardedWeights(const std::string& dir,
-                                                const std::string& index_path) {
+                                                const std::string& index_path,
+                                                const Checksums& sums) {
+  TALLY_RETURN_IF_ERROR(sums.Verify(kShardIndexFile));
   TALLY_ASSIGN_OR_RETURN(std::string text, ReadTextFile(index_path));
   const nlohmann::json index =
       nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -209,6 +329,7 @@ absl::StatusOr<NamedTensors> ReadShardedWeights(const std::string& dir,
       return absl::DataLossError(absl::StrCat(index_path, " names shard ", path,
                                               ", which is missing"));
     }
+    TALLY_RETURN_IF_ERROR(sums.Verify(file));
     TALLY_ASSIGN_OR_RETURN(NamedTensors tensors, ReadSafetensors(path));
     std::set<std::string> missing = names;
     for (auto& [name, tensor] : tensors) {
@@ -252,16 +373,160 @@ absl::Status CheckSameConfig(const LlamaConfig& file_config,
 
 }  // namespace
 
+namespace {
+
+absl::Status ErrorCodeStatus(const std::error_code& error,
+                             absl::string_view what) {
+  return absl::ErrnoToStatus(error.value(), what);
+}
+
+CheckpointTestHooks& TestHooks() {
+  static CheckpointTestHooks* hooks = new CheckpointTestHooks();
+  return *hooks;
+}
+
+absl::Status ReachedStage(absl::string_view stage) {
+  const CheckpointTestHooks& hooks = TestHooks();
+  return hooks.at_stage ? hooks.at_stage(stage) : absl::OkStatus();
+}
+
+// Sibling names of `<parent>/<name>`: hidden, so directory listings and the
+// step-checkpoint scan skip them.
+std::string StagingPrefix(const std::string& name) {
+  return absl::StrCat(".", name, ".staging-");
+}
+std::string PreviousName(const std::string& name) {
+  return absl::StrCat(".", name, ".previous");
+}
+
+// Where `dir`'s checkpoint is: `dir`, or the previous checkpoint a save moved
+// aside when it crashed between its two renames (filesystems without
+// RENAME_EXCHANGE).
+std::string PublishedDir(const std::string& dir) {
+  std::error_code error;
+  if (fs::exists(dir, error)) return dir;
+  fs::path target = fs::path(dir).lexically_normal();
+  if (!target.has_filename()) target = target.parent_path();
+  const fs::path previous =
+      target.parent_path() / PreviousName(target.filename().string());
+  if (fs::is_directory(previous, error)) {
+    Log(LogLevel::kWarning,
+        absl::StrCat(dir,
+                     " is missing but an interrupted save left its "
+                     "previous checkpoint at ",
+                     previous.string(), "; reading that"));
+    return previous.string();
+  }
+  return dir;
+}
+
+// renameat2(RENAME_EXCHANGE): both paths exist before and after, swapped in
+// one step. EINVAL / ENOSYS / ENOTSUP when the filesystem cannot.
+int ExchangePaths(const std::string& a, const std::string& b) {
+  return ::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE);
+}
+
+// Moves the complete `staging` directory to `target`, replacing a checkpoint
+// there. Until the commit point `target` holds the previous checkpoint (or,
+// in the fallback's window between its two renames, nothing, with the
+// previous one at `previous`, where PublishedDir finds it).
+absl::Status Publish(const fs::path& staging, const fs::path& target) {
+  const std::string parent = target.parent_path().string();
+  const fs::path previous =
+      target.parent_path() / PreviousName(target.filename().string());
+  std::error_code error;
+  const bool replacing = fs::exists(target, error);
+  if (replacing && TestHooks().use_rename_exchange &&
+      ExchangePaths(staging.string(), target.string()) == 0) {
+    // `staging` now holds the previous checkpoint.
+    TALLY_RETURN_IF_ERROR(ReachedStage("exchanged"));
+    TALLY_RETURN_IF_ERROR(SyncDirectory(parent));
+    TALLY_RETURN_IF_ERROR(ReachedStage("published"));
+    fs::remove_all(staging, error);
+    if (error) return ErrorCodeStatus(error, "remove previous checkpoint");
+    return ReachedStage("removed previous");
+  }
+  if (replacing) {
+    if (::rename(target.c_str(), previous.c_str()) != 0) {
+      return absl::ErrnoToStatus(
+          errno, absl::StrCat("rename ", target.string(), " aside"));
+    }
+    absl::Status aside = SyncDirectory(parent);
+    if (aside.ok()) aside = ReachedStage("moved previous aside");
+    if (!aside.ok()) {
+      ::rename(previous.c_str(), target.c_str());  // best effort: undo
+      return aside;
+    }
+  }
+  if (::rename(staging.c_str(), target.c_str()) != 0) {
+    const absl::Status status = absl::ErrnoToStatus(
+        errno,
+        absl::StrCat("rename ", staging.string(), " to ", target.string()));
+    if (replacing) ::rename(previous.c_str(), target.c_str());  // undo
+    return status;
+  }
+  TALLY_RETURN_IF_ERROR(SyncDirectory(parent));
+  TALLY_RETURN_IF_ERROR(ReachedStage("published"));
+  // A previous checkpoint moved aside now, or by a save that crashed.
+  fs::remove_all(previous, error);
+  if (error) return ErrorCodeStatus(error, "remove previous checkpoint");
+  return ReachedStage("removed previous");
+}
+
+// Removes what crashed saves of `<parent>/<name>` left: staging directories,
+// and a previous checkpoint moved aside once `name` exists again.
+void RemoveLeftovers(const fs::path& parent, const std::string& name) {
+  std::error_code error;
+  const std::string staging_prefix = StagingPrefix(name);
+  for (fs::directory_iterator it(parent, error), end; !error && it != end;
+       it.increment(error)) {
+    if (absl::StartsWith(it->path().filename().string(), staging_prefix)) {
+      std::error_code ignored;
+      fs::remove_all(it->path(), ignored);
+    }
+  }
+  if (fs::exists(parent / name, error)) {
+    fs::remove_all(parent / PreviousName(name), error);
+  }
+}
+
+}  // namespace
+
+void SetCheckpointTestHooks(CheckpointTestHooks hooks) {
+  TestHooks() = std::move(hooks);
+}
+
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
                                          const LlamaModel& model,
                                          const Optimizer& optimizer,
-                                         const CheckpointManifest& manifest) {
+                                         const CheckpointManifest& manifest,
+                                         absl::string_view server_state) {
   std::error_code error;
-  fs::create_directories(dir, error);
-  if (error) {
-    return absl::ErrnoToStatus(error.value(),
-                               absl::StrCat("create directory ", dir));
+  fs::path target = fs::absolute(dir, error).lexically_normal();
+  if (error) return ErrorCodeStatus(error, absl::StrCat("resolve ", dir));
+  if (!target.has_filename()) target = target.parent_path();  // "a/b/"
+  const fs::path parent = target.parent_path();
+  const std::string name = target.filename().string();
+  if (name == "." || name == ".." || target == target.root_path()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint path ", dir, " names no directory"));
   }
+  // Replacing deletes what was there: only ever an earlier checkpoint.
+  if (fs::exists(target, error) &&
+      (!fs::is_directory(target, error) ||
+       !(fs::is_empty(target, error) ||
+         IsFile((target / kManifestFile).string())))) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, " exists and is not a tally checkpoint (no ",
+                     kManifestFile, "); refusing to replace it"));
+  }
+  fs::create_directories(parent, error);
+  if (error) {
+    return ErrorCodeStatus(error,
+                           absl::StrCat("create directory ", parent.string()));
+  }
+  RemoveLeftovers(parent, name);
+
   CheckpointManifest written = manifest;
   written.dtype = model.dtype();
   written.optimizer = optimizer.kind();
@@ -269,9 +534,6 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
   written.tally_version = TALLY_VERSION;
   written.format_version = kCheckpointFormatVersion;
 
-  const std::string config_json =
-      model.config().ToHfJson(DTypeName(model.dtype())) + "\n";
-  const std::string manifest_json = ManifestToJson(written);
   TALLY_ASSIGN_OR_RETURN(
       NamedTensors weights,
       CatchTorch("checkpoint weights", [&]() -> absl::StatusOr<NamedTensors> {
@@ -281,32 +543,63 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
         }
         return out;
       }));
+  TALLY_ASSIGN_OR_RETURN(SerializedSafetensors weights_file,
+                         SerializeSafetensors(weights, {{"format", "pt"}}));
+  TALLY_ASSIGN_OR_RETURN(SerializedSafetensors optimizer_file,
+                         SerializeSafetensors(optimizer.StateTensors()));
+  const std::string config_json =
+      model.config().ToHfJson(DTypeName(model.dtype())) + "\n";
+  const std::string manifest_json = ManifestToJson(written);
 
-  const std::string config_path = PathIn(dir, kConfigFile);
-  const std::string model_path = PathIn(dir, kModelFile);
-  const std::string optimizer_path = PathIn(dir, kOptimizerFile);
-  const std::string manifest_path = PathIn(dir, kManifestFile);
-  TALLY_RETURN_IF_ERROR(WriteFileAtomically(config_path, {config_json}));
-  TALLY_RETURN_IF_ERROR(
-      WriteSafetensors(model_path, weights, {{"format", "pt"}}));
-  TALLY_RETURN_IF_ERROR(
-      WriteSafetensors(optimizer_path, optimizer.StateTensors()));
-  // Last, so a directory with a manifest had its other files completed.
-  TALLY_RETURN_IF_ERROR(WriteFileAtomically(manifest_path, {manifest_json}));
-
-  uint64_t bytes = 0;
-  for (const std::string* path :
-       {&config_path, &model_path, &optimizer_path, &manifest_path}) {
-    bytes += fs::file_size(*path, error);
-    if (error) {
-      return absl::ErrnoToStatus(error.value(), absl::StrCat("stat ", *path));
-    }
+  static std::atomic<uint64_t> staging_count{0};
+  const fs::path staging =
+      parent / absl::StrCat(StagingPrefix(name), ::getpid(), "-",
+                            staging_count.fetch_add(1));
+  if (!fs::create_directory(staging, error)) {
+    return error ? ErrorCodeStatus(error,
+                                   absl::StrCat("create ", staging.string()))
+                 : absl::AlreadyExistsError(staging.string());
   }
+  uint64_t bytes = 0;
+  absl::Status status = [&]() -> absl::Status {
+    TALLY_RETURN_IF_ERROR(ReachedStage("created staging directory"));
+    std::string checksums;
+    auto write =
+        [&](const char* file,
+            const std::vector<absl::string_view>& pieces) -> absl::Status {
+      TALLY_ASSIGN_OR_RETURN(
+          std::string digest,
+          WriteFileDurably((staging / file).string(), pieces));
+      for (absl::string_view piece : pieces) bytes += piece.size();
+      absl::StrAppend(&checksums, digest, "  ", file, "\n");
+      return ReachedStage(absl::StrCat("wrote ", file));
+    };
+    TALLY_RETURN_IF_ERROR(write(kConfigFile, {config_json}));
+    TALLY_RETURN_IF_ERROR(write(kModelFile, weights_file.Pieces()));
+    TALLY_RETURN_IF_ERROR(write(kOptimizerFile, optimizer_file.Pieces()));
+    TALLY_RETURN_IF_ERROR(write(kServerStateFile, {server_state}));
+    TALLY_RETURN_IF_ERROR(write(kManifestFile, {manifest_json}));
+    // Last: it covers every file above.
+    TALLY_RETURN_IF_ERROR(
+        WriteFileDurably((staging / kChecksumFile).string(), {checksums})
+            .status());
+    bytes += checksums.size();
+    TALLY_RETURN_IF_ERROR(ReachedStage("wrote checksums.sha256"));
+    TALLY_RETURN_IF_ERROR(SyncDirectory(staging.string()));
+    TALLY_RETURN_IF_ERROR(ReachedStage("synced staging directory"));
+    return Publish(staging, target);
+  }();
+  // Whatever is left at the staging name (new files before publishing, the
+  // previous checkpoint after an exchange) is not needed.
+  std::error_code ignored;
+  fs::remove_all(staging, ignored);
+  if (!status.ok()) return status;
   return bytes;
 }
 
-absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
+absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
                                                   bool read_optimizer) {
+  const std::string dir = PublishedDir(dir_arg);
   std::error_code error;
   if (!fs::exists(dir, error)) {
     return absl::NotFoundError(
@@ -316,23 +609,38 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint path ", dir, " is not a directory"));
   }
+  TALLY_ASSIGN_OR_RETURN(Checksums sums, Checksums::Read(dir));
+  // Verifies `file` when present; a missing file is for the caller to judge.
+  auto verify_if_present = [&](const char* file) -> absl::Status {
+    return IsFile(PathIn(dir, file)) ? sums.Verify(file) : absl::OkStatus();
+  };
+
   CheckpointContents contents;
+  TALLY_RETURN_IF_ERROR(verify_if_present(kConfigFile));
   TALLY_ASSIGN_OR_RETURN(contents.config, ReadConfig(PathIn(dir, kConfigFile)));
 
   const std::string manifest_path = PathIn(dir, kManifestFile);
   if (IsFile(manifest_path)) {
+    TALLY_RETURN_IF_ERROR(sums.Verify(kManifestFile));
     TALLY_ASSIGN_OR_RETURN(std::string text, ReadTextFile(manifest_path));
     TALLY_ASSIGN_OR_RETURN(contents.manifest,
                            ManifestFromJson(text, manifest_path));
+    if (contents.manifest->format_version >= 2 && !sums.present()) {
+      return absl::DataLossError(absl::StrCat(
+          PathIn(dir, kChecksumFile), " is missing: ", manifest_path,
+          " is of format_version ", contents.manifest->format_version,
+          ", which always has one"));
+    }
   }
 
   const std::string model_path = PathIn(dir, kModelFile);
   const std::string index_path = PathIn(dir, kShardIndexFile);
   if (IsFile(model_path)) {
+    TALLY_RETURN_IF_ERROR(sums.Verify(kModelFile));
     TALLY_ASSIGN_OR_RETURN(contents.weights, ReadSafetensors(model_path));
   } else if (IsFile(index_path)) {
     TALLY_ASSIGN_OR_RETURN(contents.weights,
-                           ReadShardedWeights(dir, index_path));
+                           ReadShardedWeights(dir, index_path, sums));
   } else {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint directory ", dir,
                                                    " has neither ", kModelFile,
@@ -341,10 +649,120 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
 
   const std::string optimizer_path = PathIn(dir, kOptimizerFile);
   if (read_optimizer && IsFile(optimizer_path)) {
+    TALLY_RETURN_IF_ERROR(sums.Verify(kOptimizerFile));
     TALLY_ASSIGN_OR_RETURN(contents.optimizer_state,
                            ReadSafetensors(optimizer_path));
   }
+  const std::string server_state_path = PathIn(dir, kServerStateFile);
+  if (IsFile(server_state_path)) {
+    TALLY_RETURN_IF_ERROR(sums.Verify(kServerStateFile));
+    TALLY_ASSIGN_OR_RETURN(contents.server_state,
+                           ReadTextFile(server_state_path));
+  }
   return contents;
+}
+
+absl::StatusOr<CheckpointInfo> VerifyCheckpoint(const std::string& dir_arg) {
+  const std::string dir = PublishedDir(dir_arg);
+  std::error_code error;
+  if (!fs::is_directory(dir, error)) {
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint directory ", dir, " does not exist"));
+  }
+  TALLY_ASSIGN_OR_RETURN(Checksums sums, Checksums::Read(dir));
+  if (!sums.present() || !IsFile(PathIn(dir, kManifestFile))) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, " is not a tally checkpoint with ", kChecksumFile,
+                     " and ", kManifestFile));
+  }
+  for (const auto& [file, digest] : sums.digests()) {
+    TALLY_RETURN_IF_ERROR(sums.Verify(file));
+  }
+  for (const char* required : {kConfigFile, kModelFile, kOptimizerFile}) {
+    if (!sums.digests().count(required)) {
+      return absl::DataLossError(absl::StrCat(PathIn(dir, kChecksumFile),
+                                              " does not list ", required));
+    }
+  }
+  CheckpointInfo info;
+  TALLY_ASSIGN_OR_RETURN(info.config, ReadConfig(PathIn(dir, kConfigFile)));
+  const std::string manifest_path = PathIn(dir, kManifestFile);
+  TALLY_ASSIGN_OR_RETURN(std::string text, ReadTextFile(manifest_path));
+  TALLY_ASSIGN_OR_RETURN(info.manifest, ManifestFromJson(text, manifest_path));
+  return info;
+}
+
+std::string StepCheckpointDir(const std::string& model_dir, int64_t step) {
+  return (fs::path(model_dir) / absl::StrFormat("%s%012d", kStepPrefix, step))
+      .string();
+}
+
+std::vector<std::string> ListStepCheckpoints(const std::string& model_dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code error;
+  for (fs::directory_iterator it(model_dir, error), end; !error && it != end;
+       it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    int64_t step;
+    if (absl::StartsWith(name, kStepPrefix) &&
+        absl::SimpleAtoi(name.substr(sizeof(kStepPrefix) - 1), &step) &&
+        step >= 0 && it->is_directory()) {
+      found.emplace_back(step, it->path().string());
+    }
+  }
+  std::sort(found.rbegin(), found.rend());
+  std::vector<std::string> dirs;
+  for (auto& [step, dir] : found) dirs.push_back(std::move(dir));
+  return dirs;
+}
+
+absl::Status PruneStepCheckpoints(const std::string& model_dir, int keep) {
+  const std::vector<std::string> dirs = ListStepCheckpoints(model_dir);
+  for (size_t i = std::max(keep, 0); i < dirs.size(); ++i) {
+    std::error_code error;
+    fs::remove_all(dirs[i], error);
+    if (error) return ErrorCodeStatus(error, absl::StrCat("remove ", dirs[i]));
+  }
+  std::error_code error;
+  for (fs::directory_iterator it(model_dir, error), end; !error && it != end;
+       it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    if (absl::StartsWith(name, absl::StrCat(".", kStepPrefix))) {
+      std::error_code ignored;
+      fs::remove_all(it->path(), ignored);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ConfineToRoot(const std::string& root,
+                                          const std::string& path) {
+  std::error_code error;
+  const fs::path real_root = fs::canonical(root, error);
+  if (error) {
+    return ErrorCodeStatus(error, absl::StrCat("checkpoint root ", root));
+  }
+  const fs::path requested(path);
+  for (const fs::path& part : requested) {
+    if (part == "..") {
+      return absl::PermissionDeniedError(
+          absl::StrCat("checkpoint path ", path, " may not contain '..'"));
+    }
+  }
+  const fs::path resolved = fs::weakly_canonical(
+      requested.is_absolute() ? requested : real_root / requested, error);
+  if (error) return ErrorCodeStatus(error, absl::StrCat("resolve ", path));
+  // Strictly inside: the root itself is not a checkpoint.
+  const auto [root_end, unused] = std::mismatch(
+      real_root.begin(), real_root.end(), resolved.begin(), resolved.end());
+  if (root_end != real_root.end() ||
+      std::distance(real_root.begin(), real_root.end()) >=
+          std::distance(resolved.begin(), resolved.end())) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "checkpoint path ", path, " resolves to ", resolved.string(),
+        ", outside the checkpoint root ", real_root.string()));
+  }
+  return resolved.string();
 }
 
 namespace {

@@ -5,7 +5,14 @@
 //   <dir>/config.json              LlamaConfig::ToHfJson
 //   <dir>/model.safetensors        every parameter under its HF name
 //   <dir>/optimizer.safetensors    Optimizer::StateTensors() (empty for SGD)
+//   <dir>/server_state.bin         opaque bytes of the server (may be empty)
 //   <dir>/tally.json               CheckpointManifest
+//   <dir>/checksums.sha256         `sha256sum` lines for every file above
+//
+// A checkpoint is staged in a hidden sibling directory and published with one
+// rename (an atomic exchange when it replaces an older one), so a crash never
+// leaves a partial checkpoint under `dir`; docs/checkpoints.md lists the crash
+// windows. Reads verify every checksum (DATA_LOSS naming the file).
 //
 //   CheckpointManifest manifest;
 //   manifest.step = step;
@@ -20,11 +27,14 @@
 #define TALLY_RUNTIME_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "runtime/llama_config.h"
 #include "runtime/llama_model.h"
 #include "runtime/optimizer.h"
@@ -41,37 +51,65 @@ struct CheckpointManifest {
   int64_t optimizer_step_count = 0;  // AdamW bias-correction step
   AdamParams default_adam;
   double default_max_grad_norm = 0.0;
+  GradSync grad_sync = GradSync::kEager;
+  // The model's initialization seed. Training draws no random numbers after
+  // initialization, so the seed is the model's whole RNG state.
+  uint64_t seed = 0;
+  // The accumulation window that was pending at save time and is not in the
+  // checkpoint (its gradients are never saved); calls = 0 when none was.
+  WindowCounts unsaved_window;
   std::string tally_version;  // of the writer
-  int format_version = 1;
+  int format_version = 2;
 };
 
-// The format_version this build writes and the newest it reads.
-inline constexpr int kCheckpointFormatVersion = 1;
+// The format_version this build writes and the newest it reads. Version 1
+// (no checksums, server state or seed) is still read.
+inline constexpr int kCheckpointFormatVersion = 2;
 
-// Writes the four files of a checkpoint into `dir`, creating it (and its
-// parents) when missing; each file is replaced atomically. A tied model has
-// no lm_head.weight, as in HF. The caller supplies the manifest's step and
-// defaults; dtype, optimizer and optimizer_step_count are recorded from
-// `model` and `optimizer`, tally_version and format_version from this build,
-// so the manifest cannot contradict the tensors. Returns the bytes written.
+// Writes a checkpoint of `model` and `optimizer` to `dir`, replacing an
+// existing checkpoint there atomically; the parent directories are created
+// when missing. Anything else at `dir` (a file, a directory without
+// tally.json that is not empty) is FAILED_PRECONDITION and left alone. A tied
+// model has no lm_head.weight, as in HF. The caller supplies the manifest's
+// step, defaults, seed, grad_sync and unsaved_window; dtype, optimizer and
+// optimizer_step_count are recorded from `model` and `optimizer`, tally_version
+// and format_version from this build, so the manifest cannot contradict the
+// tensors. `server_state` is stored as it is. On failure `dir` is as it was.
+// Returns the bytes written.
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
                                          const LlamaModel& model,
                                          const Optimizer& optimizer,
-                                         const CheckpointManifest& manifest);
+                                         const CheckpointManifest& manifest,
+                                         absl::string_view server_state = {});
 
 struct CheckpointContents {
   LlamaConfig config;
   std::optional<CheckpointManifest> manifest;  // absent for an HF directory
   NamedTensors weights;                        // HF names
   NamedTensors optimizer_state;  // empty unless read_optimizer and present
+  std::string server_state;      // empty when the checkpoint holds none
 };
 
 // Reads a tally checkpoint or an HF Llama directory (config.json plus
-// model.safetensors or a sharded model.safetensors.index.json). A missing
-// `dir` is NOT_FOUND; a missing or invalid config.json, or no weights file,
-// INVALID_ARGUMENT naming the file; corrupt files DATA_LOSS.
+// model.safetensors or a sharded model.safetensors.index.json). Every file
+// read is first checked against checksums.sha256: a mismatch (a corrupt or
+// truncated file), a listed file that is missing or a read file the list does
+// not cover is DATA_LOSS naming the file; so is a format-2 tally checkpoint
+// without the list. HF directories and format-1 checkpoints have no list and
+// are read unchecked. A missing `dir` is NOT_FOUND; a missing or invalid
+// config.json, or no weights file, INVALID_ARGUMENT naming the file.
 absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
                                                   bool read_optimizer);
+
+// The config and manifest of a tally checkpoint after verifying the checksum
+// of every file in it, without reading the tensors: what `--resume` checks
+// before trusting a checkpoint. DATA_LOSS as ReadCheckpoint; a directory
+// without tally.json and checksums.sha256 is FAILED_PRECONDITION.
+struct CheckpointInfo {
+  LlamaConfig config;
+  CheckpointManifest manifest;
+};
+absl::StatusOr<CheckpointInfo> VerifyCheckpoint(const std::string& dir);
 
 // Copies `contents.weights` into the parameters of `model` by name, cast to
 // the model dtype, all or nothing. FAILED_PRECONDITION naming the first
@@ -86,6 +124,49 @@ absl::Status LoadWeightsInto(const CheckpointContents& contents,
 // before any of them changes its model.
 absl::Status ValidateWeightsFor(const CheckpointContents& contents,
                                 LlamaModel& model);
+
+// Periodic checkpoints of one model live in `<model_dir>/step-<12 digits>`.
+std::string StepCheckpointDir(const std::string& model_dir, int64_t step);
+// The step checkpoints in `model_dir`, newest (highest step) first; hidden
+// staging directories are not listed. Empty when `model_dir` is missing.
+std::vector<std::string> ListStepCheckpoints(const std::string& model_dir);
+// Deletes all but the newest `keep` step checkpoints of `model_dir`, and any
+// staging directory a crashed save left there.
+absl::Status PruneStepCheckpoints(const std::string& model_dir, int keep);
+
+// `path` as an absolute path inside `root` (a relative `path` is taken
+// relative to `root`): PERMISSION_DENIED when it has a ".." component or
+// resolves, through symlinks of its existing part, outside the real `root`.
+// `root` must exist.
+absl::StatusOr<std::string> ConfineToRoot(const std::string& root,
+                                          const std::string& path);
+
+// Fault injection for tests: WriteCheckpoint calls the hook with the name of
+// each step of its protocol as it reaches it (see kCheckpointWriteStages) and
+// fails with the hook's error, as if that step had failed; a hook may also
+// end the process there to simulate a crash. `use_rename_exchange = false`
+// takes the path for filesystems without renameat2(RENAME_EXCHANGE).
+struct CheckpointTestHooks {
+  std::function<absl::Status(absl::string_view stage)> at_stage;
+  bool use_rename_exchange = true;
+};
+void SetCheckpointTestHooks(CheckpointTestHooks hooks);
+
+// Every stage WriteCheckpoint reports, in order. "moved previous aside" only
+// occurs without RENAME_EXCHANGE, "exchanged" only with it.
+inline constexpr const char* kCheckpointWriteStages[] = {
+    "created staging directory",
+    "wrote config.json",
+    "wrote model.safetensors",
+    "wrote optimizer.safetensors",
+    "wrote server_state.bin",
+    "wrote tally.json",
+    "wrote checksums.sha256",
+    "synced staging directory",
+    "moved previous aside",
+    "exchanged",
+    "published",
+    "removed previous"};
 
 }  // namespace tally
 

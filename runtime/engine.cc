@@ -120,9 +120,10 @@ ModelSummary Engine::Summarize(const ModelState& state) {
 
 absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
   ModelSpec spec = request;
-  if (spec.model_id.empty()) {
+  if (spec.model_id.empty() || spec.model_id.back() == '/') {
+    const std::string scope = spec.model_id;
     do {
-      spec.model_id = absl::StrCat("model-", next_auto_id_++);
+      spec.model_id = absl::StrCat(scope, "model-", next_auto_id_++);
     } while (models_.count(spec.model_id));
   }
   if (models_.count(spec.model_id)) {
@@ -566,12 +567,25 @@ absl::StatusOr<WindowCounts> Engine::AbortAccumulation(
 }
 
 absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
-                                                  const std::string& path) {
+                                                  const std::string& path,
+                                                  const SaveOptions& options) {
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
+  const WindowCounts pending = state->window.counts();
+  if ((pending.calls > 0 || state->poisoned) && !options.allow_pending) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model '", model_id, "' has a pending accumulation window (",
+        pending.calls, " calls, ", pending.tokens,
+        " tokens) whose gradients a checkpoint does not hold; call OptimStep "
+        "or AbortAccumulation first, or set allow_pending to save without "
+        "them"));
+  }
   CheckpointManifest manifest;
   manifest.step = state->step;
   manifest.default_adam = state->spec.default_adam;
   manifest.default_max_grad_norm = state->spec.default_max_grad_norm;
+  manifest.grad_sync = state->spec.grad_sync;
+  manifest.seed = state->spec.seed;
+  manifest.unsaved_window = pending;
   LlamaModel* model = state->model.get();
   Optimizer* optimizer = state->optimizer.get();
   // One writer. A sharded model is consolidated so the checkpoint is one HF
@@ -616,11 +630,12 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   }
   absl::StatusOr<uint64_t> bytes = uint64_t{0};
   if (writer) {
-    bytes = ready.ok() ? WriteCheckpoint(path, *model, *optimizer, manifest)
+    bytes = ready.ok() ? WriteCheckpoint(path, *model, *optimizer, manifest,
+                                         options.server_state)
                        : absl::StatusOr<uint64_t>(ready);
   }
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(bytes.status()));
-  return SaveResult{path, state->step, *bytes};
+  return SaveResult{path, state->step, *bytes, pending};
 }
 
 absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
@@ -669,6 +684,7 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   state->step = contents.manifest ? contents.manifest->step : 0;
   ClearWindow(*state);
   result.model = Summarize(*state);
+  result.server_state = std::move(contents.server_state);
   return result;
 }
 

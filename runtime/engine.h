@@ -67,7 +67,8 @@ class Engine {
       const EngineOptions& options);
   ~Engine();
 
-  // ALREADY_EXISTS for a taken id; an empty id gets "model-<n>".
+  // ALREADY_EXISTS for a taken id; an empty id gets "model-<n>", and a scope
+  // alone ("<tenant>/") gets "<tenant>/model-<n>".
   absl::StatusOr<ModelSummary> CreateModel(const ModelSpec& spec);
   absl::StatusOr<ModelSummary> GetModel(const std::string& model_id) const;
   std::vector<ModelSummary> ListModels() const;
@@ -87,8 +88,11 @@ class Engine {
                             const std::string& reason);
   absl::StatusOr<bool> WindowPoisoned(const std::string& model_id) const;
 
+  // FAILED_PRECONDITION while a window is pending (or poisoned) unless
+  // options.allow_pending.
   absl::StatusOr<SaveResult> SaveCheckpoint(const std::string& model_id,
-                                            const std::string& path);
+                                            const std::string& path,
+                                            const SaveOptions& options = {});
   // Clears the pending window. load_optimizer = false: weights only, the
   // optimizer restarts from zero moments.
   absl::StatusOr<LoadResult> LoadCheckpoint(const std::string& model_id,

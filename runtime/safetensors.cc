@@ -1,6 +1,7 @@
 #include "runtime/safetensors.h"
 
 #include <fcntl.h>
+#include <openssl/evp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -108,16 +109,40 @@ absl::StatusOr<uint64_t> ReadAt(int fd, uint64_t offset, char* data,
   return done;
 }
 
-// Makes a completed rename durable.
-absl::Status SyncDirectoryOf(const std::string& path) {
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  ScopedFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0 || ::fsync(fd.get()) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("fsync directory ", dir));
+// Incremental SHA-256 over OpenSSL's EVP interface.
+class Sha256 {
+ public:
+  Sha256() : context_(EVP_MD_CTX_new()) {
+    ok_ = context_ != nullptr &&
+          EVP_DigestInit_ex(context_, EVP_sha256(), nullptr) == 1;
   }
-  return absl::OkStatus();
-}
+  ~Sha256() { EVP_MD_CTX_free(context_); }
+  Sha256(const Sha256&) = delete;
+  Sha256& operator=(const Sha256&) = delete;
+
+  void Update(const char* data, size_t size) {
+    if (ok_ && size > 0) ok_ = EVP_DigestUpdate(context_, data, size) == 1;
+  }
+  // Lowercase hex of the digest.
+  absl::StatusOr<std::string> Finish() {
+    unsigned char digest[EVP_MAX_MD_SIZE];
+    unsigned int size = 0;
+    if (!ok_ || EVP_DigestFinal_ex(context_, digest, &size) != 1) {
+      return absl::InternalError("SHA-256 failed in libcrypto");
+    }
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string hex;
+    for (unsigned int i = 0; i < size; ++i) {
+      hex += kHex[digest[i] >> 4];
+      hex += kHex[digest[i] & 0xf];
+    }
+    return hex;
+  }
+
+ private:
+  EVP_MD_CTX* context_;
+  bool ok_ = false;
+};
 
 // The parsed header entry of one tensor.
 struct TensorEntry {
@@ -188,27 +213,40 @@ std::variant<std::string, TensorEntry> ParseEntry(
 
 }  // namespace
 
+absl::StatusOr<std::string> WriteFileDurably(
+    const std::string& path, const std::vector<absl::string_view>& pieces) {
+  ScopedFd fd(
+      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("create ", path));
+  }
+  Sha256 sha256;
+  for (absl::string_view piece : pieces) {
+    TALLY_RETURN_IF_ERROR(WriteAll(fd.get(), piece.data(), piece.size(), path));
+    sha256.Update(piece.data(), piece.size());
+  }
+  if (::fsync(fd.get()) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("fsync ", path));
+  }
+  if (fd.Close() != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("close ", path));
+  }
+  return sha256.Finish();
+}
+
+absl::Status SyncDirectory(const std::string& dir) {
+  ScopedFd fd(::open(dir.empty() ? "." : dir.c_str(),
+                     O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0 || ::fsync(fd.get()) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("fsync directory ", dir));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteFileAtomically(const std::string& path,
                                  const std::vector<absl::string_view>& pieces) {
   const std::string tmp = path + ".tmp";
-  ScopedFd fd(
-      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("create ", tmp));
-  }
-  absl::Status status = [&]() -> absl::Status {
-    for (absl::string_view piece : pieces) {
-      TALLY_RETURN_IF_ERROR(
-          WriteAll(fd.get(), piece.data(), piece.size(), tmp));
-    }
-    if (::fsync(fd.get()) != 0) {
-      return absl::ErrnoToStatus(errno, absl::StrCat("fsync ", tmp));
-    }
-    return absl::OkStatus();
-  }();
-  if (fd.Close() != 0 && status.ok()) {
-    status = absl::ErrnoToStatus(errno, absl::StrCat("close ", tmp));
-  }
+  absl::Status status = WriteFileDurably(tmp, pieces).status();
   if (status.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
     status =
         absl::ErrnoToStatus(errno, absl::StrCat("rename ", tmp, " to ", path));
@@ -217,72 +255,107 @@ absl::Status WriteFileAtomically(const std::string& path,
     ::unlink(tmp.c_str());
     return status;
   }
-  return SyncDirectoryOf(path);
+  return SyncDirectory(std::filesystem::path(path).parent_path().string());
+}
+
+absl::StatusOr<std::string> Sha256OfFile(const std::string& path) {
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("open ", path));
+  }
+  Sha256 sha256;
+  std::vector<char> buffer(size_t{1} << 20);
+  uint64_t offset = 0;
+  while (true) {
+    TALLY_ASSIGN_OR_RETURN(uint64_t got, ReadAt(fd.get(), offset, buffer.data(),
+                                                buffer.size(), path));
+    if (got == 0) break;
+    sha256.Update(buffer.data(), got);
+    offset += got;
+  }
+  return sha256.Finish();
+}
+
+std::vector<absl::string_view> SerializedSafetensors::Pieces() const {
+  std::vector<absl::string_view> pieces = {prefix_and_header};
+  for (const torch::Tensor& t : tensors) {
+    if (t.numel() == 0) continue;
+    pieces.emplace_back(static_cast<const char*>(t.data_ptr()),
+                        t.numel() * t.element_size());
+  }
+  return pieces;
+}
+
+absl::StatusOr<SerializedSafetensors> SerializeSafetensors(
+    const NamedTensors& tensors,
+    const std::map<std::string, std::string>& metadata) {
+  return CatchTorch(
+      "serialize safetensors", [&]() -> absl::StatusOr<SerializedSafetensors> {
+        // Built by hand rather than as one ordered_json, whose key lookup is
+        // linear per insert.
+        std::string header = "{";
+        auto append_entry = [&](const std::string& key,
+                                const nlohmann::ordered_json& value) {
+          if (header.size() > 1) header += ',';
+          header += nlohmann::json(key).dump();
+          header += ':';
+          header += value.dump();
+        };
+        if (!metadata.empty()) append_entry("__metadata__", metadata);
+
+        SerializedSafetensors out;
+        std::set<std::string> names;
+        uint64_t offset = 0;
+        for (const auto& [name, tensor] : tensors) {
+          const std::string where = absl::StrCat("tensor \"", name, "\"");
+          if (name == "__metadata__") {
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, " uses the reserved name"));
+          }
+          if (!names.insert(name).second) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, " appears more than once"));
+          }
+          const char* code = CodeOf(tensor.scalar_type());
+          if (code == nullptr) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, " has unsupported dtype ",
+                             c10::toString(tensor.scalar_type())));
+          }
+          torch::Tensor t = tensor.detach().to(torch::kCPU).contiguous();
+          const uint64_t bytes = t.numel() * t.element_size();
+          nlohmann::ordered_json entry;
+          entry["dtype"] = code;
+          entry["shape"] = t.sizes().vec();
+          entry["data_offsets"] = {offset, offset + bytes};
+          append_entry(name, entry);
+          offset += bytes;
+          out.tensors.push_back(std::move(t));
+        }
+        header += '}';
+        // Spaces are JSON whitespace; they align the data start to 8 bytes.
+        header.append((8 - header.size() % 8) % 8, ' ');
+
+        for (size_t i = 0; i < kHeaderLengthBytes; ++i) {
+          out.prefix_and_header += static_cast<char>(
+              (static_cast<uint64_t>(header.size()) >> (8 * i)) & 0xff);
+        }
+        out.prefix_and_header += header;
+        return out;
+      });
 }
 
 absl::Status WriteSafetensors(
     const std::string& path, const NamedTensors& tensors,
     const std::map<std::string, std::string>& metadata) {
-  return CatchTorch("write safetensors", [&]() -> absl::Status {
-    // Built by hand rather than as one ordered_json, whose key lookup is
-    // linear per insert.
-    std::string header = "{";
-    auto append_entry = [&](const std::string& key,
-                            const nlohmann::ordered_json& value) {
-      if (header.size() > 1) header += ',';
-      header += nlohmann::json(key).dump();
-      header += ':';
-      header += value.dump();
-    };
-    if (!metadata.empty()) append_entry("__metadata__", metadata);
-
-    std::set<std::string> names;
-    std::vector<torch::Tensor> contiguous;  // keeps the written bytes alive
-    uint64_t offset = 0;
-    for (const auto& [name, tensor] : tensors) {
-      const std::string where = absl::StrCat(path, ": tensor \"", name, "\"");
-      if (name == "__metadata__") {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, " uses the reserved name"));
-      }
-      if (!names.insert(name).second) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, " appears more than once"));
-      }
-      const char* code = CodeOf(tensor.scalar_type());
-      if (code == nullptr) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, " has unsupported dtype ",
-                         c10::toString(tensor.scalar_type())));
-      }
-      torch::Tensor t = tensor.detach().to(torch::kCPU).contiguous();
-      const uint64_t bytes = t.numel() * t.element_size();
-      nlohmann::ordered_json entry;
-      entry["dtype"] = code;
-      entry["shape"] = t.sizes().vec();
-      entry["data_offsets"] = {offset, offset + bytes};
-      append_entry(name, entry);
-      offset += bytes;
-      contiguous.push_back(std::move(t));
-    }
-    header += '}';
-    // Spaces are JSON whitespace; they align the data start to 8 bytes.
-    header.append((8 - header.size() % 8) % 8, ' ');
-
-    char prefix[kHeaderLengthBytes];
-    for (size_t i = 0; i < kHeaderLengthBytes; ++i) {
-      prefix[i] = static_cast<char>(
-          (static_cast<uint64_t>(header.size()) >> (8 * i)) & 0xff);
-    }
-    std::vector<absl::string_view> pieces = {
-        absl::string_view(prefix, sizeof(prefix)), header};
-    for (const torch::Tensor& t : contiguous) {
-      if (t.numel() == 0) continue;
-      pieces.emplace_back(static_cast<const char*>(t.data_ptr()),
-                          t.numel() * t.element_size());
-    }
-    return WriteFileAtomically(path, pieces);
-  });
+  absl::StatusOr<SerializedSafetensors> serialized =
+      SerializeSafetensors(tensors, metadata);
+  if (!serialized.ok()) {
+    return absl::Status(
+        serialized.status().code(),
+        absl::StrCat(path, ": ", serialized.status().message()));
+  }
+  return WriteFileAtomically(path, serialized->Pieces());
 }
 
 absl::StatusOr<NamedTensors> ReadSafetensors(

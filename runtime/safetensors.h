@@ -32,10 +32,24 @@ namespace tally {
 
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
-// Writes `tensors` in the given order as contiguous CPU copies. Supported
-// dtypes: F32, F64, F16, BF16, I64, I32; any other dtype or a repeated name
-// is INVALID_ARGUMENT naming the tensor. Written atomically (see
-// WriteFileAtomically).
+// The bytes of a safetensors file, ready to write: the length prefix and
+// header, then the tensors' memory (contiguous CPU copies it keeps alive).
+struct SerializedSafetensors {
+  std::string prefix_and_header;
+  std::vector<torch::Tensor> tensors;
+
+  // The file's contents in order, viewing this object's memory.
+  std::vector<absl::string_view> Pieces() const;
+};
+
+// Lays out `tensors` in the given order. Supported dtypes: F32, F64, F16,
+// BF16, I64, I32; any other dtype or a repeated name is INVALID_ARGUMENT
+// naming the tensor.
+absl::StatusOr<SerializedSafetensors> SerializeSafetensors(
+    const NamedTensors& tensors,
+    const std::map<std::string, std::string>& metadata = {});
+
+// SerializeSafetensors, written atomically (see WriteFileAtomically).
 absl::Status WriteSafetensors(
     const std::string& path, const NamedTensors& tensors,
     const std::map<std::string, std::string>& metadata = {});
@@ -51,11 +65,23 @@ absl::StatusOr<NamedTensors> ReadSafetensors(
     const std::string& path,
     std::map<std::string, std::string>* metadata = nullptr);
 
+// Writes the concatenation of `pieces` to `path` (created or truncated) and
+// fsyncs it, without renaming: for files inside a directory that is published
+// as a whole. Returns the SHA-256 of the bytes written, as lowercase hex.
+absl::StatusOr<std::string> WriteFileDurably(
+    const std::string& path, const std::vector<absl::string_view>& pieces);
+
 // Writes the concatenation of `pieces` to `path + ".tmp"`, fsyncs it, renames
 // it over `path` and fsyncs the directory, so a crash leaves either the old
-// file or the complete new one. Used for every file of a checkpoint.
+// file or the complete new one.
 absl::Status WriteFileAtomically(const std::string& path,
                                  const std::vector<absl::string_view>& pieces);
+
+// fsyncs the directory `dir`, making renames and creations in it durable.
+absl::Status SyncDirectory(const std::string& dir);
+
+// SHA-256 of the file's contents, as lowercase hex; NOT_FOUND when missing.
+absl::StatusOr<std::string> Sha256OfFile(const std::string& path);
 
 }  // namespace tally
 

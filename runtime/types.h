@@ -131,15 +131,26 @@ struct ModelSummary {
   GradSync grad_sync = GradSync::kEager;
 };
 
+struct SaveOptions {
+  // Save although an accumulation window is pending. Its gradients are not
+  // in the checkpoint; the model keeps them.
+  bool allow_pending = false;
+  // Opaque bytes of the server (its sequencing state), stored as they are.
+  std::string server_state;
+};
+
 struct SaveResult {
   std::string path;
   int64_t step = 0;
   uint64_t bytes_written = 0;
+  // The pending window the checkpoint does not hold (calls = 0: none).
+  WindowCounts unsaved_window;
 };
 
 struct LoadResult {
   ModelSummary model;
   WindowCounts discarded;
+  std::string server_state;  // as SaveOptions::server_state was
 };
 
 }  // namespace tally

@@ -16,6 +16,8 @@ PACKAGES=(
   # network namespaces for the multi-host rendezvous test, pip for the
   # Python client package.
   yamllint python3-yaml prometheus iproute2 python3-pip python3-setuptools
+  libssl-dev openssl               # checkpoint SHA-256; test certificates
+  clang libclang-rt-14-dev         # the libFuzzer request fuzzer
 )
 
 missing=()

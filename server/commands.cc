@@ -62,19 +62,27 @@ absl::Status ExecuteAbortAccumulation(
 
 absl::Status ExecuteSaveCheckpoint(Engine& engine,
                                    const v1::SaveCheckpointRequest& request,
-                                   v1::SaveCheckpointResponse* response) {
+                                   v1::SaveCheckpointResponse* response,
+                                   const std::string& server_state) {
+  SaveOptions options;
+  options.allow_pending = request.allow_pending();
+  options.server_state = server_state;
   TALLY_ASSIGN_OR_RETURN(
       SaveResult saved,
-      engine.SaveCheckpoint(request.model_id(), request.path()));
+      engine.SaveCheckpoint(request.model_id(), request.path(), options));
   response->set_path(saved.path);
   response->set_step(saved.step);
   response->set_bytes_written(saved.bytes_written);
+  response->set_unsaved_calls(saved.unsaved_window.calls);
+  response->set_unsaved_tokens(saved.unsaved_window.tokens);
+  response->set_unsaved_samples(saved.unsaved_window.samples);
   return absl::OkStatus();
 }
 
 absl::Status ExecuteLoadCheckpoint(Engine& engine,
                                    const v1::LoadCheckpointRequest& request,
-                                   v1::LoadCheckpointResponse* response) {
+                                   v1::LoadCheckpointResponse* response,
+                                   std::string* server_state) {
   TALLY_ASSIGN_OR_RETURN(
       LoadResult loaded,
       engine.LoadCheckpoint(request.model_id(), request.path(),
@@ -83,6 +91,7 @@ absl::Status ExecuteLoadCheckpoint(Engine& engine,
   response->set_discarded_calls(loaded.discarded.calls);
   response->set_discarded_tokens(loaded.discarded.tokens);
   response->set_discarded_samples(loaded.discarded.samples);
+  if (server_state != nullptr) *server_state = std::move(loaded.server_state);
   return absl::OkStatus();
 }
 
@@ -170,10 +179,23 @@ absl::Status CommandLoop(Engine& engine, Communicator& control,
         status = Run(engine, payload, &ExecuteAbortAccumulation, &model_id);
         break;
       case Command::kSaveCheckpoint:
-        status = Run(engine, payload, &ExecuteSaveCheckpoint, &model_id);
+        // Only rank 0 writes, so the server state is rank 0's to pass.
+        status = Run<v1::SaveCheckpointRequest, v1::SaveCheckpointResponse>(
+            engine, payload,
+            [](Engine& e, const v1::SaveCheckpointRequest& request,
+               v1::SaveCheckpointResponse* response) {
+              return ExecuteSaveCheckpoint(e, request, response);
+            },
+            &model_id);
         break;
       case Command::kLoadCheckpoint:
-        status = Run(engine, payload, &ExecuteLoadCheckpoint, &model_id);
+        status = Run<v1::LoadCheckpointRequest, v1::LoadCheckpointResponse>(
+            engine, payload,
+            [](Engine& e, const v1::LoadCheckpointRequest& request,
+               v1::LoadCheckpointResponse* response) {
+              return ExecuteLoadCheckpoint(e, request, response);
+            },
+            &model_id);
         break;
       case Command::kPoisonWindow:
         status = Run(engine, payload, &ExecutePoisonWindow, &model_id);

@@ -18,6 +18,7 @@
 #include <google/protobuf/message.h>
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "runtime/communicator.h"
@@ -57,12 +58,17 @@ absl::Status ExecuteOptimStep(Engine& engine,
 absl::Status ExecuteAbortAccumulation(
     Engine& engine, const v1::AbortAccumulationRequest& request,
     v1::AbortAccumulationResponse* response);
+// `server_state`: opaque bytes of the server saved with the checkpoint (rank
+// 0 writes; other ranks pass nothing).
 absl::Status ExecuteSaveCheckpoint(Engine& engine,
                                    const v1::SaveCheckpointRequest& request,
-                                   v1::SaveCheckpointResponse* response);
+                                   v1::SaveCheckpointResponse* response,
+                                   const std::string& server_state = "");
+// `server_state`, when given, receives the bytes the checkpoint holds.
 absl::Status ExecuteLoadCheckpoint(Engine& engine,
                                    const v1::LoadCheckpointRequest& request,
-                                   v1::LoadCheckpointResponse* response);
+                                   v1::LoadCheckpointResponse* response,
+                                   std::string* server_state = nullptr);
 
 // Poisons the window of request.model_id (a sequenced request of it never
 // arrived, sequencer.h); `response` is the model after it.

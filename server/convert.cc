@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/status.h"
 
@@ -61,6 +62,11 @@ absl::Status ValidateModelId(const std::string& model_id,
     return absl::InvalidArgumentError(absl::StrCat(
         field, " must have 1 to 128 characters, got ", model_id.size()));
   }
+  // Ids name checkpoint directories (--checkpoint-dir/<id>).
+  if (model_id == "." || model_id == "..") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " may not be '", model_id, "'"));
+  }
   for (char c : model_id) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
                     (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
@@ -72,10 +78,22 @@ absl::Status ValidateModelId(const std::string& model_id,
   return absl::OkStatus();
 }
 
+std::string ScopedModelId(const std::string& tenant,
+                          const std::string& model_id) {
+  return tenant.empty() ? model_id : absl::StrCat(tenant, "/", model_id);
+}
+
+std::string ClientModelId(const std::string& engine_id) {
+  // Client ids have no '/', so only a scope puts one there.
+  return engine_id.substr(engine_id.rfind('/') + 1);
+}
+
+bool InTenant(const std::string& engine_id, const std::string& tenant) {
+  return tenant.empty() || absl::StartsWith(engine_id, tenant + "/");
+}
+
 absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
   ModelSpec spec;
-  if (!r.model_id().empty())
-    TALLY_RETURN_IF_ERROR(ValidateModelId(r.model_id()));
   spec.model_id = r.model_id();
   spec.seed = r.seed();
   switch (r.dtype()) {
@@ -134,7 +152,6 @@ absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
 
 absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
     const v1::ForwardBackwardRequest& r) {
-  TALLY_RETURN_IF_ERROR(ValidateModelId(r.model_id()));
   ForwardBackwardArgs args;
   switch (r.reduction()) {
     case v1::LOSS_REDUCTION_UNSPECIFIED:
@@ -169,7 +186,6 @@ absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
 }
 
 absl::StatusOr<OptimStepArgs> ParseOptimStep(const v1::OptimStepRequest& r) {
-  TALLY_RETURN_IF_ERROR(ValidateModelId(r.model_id()));
   OptimStepArgs args;
   args.adam = ParseAdam(r.adam());
   if (r.has_max_grad_norm()) {
@@ -226,7 +242,7 @@ v1::LossReduction ToProto(std::optional<LossReduction> reduction) {
 }
 
 void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
-  out->set_model_id(s.model_id);
+  out->set_model_id(ClientModelId(s.model_id));
   ToProto(s.config, out->mutable_config());
   out->set_num_parameters(s.num_parameters);
   out->set_step(s.step);

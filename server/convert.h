@@ -1,10 +1,13 @@
 // Conversion and validation between tally.v1 messages and runtime types.
 //
-// Every Parse* function checks the proto-level fields of a request (model id
-// format, enum values a newer or hostile client may send, hyperparameter
-// ranges) and returns INVALID_ARGUMENT naming the field; it never touches
-// state. Checks that need the model (token ranges, lengths) are the engine's,
-// also done before any state changes.
+// Every Parse* function checks the proto-level fields of a request (enum
+// values a newer or hostile client may send, hyperparameter ranges) and
+// returns INVALID_ARGUMENT naming the field; it never touches state. The
+// model id is checked separately with ValidateModelId, on the id the client
+// sent: the server may scope it to a tenant ("<tenant>/<id>", an engine id)
+// before the command is parsed again for execution. Checks that need the
+// model (token ranges, lengths) are the engine's, also done before any state
+// changes.
 //
 //   TALLY_ASSIGN_OR_RETURN(tally::OptimStepArgs args,
 //                          tally::ParseOptimStep(request));
@@ -21,9 +24,20 @@
 
 namespace tally {
 
-// `[A-Za-z0-9._-]{1,128}`; `field` names the request field in the error.
+// `[A-Za-z0-9._-]{1,128}` except "." and ".." (ids name directories);
+// `field` names the request field in the error.
 absl::Status ValidateModelId(const std::string& model_id,
                              const std::string& field = "model_id");
+
+// Tenancy: a tenant's models live in the engine as "<tenant>/<model_id>", so
+// tenants never see (or collide with) each other's ids. An empty tenant (no
+// authentication) leaves ids as they are.
+std::string ScopedModelId(const std::string& tenant,
+                          const std::string& model_id);
+// The id a client knows: the engine id without its tenant scope.
+std::string ClientModelId(const std::string& engine_id);
+// True when `engine_id` belongs to `tenant` (always, for tenant "").
+bool InTenant(const std::string& engine_id, const std::string& tenant);
 
 absl::StatusOr<ModelSpec> ParseCreateModel(
     const v1::CreateModelRequest& request);
@@ -34,6 +48,7 @@ absl::StatusOr<OptimStepArgs> ParseOptimStep(
 // Non-empty path with no NUL byte.
 absl::Status ValidateCheckpointPath(const std::string& path);
 
+// model_id is the client's (ClientModelId).
 void ToProto(const ModelSummary& summary, v1::ModelInfo* out);
 void ToProto(const ForwardBackwardResult& result,
              v1::ForwardBackwardResponse* out);

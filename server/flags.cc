@@ -24,6 +24,21 @@ absl::Status BadValue(const char* flag, const std::string& value,
       absl::StrCat("--", flag, ": expected ", expected, ", got '", value, "'"));
 }
 
+auto StringFlag(std::string ServerOptions::*field) {
+  return [field](ServerOptions& o, const std::string& v) -> absl::Status {
+    o.*field = v;
+    return absl::OkStatus();
+  };
+}
+
+auto BoolFlag(const char* flag, bool ServerOptions::*field) {
+  return [flag, field](ServerOptions& o, const std::string& v) -> absl::Status {
+    if (v != "true" && v != "false") return BadValue(flag, v, "true or false");
+    o.*field = v == "true";
+    return absl::OkStatus();
+  };
+}
+
 auto IntFlag(const char* flag, int64_t min, int64_t max,
              std::function<void(ServerOptions&, int64_t)> assign) {
   return [=](ServerOptions& o, const std::string& v) -> absl::Status {
@@ -116,13 +131,7 @@ const std::vector<FlagSpec>& Flags() {
        }},
       {"demo-model", nullptr,
        "create model 'demo' (the embedded default Llama) at start",
-       [](ServerOptions& o, const std::string& v) -> absl::Status {
-         if (v != "true" && v != "false") {
-           return BadValue("demo-model", v, "true or false");
-         }
-         o.demo_model = v == "true";
-         return absl::OkStatus();
-       }},
+       BoolFlag("demo-model", &ServerOptions::demo_model)},
       {"port-file", "PATH",
        "write {\"grpc_port\": N, \"metrics_port\": M} here once serving",
        [](ServerOptions& o, const std::string& v) {
@@ -171,6 +180,38 @@ const std::vector<FlagSpec>& Flags() {
        SecondsFlag(
            "collective-timeout-secs", 0.001, 86400,
            [](ServerOptions& o, double v) { o.collective_timeout_secs = v; })},
+      {"checkpoint-root", "DIR",
+       "client checkpoint paths must lie inside DIR (relative: under it)",
+       StringFlag(&ServerOptions::checkpoint_root)},
+      {"checkpoint-dir", "DIR",
+       "periodic checkpoints and --resume: DIR/<model>/step-<N>/",
+       StringFlag(&ServerOptions::checkpoint_dir)},
+      {"checkpoint-every-steps", "N",
+       "checkpoint a model into --checkpoint-dir every N optimizer steps",
+       IntFlag(
+           "checkpoint-every-steps", 0, int64_t{1} << 40,
+           [](ServerOptions& o, int64_t v) { o.checkpoint_every_steps = v; })},
+      {"checkpoint-keep", "K", "periodic checkpoints kept per model (newest)",
+       IntFlag("checkpoint-keep", 1, 1 << 20,
+               [](ServerOptions& o, int64_t v) { o.checkpoint_keep = v; })},
+      {"resume", nullptr,
+       "at start, load each model's newest valid checkpoint in "
+       "--checkpoint-dir",
+       BoolFlag("resume", &ServerOptions::resume)},
+      {"tls-cert", "PEM", "serve TLS with this certificate chain",
+       StringFlag(&ServerOptions::tls_cert)},
+      {"tls-key", "PEM", "private key of --tls-cert",
+       StringFlag(&ServerOptions::tls_key)},
+      {"tls-client-ca", "PEM",
+       "require client certificates signed by this CA (mutual TLS)",
+       StringFlag(&ServerOptions::tls_client_ca)},
+      {"auth-tokens-file", "PATH",
+       "require 'authorization: Bearer <token>'; lines '<token> <tenant>'",
+       StringFlag(&ServerOptions::auth_tokens_file)},
+      {"allow-insecure-remote", nullptr,
+       "allow a non-loopback --host without TLS",
+       BoolFlag("allow-insecure-remote",
+                &ServerOptions::allow_insecure_remote)},
   };
   return *flags;
 }
@@ -247,7 +288,8 @@ std::string ServerUsage() {
       defaults.max_queued_requests_per_model,
       "\n          --shutdown-drain-secs ", defaults.shutdown_drain_secs,
       " --exit-timeout-secs ", defaults.exit_timeout_secs,
-      " --collective-timeout-secs ", defaults.collective_timeout_secs, "\n");
+      " --collective-timeout-secs ", defaults.collective_timeout_secs,
+      " --checkpoint-keep ", defaults.checkpoint_keep, "\n");
   return usage;
 }
 

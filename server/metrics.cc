@@ -186,6 +186,16 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   m->rank_failures_ = &counter("tally_rank_failures_total",
                                "Collectives that failed or timed out")
                            ->Add({});
+  m->checkpoint_seconds_ =
+      histogram("tally_checkpoint_seconds",
+                "Checkpoint save / load time by kind (failures included)");
+  m->checkpoint_last_success_ =
+      &gauge("tally_checkpoint_last_success_timestamp_seconds",
+             "Unix time of the last checkpoint written successfully")
+           ->Add({});
+  m->auth_failures_ =
+      counter("tally_auth_failures_total",
+              "Requests refused for missing or unknown bearer tokens");
   m->models_ = &gauge("tally_models", "Models loaded")->Add({});
   const Mesh& mesh = engine->mesh();
   // A value, not a label, so that alerts can compare it with the number of
@@ -303,6 +313,18 @@ void ServerMetrics::SetPendingTokens(const std::string& model_id,
   absl::MutexLock lock(&mu_);
   Series(model_id).pending_tokens->Set(static_cast<double>(tokens));
   RecordRankStateLocked();
+}
+
+void ServerMetrics::RecordCheckpoint(const std::string& kind, bool ok,
+                                     double seconds) {
+  checkpoint_seconds_->Add({{"kind", kind}}, LatencyBuckets()).Observe(seconds);
+  if (ok && (kind == "save" || kind == "periodic")) {
+    checkpoint_last_success_->SetToCurrentTime();
+  }
+}
+
+void ServerMetrics::RecordAuthFailure(const std::string& reason) {
+  auth_failures_->Add({{"reason", reason}}).Increment();
 }
 
 void ServerMetrics::SetModelCount(size_t count) {

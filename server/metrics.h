@@ -65,6 +65,13 @@ class ServerMetrics {
   void SetModelCount(size_t count);
   // Drops a deleted model's per-model series.
   void RemoveModel(const std::string& model_id);
+  // A checkpoint operation of `kind` ("save": client SaveCheckpoint,
+  // "periodic", "load", "resume") that took `seconds`; a successful write
+  // (save, periodic) also sets the last-success timestamp.
+  void RecordCheckpoint(const std::string& kind, bool ok, double seconds);
+  // A request refused for its credentials; `reason` is "missing_token" or
+  // "invalid_token".
+  void RecordAuthFailure(const std::string& reason);
 
   // Every rank: execution time of a command on this rank (rank 0's
   // RecordForwardBackward / RecordOptimStep observe the same histograms).
@@ -127,6 +134,9 @@ class ServerMetrics {
   prometheus::Histogram* seq_gap_wait_seconds_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Counter* rank_failures_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* checkpoint_seconds_ = nullptr;
+  prometheus::Gauge* checkpoint_last_success_ = nullptr;
+  prometheus::Family<prometheus::Counter>* auth_failures_ = nullptr;
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<ModelSeries>> series_

@@ -5,9 +5,13 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <optional>
+#include <sstream>
+#include <system_error>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
@@ -81,6 +85,57 @@ absl::Status CheckSameOnEveryRank(Communicator& world,
   return absl::OkStatus();
 }
 
+bool IsLoopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" ||
+         absl::StartsWith(host, "127.");
+}
+
+absl::StatusOr<std::string> ReadPem(const char* flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in || text.str().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": cannot read ", path));
+  }
+  return text.str();
+}
+
+// TLS (mutual with --tls-client-ca) or plaintext, which only a loopback
+// address gets unless --allow-insecure-remote.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
+    const ServerOptions& options) {
+  if (options.tls_cert.empty() != options.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  if (options.tls_cert.empty()) {
+    if (!options.tls_client_ca.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls-client-ca needs --tls-cert and --tls-key");
+    }
+    if (!IsLoopback(options.host) && !options.allow_insecure_remote) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "refusing to serve plaintext on non-loopback --host ", options.host,
+          "; give --tls-cert and --tls-key, or --allow-insecure-remote"));
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  grpc::SslServerCredentialsOptions ssl(
+      options.tls_client_ca.empty()
+          ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+          : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  TALLY_ASSIGN_OR_RETURN(pair.private_key, ReadPem("tls-key", options.tls_key));
+  TALLY_ASSIGN_OR_RETURN(pair.cert_chain,
+                         ReadPem("tls-cert", options.tls_cert));
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!options.tls_client_ca.empty()) {
+    TALLY_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                           ReadPem("tls-client-ca", options.tls_client_ca));
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
@@ -145,10 +200,43 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
       s->metrics_,
       ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
                             s->engine_.get()));
+  TALLY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                         ServerCredentials(options));
+  if (options.resume && options.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError("--resume needs --checkpoint-dir");
+  }
+  if (options.checkpoint_every_steps > 0 && options.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--checkpoint-every-steps needs --checkpoint-dir");
+  }
+  TrainerServiceOptions service_options;
+  if (!options.checkpoint_root.empty()) {
+    std::error_code error;
+    if (!std::filesystem::is_directory(options.checkpoint_root, error)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--checkpoint-root ", options.checkpoint_root,
+                       " is not an existing directory"));
+    }
+    service_options.checkpoint_root = options.checkpoint_root;
+  }
+  if (!options.auth_tokens_file.empty()) {
+    TALLY_ASSIGN_OR_RETURN(s->authenticator_,
+                           Authenticator::FromFile(options.auth_tokens_file));
+    service_options.authenticator = s->authenticator_.get();
+  }
+  s->checkpointer_ = std::make_unique<Checkpointer>(
+      CheckpointerOptions{options.checkpoint_dir,
+                          options.checkpoint_every_steps,
+                          options.checkpoint_keep},
+      s->engine_.get(), &s->engine_->control(), s->metrics_.get());
+  service_options.checkpointer = s->checkpointer_.get();
+  if (options.resume) {
+    // Before serving, so no request sees a model half resumed.
+    TALLY_ASSIGN_OR_RETURN(s->resumed_, s->checkpointer_->Resume());
+  }
   s->metrics_->SetModelCount(s->engine_->num_models());
   s->executor_ = std::make_unique<CommandExecutor>();
 
-  TrainerService::Options service_options;
   service_options.sequencing.gap_timeout =
       absl::Seconds(options.seq_gap_timeout_secs);
   service_options.sequencing.cache_size =
@@ -164,11 +252,16 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   s->service_ = std::make_unique<TrainerService>(
       s->engine_.get(), s->executor_.get(), s->metrics_.get(),
       std::move(service_options));
+  // The resumed models continue their seq_ids where the checkpoint left them.
+  for (const ResumedModel& resumed : s->resumed_) {
+    TALLY_RETURN_IF_ERROR(
+        s->service_->RestoreSequencing(resumed.model_id, resumed.server_state));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options.host, ":", options.grpc_port),
-                           grpc::InsecureServerCredentials(), &s->grpc_port_);
+                           credentials, &s->grpc_port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(s->service_.get());

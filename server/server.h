@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -22,6 +23,8 @@
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
 #include "runtime/mesh.h"
+#include "server/auth.h"
+#include "server/checkpointer.h"
 #include "server/executor.h"
 #include "server/metrics.h"
 #include "server/trainer_service.h"
@@ -37,7 +40,7 @@ struct ServerOptions {
   RankEnvOverrides rank_env;
   double rendezvous_timeout_secs = 300;
 
-  std::string host = "0.0.0.0";
+  std::string host = "127.0.0.1";
   // Local rank r (LOCAL_RANK, set by the local launcher and torchrun) listens
   // on port + r, so ranks sharing a host do not collide; 0: any free port.
   int grpc_port = 50051;
@@ -69,6 +72,25 @@ struct ServerOptions {
   // How long a collective waits for a dead or hung rank.
   double collective_timeout_secs =
       absl::ToDoubleSeconds(kDefaultCollectiveTimeout);
+
+  // Checkpoints (docs/checkpoints.md). Non-empty: client checkpoint paths
+  // (SaveCheckpoint, LoadCheckpoint, init_checkpoint) must lie inside this
+  // existing directory; relative ones are taken relative to it.
+  std::string checkpoint_root;
+  // Periodic checkpoints and --resume: <dir>/<model_id>/step-<N>/ (with
+  // auth, <dir>/<tenant>/<model_id>/step-<N>/).
+  std::string checkpoint_dir;
+  int64_t checkpoint_every_steps = 0;  // 0: no periodic checkpoints
+  int checkpoint_keep = 3;             // newest periodic checkpoints kept
+  bool resume = false;  // at start, load each model's newest valid one
+
+  // Access control (docs/security.md). TLS when both are set.
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;     // set: clients must present a certificate
+  std::string auth_tokens_file;  // "<token> <tenant>" lines
+  // Without TLS and tokens the server refuses a non-loopback --host.
+  bool allow_insecure_remote = false;
 };
 
 inline constexpr char kDemoModelId[] = "demo";
@@ -94,6 +116,10 @@ class TallyServer {
   ~TallyServer();
 
   int grpc_port() const { return grpc_port_; }
+  // The periodic checkpoints and --resume (for the server state hooks).
+  Checkpointer& checkpointer() { return *checkpointer_; }
+  // What --resume loaded at start.
+  const std::vector<ResumedModel>& resumed() const { return resumed_; }
   int metrics_port() const { return metrics_->port(); }
 
   // OK, or the failed collective after which the server must stop (health
@@ -115,6 +141,9 @@ class TallyServer {
   // Before metrics_, whose scrapes read its queue depth until destroyed.
   std::unique_ptr<CommandExecutor> executor_;
   std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<Authenticator> authenticator_;
+  std::unique_ptr<Checkpointer> checkpointer_;
+  std::vector<ResumedModel> resumed_;
   std::unique_ptr<TrainerService> service_;
   std::unique_ptr<grpc::Server> server_;
   int grpc_port_ = 0;

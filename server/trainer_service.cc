@@ -3,10 +3,14 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
+#include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <memory>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/checkpoint.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
 #include "server/commands.h"
@@ -38,10 +42,24 @@ std::string SerializeDeterministically(
   return bytes;
 }
 
+// `first` unless it is OK, then `second`.
+absl::Status FirstError(absl::Status first, const absl::Status& second) {
+  first.Update(second);
+  return first;
+}
+
+// gRPC hands each request to this call alone; rewriting it in place (tenant
+// scope, confined path) lets every later stage see the server's form of it.
+template <typename Request>
+Request* Mutable(const Request* request) {
+  return const_cast<Request*>(request);
+}
+
 }  // namespace
 
 TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
-                               ServerMetrics* metrics, Options options)
+                               ServerMetrics* metrics,
+                               TrainerServiceOptions options)
     : engine_(engine),
       executor_(executor),
       metrics_(metrics),
@@ -64,6 +82,32 @@ TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
   for (const ModelSummary& model : engine_->ListModels()) {
     sequencer_.AddModel(model.model_id);
   }
+  if (options_.checkpointer != nullptr) {
+    options_.checkpointer->set_server_state_source(
+        [this](const std::string& model_id) {
+          return SequencingState(model_id);
+        });
+  }
+}
+
+absl::Status TrainerService::RestoreSequencing(const std::string& model_id,
+                                               absl::string_view server_state) {
+  // Checkpoints written without a sequencing state leave it as it is.
+  if (server_state.empty()) return absl::OkStatus();
+  TALLY_ASSIGN_OR_RETURN(SequencerState state,
+                         SequencerState::Parse(server_state));
+  return sequencer_.ImportState(model_id, std::move(state));
+}
+
+std::string TrainerService::SequencingState(const std::string& model_id) const {
+  absl::StatusOr<SequencerState> state = sequencer_.ExportState(model_id);
+  if (!state.ok()) return "";
+  // The sequencer records an executing request's outcome only after it
+  // finished; a server restored from this checkpoint must not run it again.
+  if (executing_seq_id_ > 0 && executing_model_id_ == model_id) {
+    state->next_seq_id = std::max(state->next_seq_id, executing_seq_id_ + 1);
+  }
+  return state->Serialize();
 }
 
 void TrainerService::StopExecuting() {
@@ -160,8 +204,34 @@ void TrainerService::PoisonForGap(const std::string& model_id) {
   });
 }
 
-void TrainerService::FillNextSeqId(v1::ModelInfo* info) const {
-  info->set_next_seq_id(sequencer_.NextSeqId(info->model_id()).value_or(1));
+void TrainerService::FillNextSeqId(const std::string& engine_id,
+                                   v1::ModelInfo* info) const {
+  info->set_next_seq_id(sequencer_.NextSeqId(engine_id).value_or(1));
+}
+
+absl::StatusOr<std::string> TrainerService::Authenticate(
+    const grpc::CallbackServerContext& context) {
+  if (options_.authenticator == nullptr) return std::string();
+  const auto& metadata = context.client_metadata();
+  const auto it = metadata.find("authorization");
+  if (it == metadata.end()) return options_.authenticator->Authenticate({});
+  return options_.authenticator->Authenticate(
+      absl::string_view(it->second.data(), it->second.size()));
+}
+
+absl::Status TrainerService::ConfinePath(
+    const grpc::CallbackServerContext& context, std::string* path) {
+  if (options_.checkpoint_root.empty()) return absl::OkStatus();
+  absl::StatusOr<std::string> tenant = Authenticate(context);
+  if (!tenant.ok()) return absl::OkStatus();  // Execute refuses the call
+  std::string root = options_.checkpoint_root;
+  if (!tenant->empty()) {
+    root = absl::StrCat(root, "/", *tenant);
+    std::error_code error;
+    std::filesystem::create_directories(root, error);
+  }
+  TALLY_ASSIGN_OR_RETURN(*path, ConfineToRoot(root, *path));
+  return absl::OkStatus();
 }
 
 void TrainerService::Finish(const char* method,
@@ -174,21 +244,36 @@ void TrainerService::Finish(const char* method,
 grpc::ServerUnaryReactor* TrainerService::Execute(
     const Call& call, absl::Status validation,
     std::function<absl::Status()> command) {
-  grpc::ServerUnaryReactor* reactor = call.context->DefaultReactor();
+  grpc::CallbackServerContext* context = call.context;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const absl::StatusOr<std::string> tenant = Authenticate(*context);
+  if (!tenant.ok()) {
+    metrics_->RecordAuthFailure(
+        context->client_metadata().count("authorization") ? "invalid_token"
+                                                          : "missing_token");
+    Finish(call.method, reactor, tenant.status());
+    return reactor;
+  }
+  if (validation.ok() && call.model_id != nullptr) {
+    // Validated in the client's form; from here on the engine id, which the
+    // budget, the sequencer and the engine are keyed by.
+    *call.model_id = ScopedModelId(*tenant, *call.model_id);
+  }
+  const std::string model_id =
+      call.model_id == nullptr ? std::string() : *call.model_id;
   if (validation.ok()) validation = Accepting();
-  if (validation.ok()) validation = budget_.Acquire(call.model_id);
+  if (validation.ok()) validation = budget_.Acquire(model_id);
   if (!validation.ok()) {
     Finish(call.method, reactor, validation);
     return reactor;
   }
   metrics_->SetQueueDepth(budget_.held());
   auto finish = [this, method = call.method, reactor,
-                 model_id = call.model_id](const absl::Status& status) {
+                 model_id](const absl::Status& status) {
     budget_.Release(model_id);
     metrics_->SetQueueDepth(budget_.held());
     Finish(method, reactor, status);
   };
-  grpc::CallbackServerContext* context = call.context;
   if (call.seq_id == 0) {
     const bool queued = executor_->Submit([this, context, command, finish] {
       absl::Status status = Precheck(context);
@@ -203,9 +288,14 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
   sequenced.seq_id = call.seq_id;
   sequenced.fingerprint = RequestFingerprint(*call.request);
   sequenced.precheck = [this, context] { return Precheck(context); };
-  sequenced.execute = [this, command, response] {
+  sequenced.execute = [this, command, response, model_id,
+                       seq_id = call.seq_id] {
+    executing_model_id_ = model_id;
+    executing_seq_id_ = seq_id;
     SequencedOutcome outcome;
     outcome.status = RunCommand(command);
+    executing_seq_id_ = 0;
+    executing_model_id_.clear();
     if (outcome.status.ok()) {
       outcome.response = SerializeDeterministically(*response);
     }
@@ -218,24 +308,36 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
     }
     finish(outcome.status);
   };
-  sequencer_.Submit(call.model_id, std::move(sequenced));
+  sequencer_.Submit(model_id, std::move(sequenced));
   return reactor;
 }
 
 grpc::ServerUnaryReactor* TrainerService::CreateModel(
     grpc::CallbackServerContext* context, const v1::CreateModelRequest* request,
     v1::ModelInfo* response) {
+  absl::Status validation = FirstError(
+      request->model_id().empty() ? absl::OkStatus()
+                                  : ValidateModelId(request->model_id()),
+      ParseCreateModel(*request).status());
+  if (validation.ok() && !request->init_checkpoint().empty()) {
+    validation =
+        ConfinePath(*context, Mutable(request)->mutable_init_checkpoint());
+  }
   return Execute(
-      {"CreateModel", context, request->model_id()},
-      ParseCreateModel(*request).status(),
-      [this, request, response]() -> absl::Status {
+      {"CreateModel", context, Mutable(request)->mutable_model_id()},
+      validation, [this, request, response]() -> absl::Status {
         TALLY_RETURN_IF_ERROR(ReplicateCommand(
             engine_->control(), Command::kCreateModel, *request));
         TALLY_RETURN_IF_ERROR(ExecuteCreateModel(*engine_, *request, response));
-        sequencer_.AddModel(response->model_id());
-        FillNextSeqId(response);
+        // An empty id (or a tenant scope alone) was assigned by the engine.
+        std::string engine_id = request->model_id();
+        if (engine_id.empty() || engine_id.back() == '/') {
+          engine_id += response->model_id();
+        }
+        sequencer_.AddModel(engine_id);
+        FillNextSeqId(engine_id, response);
         metrics_->SetModelCount(engine_->num_models());
-        metrics_->SetPendingTokens(response->model_id(), 0);
+        metrics_->SetPendingTokens(engine_id, 0);
         return absl::OkStatus();
       });
 }
@@ -243,14 +345,14 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
 grpc::ServerUnaryReactor* TrainerService::GetModel(
     grpc::CallbackServerContext* context, const v1::GetModelRequest* request,
     v1::ModelInfo* response) {
-  return Execute({"GetModel", context, request->model_id()},
+  return Execute({"GetModel", context, Mutable(request)->mutable_model_id()},
                  ValidateModelId(request->model_id()),
                  [this, request, response]() -> absl::Status {
                    TALLY_ASSIGN_OR_RETURN(
                        ModelSummary summary,
                        engine_->GetModel(request->model_id()));
                    ToProto(summary, response);
-                   FillNextSeqId(response);
+                   FillNextSeqId(request->model_id(), response);
                    return absl::OkStatus();
                  });
 }
@@ -258,12 +360,15 @@ grpc::ServerUnaryReactor* TrainerService::GetModel(
 grpc::ServerUnaryReactor* TrainerService::ListModels(
     grpc::CallbackServerContext* context, const v1::ListModelsRequest* request,
     v1::ListModelsResponse* response) {
-  return Execute({"ListModels", context, ""}, absl::OkStatus(),
-                 [this, response]() -> absl::Status {
+  // A tenant lists its own models only (Execute refuses bad credentials).
+  const std::string tenant = Authenticate(*context).value_or("");
+  return Execute({"ListModels", context}, absl::OkStatus(),
+                 [this, response, tenant]() -> absl::Status {
                    for (const ModelSummary& s : engine_->ListModels()) {
+                     if (!InTenant(s.model_id, tenant)) continue;
                      v1::ModelInfo* info = response->add_models();
                      ToProto(s, info);
-                     FillNextSeqId(info);
+                     FillNextSeqId(s.model_id, info);
                    }
                    return absl::OkStatus();
                  });
@@ -273,13 +378,13 @@ grpc::ServerUnaryReactor* TrainerService::DeleteModel(
     grpc::CallbackServerContext* context, const v1::DeleteModelRequest* request,
     v1::DeleteModelResponse* response) {
   return Execute(
-      {"DeleteModel", context, request->model_id()},
+      {"DeleteModel", context, Mutable(request)->mutable_model_id()},
       ValidateModelId(request->model_id()),
       [this, request, response]() -> absl::Status {
         TALLY_RETURN_IF_ERROR(ReplicateCommand(
             engine_->control(), Command::kDeleteModel, *request));
         TALLY_RETURN_IF_ERROR(ExecuteDeleteModel(*engine_, *request, response));
-        FillNextSeqId(response->mutable_model());
+        FillNextSeqId(request->model_id(), response->mutable_model());
         sequencer_.RemoveModel(request->model_id());
         metrics_->RemoveModel(request->model_id());
         metrics_->SetModelCount(engine_->num_models());
@@ -292,9 +397,10 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
     const v1::ForwardBackwardRequest* request,
     v1::ForwardBackwardResponse* response) {
   return Execute(
-      {"ForwardBackward", context, request->model_id(), request->seq_id(),
-       request, response},
-      ParseForwardBackward(*request).status(),
+      {"ForwardBackward", context, Mutable(request)->mutable_model_id(),
+       request->seq_id(), request, response},
+      FirstError(ValidateModelId(request->model_id()),
+                 ParseForwardBackward(*request).status()),
       [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
         TALLY_RETURN_IF_ERROR(ReplicateCommand(
@@ -313,9 +419,10 @@ grpc::ServerUnaryReactor* TrainerService::OptimStep(
     grpc::CallbackServerContext* context, const v1::OptimStepRequest* request,
     v1::OptimStepResponse* response) {
   return Execute(
-      {"OptimStep", context, request->model_id(), request->seq_id(), request,
-       response},
-      ParseOptimStep(*request).status(),
+      {"OptimStep", context, Mutable(request)->mutable_model_id(),
+       request->seq_id(), request, response},
+      FirstError(ValidateModelId(request->model_id()),
+                 ParseOptimStep(*request).status()),
       [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
         TALLY_RETURN_IF_ERROR(ReplicateCommand(engine_->control(),
@@ -325,6 +432,9 @@ grpc::ServerUnaryReactor* TrainerService::OptimStep(
         }));
         metrics_->RecordOptimStep(request->model_id(), *response,
                                   SecondsSince(start));
+        if (options_.checkpointer != nullptr) {
+          options_.checkpointer->AfterOptimStep(request->model_id(), *response);
+        }
         return absl::OkStatus();
       });
 }
@@ -334,8 +444,8 @@ grpc::ServerUnaryReactor* TrainerService::AbortAccumulation(
     const v1::AbortAccumulationRequest* request,
     v1::AbortAccumulationResponse* response) {
   return Execute(
-      {"AbortAccumulation", context, request->model_id(), request->seq_id(),
-       request, response},
+      {"AbortAccumulation", context, Mutable(request)->mutable_model_id(),
+       request->seq_id(), request, response},
       ValidateModelId(request->model_id()),
       [this, request, response]() -> absl::Status {
         TALLY_RETURN_IF_ERROR(ReplicateCommand(
@@ -353,13 +463,23 @@ grpc::ServerUnaryReactor* TrainerService::SaveCheckpoint(
     v1::SaveCheckpointResponse* response) {
   absl::Status validation = ValidateModelId(request->model_id());
   if (validation.ok()) validation = ValidateCheckpointPath(request->path());
-  return Execute({"SaveCheckpoint", context, request->model_id(),
-                  request->seq_id(), request, response},
-                 validation, [this, request, response]() -> absl::Status {
-                   TALLY_RETURN_IF_ERROR(ReplicateCommand(
-                       engine_->control(), Command::kSaveCheckpoint, *request));
-                   return ExecuteSaveCheckpoint(*engine_, *request, response);
-                 });
+  if (validation.ok()) {
+    validation = ConfinePath(*context, Mutable(request)->mutable_path());
+  }
+  return Execute(
+      {"SaveCheckpoint", context, Mutable(request)->mutable_model_id(),
+       request->seq_id(), request, response},
+      validation, [this, request, response]() -> absl::Status {
+        const auto start = std::chrono::steady_clock::now();
+        absl::Status status = ReplicateCommand(
+            engine_->control(), Command::kSaveCheckpoint, *request);
+        if (status.ok()) {
+          status = ExecuteSaveCheckpoint(*engine_, *request, response,
+                                         SequencingState(request->model_id()));
+        }
+        metrics_->RecordCheckpoint("save", status.ok(), SecondsSince(start));
+        return status;
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
@@ -368,20 +488,41 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
     v1::LoadCheckpointResponse* response) {
   absl::Status validation = ValidateModelId(request->model_id());
   if (validation.ok()) validation = ValidateCheckpointPath(request->path());
+  if (validation.ok()) {
+    validation = ConfinePath(*context, Mutable(request)->mutable_path());
+  }
   return Execute(
-      {"LoadCheckpoint", context, request->model_id(), request->seq_id(),
-       request, response},
+      {"LoadCheckpoint", context, Mutable(request)->mutable_model_id(),
+       request->seq_id(), request, response},
       validation, [this, request, response]() -> absl::Status {
-        TALLY_RETURN_IF_ERROR(ReplicateCommand(
-            engine_->control(), Command::kLoadCheckpoint, *request));
-        TALLY_RETURN_IF_ERROR(CountingPoison(request->model_id(), [&] {
-          return ExecuteLoadCheckpoint(*engine_, *request, response);
-        }));
-        // A sequenced load is itself the model's current seq_id.
+        const auto start = std::chrono::steady_clock::now();
+        std::string server_state;
+        absl::Status status = ReplicateCommand(
+            engine_->control(), Command::kLoadCheckpoint, *request);
+        if (status.ok()) {
+          status = CountingPoison(request->model_id(), [&] {
+            return ExecuteLoadCheckpoint(*engine_, *request, response,
+                                         &server_state);
+          });
+        }
+        metrics_->RecordCheckpoint("load", status.ok(), SecondsSince(start));
+        TALLY_RETURN_IF_ERROR(status);
         if (request->seq_id() > 0) {
+          // A sequenced load is itself the model's current seq_id: the
+          // client's sequence goes on after it, so the checkpoint's
+          // sequencing state is not imported.
           response->mutable_model()->set_next_seq_id(request->seq_id() + 1);
         } else {
-          FillNextSeqId(response->mutable_model());
+          absl::Status restored =
+              RestoreSequencing(request->model_id(), server_state);
+          if (!restored.ok()) {
+            // The weights are loaded; the live sequence stays.
+            Log(LogLevel::kWarning,
+                absl::StrCat(
+                    "LoadCheckpoint of '", request->model_id(),
+                    "' kept the current seq_ids: ", restored.ToString()));
+          }
+          FillNextSeqId(request->model_id(), response->mutable_model());
         }
         metrics_->SetPendingTokens(request->model_id(), 0);
         return absl::OkStatus();

@@ -1,18 +1,23 @@
 // TrainerService: the gRPC front end of tally.v1.Trainer (callback API).
 //
-// A handler validates its request's proto-level fields on the gRPC thread,
-// takes a slot of the request budget (RESOURCE_EXHAUSTED when full), then
+// A handler authenticates the caller (bearer token, when configured),
+// validates its request's proto-level fields on the gRPC thread, scopes the
+// model id to the caller's tenant ("<tenant>/<id>", the engine id), takes a
+// slot of the request budget (RESOURCE_EXHAUSTED when full), then
 // queues the command on the CommandExecutor — directly when unsequenced
 // (seq_id 0), through the Sequencer (exactly once, in seq_id order) when
 // sequenced. The executor replicates it to the other ranks (commands.h), runs
 // it on the engine and finishes the RPC. A request whose client cancelled it
 // or whose deadline passed before it ran is not executed.
 //
+// Checkpoints carry each model's sequencing state (next seq_id, cached
+// outcomes) in their server_state, so a resumed server continues the seq_ids.
+//
 // A failed collective (a dead or hung rank) makes the service answer every
 // queued and new request UNAVAILABLE and calls `on_rank_failure`; the server
 // then exits non-zero for its supervisor to restart it.
 //
-//   tally::TrainerService::Options options;
+//   tally::TrainerServiceOptions options;
 //   options.on_rank_failure = [&](const absl::Status& failure) { ... };
 //   tally::TrainerService service(engine.get(), &executor, metrics.get(),
 //                                 options);
@@ -33,8 +38,12 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "runtime/engine.h"
+#include "server/auth.h"
+#include "server/checkpointer.h"
 #include "server/executor.h"
 #include "server/metrics.h"
 #include "server/request_budget.h"
@@ -43,21 +52,37 @@
 
 namespace tally {
 
+// Settings of the service. The access control and checkpoint ones default
+// to off.
+struct TrainerServiceOptions {
+  SequencerOptions sequencing;
+  size_t max_queued_requests = 1024;
+  size_t max_queued_requests_per_model = 256;
+  // Called once, on the executor thread, when a collective failed.
+  std::function<void(const absl::Status& failure)> on_rank_failure;
+  // Bearer tokens → tenants; a tenant's model ids are scoped to it (see
+  // ScopedModelId in convert.h). Null: no authentication.
+  const Authenticator* authenticator = nullptr;
+  // Confines client checkpoint paths (ConfineToRoot), to <root>/<tenant>
+  // with authentication. Empty: paths are used as given.
+  std::string checkpoint_root;
+  // Periodic checkpoints after OptimStep. Null: none.
+  Checkpointer* checkpointer = nullptr;
+};
+
 class TrainerService final : public v1::Trainer::CallbackService {
  public:
-  struct Options {
-    SequencerOptions sequencing;
-    size_t max_queued_requests = 1024;
-    size_t max_queued_requests_per_model = 256;
-    // Called once, on the executor thread, when a collective failed.
-    std::function<void(const absl::Status& failure)> on_rank_failure;
-  };
-
   // Mutating commands are replicated over engine->control() (ranks > 0 run
   // CommandLoop); the engine's existing models are registered for
-  // sequencing.
+  // sequencing, and options.checkpointer saves their sequencing state.
   TrainerService(Engine* engine, CommandExecutor* executor,
-                 ServerMetrics* metrics, Options options);
+                 ServerMetrics* metrics, TrainerServiceOptions options);
+
+  // Restores `model_id`'s sequencing state from a checkpoint's server_state
+  // (Checkpointer::Resume), before serving; empty bytes change nothing.
+  // DATA_LOSS for damaged bytes.
+  absl::Status RestoreSequencing(const std::string& model_id,
+                                 absl::string_view server_state);
 
   // From now on requests that have not started executing are answered
   // UNAVAILABLE (not executed: a retry on the restarted server runs them);
@@ -103,14 +128,18 @@ class TrainerService final : public v1::Trainer::CallbackService {
   struct Call {
     const char* method;
     grpc::CallbackServerContext* context;
-    std::string model_id;  // "" for requests of no particular model
-    uint64_t seq_id = 0;   // 0: unsequenced
+    // The request's model_id field, scoped in place to the caller's tenant
+    // (the engine id); null for requests of no particular model.
+    std::string* model_id = nullptr;
+    uint64_t seq_id = 0;  // 0: unsequenced
     const google::protobuf::Message* request = nullptr;
     google::protobuf::Message* response = nullptr;
   };
 
-  // Finishes the RPC with `validation` if it failed; otherwise queues
-  // `command` and finishes with its status once it ran.
+  // Finishes the RPC with UNAUTHENTICATED for bad credentials, with
+  // `validation` if it failed; otherwise scopes the call's model id to the
+  // caller's tenant, queues `command` and finishes with its status once it
+  // ran.
   grpc::ServerUnaryReactor* Execute(const Call& call, absl::Status validation,
                                     std::function<absl::Status()> command);
   // UNAVAILABLE once the service stopped executing or a rank failed.
@@ -124,16 +153,31 @@ class TrainerService final : public v1::Trainer::CallbackService {
                               const std::function<absl::Status()>& command);
   void PoisonForGap(const std::string& model_id);
   void OnRankFailure(const absl::Status& failure);
-  void FillNextSeqId(v1::ModelInfo* info) const;
+  // `engine_id`: the model's id in the engine (info holds the client's).
+  void FillNextSeqId(const std::string& engine_id, v1::ModelInfo* info) const;
+  // The sequencing state a checkpoint of `model_id` saves, taken on the
+  // executor thread: a sequenced request executing now (the save itself, or
+  // the OptimStep of a periodic checkpoint) counts as executed.
+  std::string SequencingState(const std::string& model_id) const;
   void Finish(const char* method, grpc::ServerUnaryReactor* reactor,
               const absl::Status& status);
+  // The caller's tenant ("" without authentication).
+  absl::StatusOr<std::string> Authenticate(
+      const grpc::CallbackServerContext& context);
+  // Rewrites a client checkpoint path in place to its confined absolute
+  // form; PERMISSION_DENIED when it escapes --checkpoint-root.
+  absl::Status ConfinePath(const grpc::CallbackServerContext& context,
+                           std::string* path);
 
   Engine* engine_;
   CommandExecutor* executor_;
   ServerMetrics* metrics_;
-  const Options options_;
+  const TrainerServiceOptions options_;
   RequestBudget budget_;
   Sequencer sequencer_;
+  // The sequenced request executing now (executor thread only).
+  std::string executing_model_id_;
+  uint64_t executing_seq_id_ = 0;
   std::atomic<bool> stopped_{false};
   mutable absl::Mutex failure_mu_;
   absl::Status rank_failure_ ABSL_GUARDED_BY(failure_mu_);

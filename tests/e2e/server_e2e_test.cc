@@ -2,12 +2,8 @@
 // drives it over gRPC with the C++ client, reads its Prometheus metrics over
 // plain HTTP, and checks every answer against values computed here from the
 // requests themselves.
-#include <arpa/inet.h>
 #include <google/protobuf/util/message_differencer.h>
 #include <grpcpp/client_context.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,6 +36,7 @@
 #include "gtest/gtest.h"
 #include "runtime/status.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/e2e/metrics_scrape.h"
 #include "tests/e2e/server_process.h"
 
 namespace tally {
@@ -497,8 +494,9 @@ TEST_F(ServerE2eTest, CheckpointRestoresWeightsOptimizerAndStep) {
   EXPECT_EQ(saved.path(), dir);
   EXPECT_EQ(saved.step(), 3);
   uint64_t file_bytes = 0;
-  for (const char* file : {"config.json", "model.safetensors",
-                           "optimizer.safetensors", "tally.json"}) {
+  for (const char* file :
+       {"config.json", "model.safetensors", "optimizer.safetensors",
+        "server_state.bin", "tally.json", "checksums.sha256"}) {
     const std::filesystem::path path = std::filesystem::path(dir) / file;
     ASSERT_TRUE(std::filesystem::is_regular_file(path)) << path;
     file_bytes += std::filesystem::file_size(path);

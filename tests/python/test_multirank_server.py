@@ -286,8 +286,12 @@ class MultiRankServerTest(ServerTestCase):
                                 for m in ("exp_avg", "exp_avg_sq")))
         self.assert_tensors_close(single_optimizer, multi_optimizer, rtol,
                                   "optimizer")
-        self.assertEqual(read_json(os.path.join(single_dir, "tally.json")),
-                         read_json(os.path.join(multi_dir, "tally.json")))
+        # The same state; only how replicas sum gradients may differ.
+        single_manifest = read_json(os.path.join(single_dir, "tally.json"))
+        multi_manifest = read_json(os.path.join(multi_dir, "tally.json"))
+        single_manifest.pop("grad_sync")
+        multi_manifest.pop("grad_sync")
+        self.assertEqual(single_manifest, multi_manifest)
 
     def test_dp_shard_tp_float32_training_and_checkpoints_cross_load(self):
         single, multi = self.start_pair(DP_SHARD_TP)

@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -112,9 +114,28 @@ void WriteText(const std::string& path, const std::string& text) {
   out << text;
 }
 
+// Rewrites checksums.sha256 to match the files as they are now, so a test
+// can reach the parsing checks behind the checksum check.
+void Reseal(const std::string& dir) {
+  std::string sums;
+  for (const char* file :
+       {"config.json", "model.safetensors", "optimizer.safetensors",
+        "server_state.bin", "tally.json"}) {
+    const std::string path = dir + "/" + file;
+    if (!fs::exists(path)) continue;
+    absl::StatusOr<std::string> digest = Sha256OfFile(path);
+    ASSERT_TRUE(digest.ok()) << digest.status();
+    sums += *digest + "  " + file + "\n";
+  }
+  WriteText(dir + "/checksums.sha256", sums);
+}
+
 CheckpointManifest SampleManifest() {
   CheckpointManifest m;
   m.step = 1;
+  m.seed = 987654321987654321u;
+  m.grad_sync = GradSync::kDeferred;
+  m.unsaved_window = {3, 40, 5, std::nullopt};
   m.default_adam.learning_rate = 3e-4;
   m.default_adam.beta1 = 0.8;
   m.default_adam.beta2 = 0.95;
@@ -164,8 +185,11 @@ TEST_P(CheckpointRoundTripTest, RestoresWeightsAndOptimizerBitwise) {
   const CheckpointManifest manifest = SampleManifest();
 
   const std::string dir = PathOf("nested/ckpt");  // parents created
+  // Every byte value, so nothing in the path may treat it as text.
+  std::string server_state;
+  for (int i = 0; i < 512; ++i) server_state += static_cast<char>(i % 256);
   absl::StatusOr<uint64_t> bytes =
-      WriteCheckpoint(dir, *model, optimizer, manifest);
+      WriteCheckpoint(dir, *model, optimizer, manifest, server_state);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
 
   std::set<std::string> files;
@@ -176,8 +200,13 @@ TEST_P(CheckpointRoundTripTest, RestoresWeightsAndOptimizerBitwise) {
   }
   EXPECT_EQ(files,
             (std::set<std::string>{"config.json", "model.safetensors",
-                                   "optimizer.safetensors", "tally.json"}));
+                                   "optimizer.safetensors", "server_state.bin",
+                                   "tally.json", "checksums.sha256"}));
   EXPECT_EQ(*bytes, bytes_on_disk);
+  // Nothing but the checkpoint is left next to it.
+  EXPECT_EQ(std::distance(fs::directory_iterator(PathOf("nested")),
+                          fs::directory_iterator()),
+            1);
 
   // config.json is HF's, with the model dtype.
   const nlohmann::json hf_config =
@@ -204,8 +233,14 @@ TEST_P(CheckpointRoundTripTest, RestoresWeightsAndOptimizerBitwise) {
   EXPECT_EQ(read.default_adam.eps, manifest.default_adam.eps);
   EXPECT_EQ(read.default_adam.weight_decay, manifest.default_adam.weight_decay);
   EXPECT_EQ(read.default_max_grad_norm, manifest.default_max_grad_norm);
+  EXPECT_EQ(read.grad_sync, GradSync::kDeferred);
+  EXPECT_EQ(read.seed, manifest.seed);
+  EXPECT_EQ(read.unsaved_window.calls, 3);
+  EXPECT_EQ(read.unsaved_window.tokens, 40);
+  EXPECT_EQ(read.unsaved_window.samples, 5);
   EXPECT_EQ(read.tally_version, TALLY_VERSION);
-  EXPECT_EQ(read.format_version, 1);
+  EXPECT_EQ(read.format_version, 2);
+  EXPECT_EQ(contents->server_state, server_state);
 
   // Every parameter under its HF name, in the model dtype; a tied model has
   // no lm_head.weight.
@@ -449,40 +484,329 @@ TEST_F(CheckpointTest, ReadErrorsNameTheProblem) {
     EXPECT_EQ(status.code(), code) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr(needle));
   };
+  // Each tampered file is resealed: these are the checks behind the checksums.
+  auto write_sealed = [&](const std::string& file, const std::string& text) {
+    WriteText(dir + "/" + file, text);
+    Reseal(dir);
+  };
 
   fs::remove(dir + "/config.json");
+  Reseal(dir);
   expect_error(absl::StatusCode::kInvalidArgument, dir + "/config.json");
-  WriteText(dir + "/config.json", "{ not json");
+  write_sealed("config.json", "{ not json");
   expect_error(absl::StatusCode::kInvalidArgument, dir + "/config.json");
   nlohmann::json wrong_type = nlohmann::json::parse(config);
   wrong_type["tie_word_embeddings"] = "yes";
-  WriteText(dir + "/config.json", wrong_type.dump());
+  write_sealed("config.json", wrong_type.dump());
   expect_error(absl::StatusCode::kInvalidArgument, dir + "/config.json");
-  WriteText(dir + "/config.json", config);
+  write_sealed("config.json", config);
 
-  WriteText(dir + "/tally.json", "[]");
+  write_sealed("tally.json", "[]");
   expect_error(absl::StatusCode::kDataLoss, dir + "/tally.json");
   nlohmann::json bad_manifest = nlohmann::json::parse(manifest);
   bad_manifest["optimizer"] = "lion";
-  WriteText(dir + "/tally.json", bad_manifest.dump());
+  write_sealed("tally.json", bad_manifest.dump());
   expect_error(absl::StatusCode::kDataLoss, "optimizer");
   bad_manifest = nlohmann::json::parse(manifest);
   bad_manifest["default_adam"].erase("eps");
-  WriteText(dir + "/tally.json", bad_manifest.dump());
+  write_sealed("tally.json", bad_manifest.dump());
   expect_error(absl::StatusCode::kDataLoss, "default_adam.eps");
   bad_manifest = nlohmann::json::parse(manifest);
-  bad_manifest["format_version"] = 2;
-  WriteText(dir + "/tally.json", bad_manifest.dump());
+  bad_manifest["unsaved_window"].erase("tokens");
+  write_sealed("tally.json", bad_manifest.dump());
+  expect_error(absl::StatusCode::kDataLoss, "unsaved_window.tokens");
+  bad_manifest = nlohmann::json::parse(manifest);
+  bad_manifest["format_version"] = 3;
+  write_sealed("tally.json", bad_manifest.dump());
   expect_error(absl::StatusCode::kInvalidArgument, "format_version");
-  WriteText(dir + "/tally.json", manifest);
+  write_sealed("tally.json", manifest);
 
-  WriteText(dir + "/model.safetensors", weights.substr(0, weights.size() - 1));
+  write_sealed("model.safetensors", weights.substr(0, weights.size() - 1));
   expect_error(absl::StatusCode::kDataLoss, dir + "/model.safetensors");
   fs::remove(dir + "/model.safetensors");
+  Reseal(dir);
   expect_error(absl::StatusCode::kInvalidArgument, "model.safetensors");
-  WriteText(dir + "/model.safetensors", weights);
+  write_sealed("model.safetensors", weights);
 
+  const absl::Status restored = ReadCheckpoint(dir, true).status();
+  EXPECT_TRUE(restored.ok()) << restored;
+}
+
+// Every file of a checkpoint is covered: one flipped byte or a lost tail in
+// any of them is DATA_LOSS naming that file.
+TEST_F(CheckpointTest, CorruptOrTruncatedFilesAreDataLossNamingTheFile) {
+  const std::string dir = WriteFreshCheckpoint(false, OptimizerKind::kAdamW);
   ASSERT_TRUE(ReadCheckpoint(dir, true).ok());
+  for (const char* file : {"config.json", "model.safetensors",
+                           "optimizer.safetensors", "tally.json"}) {
+    const std::string path = dir + "/" + file;
+    const std::string original = ReadText(path);
+    ASSERT_GT(original.size(), 2u) << file;
+    std::string flipped = original;
+    flipped[flipped.size() / 2] ^= 0x01;
+    for (const std::string& damaged :
+         {flipped, original.substr(0, original.size() - 1)}) {
+      WriteText(path, damaged);
+      const absl::Status status = ReadCheckpoint(dir, true).status();
+      EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << file;
+      EXPECT_THAT(std::string(status.message()), HasSubstr(path));
+      EXPECT_EQ(VerifyCheckpoint(dir).status().code(),
+                absl::StatusCode::kDataLoss)
+          << file;
+    }
+    WriteText(path, original);
+  }
+  ASSERT_TRUE(ReadCheckpoint(dir, true).ok());
+
+  // server_state.bin is empty here: an appended byte is the damage.
+  WriteText(dir + "/server_state.bin", "x");
+  EXPECT_EQ(ReadCheckpoint(dir, true).status().code(),
+            absl::StatusCode::kDataLoss);
+  WriteText(dir + "/server_state.bin", "");
+
+  const std::string sums = ReadText(dir + "/checksums.sha256");
+  fs::remove(dir + "/optimizer.safetensors");  // listed but missing
+  EXPECT_THAT(std::string(ReadCheckpoint(dir, false).status().message()),
+              HasSubstr("optimizer.safetensors"));
+  fs::remove(dir + "/checksums.sha256");  // a format-2 checkpoint needs it
+  EXPECT_THAT(std::string(ReadCheckpoint(dir, false).status().message()),
+              HasSubstr("checksums.sha256"));
+  EXPECT_EQ(ReadCheckpoint(dir, false).status().code(),
+            absl::StatusCode::kDataLoss);
+}
+
+// checksums.sha256 is in `sha256sum` format, so coreutils checks it
+// independently of tally's reader.
+TEST_F(CheckpointTest, ChecksumsVerifyWithSha256sum) {
+  if (std::system("command -v sha256sum > /dev/null") != 0) {
+    GTEST_SKIP() << "sha256sum is not installed";
+  }
+  const std::string dir = WriteFreshCheckpoint(true, OptimizerKind::kAdamW);
+  const std::string check =
+      "cd '" + dir + "' && sha256sum --check --strict --quiet checksums.sha256";
+  EXPECT_EQ(std::system(check.c_str()), 0);
+  std::string weights = ReadText(dir + "/model.safetensors");
+  weights.back() ^= 0x01;
+  WriteText(dir + "/model.safetensors", weights);
+  EXPECT_NE(std::system((check + " 2> /dev/null").c_str()), 0);
+}
+
+TEST_F(CheckpointTest, FormatOneCheckpointsWithoutChecksumsStillLoad) {
+  const std::string dir = WriteFreshCheckpoint(false, OptimizerKind::kAdamW);
+  nlohmann::json manifest =
+      nlohmann::json::parse(ReadText(dir + "/tally.json"));
+  manifest["format_version"] = 1;
+  for (const char* added : {"grad_sync", "seed", "unsaved_window"}) {
+    manifest.erase(added);
+  }
+  WriteText(dir + "/tally.json", manifest.dump());
+  fs::remove(dir + "/checksums.sha256");
+  fs::remove(dir + "/server_state.bin");
+  absl::StatusOr<CheckpointContents> contents = ReadCheckpoint(dir, true);
+  ASSERT_TRUE(contents.ok()) << contents.status();
+  EXPECT_EQ(contents->manifest->format_version, 1);
+  EXPECT_EQ(contents->optimizer_state.size(), 2u * 21);
+}
+
+// A save over an existing checkpoint replaces it whole and leaves no staging
+// or previous directory behind.
+TEST_F(CheckpointTest, SaveReplacesAnExistingCheckpoint) {
+  for (bool exchange : {true, false}) {
+    SCOPED_TRACE(exchange ? "RENAME_EXCHANGE" : "two renames");
+    SetCheckpointTestHooks({nullptr, exchange});
+    const std::string dir = PathOf(exchange ? "a" : "b");
+    std::unique_ptr<LlamaModel> first = MakeModel(false, DType::kFloat32, 1);
+    std::unique_ptr<LlamaModel> second = MakeModel(false, DType::kFloat32, 2);
+    Optimizer optimizer(OptimizerKind::kSgd, &first->parameters());
+    ASSERT_TRUE(WriteCheckpoint(dir, *first, optimizer, {}, "one").ok());
+    ASSERT_TRUE(WriteCheckpoint(dir, *second, optimizer, {}, "two").ok());
+    absl::StatusOr<CheckpointContents> contents = ReadCheckpoint(dir, true);
+    ASSERT_TRUE(contents.ok()) << contents.status();
+    ExpectBitwiseEqual(Snapshot(*second), contents->weights);
+    EXPECT_EQ(contents->server_state, "two");
+  }
+  SetCheckpointTestHooks({});
+  std::set<std::string> names;
+  for (const fs::directory_entry& entry : fs::directory_iterator(root_)) {
+    names.insert(entry.path().filename().string());
+  }
+  EXPECT_EQ(names, (std::set<std::string>{"a", "b"}));
+}
+
+// Replacing deletes the old directory, so only a checkpoint (or nothing) is
+// ever replaced.
+TEST_F(CheckpointTest, RefusesToReplaceWhatIsNotACheckpoint) {
+  std::unique_ptr<LlamaModel> model = MakeModel(false, DType::kFloat32, 1);
+  Optimizer optimizer(OptimizerKind::kSgd, &model->parameters());
+  const std::string data = PathOf("data");
+  fs::create_directories(data);
+  WriteText(data + "/notes.txt", "precious");
+  WriteText(PathOf("file"), "precious");
+  for (const std::string& target : {data, PathOf("file")}) {
+    const absl::Status status =
+        WriteCheckpoint(target, *model, optimizer, {}).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  }
+  EXPECT_EQ(ReadText(data + "/notes.txt"), "precious");
+  EXPECT_EQ(ReadText(PathOf("file")), "precious");
+  fs::create_directories(PathOf("empty"));
+  EXPECT_TRUE(WriteCheckpoint(PathOf("empty"), *model, optimizer, {}).ok());
+}
+
+// A failure at any step of the protocol leaves the previous checkpoint
+// readable under its name, and the failed attempt leaves nothing behind.
+TEST_F(CheckpointTest, FailedSaveLeavesThePreviousCheckpoint) {
+  std::unique_ptr<LlamaModel> old_model = MakeModel(false, DType::kFloat32, 1);
+  std::unique_ptr<LlamaModel> new_model = MakeModel(false, DType::kFloat32, 2);
+  Optimizer optimizer(OptimizerKind::kAdamW, &old_model->parameters());
+  const std::string dir = PathOf("ckpt");
+  ASSERT_TRUE(WriteCheckpoint(dir, *old_model, optimizer, {}, "old").ok());
+  for (bool exchange : {true, false}) {
+    for (const char* failing : kCheckpointWriteStages) {
+      const std::string stage = failing;
+      // Failures after the commit point leave the new checkpoint.
+      if (stage == "exchanged" || stage == "published" ||
+          stage == "removed previous") {
+        continue;
+      }
+      SCOPED_TRACE(stage + (exchange ? "" : " (two renames)"));
+      SetCheckpointTestHooks({[&](absl::string_view reached) {
+                                return reached == stage
+                                           ? absl::UnavailableError("injected")
+                                           : absl::OkStatus();
+                              },
+                              exchange});
+      const absl::Status saved =
+          WriteCheckpoint(dir, *new_model, optimizer, {}, "new").status();
+      const bool reachable = exchange ? stage != "moved previous aside" : true;
+      if (reachable) {
+        EXPECT_EQ(saved.code(), absl::StatusCode::kUnavailable) << saved;
+      } else {
+        EXPECT_TRUE(saved.ok()) << saved;
+        SetCheckpointTestHooks({});
+        ASSERT_TRUE(
+            WriteCheckpoint(dir, *old_model, optimizer, {}, "old").ok());
+        continue;
+      }
+      absl::StatusOr<CheckpointContents> contents = ReadCheckpoint(dir, true);
+      ASSERT_TRUE(contents.ok()) << contents.status();
+      ExpectBitwiseEqual(Snapshot(*old_model), contents->weights);
+      EXPECT_EQ(contents->server_state, "old");
+      EXPECT_EQ(std::distance(fs::directory_iterator(root_),
+                              fs::directory_iterator()),
+                1);
+    }
+  }
+  SetCheckpointTestHooks({});
+}
+
+// The crash test: a child process writes a new checkpoint over an old one
+// and dies (_exit, no cleanup, like kill -9) right after a given step. Before
+// the commit point the old checkpoint reads back whole; from it on, the new
+// one; never anything else. The next save cleans up after the crash.
+TEST_F(CheckpointTest, CrashAtAnyStepLeavesAWholeCheckpoint) {
+  std::unique_ptr<LlamaModel> old_model = MakeModel(true, DType::kFloat64, 1);
+  std::unique_ptr<LlamaModel> new_model = MakeModel(true, DType::kFloat64, 2);
+  Optimizer optimizer(OptimizerKind::kAdamW, &old_model->parameters());
+  constexpr int kCrashed = 42;
+  for (bool exchange : {true, false}) {
+    bool committed = false;
+    for (const char* crash_stage : kCheckpointWriteStages) {
+      const std::string stage = crash_stage;
+      SCOPED_TRACE(stage + (exchange ? "" : " (two renames)"));
+      const std::string dir = PathOf("ckpt");
+      SetCheckpointTestHooks({});
+      ASSERT_TRUE(WriteCheckpoint(dir, *old_model, optimizer, {}, "old").ok());
+
+      const pid_t child = fork();
+      ASSERT_GE(child, 0);
+      if (child == 0) {
+        SetCheckpointTestHooks({[&](absl::string_view reached) {
+                                  if (reached == stage) _exit(kCrashed);
+                                  return absl::OkStatus();
+                                },
+                                exchange});
+        const bool ok =
+            WriteCheckpoint(dir, *new_model, optimizer, {}, "new").ok();
+        _exit(ok ? 0 : 1);
+      }
+      int wait_status = 0;
+      ASSERT_EQ(waitpid(child, &wait_status, 0), child);
+      ASSERT_TRUE(WIFEXITED(wait_status));
+      const int code = WEXITSTATUS(wait_status);
+      // A stage of the other mode is never reached: the save completes.
+      ASSERT_TRUE(code == kCrashed || code == 0) << code;
+      committed |= stage == (exchange ? "exchanged" : "published");
+      const bool expect_new = code == 0 || committed;
+
+      absl::StatusOr<CheckpointContents> contents = ReadCheckpoint(dir, true);
+      ASSERT_TRUE(contents.ok()) << contents.status();
+      ExpectBitwiseEqual(Snapshot(expect_new ? *new_model : *old_model),
+                         contents->weights);
+      EXPECT_EQ(contents->server_state, expect_new ? "new" : "old");
+      EXPECT_TRUE(VerifyCheckpoint(dir).ok());
+
+      // The next save recovers: it publishes and leaves only the checkpoint.
+      ASSERT_TRUE(WriteCheckpoint(dir, *old_model, optimizer, {}, "old").ok());
+      EXPECT_EQ(std::distance(fs::directory_iterator(root_),
+                              fs::directory_iterator()),
+                1);
+      fs::remove_all(dir);
+    }
+    EXPECT_TRUE(committed);
+  }
+  SetCheckpointTestHooks({});
+}
+
+TEST_F(CheckpointTest, StepCheckpointsListNewestFirstAndPrune) {
+  std::unique_ptr<LlamaModel> model = MakeModel(false, DType::kFloat32, 1);
+  Optimizer optimizer(OptimizerKind::kSgd, &model->parameters());
+  const std::string model_dir = PathOf("models/m");
+  for (int64_t step : {3, 12, 6, 9}) {
+    ASSERT_TRUE(WriteCheckpoint(StepCheckpointDir(model_dir, step), *model,
+                                optimizer, {})
+                    .ok());
+  }
+  EXPECT_EQ(StepCheckpointDir(model_dir, 12), model_dir + "/step-000000000012");
+  fs::create_directories(model_dir + "/.step-000000000015.staging-1-0");
+  fs::create_directories(model_dir + "/notes");
+  EXPECT_EQ(
+      ListStepCheckpoints(model_dir),
+      (std::vector<std::string>{
+          StepCheckpointDir(model_dir, 12), StepCheckpointDir(model_dir, 9),
+          StepCheckpointDir(model_dir, 6), StepCheckpointDir(model_dir, 3)}));
+  ASSERT_TRUE(PruneStepCheckpoints(model_dir, 2).ok());
+  std::set<std::string> left;
+  for (const fs::directory_entry& entry : fs::directory_iterator(model_dir)) {
+    left.insert(entry.path().filename().string());
+  }
+  EXPECT_EQ(left, (std::set<std::string>{"step-000000000012",
+                                         "step-000000000009", "notes"}));
+  EXPECT_TRUE(ListStepCheckpoints(PathOf("absent")).empty());
+}
+
+TEST_F(CheckpointTest, ConfineToRootRejectsEscapes) {
+  const std::string root = PathOf("root");
+  fs::create_directories(root + "/inside");
+  fs::create_directories(PathOf("outside"));
+  fs::create_directory_symlink(PathOf("outside"), root + "/escape");
+  fs::create_directory_symlink(root + "/inside", root + "/alias");
+  const std::string real_root = fs::canonical(root).string();
+
+  EXPECT_EQ(ConfineToRoot(root, "a/b").value_or(""), real_root + "/a/b");
+  EXPECT_EQ(ConfineToRoot(root, root + "/inside/c").value_or(""),
+            real_root + "/inside/c");
+  EXPECT_EQ(ConfineToRoot(root, "alias/c").value_or(""),
+            real_root + "/inside/c");
+  for (const std::string& bad :
+       {std::string("../outside/c"), std::string("inside/../../outside"),
+        std::string("a/.."), root + "/../outside/c", PathOf("outside/c"),
+        std::string("escape/c"), root + "/escape", std::string("/etc/x"), root,
+        std::string(".")}) {
+    SCOPED_TRACE(bad);
+    EXPECT_EQ(ConfineToRoot(root, bad).status().code(),
+              absl::StatusCode::kPermissionDenied);
+  }
 }
 
 // An independent reader: numpy parses model.safetensors and prints per-tensor

@@ -1,0 +1,90 @@
+#include "server/auth.h"
+
+#include <openssl/evp.h>
+
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "server/convert.h"
+
+namespace tally {
+namespace {
+
+std::string Sha256(absl::string_view data) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  EVP_Digest(data.data(), data.size(), digest, &size, EVP_sha256(), nullptr);
+  return std::string(reinterpret_cast<const char*>(digest), size);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(
+    const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read the tokens file ", path));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return FromText(text.str(), path);
+}
+
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(
+    absl::string_view text, const std::string& source) {
+  std::unique_ptr<Authenticator> auth(new Authenticator());
+  int line_number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_number;
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || absl::StartsWith(line, "#")) continue;
+    const std::vector<absl::string_view> fields =
+        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    const std::string where = absl::StrCat(source, ":", line_number);
+    if (fields.size() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expected '<token> <tenant>'"));
+    }
+    const std::string tenant(fields[1]);
+    if (absl::Status valid = ValidateModelId(tenant, "tenant"); !valid.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": ", valid.message()));
+    }
+    if (!auth->tenant_by_token_digest_.emplace(Sha256(fields[0]), tenant)
+             .second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": the token of this line appears earlier"));
+    }
+  }
+  if (auth->tenant_by_token_digest_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, " holds no token"));
+  }
+  return auth;
+}
+
+absl::StatusOr<std::string> Authenticator::Authenticate(
+    std::optional<absl::string_view> authorization) const {
+  if (!authorization.has_value()) {
+    return absl::UnauthenticatedError(
+        "missing 'authorization: Bearer <token>' metadata");
+  }
+  constexpr absl::string_view kScheme = "Bearer ";
+  if (!absl::StartsWithIgnoreCase(*authorization, kScheme)) {
+    return absl::UnauthenticatedError(
+        "the authorization metadata is not 'Bearer <token>'");
+  }
+  const auto it = tenant_by_token_digest_.find(Sha256(
+      absl::StripAsciiWhitespace(authorization->substr(kScheme.size()))));
+  if (it == tenant_by_token_digest_.end()) {
+    return absl::UnauthenticatedError("unknown bearer token");
+  }
+  return it->second;
+}
+
+}  // namespace tally

@@ -1,0 +1,166 @@
+#include "server/checkpointer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/checkpoint.h"
+#include "runtime/log.h"
+#include "runtime/status.h"
+#include "server/commands.h"
+#include "server/convert.h"
+
+namespace tally {
+namespace {
+
+namespace fs = std::filesystem;
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+v1::DType ToProto(DType dtype) {
+  return dtype == DType::kFloat64 ? v1::DTYPE_FLOAT64 : v1::DTYPE_FLOAT32;
+}
+
+// Subdirectories of `dir` that are valid model ids, sorted.
+std::vector<std::string> ModelIdsIn(const fs::path& dir) {
+  std::vector<std::string> ids;
+  std::error_code error;
+  for (fs::directory_iterator it(dir, error), end; !error && it != end;
+       it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    if (it->is_directory() && ValidateModelId(name).ok()) ids.push_back(name);
+  }
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+}  // namespace
+
+std::string Checkpointer::ModelDir(const std::string& model_id) const {
+  return (fs::path(options_.dir) / model_id).string();
+}
+
+void Checkpointer::AfterOptimStep(const std::string& model_id,
+                                  const v1::OptimStepResponse& response) {
+  if (options_.every_steps <= 0 || response.skipped() ||
+      response.step() % options_.every_steps != 0) {
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  v1::SaveCheckpointRequest request;
+  request.set_model_id(model_id);
+  request.set_path(StepCheckpointDir(ModelDir(model_id), response.step()));
+  v1::SaveCheckpointResponse saved;
+  absl::Status status =
+      ReplicateCommand(*control_, Command::kSaveCheckpoint, request);
+  if (status.ok()) {
+    status = ExecuteSaveCheckpoint(
+        *engine_, request, &saved,
+        server_state_source_ ? server_state_source_(model_id) : "");
+  }
+  if (status.ok())
+    status = PruneStepCheckpoints(ModelDir(model_id), options_.keep);
+  metrics_->RecordCheckpoint("periodic", status.ok(), SecondsSince(start));
+  if (!status.ok()) {
+    Log(LogLevel::kWarning,
+        absl::StrCat("periodic checkpoint of model '", model_id, "' at step ",
+                     response.step(), " failed: ", status.ToString()));
+  }
+}
+
+absl::StatusOr<std::vector<ResumedModel>> Checkpointer::Resume() {
+  std::vector<ResumedModel> resumed;
+  // <dir>/<model>/step-N, or <dir>/<tenant>/<model>/step-N.
+  std::vector<std::string> model_ids;
+  for (const std::string& name : ModelIdsIn(options_.dir)) {
+    if (!ListStepCheckpoints(ModelDir(name)).empty()) {
+      model_ids.push_back(name);
+      continue;
+    }
+    for (const std::string& model : ModelIdsIn(ModelDir(name))) {
+      model_ids.push_back(absl::StrCat(name, "/", model));
+    }
+  }
+  for (const std::string& model_id : model_ids) {
+    bool loaded = false;
+    for (const std::string& path : ListStepCheckpoints(ModelDir(model_id))) {
+      const auto start = std::chrono::steady_clock::now();
+      ResumedModel model;
+      const absl::Status status = ResumeModel(model_id, path, &model);
+      metrics_->RecordCheckpoint("resume", status.ok(), SecondsSince(start));
+      if (absl::IsDataLoss(status)) {
+        Log(LogLevel::kWarning, absl::StrCat("skipping damaged checkpoint ",
+                                             path, ": ", status.message()));
+        continue;
+      }
+      TALLY_RETURN_IF_ERROR(status);
+      Log(LogLevel::kInfo,
+          absl::StrCat("resumed model '", model_id, "' at step ", model.step,
+                       " from ", path));
+      resumed.push_back(std::move(model));
+      loaded = true;
+      break;
+    }
+    if (!loaded) {
+      Log(LogLevel::kWarning,
+          absl::StrCat("no valid checkpoint for model '", model_id, "' in ",
+                       ModelDir(model_id), "; not resumed"));
+    }
+  }
+  return resumed;
+}
+
+absl::Status Checkpointer::ResumeModel(const std::string& model_id,
+                                       const std::string& path,
+                                       ResumedModel* resumed) {
+  // Verified first, so a damaged newest checkpoint falls back to an older
+  // one before anything is created.
+  TALLY_ASSIGN_OR_RETURN(CheckpointInfo info, VerifyCheckpoint(path));
+  if (!engine_->GetModel(model_id).ok()) {
+    const CheckpointManifest& m = info.manifest;
+    v1::CreateModelRequest create;
+    create.set_model_id(model_id);
+    create.set_seed(m.seed);
+    create.set_dtype(ToProto(m.dtype));
+    create.set_optimizer(m.optimizer == OptimizerKind::kSgd
+                             ? v1::OPTIMIZER_SGD
+                             : v1::OPTIMIZER_ADAMW);
+    v1::AdamParams* adam = create.mutable_default_adam();
+    adam->set_learning_rate(m.default_adam.learning_rate);
+    if (m.optimizer == OptimizerKind::kAdamW) {
+      adam->set_beta1(m.default_adam.beta1);
+      adam->set_beta2(m.default_adam.beta2);
+      adam->set_eps(m.default_adam.eps);
+    }
+    adam->set_weight_decay(m.default_adam.weight_decay);
+    create.set_default_max_grad_norm(m.default_max_grad_norm);
+    create.set_grad_sync(m.grad_sync == GradSync::kDeferred
+                             ? v1::GRAD_SYNC_DEFERRED
+                             : v1::GRAD_SYNC_EAGER);
+    create.set_init_checkpoint(path);
+    v1::ModelInfo created;
+    TALLY_RETURN_IF_ERROR(
+        ReplicateCommand(*control_, Command::kCreateModel, create));
+    TALLY_RETURN_IF_ERROR(ExecuteCreateModel(*engine_, create, &created));
+  }
+  v1::LoadCheckpointRequest load;
+  load.set_model_id(model_id);
+  load.set_path(path);
+  load.set_load_optimizer(true);
+  v1::LoadCheckpointResponse response;
+  TALLY_RETURN_IF_ERROR(
+      ReplicateCommand(*control_, Command::kLoadCheckpoint, load));
+  TALLY_RETURN_IF_ERROR(
+      ExecuteLoadCheckpoint(*engine_, load, &response, &resumed->server_state));
+  resumed->model_id = model_id;
+  resumed->path = path;
+  resumed->step = response.model().step();
+  return absl::OkStatus();
+}
+
+}  // namespace tally

@@ -1,0 +1,88 @@
+// Checkpointer: the server's own checkpoints: one every N optimizer steps of
+// each model (keeping the newest K), and `--resume`, which brings every model
+// found in the checkpoint directory back at its newest valid checkpoint.
+//
+// Layout (docs/checkpoints.md): <dir>/<model_id>/step-<12-digit step>/, a
+// full checkpoint each; with bearer-token auth a model's engine id is
+// "<tenant>/<model_id>", so its directory is <dir>/<tenant>/<model_id>/.
+// Every call runs on the executor thread (or before serving starts) and
+// replicates its commands to the other ranks, like a client request.
+//
+//   tally::Checkpointer checkpointer(options, engine, &engine->control(),
+//                                    metrics);
+//   TALLY_ASSIGN_OR_RETURN(auto resumed, checkpointer.Resume());
+//   checkpointer.AfterOptimStep(model_id, response);  // may save
+#ifndef TALLY_SERVER_CHECKPOINTER_H_
+#define TALLY_SERVER_CHECKPOINTER_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/communicator.h"
+#include "runtime/engine.h"
+#include "server/metrics.h"
+#include "tally/v1/trainer.pb.h"
+
+namespace tally {
+
+struct CheckpointerOptions {
+  std::string dir;
+  int64_t every_steps = 0;  // 0: no periodic checkpoints
+  int keep = 3;
+};
+
+struct ResumedModel {
+  std::string model_id;  // the engine id
+  std::string path;
+  int64_t step = 0;
+  std::string server_state;  // what the server stored with the checkpoint
+};
+
+class Checkpointer {
+ public:
+  Checkpointer(CheckpointerOptions options, Engine* engine,
+               Communicator* control, ServerMetrics* metrics)
+      : options_(std::move(options)),
+        engine_(engine),
+        control_(control),
+        metrics_(metrics) {}
+
+  // The bytes stored as a checkpoint's server_state (the sequencing state of
+  // a model); empty when unset.
+  void set_server_state_source(
+      std::function<std::string(const std::string& model_id)> source) {
+    server_state_source_ = std::move(source);
+  }
+
+  // After an OptimStep of `model_id` that returned `response`: saves when an
+  // applied step reached a multiple of every_steps, then prunes. A failed save
+  // is logged and counted, not returned: the step itself succeeded.
+  void AfterOptimStep(const std::string& model_id,
+                      const v1::OptimStepResponse& response);
+
+  // For each model directory in `dir` (sorted by id), creates the model if it
+  // does not exist and loads its newest checkpoint that passes
+  // VerifyCheckpoint, skipping damaged ones with a warning. A model whose
+  // checkpoints are all damaged is skipped; an error loading a verified one
+  // is returned.
+  absl::StatusOr<std::vector<ResumedModel>> Resume();
+
+  std::string ModelDir(const std::string& model_id) const;
+
+ private:
+  absl::Status ResumeModel(const std::string& model_id, const std::string& path,
+                           ResumedModel* resumed);
+
+  CheckpointerOptions options_;
+  Engine* engine_;
+  Communicator* control_;
+  ServerMetrics* metrics_;
+  std::function<std::string(const std::string&)> server_state_source_;
+};
+
+}  // namespace tally
+
+#endif  // TALLY_SERVER_CHECKPOINTER_H_

@@ -1,0 +1,258 @@
+// End-to-end access control: a tally-server with mutual TLS, bearer tokens,
+// tenants and a checkpoint root, driven over real TLS connections. The
+// certificates are made at test time with the openssl CLI (no key is
+// committed); without openssl the TLS test is skipped.
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <stdlib.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/trainer_client.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/e2e_util.h"
+#include "tests/e2e/metrics_scrape.h"
+#include "tests/e2e/server_process.h"
+
+namespace tally {
+namespace {
+
+namespace fs = std::filesystem;
+
+using ::tally::testing::HttpGet;
+using ::tally::testing::MetricValue;
+using ::tally::testing::ServerBinaryFromEnv;
+using ::tally::testing::ServerProcess;
+using ::tally::testing::StartServerOrFail;
+
+constexpr char kAliceToken[] = "alice-3c1f0e8a9b7d";
+constexpr char kBobToken[] = "bob-77e2d90a41c5";
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+v1::CreateModelRequest TinyModel(const std::string& model_id) {
+  v1::CreateModelRequest request;
+  request.set_model_id(model_id);
+  v1::ModelConfig* config = request.mutable_config();
+  config->set_vocab_size(32);
+  config->set_hidden_size(16);
+  config->set_intermediate_size(24);
+  config->set_num_hidden_layers(1);
+  config->set_num_attention_heads(2);
+  return request;
+}
+
+v1::GetModelRequest Get(const std::string& model_id) {
+  v1::GetModelRequest request;
+  request.set_model_id(model_id);
+  return request;
+}
+
+class AccessE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern =
+        (fs::temp_directory_path() / "tally-access-e2e-XXXXXX").string();
+    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // A CA, a server certificate for localhost / 127.0.0.1 and a client
+  // certificate, all signed by the CA, in dir_.
+  void MakeCertificates() {
+    const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1";
+    const std::string script = absl::StrCat(
+        "set -e; cd '", dir_, "'\n",  //
+        "openssl req -x509 ", key, " -nodes -keyout ca.key -out ca.pem",
+        " -days 1 -subj /CN=tally-test-ca\n",  //
+        "openssl req ", key, " -nodes -keyout server.key -out server.csr",
+        " -subj /CN=localhost\n",  //
+        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext\n",
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key",
+        " -CAcreateserial -out server.pem -days 1 -extfile san.ext\n",  //
+        "openssl req ", key, " -nodes -keyout client.key -out client.csr",
+        " -subj /CN=tally-client\n",  //
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key",
+        " -CAcreateserial -out client.pem -days 1\n");
+    std::ofstream(dir_ + "/make_certs.sh") << script;
+    ASSERT_EQ(std::system(absl::StrCat("sh '", dir_, "/make_certs.sh' > '",
+                                       dir_, "/openssl.log' 2>&1")
+                              .c_str()),
+              0)
+        << ReadFile(dir_ + "/openssl.log");
+  }
+
+  // A client over TLS to `server`; with the client certificate unless
+  // `with_certificate` is false, sending `token` when not empty.
+  TrainerClient Client(const ServerProcess& server, bool with_certificate,
+                       const std::string& token) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = ReadFile(dir_ + "/ca.pem");
+    if (with_certificate) {
+      ssl.pem_private_key = ReadFile(dir_ + "/client.key");
+      ssl.pem_cert_chain = ReadFile(dir_ + "/client.pem");
+    }
+    std::shared_ptr<grpc::ChannelCredentials> credentials =
+        grpc::SslCredentials(ssl);
+    if (!token.empty()) {
+      credentials = grpc::CompositeChannelCredentials(
+          credentials, grpc::AccessTokenCredentials(token));
+    }
+    return TrainerClient(
+        grpc::CreateChannel(absl::StrCat("localhost:", server.grpc_port()),
+                            credentials),
+        absl::Seconds(20));
+  }
+
+  std::string dir_;
+  std::vector<std::unique_ptr<ServerProcess>> servers_;
+};
+
+TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
+  if (std::system("command -v openssl > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl is not installed; it makes the test certificates";
+  }
+  MakeCertificates();
+  std::ofstream(dir_ + "/tokens") << "# test tokens\n"
+                                  << kAliceToken << " alice\n"
+                                  << kBobToken << " bob\n";
+  const std::string root = dir_ + "/root";
+  fs::create_directories(root);
+  ServerProcess* server = StartServerOrFail(
+      {"--tls-cert", dir_ + "/server.pem", "--tls-key", dir_ + "/server.key",
+       "--tls-client-ca", dir_ + "/ca.pem", "--auth-tokens-file",
+       dir_ + "/tokens", "--checkpoint-root", root},
+      servers_);
+  ASSERT_NE(server, nullptr);
+
+  // mTLS: no client certificate, no connection.
+  {
+    TrainerClient anonymous = Client(*server, false, kAliceToken);
+    EXPECT_EQ(anonymous.ListModels({}).status().code(),
+              absl::StatusCode::kUnavailable);
+  }
+  // The clients close before the server stops: idle TLS connections would
+  // hold its shutdown for their grace period.
+  {
+    // Credentials are checked before anything else.
+    TrainerClient no_token = Client(*server, true, "");
+    EXPECT_EQ(no_token.ListModels({}).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(no_token.CreateModel(TinyModel("m1")).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    TrainerClient wrong_token = Client(*server, true, "alice-guess");
+    EXPECT_EQ(wrong_token.GetModel(Get("m1")).status().code(),
+              absl::StatusCode::kUnauthenticated);
+
+    // Tenants: alice's m1 does not exist for bob, who may have his own.
+    TrainerClient alice = Client(*server, true, kAliceToken);
+    TrainerClient bob = Client(*server, true, kBobToken);
+    absl::StatusOr<v1::ModelInfo> created = alice.CreateModel(TinyModel("m1"));
+    ASSERT_TRUE(created.ok()) << created.status();
+    EXPECT_EQ(created->model_id(), "m1");
+    EXPECT_EQ(bob.GetModel(Get("m1")).status().code(),
+              absl::StatusCode::kNotFound);
+    v1::DeleteModelRequest delete_m1;
+    delete_m1.set_model_id("m1");
+    EXPECT_EQ(bob.DeleteModel(delete_m1).status().code(),
+              absl::StatusCode::kNotFound);
+    EXPECT_EQ(bob.ListModels({})->models_size(), 0);
+    v1::CreateModelRequest bob_m1 = TinyModel("m1");
+    bob_m1.mutable_config()->set_hidden_size(8);
+    ASSERT_TRUE(bob.CreateModel(bob_m1).ok());
+    absl::StatusOr<v1::ListModelsResponse> listed = alice.ListModels({});
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    ASSERT_EQ(listed->models_size(), 1);
+    EXPECT_EQ(listed->models(0).model_id(), "m1");
+    EXPECT_EQ(listed->models(0).config().hidden_size(), 16);  // alice's own
+    EXPECT_EQ(alice.CreateModel(TinyModel("bad/id")).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(alice.CreateModel(TinyModel("..")).status().code(),
+              absl::StatusCode::kInvalidArgument);
+
+    // Checkpoint paths stay inside <root>/<tenant>.
+    v1::SaveCheckpointRequest save;
+    save.set_model_id("m1");
+    for (const std::string& escape :
+         {std::string("../escape"), std::string("a/../../escape"),
+          dir_ + "/elsewhere", root + "/bob/stolen"}) {
+      save.set_path(escape);
+      EXPECT_EQ(alice.SaveCheckpoint(save).status().code(),
+                absl::StatusCode::kPermissionDenied)
+          << escape;
+    }
+    save.set_path("runs/one");
+    absl::StatusOr<v1::SaveCheckpointResponse> saved =
+        alice.SaveCheckpoint(save);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    const std::string alice_dir = fs::canonical(root).string() + "/alice";
+    EXPECT_EQ(saved->path(), alice_dir + "/runs/one");
+    EXPECT_TRUE(fs::exists(alice_dir + "/runs/one/model.safetensors"));
+    // The same relative path names bob's own (absent) directory.
+    v1::LoadCheckpointRequest load;
+    load.set_model_id("m1");
+    load.set_path("runs/one");
+    EXPECT_EQ(bob.LoadCheckpoint(load).status().code(),
+              absl::StatusCode::kNotFound);
+    load.set_path(alice_dir + "/runs/one");
+    EXPECT_EQ(bob.LoadCheckpoint(load).status().code(),
+              absl::StatusCode::kPermissionDenied);
+
+    absl::StatusOr<std::string> metrics =
+        HttpGet(server->metrics_port(), "/metrics");
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    // Two calls without a token, one with a wrong one (the call without a
+    // client certificate never reached the server).
+    EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
+                          {{"reason", "missing_token"}})
+                  .value_or(-1),
+              2);
+    EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
+                          {{"reason", "invalid_token"}})
+                  .value_or(-1),
+              1);
+    EXPECT_EQ(MetricValue(*metrics, "tally_checkpoint_seconds_count",
+                          {{"kind", "save"}})
+                  .value_or(-1),
+              1);
+    EXPECT_GT(MetricValue(*metrics,
+                          "tally_checkpoint_last_success_timestamp_seconds", {})
+                  .value_or(-1),
+              1.6e9);
+  }
+  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
+TEST_F(AccessE2eTest, PlaintextOnlyOnLoopbackUnlessAllowed) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> refused =
+      ServerProcess::Start(ServerBinaryFromEnv(), {"--host", "0.0.0.0"});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("refusing to serve plaintext"),
+            std::string::npos)
+      << refused.status();
+
+  ServerProcess* allowed = StartServerOrFail(
+      {"--host", "0.0.0.0", "--allow-insecure-remote"}, servers_);
+  ASSERT_NE(allowed, nullptr);
+  {
+    TrainerClientOptions options;
+    options.target = allowed->grpc_target();
+    TrainerClient client(options);
+    EXPECT_TRUE(client.ListModels({}).ok());
+  }
+  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
+}  // namespace
+}  // namespace tally

@@ -1,0 +1,325 @@
+// End-to-end checkpoint tests with real tally-server processes: periodic
+// checkpoints, and the exact resume of a server killed with SIGKILL (-9),
+// checked bitwise against an uninterrupted run.
+#include <signal.h>
+#include <stdlib.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/trainer_client.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/e2e_util.h"
+#include "tests/e2e/server_process.h"
+
+namespace tally {
+namespace {
+
+namespace fs = std::filesystem;
+
+using ::tally::testing::ServerProcess;
+using ::tally::testing::StartServerOrFail;
+
+constexpr int32_t kVocab = 48;
+// One model per dtype, trained side by side in each server.
+const char* const kModelIds[] = {"resumed32", "resumed64"};
+constexpr v1::DType kDtypes[] = {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT64};
+
+v1::CreateModelRequest TinyModel(const std::string& model_id, v1::DType dtype) {
+  v1::CreateModelRequest request;
+  request.set_model_id(model_id);
+  v1::ModelConfig* config = request.mutable_config();
+  config->set_vocab_size(kVocab);
+  config->set_hidden_size(16);
+  config->set_intermediate_size(24);
+  config->set_num_hidden_layers(2);
+  config->set_num_attention_heads(4);
+  config->set_num_key_value_heads(2);
+  config->set_max_position_embeddings(32);
+  request.set_seed(17);
+  request.set_dtype(dtype);
+  request.set_default_max_grad_norm(0.5);  // clipping active: more state
+  request.mutable_default_adam()->set_learning_rate(1e-2);
+  return request;
+}
+
+// The window of step `step`: two calls of random samples drawn from the step
+// number, so a resumed run sends exactly what the uninterrupted one sent.
+std::vector<v1::ForwardBackwardRequest> StepWindow(const std::string& model_id,
+                                                   int step) {
+  std::mt19937 rng(1000 + step);
+  std::uniform_int_distribution<int32_t> token(0, kVocab - 1);
+  std::vector<v1::ForwardBackwardRequest> calls(2);
+  for (v1::ForwardBackwardRequest& call : calls) {
+    call.set_model_id(model_id);
+    for (int s = 0; s < 2; ++s) {
+      v1::Sample* sample = call.add_samples();
+      for (int i = 0; i < 6 + 3 * s; ++i) {
+        sample->add_input_tokens(token(rng));
+        sample->add_target_tokens(token(rng));
+      }
+    }
+  }
+  return calls;
+}
+
+// Trains steps first..last (inclusive), checking each reaches its step.
+void Train(TrainerClient& client, const std::string& model_id, int first,
+           int last) {
+  for (int step = first; step <= last; ++step) {
+    for (const v1::ForwardBackwardRequest& call : StepWindow(model_id, step)) {
+      ASSERT_TRUE(client.ForwardBackward(call).ok());
+    }
+    v1::OptimStepRequest optim;
+    optim.set_model_id(model_id);
+    absl::StatusOr<v1::OptimStepResponse> stepped = client.OptimStep(optim);
+    ASSERT_TRUE(stepped.ok()) << stepped.status();
+    ASSERT_EQ(stepped->step(), step);
+  }
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::unique_ptr<TrainerClient> ClientOf(const ServerProcess& server) {
+  TrainerClientOptions options;
+  options.target = server.grpc_target();
+  return std::make_unique<TrainerClient>(options);
+}
+
+// The model as the server reports it.
+absl::StatusOr<v1::ModelInfo> Info(TrainerClient& client,
+                                   const std::string& model_id) {
+  v1::GetModelRequest get;
+  get.set_model_id(model_id);
+  return client.GetModel(get);
+}
+
+class CheckpointE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern =
+        (fs::temp_directory_path() / "tally-ckpt-e2e-XXXXXX").string();
+    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Saves `model_id` of `client` to `name` and returns the path.
+  std::string Save(TrainerClient& client, const std::string& model_id,
+                   const std::string& name) {
+    v1::SaveCheckpointRequest save;
+    save.set_model_id(model_id);
+    save.set_path(dir_ + "/" + name);
+    absl::StatusOr<v1::SaveCheckpointResponse> saved =
+        client.SaveCheckpoint(save);
+    EXPECT_TRUE(saved.ok()) << saved.status();
+    return save.path();
+  }
+
+  // SIGKILL: no shutdown, no final write, like a crashed node.
+  static void Kill(ServerProcess& server) {
+    ASSERT_EQ(kill(server.pid(), SIGKILL), 0);
+    const absl::StatusOr<int> outcome = server.Stop(absl::Seconds(30));
+    ASSERT_FALSE(outcome.ok());
+    EXPECT_NE(outcome.status().message().find("killed by signal 9"),
+              std::string::npos)
+        << outcome.status();
+  }
+
+  std::string dir_;
+  std::vector<std::unique_ptr<ServerProcess>> servers_;  // stopped cleanly
+  std::vector<std::unique_ptr<ServerProcess>> killed_;
+};
+
+// Train 6 steps, versus train 3, kill -9, restart with --resume, train 3:
+// the same parameters and optimizer moments, bit for bit, in FLOAT32 and
+// FLOAT64.
+TEST_F(CheckpointE2eTest, ResumeAfterKillIsExact) {
+  ServerProcess* reference = StartServerOrFail({}, servers_);
+  ASSERT_NE(reference, nullptr);
+  std::unique_ptr<TrainerClient> reference_client = ClientOf(*reference);
+  const std::vector<std::string> periodic = {
+      "--checkpoint-dir",         dir_ + "/periodic",
+      "--checkpoint-every-steps", "3",
+      "--checkpoint-keep",        "2"};
+  ServerProcess* first = StartServerOrFail(periodic, killed_);
+  ASSERT_NE(first, nullptr);
+  std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
+  for (int m = 0; m < 2; ++m) {
+    ASSERT_TRUE(
+        reference_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m]))
+            .ok());
+    Train(*reference_client, kModelIds[m], 1, 6);
+    ASSERT_TRUE(
+        first_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m])).ok());
+    Train(*first_client, kModelIds[m], 1, 3);
+    // A pending window at the kill: lost, as the checkpoint never held it.
+    ASSERT_TRUE(
+        first_client->ForwardBackward(StepWindow(kModelIds[m], 99)[0]).ok());
+  }
+  Kill(*first);
+
+  std::vector<std::string> resume = periodic;
+  resume.push_back("--resume");
+  ServerProcess* second = StartServerOrFail(resume, servers_);
+  ASSERT_NE(second, nullptr);
+  std::unique_ptr<TrainerClient> second_client = ClientOf(*second);
+  for (int m = 0; m < 2; ++m) {
+    const std::string id = kModelIds[m];
+    SCOPED_TRACE(id);
+    EXPECT_NE(second->ReadLog().find("resumed model '" + id + "' at step 3"),
+              std::string::npos)
+        << second->ReadLog();
+    absl::StatusOr<v1::ModelInfo> info = Info(*second_client, id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->step(), 3);
+    EXPECT_EQ(info->accumulated_calls(), 0);
+    EXPECT_EQ(info->dtype(), kDtypes[m]);
+    Train(*second_client, id, 4, 6);
+    const std::string expected = Save(*reference_client, id, id + "-reference");
+    const std::string actual = Save(*second_client, id, id + "-resumed");
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+      const std::string want = ReadBytes(expected + "/" + file);
+      ASSERT_FALSE(want.empty()) << file;
+      EXPECT_TRUE(want == ReadBytes(actual + "/" + file)) << file << " differs";
+    }
+    // Periodic checkpoints at steps 3 and 6, both kept (--checkpoint-keep 2).
+    const std::string model_dir = dir_ + "/periodic/" + id;
+    EXPECT_TRUE(fs::is_directory(model_dir + "/step-000000000003"));
+    EXPECT_TRUE(fs::is_directory(model_dir + "/step-000000000006"));
+  }
+  // Idle connections would hold the servers' shutdown.
+  reference_client.reset();
+  second_client.reset();
+  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
+// Sequenced training, kill -9, --resume: the model's seq_ids continue where
+// its periodic checkpoint left them, and retries of seq_ids before it replay
+// the cached outcome; an unsequenced LoadCheckpoint brings them back too.
+TEST_F(CheckpointE2eTest, ResumeContinuesTheSeqIds) {
+  const std::string id = "sequenced";
+  const std::vector<std::string> periodic = {
+      "--checkpoint-dir", dir_ + "/periodic", "--checkpoint-every-steps", "2"};
+  ServerProcess* first = StartServerOrFail(periodic, killed_);
+  ASSERT_NE(first, nullptr);
+  std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
+  ASSERT_TRUE(first_client->CreateModel(TinyModel(id, kDtypes[0])).ok());
+  // Steps 1 and 2 as seq_ids 1..6 (two calls and an OptimStep each); the
+  // OptimStep with seq_id 6 triggers the checkpoint.
+  uint64_t seq_id = 0;
+  v1::ForwardBackwardRequest last_call;
+  v1::ForwardBackwardResponse last_response;
+  v1::OptimStepRequest last_optim;
+  for (int step = 1; step <= 2; ++step) {
+    for (v1::ForwardBackwardRequest call : StepWindow(id, step)) {
+      call.set_seq_id(++seq_id);
+      absl::StatusOr<v1::ForwardBackwardResponse> done =
+          first_client->ForwardBackward(call);
+      ASSERT_TRUE(done.ok()) << done.status();
+      last_call = call;
+      last_response = *done;
+    }
+    last_optim.set_model_id(id);
+    last_optim.set_seq_id(++seq_id);
+    ASSERT_TRUE(first_client->OptimStep(last_optim).ok());
+  }
+  ASSERT_EQ(seq_id, 6u);
+  // Executed after the checkpoint: lost with the kill.
+  v1::ForwardBackwardRequest lost = StepWindow(id, 3)[0];
+  lost.set_seq_id(7);
+  ASSERT_TRUE(first_client->ForwardBackward(lost).ok());
+  first_client.reset();
+  Kill(*first);
+
+  std::vector<std::string> resume = periodic;
+  resume.push_back("--resume");
+  ServerProcess* second = StartServerOrFail(resume, servers_);
+  ASSERT_NE(second, nullptr);
+  std::unique_ptr<TrainerClient> client = ClientOf(*second);
+  absl::StatusOr<v1::ModelInfo> info = Info(*client, id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->step(), 2);
+  EXPECT_EQ(info->next_seq_id(), 7u);
+  // seq_id 5 replays its original response and adds nothing to the window.
+  absl::StatusOr<v1::ForwardBackwardResponse> replayed =
+      client->ForwardBackward(last_call);
+  ASSERT_TRUE(replayed.ok()) << replayed.status();
+  EXPECT_EQ(replayed->SerializeAsString(), last_response.SerializeAsString());
+  // seq_id 6 was executing when the checkpoint was taken: used, not cached.
+  EXPECT_EQ(client->OptimStep(last_optim).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  info = Info(*client, id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->accumulated_calls(), 0);
+  EXPECT_EQ(info->step(), 2);
+
+  // Step 3 as seq_ids 7..9, then an unsequenced load of the step-2
+  // checkpoint goes back to seq_id 7.
+  for (v1::ForwardBackwardRequest call : StepWindow(id, 3)) {
+    call.set_seq_id(++seq_id);
+    ASSERT_TRUE(client->ForwardBackward(call).ok());
+  }
+  last_optim.set_seq_id(++seq_id);
+  absl::StatusOr<v1::OptimStepResponse> stepped = client->OptimStep(last_optim);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(stepped->step(), 3);
+  v1::LoadCheckpointRequest load;
+  load.set_model_id(id);
+  load.set_path(dir_ + "/periodic/" + id + "/step-000000000002");
+  absl::StatusOr<v1::LoadCheckpointResponse> loaded =
+      client->LoadCheckpoint(load);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->model().step(), 2);
+  EXPECT_EQ(loaded->model().next_seq_id(), 7u);
+  client.reset();
+  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
+// A damaged newest checkpoint is skipped: the server resumes from the one
+// before it, and keeps only --checkpoint-keep of them.
+TEST_F(CheckpointE2eTest, ResumeSkipsADamagedNewestCheckpoint) {
+  const std::vector<std::string> periodic = {"--checkpoint-dir",         dir_,
+                                             "--checkpoint-every-steps", "1",
+                                             "--checkpoint-keep",        "2"};
+  ServerProcess* first = StartServerOrFail(periodic, killed_);
+  ASSERT_NE(first, nullptr);
+  std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
+  const std::string id = kModelIds[0];
+  ASSERT_TRUE(first_client->CreateModel(TinyModel(id, kDtypes[0])).ok());
+  Train(*first_client, id, 1, 3);
+  Kill(*first);
+  const std::string model_dir = dir_ + "/" + id;
+  EXPECT_FALSE(fs::exists(model_dir + "/step-000000000001"));  // pruned
+  const std::string newest = model_dir + "/step-000000000003/model.safetensors";
+  std::string weights = ReadBytes(newest);
+  ASSERT_FALSE(weights.empty());
+  weights[weights.size() / 2] ^= 0x10;
+  std::ofstream(newest, std::ios::binary | std::ios::trunc) << weights;
+
+  std::vector<std::string> resume = periodic;
+  resume.push_back("--resume");
+  ServerProcess* second = StartServerOrFail(resume, servers_);
+  ASSERT_NE(second, nullptr);
+  EXPECT_NE(second->ReadLog().find("skipping damaged checkpoint"),
+            std::string::npos);
+  std::unique_ptr<TrainerClient> second_client = ClientOf(*second);
+  absl::StatusOr<v1::ModelInfo> info = Info(*second_client, id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->step(), 2);
+  second_client.reset();  // an idle connection would hold the shutdown
+  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
+}  // namespace
+}  // namespace tally
