@@ -419,8 +419,8 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   }
   TALLY_ASSIGN_OR_RETURN(
       ClipResult clip,
-      NormalizeAndClip(params, normalizer, mesh_, *groups_.world,
-                       args.norm_type, max_norm));
+      ComputeClip(params, normalizer, mesh_, *groups_.world, args.norm_type,
+                  max_norm));
   OptimStepResult result;
   result.grad_norm = clip.norm.total;
   result.clip_coef = clip.clip_coef;
@@ -458,7 +458,8 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     result.metrics["seconds"] = SecondsSince(start);
     return result;
   }
-  absl::Status stepped = AgreeAcrossRanks(state->optimizer->Step(hp));
+  absl::Status stepped =
+      AgreeAcrossRanks(state->optimizer->Step(hp, clip.grad_scale));
   ClearWindow(*state);
   TALLY_RETURN_IF_ERROR(stepped);
   result.step = ++state->step;
