@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/checkpoint.h"
+#include "runtime/grad_buckets.h"
 #include "runtime/loss.h"
 #include "runtime/status.h"
 
@@ -346,12 +347,8 @@ absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
 }
 
 absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
-  for (Parameter& p : params) {
-    if (!p.tensor.grad().defined()) continue;
-    TALLY_RETURN_IF_ERROR(groups_.dp_replicate->AllReduce(
-        p.tensor.mutable_grad(), ReduceOp::kSum));
-  }
-  return absl::OkStatus();
+  return AllReduceGradientsInBuckets(params, *groups_.dp_replicate,
+                                     options_.bucket_mb << 20);
 }
 
 absl::Status Engine::SumCallGradientsOverReplicas(
