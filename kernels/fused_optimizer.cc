@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu_clones.h"
 #include "kernels/optimizer_math.h"
 
 // Compiled with -ffp-contract=off, as optimizer_math.h requires, and
@@ -18,15 +19,6 @@ namespace {
 // Small enough to balance a few large tensors over the threads, large enough
 // that the per-chunk dispatch is noise next to the memory traffic.
 constexpr int64_t kChunkElements = 32 * 1024;
-
-// On x86-64 every loop is also built for AVX2 + FMA, selected at load time
-// when the CPU has them: 8-wide float vectors and a hardware fma (the
-// baseline build would call libm's fma per element).
-#if defined(__x86_64__) && defined(__GNUC__)
-#define TALLY_KERNEL_CLONES [[gnu::target_clones("arch=x86-64-v3", "default")]]
-#else
-#define TALLY_KERNEL_CLONES
-#endif
 
 // Inlined into each clone below so that it is compiled for the clone's ISA.
 template <typename T>
