@@ -134,6 +134,7 @@ struct Row {
   double stats_s = 0;  // the stats pass's share of fused_s
   double composed_s = 0;
   std::optional<double> pytorch_s;
+  double copy_bandwidth = 0;  // bytes read + written per second
   double bound_s = 0;
 };
 
@@ -243,7 +244,7 @@ std::optional<double> TimePyTorch(const Options& options,
 }
 
 absl::StatusOr<Row> MeasureSize(const Options& options, int64_t target,
-                                double copy_bandwidth, int threads) {
+                                int threads) {
   TALLY_ASSIGN_OR_RETURN(
       std::unique_ptr<LlamaModel> model,
       LlamaModel::Create(TransformerOfSize(target), DType::kFloat32, 1));
@@ -256,7 +257,10 @@ absl::StatusOr<Row> MeasureSize(const Options& options, int64_t target,
   Row row;
   row.params = static_cast<int64_t>(model->NumParameters());
   row.tensors = params.size();
-  row.bound_s = kUnavoidableBytesPerParam * row.params / copy_bandwidth;
+  // Measured next to each size's timings: on a shared machine the bandwidth
+  // drifts with the other load.
+  row.copy_bandwidth = CopyBandwidth(options.repeats);
+  row.bound_s = kUnavoidableBytesPerParam * row.params / row.copy_bandwidth;
   TALLY_ASSIGN_OR_RETURN(FusedTimes fused, TimeFused(params, options.repeats));
   row.fused_s = fused.total_s;
   row.stats_s = fused.stats_s;
@@ -268,26 +272,26 @@ absl::StatusOr<Row> MeasureSize(const Options& options, int64_t target,
 absl::Status Run(const Options& options) {
   if (options.threads > 0) at::set_num_threads(options.threads);
   const int threads = at::get_num_threads();
-  const double bandwidth = CopyBandwidth(options.repeats);
   std::vector<Row> rows;
   for (int64_t size : options.sizes) {
-    TALLY_ASSIGN_OR_RETURN(Row row,
-                           MeasureSize(options, size, bandwidth, threads));
+    TALLY_ASSIGN_OR_RETURN(Row row, MeasureSize(options, size, threads));
     rows.push_back(row);
   }
 
   std::cout << absl::StrFormat(
-      "OptimStep (L2 norm + clip + AdamW, fp32), %d threads, copy bandwidth "
-      "%.2f GB/s (read + written), median of %d\n",
-      threads, bandwidth / 1e9, options.repeats);
+      "OptimStep (L2 norm + clip + AdamW, fp32), %d threads, median of %d; "
+      "bound = %g bytes/param / copy bandwidth (read + written)\n",
+      threads, options.repeats, kUnavoidableBytesPerParam);
   std::cout << absl::StrFormat(
       "%11s %7s %10s %10s %11s %10s %10s %12s %15s %14s\n", "params", "tensors",
       "fused_s", "(stats_s)", "composed_s", "pytorch_s", "bound_s",
       "fused/bound", "composed/fused", "pytorch/fused");
   for (const Row& row : rows) {
     std::cout << absl::StrFormat(
-        "%11d %7d %10.4f %10.4f %11.4f %10s %10.4f %12.2f %15.2f %14s\n",
-        row.params, row.tensors, row.fused_s, row.stats_s, row.composed_s,
+        "%11d %7d %8.2f %10.4f %10.4f %11.4f %10s %10.4f %12.2f %15.2f "
+        "%14s\n",
+        row.params, row.tensors, row.copy_bandwidth / 1e9, row.fused_s,
+        row.stats_s, row.composed_s,
         row.pytorch_s ? absl::StrFormat("%.4f", *row.pytorch_s) : "n/a",
         row.bound_s, row.fused_s / row.bound_s, row.composed_s / row.fused_s,
         row.pytorch_s ? absl::StrFormat("%.2f", *row.pytorch_s / row.fused_s)
