@@ -283,9 +283,9 @@ absl::Status Run(const Options& options) {
       "bound = %g bytes/param / copy bandwidth (read + written)\n",
       threads, options.repeats, kUnavoidableBytesPerParam);
   std::cout << absl::StrFormat(
-      "%11s %7s %10s %10s %11s %10s %10s %12s %15s %14s\n", "params", "tensors",
-      "fused_s", "(stats_s)", "composed_s", "pytorch_s", "bound_s",
-      "fused/bound", "composed/fused", "pytorch/fused");
+      "%11s %7s %8s %10s %10s %11s %10s %10s %12s %15s %14s\n", "params",
+      "tensors", "copy_GB/s", "fused_s", "(stats_s)", "composed_s", "pytorch_s",
+      "bound_s", "fused/bound", "composed/fused", "pytorch/fused");
   for (const Row& row : rows) {
     std::cout << absl::StrFormat(
         "%11d %7d %8.2f %10.4f %10.4f %11.4f %10s %10.4f %12.2f %15.2f "
