@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/checkpoint.h"
 #include "runtime/context_parallel.h"
+#include "runtime/grad_buckets.h"
 #include "runtime/loss.h"
 #include "runtime/status.h"
 
@@ -411,12 +412,8 @@ absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
 }
 
 absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
-  for (Parameter& p : params) {
-    if (!p.tensor.grad().defined()) continue;
-    TALLY_RETURN_IF_ERROR(
-        groups_.replicas->AllReduce(p.tensor.mutable_grad(), ReduceOp::kSum));
-  }
-  return absl::OkStatus();
+  return AllReduceGradientsInBuckets(params, *groups_.replicas,
+                                     options_.bucket_mb << 20);
 }
 
 absl::Status Engine::SumCallGradientsOverReplicas(
@@ -511,8 +508,8 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   }
   TALLY_ASSIGN_OR_RETURN(
       ClipResult clip,
-      NormalizeAndClip(params, normalizer, mesh_, *groups_.world,
-                       args.norm_type, max_norm));
+      ComputeClip(params, normalizer, mesh_, *groups_.world, args.norm_type,
+                  max_norm));
   OptimStepResult result;
   result.grad_norm = clip.norm.total;
   result.clip_coef = clip.clip_coef;
@@ -550,7 +547,8 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     result.metrics["seconds"] = SecondsSince(start);
     return result;
   }
-  absl::Status stepped = AgreeAcrossRanks(state->optimizer->Step(hp));
+  absl::Status stepped =
+      AgreeAcrossRanks(state->optimizer->Step(hp, clip.grad_scale));
   ClearWindow(*state);
   TALLY_RETURN_IF_ERROR(stepped);
   result.step = ++state->step;

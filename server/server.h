@@ -53,6 +53,8 @@ struct ServerOptions {
   // write theirs to "<port_file>.rank<R>".
   std::string port_file;
   int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
+  // Every rank needs the same value (checked at start-up).
+  int64_t bucket_mb = EngineOptions().bucket_mb;
 
   // Reliability (docs/reliability.md).
   // How long a missing seq_id may hold back the requests behind it.

@@ -39,9 +39,9 @@ PENDING_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca",
                  "--auth-tokens-file", "--checkpoint-dir",
                  "--checkpoint-every-steps", "--resume", "--checkpoint-root"}
 MESH_FLAGS = ["--pp", "--dp-replicate", "--dp-shard", "--cp", "--tp"]
-# Flags whose sum bounds how long a pod takes to stop after SIGTERM.
-STOP_FLAGS = ["--shutdown-timeout-secs", "--shutdown-drain-secs",
-              "--exit-timeout-secs"]
+# Flags whose sum bounds how long a pod takes to stop after SIGTERM
+# (--exit-timeout-secs includes the drain; counting both is conservative).
+STOP_FLAGS = ["--shutdown-drain-secs", "--exit-timeout-secs"]
 
 
 def server_binary():
@@ -220,7 +220,7 @@ class ManifestTest(unittest.TestCase):
             with self.subTest(overlay=overlay):
                 spec = pod_spec(workload_of(self.rendered[overlay]))["spec"]
                 flags = parse_args(self.container(overlay)["args"])
-                self.assertIn("--shutdown-timeout-secs", flags)
+                self.assertIn("--exit-timeout-secs", flags)
                 stop = sum(int(flags[f]) for f in STOP_FLAGS if f in flags)
                 self.assertGreaterEqual(spec["terminationGracePeriodSeconds"],
                                         stop + 10)

@@ -147,6 +147,11 @@ class TrainingClient:
         self._retry = retry or RetryPolicy()
         self._lock = threading.Lock()
         self._next_seq_id = first_seq_id
+        # Set when a sequenced call ended ABORTED: the server may or may not
+        # have used its seq_id (an OptimStep on a poisoned window did; a
+        # request aborted by a gap did not), so the next seq_id comes from
+        # the server's next_seq_id.
+        self._resync_seq_id = False
         # Futures of the calls made since the last window-closing call.
         self._in_flight = []
         # The last window-closing call, which later calls wait for when the
@@ -243,6 +248,9 @@ class TrainingClient:
 
     def _take_seq_id(self):
         """The next seq_id; the caller holds self._lock."""
+        if self._resync_seq_id:
+            self._resync_seq_id = False
+            self._next_seq_id = None
         if self._next_seq_id is None:
             self._next_seq_id = self._server_next_seq_id()
         seq_id = self._next_seq_id
@@ -313,6 +321,9 @@ class TrainingClient:
                     timer.daemon = True
                     timer.start()
                     return
+                if code == grpc.StatusCode.ABORTED and getattr(
+                        request, "seq_id", 0):
+                    self._resync_seq_id = True
                 error_type = (WindowAbortedError
                               if code == grpc.StatusCode.ABORTED else TallyError)
                 result.set_exception(error_type(method, code, details))
