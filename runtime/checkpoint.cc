@@ -279,7 +279,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
         for (const Parameter& p : model.parameters()) {
           out.emplace_back(p.name, p.tensor.detach().to(model.scalar_type()));
         }
-        return out;
+        return ExpertWeightsToHf(std::move(out));
       }));
 
   const std::string config_path = PathIn(dir, kConfigFile);
@@ -338,6 +338,10 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
                                                    " has neither ", kModelFile,
                                                    " nor ", kShardIndexFile));
   }
+
+  // Mixtral's per-expert weights, stacked as the model holds them.
+  TALLY_ASSIGN_OR_RETURN(contents.weights,
+                         ExpertWeightsFromHf(std::move(contents.weights)));
 
   const std::string optimizer_path = PathIn(dir, kOptimizerFile);
   if (read_optimizer && IsFile(optimizer_path)) {
