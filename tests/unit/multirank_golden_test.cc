@@ -509,6 +509,8 @@ const auto kMeshes = ::testing::Values(
     MeshCase{"ep2_tp2", Shape(1, 2, 2, 1, 2), true},
     MeshCase{"ep2_dp_replicate2", Shape(2, 2, 1, 1, 2), true},
     MeshCase{"ep2_cp2", Shape(1, 1, 1, 2, 2), true},
+    // Expert replicas (ranks 0, 2) where dense parameters have none.
+    MeshCase{"ep2_dp_shard4", Shape(1, 4, 1, 1, 2), true},
     // Experts replicated over the data ranks, each with its own tokens.
     MeshCase{"moe_dp_shard2", Shape(1, 2, 1), true});
 
