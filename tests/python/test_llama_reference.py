@@ -167,7 +167,13 @@ class ReferenceLlama:
 class ReferenceMixtral(ReferenceLlama):
     """HF MixtralForCausalLM: the MLP is MixtralSparseMoeBlock. The router
     softmax runs in the model dtype (HF upcasts to float32, the same for a
-    float32 model)."""
+    float32 model). `aux` holds tally's per-token load-balancing term of the
+    last log_probs: the mean over layers of E * (sum of the token's top-k
+    router probabilities)."""
+
+    def log_probs(self, inputs):
+        self.aux = 0
+        return super().log_probs(inputs)
 
     def mlp(self, x, prefix):
         p = self.params
@@ -177,6 +183,8 @@ class ReferenceMixtral(ReferenceLlama):
         router_logits = x @ p[prefix + "gate.weight"].T  # [T, E]
         routing = torch.softmax(router_logits, dim=1)
         routing, selected = torch.topk(routing, top_k, dim=-1)
+        layers = self.config["num_hidden_layers"]
+        self.aux = self.aux + experts * routing.sum(dim=-1) / layers
         routing = routing / routing.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
         # expert_mask[e, k, t]: token t's k-th choice is expert e.
@@ -205,7 +213,11 @@ class SampleTerms:
         self.logprobs = target_logp.masked_fill(ignored, 0.0)
         valid = [t != IGNORE and w > 0 for t, w in zip(targets, weights)]
         w = torch.tensor(weights, dtype=model.dtype) * torch.tensor(valid)
-        self.loss_sum = (w * -self.logprobs).sum()  # sum of w * token loss
+        token_loss = -self.logprobs
+        aux_coef = model.config.get("router_aux_loss_coef", 0.0)
+        if aux_coef > 0:  # tally adds the load-balancing term per token
+            token_loss = token_loss + aux_coef * model.aux
+        self.loss_sum = (w * token_loss).sum()  # sum of w * token loss
         self.valid_tokens = sum(valid)
 
 
@@ -440,26 +452,29 @@ class LlamaReferenceTest(ServerTestCase):
     def test_mixtral_sgd(self):
         """A 4-expert top-2 Mixtral: TOKEN_MEAN and SAMPLE_MEAN windows, SGD
         steps, against MixtralSparseMoeBlock semantics, through HF's
-        per-expert checkpoint names. One call holds a single token, so in
-        that call two experts of every layer receive none."""
+        per-expert checkpoint names; then with tally's load-balancing loss.
+        One call holds a single token, so in that call two experts of every
+        layer receive none."""
         self.start_server()
-        moe = {"num_local_experts": 4, "num_experts_per_tok": 2}
         calls = [[SAMPLES[4]], SAMPLES[:4]]
         lr = 0.5
-        for reduction in (pb.LOSS_REDUCTION_TOKEN_MEAN,
-                          pb.LOSS_REDUCTION_SAMPLE_MEAN):
-            model_id = f"mixtral{reduction}"
+        for reduction, aux_coef in ((pb.LOSS_REDUCTION_TOKEN_MEAN, 0.0),
+                                    (pb.LOSS_REDUCTION_SAMPLE_MEAN, 0.0),
+                                    (pb.LOSS_REDUCTION_SAMPLE_MEAN, 0.25)):
+            moe = {"num_local_experts": 4, "num_experts_per_tok": 2,
+                   "router_aux_loss_coef": aux_coef}
+            model_id = f"mixtral{reduction}_{aux_coef}"
             self.create_model(model_id, pb.DTYPE_FLOAT64, False, pb.OPTIMIZER_SGD,
                               moe=moe, default_adam=pb.AdamParams(
                                   learning_rate=lr, weight_decay=0.0))
             config, before = self.read_checkpoint(
-                self.save(model_id, f"A{reduction}"), False, "<f8", moe)
+                self.save(model_id, f"A{model_id}"), False, "<f8", moe)
             self.assertEqual(config["model_type"], "mixtral")
             responses = self.forward_backward(model_id, calls, reduction)
             step = self.stub.OptimStep(pb.OptimStepRequest(model_id=model_id,
                                                            max_grad_norm=0.0))
             _, after = self.read_checkpoint(
-                self.save(model_id, f"B{reduction}"), False, "<f8", moe)
+                self.save(model_id, f"B{model_id}"), False, "<f8", moe)
 
             model = ReferenceMixtral(config, before, torch.float64)
             terms = [[SampleTerms(model, s) for s in call] for call in calls]

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "runtime/checkpoint.h"
+#include "runtime/engine.h"
 #include "runtime/llama_config.h"
 #include "runtime/llama_model.h"
 #include "runtime/optimizer.h"
@@ -203,6 +204,51 @@ TEST(MoeModelTest, TopKOfAllExpertsIsTheSoftmaxMixture) {
   const double want =
       dense->TargetLogprobs(inputs, targets, layout).item<double>();
   EXPECT_LT(std::abs(got - want), 1e-12 * std::abs(want));
+}
+
+// The load-balancing loss is a per-token term like the cross-entropy: the
+// window's gradient is the same whether its samples come in one call or one
+// call each, in one micro-batch or several.
+TEST(MoeAuxLossTest, GradientDoesNotDependOnTheSplit) {
+  for (LossReduction reduction :
+       {LossReduction::kTokenMean, LossReduction::kSampleMean}) {
+    SCOPED_TRACE(ReductionName(reduction));
+    ModelSpec spec =
+        testing::TinySpec("m", DType::kFloat64, OptimizerKind::kSgd);
+    spec.config = Moe();
+    spec.config.router_aux_loss_coef = 0.5;
+    const std::vector<Sample> samples =
+        testing::MakeSamples(spec.config.vocab_size, {9, 4, 13, 1}, 31);
+    auto whole = Engine::CreateSingleRank({}).value();
+    EngineOptions small;
+    small.max_batch_tokens = 8;
+    auto split = Engine::CreateSingleRank(small).value();
+    ASSERT_TRUE(whole->CreateModel(spec).ok());
+    ASSERT_TRUE(split->CreateModel(spec).ok());
+    ASSERT_TRUE(whole->ForwardBackward("m", {samples, reduction}).ok());
+    for (const Sample& sample : samples) {
+      ASSERT_TRUE(split->ForwardBackward("m", {{sample}, reduction}).ok());
+    }
+    const std::vector<torch::Tensor> want =
+        testing::Gradients(*whole->model("m").value());
+    const std::vector<torch::Tensor> got =
+        testing::Gradients(*split->model("m").value());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_LT(testing::RelativeDiff(got[i], want[i]), 1e-12) << i;
+    }
+    // And the term is there: without it the router's gradient differs.
+    spec.config.router_aux_loss_coef = 0;
+    auto plain = Engine::CreateSingleRank({}).value();
+    ASSERT_TRUE(plain->CreateModel(spec).ok());
+    ASSERT_TRUE(plain->ForwardBackward("m", {samples, reduction}).ok());
+    const Parameter* router = plain->model("m").value()->Find(
+        "model.layers.0.block_sparse_moe.gate.weight");
+    const Parameter* with_aux = whole->model("m").value()->Find(
+        "model.layers.0.block_sparse_moe.gate.weight");
+    EXPECT_GT(
+        testing::RelativeDiff(with_aux->tensor.grad(), router->tensor.grad()),
+        1e-3);
+  }
 }
 
 }  // namespace
