@@ -33,13 +33,8 @@ absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp) {
 }
 
 absl::Status ValidateExpertParallel(const LlamaConfig& config, int ep) {
-  if (ep == 1) return absl::OkStatus();
-  if (!config.is_moe()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ep (", ep,
-        ") > 1 needs a mixture of experts (config.num_local_experts "
-        "> 0)"));
-  }
+  // A dense model has nothing to split: it runs on an ep mesh unchanged.
+  if (!config.is_moe()) return absl::OkStatus();
   if (config.num_local_experts % ep != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.num_local_experts (", config.num_local_experts,

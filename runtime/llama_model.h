@@ -108,8 +108,8 @@ struct ModelSharding {
 // INVALID_ARGUMENT naming the config field that tp does not divide.
 absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp);
 
-// INVALID_ARGUMENT when ep does not divide config.num_local_experts (or a
-// dense model is given ep > 1).
+// INVALID_ARGUMENT when ep does not divide config.num_local_experts of a
+// MoE config (a dense model ignores ep).
 absl::Status ValidateExpertParallel(const LlamaConfig& config, int ep);
 
 // The stacked expert parameter "....experts.w1.weight" [E, ...] a per-expert
