@@ -24,6 +24,8 @@ demo: build
 
 bench: build
 	$(BUILD_DIR)/bench/bench_comm
+	$(BUILD_DIR)/bench/bench_optim_step
+	$(BUILD_DIR)/bench/bench_rpc
 
 format:
 	find server runtime kernels client tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' \

@@ -17,13 +17,19 @@ absl::Status ToAbslStatus(const grpc::Status& status) {
                       status.error_message());
 }
 
+bool IsTransient(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status) ||
+         absl::IsResourceExhausted(status);
+}
+
 TrainerClient::TrainerClient(const TrainerClientOptions& options)
-    : TrainerClient(MakeChannel(options), options.deadline) {}
+    : TrainerClient(MakeChannel(options), options.deadline, options.retry) {}
 
 TrainerClient::TrainerClient(std::shared_ptr<grpc::Channel> channel,
-                             absl::Duration deadline)
+                             absl::Duration deadline, RetryPolicy retry)
     : channel_(std::move(channel)),
       deadline_(deadline),
+      retry_(retry),
       trainer_(v1::Trainer::NewStub(channel_)),
       health_(grpc::health::v1::Health::NewStub(channel_)) {}
 
@@ -44,78 +50,96 @@ void TrainerClient::SetDeadline(grpc::ClientContext& context,
 }
 
 template <typename Response, typename Rpc>
-absl::StatusOr<Response> TrainerClient::Invoke(Rpc rpc) {
-  grpc::ClientContext context;
-  SetDeadline(context, absl::Now() + deadline_);
-  Response response;
-  grpc::Status status = rpc(&context, &response);
-  if (!status.ok()) return ToAbslStatus(status);
-  return response;
+absl::StatusOr<Response> TrainerClient::Invoke(bool retryable, Rpc rpc) {
+  absl::Duration backoff = retry_.initial_backoff;
+  for (int attempt = 1;; ++attempt) {
+    grpc::ClientContext context;
+    SetDeadline(context, absl::Now() + deadline_);
+    Response response;
+    const absl::Status status = ToAbslStatus(rpc(&context, &response));
+    if (status.ok()) return response;
+    if (absl::IsAborted(status)) {
+      return absl::AbortedError(absl::StrCat(
+          status.message(),
+          " (the accumulation window is poisoned: call AbortAccumulation, "
+          "then redo the window's ForwardBackward calls)"));
+    }
+    if (!retryable || !IsTransient(status) || attempt >= retry_.max_attempts) {
+      return status;
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, retry_.max_backoff);
+  }
 }
 
 absl::StatusOr<v1::ModelInfo> TrainerClient::CreateModel(
     const v1::CreateModelRequest& request) {
-  return Invoke<v1::ModelInfo>([&](auto* context, auto* response) {
+  return Invoke<v1::ModelInfo>(false, [&](auto* context, auto* response) {
     return trainer_->CreateModel(context, request, response);
   });
 }
 
 absl::StatusOr<v1::ModelInfo> TrainerClient::GetModel(
     const v1::GetModelRequest& request) {
-  return Invoke<v1::ModelInfo>([&](auto* context, auto* response) {
+  return Invoke<v1::ModelInfo>(true, [&](auto* context, auto* response) {
     return trainer_->GetModel(context, request, response);
   });
 }
 
 absl::StatusOr<v1::ListModelsResponse> TrainerClient::ListModels(
     const v1::ListModelsRequest& request) {
-  return Invoke<v1::ListModelsResponse>([&](auto* context, auto* response) {
-    return trainer_->ListModels(context, request, response);
-  });
+  return Invoke<v1::ListModelsResponse>(
+      true, [&](auto* context, auto* response) {
+        return trainer_->ListModels(context, request, response);
+      });
 }
 
 absl::StatusOr<v1::DeleteModelResponse> TrainerClient::DeleteModel(
     const v1::DeleteModelRequest& request) {
-  return Invoke<v1::DeleteModelResponse>([&](auto* context, auto* response) {
-    return trainer_->DeleteModel(context, request, response);
-  });
+  return Invoke<v1::DeleteModelResponse>(
+      false, [&](auto* context, auto* response) {
+        return trainer_->DeleteModel(context, request, response);
+      });
 }
 
 absl::StatusOr<v1::ForwardBackwardResponse> TrainerClient::ForwardBackward(
     const v1::ForwardBackwardRequest& request) {
   return Invoke<v1::ForwardBackwardResponse>(
-      [&](auto* context, auto* response) {
+      request.seq_id() > 0, [&](auto* context, auto* response) {
         return trainer_->ForwardBackward(context, request, response);
       });
 }
 
 absl::StatusOr<v1::OptimStepResponse> TrainerClient::OptimStep(
     const v1::OptimStepRequest& request) {
-  return Invoke<v1::OptimStepResponse>([&](auto* context, auto* response) {
-    return trainer_->OptimStep(context, request, response);
-  });
+  return Invoke<v1::OptimStepResponse>(
+      request.seq_id() > 0, [&](auto* context, auto* response) {
+        return trainer_->OptimStep(context, request, response);
+      });
 }
 
 absl::StatusOr<v1::AbortAccumulationResponse> TrainerClient::AbortAccumulation(
     const v1::AbortAccumulationRequest& request) {
   return Invoke<v1::AbortAccumulationResponse>(
-      [&](auto* context, auto* response) {
+      request.seq_id() > 0, [&](auto* context, auto* response) {
         return trainer_->AbortAccumulation(context, request, response);
       });
 }
 
 absl::StatusOr<v1::SaveCheckpointResponse> TrainerClient::SaveCheckpoint(
     const v1::SaveCheckpointRequest& request) {
-  return Invoke<v1::SaveCheckpointResponse>([&](auto* context, auto* response) {
-    return trainer_->SaveCheckpoint(context, request, response);
-  });
+  return Invoke<v1::SaveCheckpointResponse>(
+      request.seq_id() > 0, [&](auto* context, auto* response) {
+        return trainer_->SaveCheckpoint(context, request, response);
+      });
 }
 
 absl::StatusOr<v1::LoadCheckpointResponse> TrainerClient::LoadCheckpoint(
     const v1::LoadCheckpointRequest& request) {
-  return Invoke<v1::LoadCheckpointResponse>([&](auto* context, auto* response) {
-    return trainer_->LoadCheckpoint(context, request, response);
-  });
+  return Invoke<v1::LoadCheckpointResponse>(
+      request.seq_id() > 0, [&](auto* context, auto* response) {
+        return trainer_->LoadCheckpoint(context, request, response);
+      });
 }
 
 absl::Status TrainerClient::WaitForServing(absl::Duration timeout) {

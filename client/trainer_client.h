@@ -2,6 +2,15 @@
 // plus grpc.health.v1), with every gRPC failure turned into an absl::Status
 // carrying the same canonical code and message.
 //
+// Retries: transient failures (UNAVAILABLE, DEADLINE_EXCEEDED,
+// RESOURCE_EXHAUSTED) are retried with exponential backoff, sending the very
+// same request again, for read-only calls and for mutating calls that carry a
+// seq_id (> 0): the server executes a sequenced request once and answers a
+// repeat with the cached response, so a retry is never applied twice. An
+// unsequenced mutating call is never retried (it might have been applied).
+// ABORTED (a poisoned accumulation window) is never retried: the message
+// tells the caller to AbortAccumulation and redo the window.
+//
 //   tally::TrainerClientOptions options;
 //   options.target = "localhost:50051";
 //   tally::TrainerClient client(options);
@@ -36,6 +45,16 @@
 
 namespace tally {
 
+struct RetryPolicy {
+  // Attempts per call, the first included; 1 disables retries.
+  int max_attempts = 5;
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(5);
+};
+
+// Whether `status` is worth retrying with the same seq_id.
+bool IsTransient(const absl::Status& status);
+
 struct TrainerClientOptions {
   std::string target = "localhost:50051";
   // Applied to every call; absl::InfiniteDuration() sets no deadline.
@@ -43,6 +62,7 @@ struct TrainerClientOptions {
   // Large batches and logprobs overflow gRPC's default 4 MiB limit, so the
   // channel raises both the send and the receive limit to this.
   int max_message_bytes = 256 << 20;
+  RetryPolicy retry;
 };
 
 // Same numeric code (gRPC and absl share the canonical codes) and message.
@@ -53,10 +73,10 @@ class TrainerClient {
   // Opens an insecure channel to options.target. Connecting is lazy: an
   // unreachable server surfaces as UNAVAILABLE on the first call.
   explicit TrainerClient(const TrainerClientOptions& options);
-  // Uses an existing channel (e.g. an in-process server's); `deadline` as in
-  // TrainerClientOptions.
-  TrainerClient(std::shared_ptr<grpc::Channel> channel,
-                absl::Duration deadline);
+  // Uses an existing channel (e.g. an in-process server's); `deadline` and
+  // `retry` as in TrainerClientOptions.
+  TrainerClient(std::shared_ptr<grpc::Channel> channel, absl::Duration deadline,
+                RetryPolicy retry = {});
 
   // The channel TrainerClient(options) would open.
   static std::shared_ptr<grpc::Channel> MakeChannel(
@@ -86,14 +106,16 @@ class TrainerClient {
   absl::Status WaitForServing(absl::Duration timeout);
 
  private:
-  // Runs `rpc(context, response)` under the configured deadline.
+  // Runs `rpc(context, response)` under the configured deadline (per
+  // attempt), retrying transient failures when `retryable`.
   template <typename Response, typename Rpc>
-  absl::StatusOr<Response> Invoke(Rpc rpc);
+  absl::StatusOr<Response> Invoke(bool retryable, Rpc rpc);
 
   void SetDeadline(grpc::ClientContext& context, absl::Time deadline) const;
 
   std::shared_ptr<grpc::Channel> channel_;
   absl::Duration deadline_;
+  RetryPolicy retry_;
   std::unique_ptr<v1::Trainer::Stub> trainer_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };

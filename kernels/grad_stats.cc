@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu_clones.h"
+
 namespace tally::kernels {
 namespace {
 
@@ -45,10 +47,11 @@ struct MagnitudeBits<double> {
   static constexpr Type kAbsMask = 0x7fffffffffffffffull;
 };
 
-// Out of line because, inlined into the parallel_for body, GCC 12 no longer
-// vectorizes the lane loop.
+// Inlined only into the SweepChunk clones below: inlined into the
+// parallel_for body, GCC 12 no longer vectorizes the lane loop.
 template <typename T>
-[[gnu::noinline]] ChunkStats SweepChunk(const T* data, int64_t count) {
+[[gnu::always_inline]] inline ChunkStats SweepLanes(const T* data,
+                                                    int64_t count) {
   using Bits = typename MagnitudeBits<T>::Type;
   double sums[kLanes] = {};
   Bits maxes[kLanes] = {};
@@ -78,6 +81,14 @@ template <typename T>
   std::memcpy(&max_abs, &max_bits, sizeof(max_abs));
   stats.max_abs = static_cast<double>(max_abs);
   return stats;
+}
+
+// The lanes stay independent, so every clone computes the same bits.
+TALLY_KERNEL_CLONES ChunkStats SweepChunk(const float* data, int64_t count) {
+  return SweepLanes(data, count);
+}
+TALLY_KERNEL_CLONES ChunkStats SweepChunk(const double* data, int64_t count) {
+  return SweepLanes(data, count);
 }
 
 }  // namespace

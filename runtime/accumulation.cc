@@ -1,5 +1,6 @@
 #include "runtime/accumulation.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -39,18 +40,16 @@ double AccumulationWindow::Normalizer() const {
   return 0.0;
 }
 
-absl::StatusOr<ClipResult> NormalizeAndClip(std::vector<Parameter>& parameters,
-                                            double normalizer, const Mesh& mesh,
-                                            Communicator& world,
-                                            NormType norm_type,
-                                            double max_grad_norm) {
+absl::StatusOr<ClipResult> ComputeClip(const std::vector<Parameter>& parameters,
+                                       double normalizer, const Mesh& mesh,
+                                       Communicator& world, NormType norm_type,
+                                       double max_grad_norm) {
   if (!(normalizer > 0)) {
     return absl::FailedPreconditionError("normalizer must be > 0");
   }
   TALLY_ASSIGN_OR_RETURN(
       GradNorm raw, ComputeGlobalGradNorm(parameters, mesh, world, norm_type));
-  // ||g / N|| = ||g|| / N: measuring the raw gradient lets a non-finite
-  // result leave the window untouched.
+  // ||g / N|| = ||g|| / N: the raw gradients are measured, never rewritten.
   ClipResult result;
   result.norm = {raw.total / normalizer, raw.dense / normalizer,
                  raw.expert / normalizer};
@@ -59,11 +58,25 @@ absl::StatusOr<ClipResult> NormalizeAndClip(std::vector<Parameter>& parameters,
     result.clip_coef =
         std::min(1.0, max_grad_norm / (result.norm.total + 1e-6));
   }
-  const double scale = result.clip_coef / normalizer;
+  result.grad_scale = result.clip_coef / normalizer;
+  return result;
+}
+
+absl::StatusOr<ClipResult> NormalizeAndClip(std::vector<Parameter>& parameters,
+                                            double normalizer, const Mesh& mesh,
+                                            Communicator& world,
+                                            NormType norm_type,
+                                            double max_grad_norm) {
+  TALLY_ASSIGN_OR_RETURN(ClipResult result,
+                         ComputeClip(parameters, normalizer, mesh, world,
+                                     norm_type, max_grad_norm));
+  if (!std::isfinite(result.norm.total)) return result;
   TALLY_RETURN_IF_ERROR(CatchTorch("normalize gradients", [&] {
     torch::NoGradGuard no_grad;
     for (Parameter& p : parameters) {
-      if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(scale);
+      if (p.tensor.grad().defined()) {
+        p.tensor.mutable_grad().mul_(result.grad_scale);
+      }
     }
   }));
   return result;

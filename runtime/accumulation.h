@@ -1,5 +1,5 @@
 // Accumulation window: what a model has gathered since its last OptimStep,
-// and the in-place normalize-and-clip that OptimStep starts with.
+// and the normalize-and-clip decision that OptimStep starts with.
 //
 // The window holds one loss reduction, the number of calls, valid tokens and
 // counted samples; gradients themselves accumulate in each parameter's
@@ -9,8 +9,9 @@
 //   tally::AccumulationWindow window;
 //   TALLY_RETURN_IF_ERROR(window.CheckReduction(LossReduction::kTokenMean));
 //   window.Add(LossReduction::kTokenMean, /*tokens=*/37, /*samples=*/2);
-//   TALLY_ASSIGN_OR_RETURN(tally::ClipResult clip, tally::NormalizeAndClip(
+//   TALLY_ASSIGN_OR_RETURN(tally::ClipResult clip, tally::ComputeClip(
 //       params, window.Normalizer(), mesh, world, NormType::kL2, 1.0));
+//   TALLY_RETURN_IF_ERROR(optimizer.Step(hp, clip.grad_scale));
 #ifndef TALLY_RUNTIME_ACCUMULATION_H_
 #define TALLY_RUNTIME_ACCUMULATION_H_
 
@@ -43,16 +44,27 @@ class AccumulationWindow {
   WindowCounts counts_;
 };
 
-// Gradients of the window, normalized and clipped, ready for the optimizer.
+// How the window's raw gradients become the normalized, clipped gradient.
 struct ClipResult {
   GradNorm norm;           // of the normalized gradient, before clipping
   double clip_coef = 1.0;  // min(1, max_norm / (norm + 1e-6)), 1 if no clip
+  // clip_coef / normalizer: the factor applied to each raw gradient (0 when
+  // the norm is not finite, which nothing must apply).
+  double grad_scale = 0.0;
 };
 
-// Measures the global norm of the normalized gradient (raw / normalizer) and,
-// when it is finite, scales every gradient in place by clip_coef / normalizer
-// in one pass. With a non-finite norm the gradients are left untouched, so
-// the caller can still skip or refuse with nothing changed.
+// Measures the global norm of the normalized gradient (raw / normalizer) in
+// one stats pass and one all-reduce on `world`, and decides the clip
+// coefficient. Gradients are not modified: OptimStep hands grad_scale to
+// Optimizer::Step, which applies it while it reads each gradient.
+absl::StatusOr<ClipResult> ComputeClip(const std::vector<Parameter>& parameters,
+                                       double normalizer, const Mesh& mesh,
+                                       Communicator& world, NormType norm_type,
+                                       double max_grad_norm);
+
+// ComputeClip, then, when the norm is finite, every gradient scaled in place
+// by grad_scale: the composed path the fused OptimStep is tested against.
+// With a non-finite norm the gradients are left untouched.
 absl::StatusOr<ClipResult> NormalizeAndClip(std::vector<Parameter>& parameters,
                                             double normalizer, const Mesh& mesh,
                                             Communicator& world,

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/checkpoint.h"
 #include "runtime/context_parallel.h"
+#include "runtime/grad_buckets.h"
 #include "runtime/loss.h"
 #include "runtime/status.h"
 
@@ -459,12 +460,18 @@ bool Engine::HasGradientReplicas(const LlamaModel& model) const {
 }
 
 absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
-  for (Parameter& p : params) {
-    Communicator* group =
-        p.is_expert ? groups_.expert_replicas : groups_.replicas;
-    if (!p.tensor.grad().defined() || group->size() == 1) continue;
+  // Expert gradients sum over the expert-data-parallel ranks, the rest over
+  // the replicas; each set in flat buckets. Copies of a Parameter share its
+  // tensor, so the sums land in `params`.
+  std::vector<Parameter> dense, expert;
+  for (const Parameter& p : params) (p.is_expert ? expert : dense).push_back(p);
+  for (auto& [group, subset] :
+       {std::pair<Communicator*, std::vector<Parameter>*>{groups_.replicas,
+                                                          &dense},
+        {groups_.expert_replicas, &expert}}) {
+    if (group->size() == 1 || subset->empty()) continue;
     TALLY_RETURN_IF_ERROR(
-        group->AllReduce(p.tensor.mutable_grad(), ReduceOp::kSum));
+        AllReduceGradientsInBuckets(*subset, *group, options_.bucket_mb << 20));
   }
   return absl::OkStatus();
 }
@@ -559,10 +566,9 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     TALLY_RETURN_IF_ERROR(summed);
     state->replicas_summed = true;
   }
-  TALLY_ASSIGN_OR_RETURN(
-      ClipResult clip,
-      NormalizeAndClip(params, normalizer, mesh_, *groups_.world,
-                       args.norm_type, max_norm));
+  TALLY_ASSIGN_OR_RETURN(ClipResult clip,
+                         ComputeClip(params, normalizer, mesh_, *groups_.world,
+                                     args.norm_type, max_norm));
   OptimStepResult result;
   result.grad_norm = clip.norm.total;
   result.clip_coef = clip.clip_coef;
@@ -600,7 +606,8 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     result.metrics["seconds"] = SecondsSince(start);
     return result;
   }
-  absl::Status stepped = AgreeAcrossRanks(state->optimizer->Step(hp));
+  absl::Status stepped =
+      AgreeAcrossRanks(state->optimizer->Step(hp, clip.grad_scale));
   ClearWindow(*state);
   TALLY_RETURN_IF_ERROR(stepped);
   result.step = ++state->step;

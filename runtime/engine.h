@@ -58,6 +58,10 @@ struct EngineOptions {
   // Padded tokens per forward/backward micro-batch; bounds activation memory
   // for large calls without changing results (the losses are raw sums).
   int64_t max_batch_tokens = 16384;
+  // MiB per flat bucket of the gradient all-reduce over the replicas
+  // (dp_replicate x cp; one collective per bucket); every rank needs the
+  // same value.
+  int64_t bucket_mb = 25;
 };
 
 class Engine {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/fused_optimizer.h"
 #include "runtime/status.h"
 
 namespace tally {
@@ -24,31 +25,65 @@ void Optimizer::Reset() {
   }
 }
 
-absl::Status Optimizer::Step(const AdamParams& hp) {
-  return CatchTorch("optimizer step", [&] {
-    torch::NoGradGuard no_grad;
-    const int64_t step = step_count_ + 1;
-    // The same operation order as torch::optim::AdamW (LibTorch 1.13), so
-    // results match it bitwise.
-    const double bias_correction1 = 1 - std::pow(hp.beta1, step);
-    const double bias_correction2 = 1 - std::pow(hp.beta2, step);
-    for (size_t i = 0; i < parameters_->size(); ++i) {
-      torch::Tensor& p = (*parameters_)[i].tensor;
-      const torch::Tensor& grad = p.grad();
-      if (!grad.defined()) continue;
-      if (hp.weight_decay != 0) p.mul_(1 - hp.learning_rate * hp.weight_decay);
-      if (kind_ == OptimizerKind::kSgd) {
-        p.add_(grad, -hp.learning_rate);
-        continue;
-      }
-      exp_avg_[i].mul_(hp.beta1).add_(grad, 1 - hp.beta1);
-      exp_avg_sq_[i].mul_(hp.beta2).addcmul_(grad, grad, 1 - hp.beta2);
-      torch::Tensor denom =
-          (exp_avg_sq_[i].sqrt() / std::sqrt(bias_correction2)).add_(hp.eps);
-      p.addcdiv_(exp_avg_[i], denom, -hp.learning_rate / bias_correction1);
+absl::Status Optimizer::Step(const AdamParams& hp, double grad_scale) {
+  const bool adamw = kind_ == OptimizerKind::kAdamW;
+  const int64_t step = step_count_ + 1;
+  std::vector<kernels::UpdateOperands> fused;
+  std::vector<size_t> composed;
+  for (size_t i = 0; i < parameters_->size(); ++i) {
+    const torch::Tensor& p = (*parameters_)[i].tensor;
+    if (!p.grad().defined()) continue;
+    kernels::UpdateOperands operands;
+    operands.param = p;
+    operands.grad = p.grad();
+    if (adamw) {
+      operands.exp_avg = exp_avg_[i];
+      operands.exp_avg_sq = exp_avg_sq_[i];
     }
-    step_count_ = step;
-  });
+    if (kernels::CheckFusable(operands, adamw).ok()) {
+      fused.push_back(std::move(operands));
+    } else {
+      composed.push_back(i);
+    }
+  }
+  kernels::UpdateHyperparameters kernel_hp;
+  kernel_hp.learning_rate = hp.learning_rate;
+  kernel_hp.beta1 = hp.beta1;
+  kernel_hp.beta2 = hp.beta2;
+  kernel_hp.eps = hp.eps;
+  kernel_hp.weight_decay = hp.weight_decay;
+  kernel_hp.step = step;
+  kernel_hp.grad_scale = grad_scale;
+  TALLY_RETURN_IF_ERROR(adamw ? kernels::FusedAdamW(fused, kernel_hp)
+                              : kernels::FusedSgd(fused, kernel_hp));
+  TALLY_RETURN_IF_ERROR(CatchTorch("optimizer step", [&] {
+    torch::NoGradGuard no_grad;
+    for (size_t i : composed) StepComposed(i, hp, grad_scale, step);
+  }));
+  step_count_ = step;
+  return absl::OkStatus();
+}
+
+void Optimizer::StepComposed(size_t index, const AdamParams& hp,
+                             double grad_scale, int64_t step) {
+  torch::Tensor& p = (*parameters_)[index].tensor;
+  // Rounded as grad.mul_(grad_scale) would, without modifying the gradient.
+  const torch::Tensor grad =
+      grad_scale == 1.0 ? p.grad() : p.grad() * grad_scale;
+  if (hp.weight_decay != 0) p.mul_(1 - hp.learning_rate * hp.weight_decay);
+  if (kind_ == OptimizerKind::kSgd) {
+    p.add_(grad, -hp.learning_rate);
+    return;
+  }
+  // The same operation order as torch::optim::AdamW (LibTorch 1.13), so
+  // results match it bitwise.
+  const double bias_correction1 = 1 - std::pow(hp.beta1, step);
+  const double bias_correction2 = 1 - std::pow(hp.beta2, step);
+  exp_avg_[index].mul_(hp.beta1).add_(grad, 1 - hp.beta1);
+  exp_avg_sq_[index].mul_(hp.beta2).addcmul_(grad, grad, 1 - hp.beta2);
+  torch::Tensor denom =
+      (exp_avg_sq_[index].sqrt() / std::sqrt(bias_correction2)).add_(hp.eps);
+  p.addcdiv_(exp_avg_[index], denom, -hp.learning_rate / bias_correction1);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> Optimizer::StateTensors()

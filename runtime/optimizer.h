@@ -1,13 +1,18 @@
 // Optimizer: AdamW (torch.optim.AdamW semantics) and SGD over the local
 // shards of a model's parameters.
 //
-// Step() expects gradients already normalized and clipped; it applies one
-// update with the hyperparameters given for this step, so every field a
-// client sends is honored. State (moments and the step count used for bias
-// correction) exists only for the local shards.
+// Step() reads every gradient as grad * grad_scale (OptimStep passes
+// clip_coef / normalizer, so the raw accumulated sums are normalized and
+// clipped on the fly) and applies one update with the hyperparameters given
+// for this step, so every field a client sends is honored. Contiguous
+// float32 / float64 CPU parameters go through the fused kernels
+// (kernels/fused_optimizer.h), one pass over memory; any other parameter
+// takes the composed LibTorch ops, with the same arithmetic. State (moments
+// and the step count used for bias correction) exists only for the local
+// shards.
 //
 //   tally::Optimizer opt(tally::OptimizerKind::kAdamW, &model->parameters());
-//   TALLY_RETURN_IF_ERROR(opt.Step(params));
+//   TALLY_RETURN_IF_ERROR(opt.Step(params, clip.grad_scale));
 //   for (const auto& [name, t] : opt.StateTensors()) Save(name, t);
 #ifndef TALLY_RUNTIME_OPTIMIZER_H_
 #define TALLY_RUNTIME_OPTIMIZER_H_
@@ -34,7 +39,8 @@ class Optimizer {
   // Number of updates applied (AdamW bias correction uses it).
   int64_t step_count() const { return step_count_; }
 
-  absl::Status Step(const AdamParams& params);
+  // Gradients are only read: they keep their raw values.
+  absl::Status Step(const AdamParams& params, double grad_scale = 1.0);
 
   // Moments start again from zero and the step count from 0.
   void Reset();
@@ -49,6 +55,10 @@ class Optimizer {
       int64_t step_count);
 
  private:
+  // The composed LibTorch ops, for a parameter the fused kernels refuse.
+  void StepComposed(size_t index, const AdamParams& hp, double grad_scale,
+                    int64_t step);
+
   OptimizerKind kind_;
   std::vector<Parameter>* parameters_;
   std::vector<torch::Tensor> exp_avg_;

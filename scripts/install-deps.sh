@@ -12,6 +12,10 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-protobuf python3-torch python3-numpy
   nlohmann-json3-dev curl
+  # deploy/ checks and tests: manifests, alert rules, a real Prometheus,
+  # network namespaces for the multi-host rendezvous test, pip for the
+  # Python client package.
+  yamllint python3-yaml prometheus iproute2 python3-pip python3-setuptools
 )
 
 missing=()

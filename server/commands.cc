@@ -1,5 +1,7 @@
 #include "server/commands.h"
 
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
@@ -116,21 +118,25 @@ absl::Status ReplicateCommand(Communicator& control, Command command,
 
 namespace {
 
-// Parses the payload as `Request` and runs `execute` on it.
+// Parses the payload as `Request` and runs `execute` on it; `model_id` gets
+// the request's model id.
 template <typename Request, typename Response>
 absl::Status Run(Engine& engine, const std::string& payload,
-                 absl::Status (*execute)(Engine&, const Request&, Response*)) {
+                 absl::Status (*execute)(Engine&, const Request&, Response*),
+                 std::string* model_id) {
   Request request;
   if (!request.ParseFromString(payload)) {
     return absl::DataLossError("cannot parse a replicated command");
   }
+  *model_id = request.model_id();
   Response response;
   return execute(engine, request, &response);
 }
 
 }  // namespace
 
-absl::Status CommandLoop(Engine& engine, Communicator& control) {
+absl::Status CommandLoop(Engine& engine, Communicator& control,
+                         ServerMetrics* metrics) {
   while (true) {
     torch::Tensor header = torch::zeros({2}, torch::kInt64);
     TALLY_RETURN_IF_ERROR(control.Broadcast(header, /*root=*/0));
@@ -143,36 +149,50 @@ absl::Status CommandLoop(Engine& engine, Communicator& control) {
       TALLY_RETURN_IF_ERROR(control.Broadcast(bytes, /*root=*/0));
     }
     absl::Status status;
+    std::string model_id;
+    const auto start = std::chrono::steady_clock::now();
     switch (command) {
       case Command::kShutdown:
         return absl::OkStatus();
       case Command::kCreateModel:
-        status = Run(engine, payload, &ExecuteCreateModel);
+        status = Run(engine, payload, &ExecuteCreateModel, &model_id);
         break;
       case Command::kDeleteModel:
-        status = Run(engine, payload, &ExecuteDeleteModel);
+        status = Run(engine, payload, &ExecuteDeleteModel, &model_id);
         break;
       case Command::kForwardBackward:
-        status = Run(engine, payload, &ExecuteForwardBackward);
+        status = Run(engine, payload, &ExecuteForwardBackward, &model_id);
         break;
       case Command::kOptimStep:
-        status = Run(engine, payload, &ExecuteOptimStep);
+        status = Run(engine, payload, &ExecuteOptimStep, &model_id);
         break;
       case Command::kAbortAccumulation:
-        status = Run(engine, payload, &ExecuteAbortAccumulation);
+        status = Run(engine, payload, &ExecuteAbortAccumulation, &model_id);
         break;
       case Command::kSaveCheckpoint:
-        status = Run(engine, payload, &ExecuteSaveCheckpoint);
+        status = Run(engine, payload, &ExecuteSaveCheckpoint, &model_id);
         break;
       case Command::kLoadCheckpoint:
-        status = Run(engine, payload, &ExecuteLoadCheckpoint);
+        status = Run(engine, payload, &ExecuteLoadCheckpoint, &model_id);
         break;
       case Command::kPoisonWindow:
-        status = Run(engine, payload, &ExecutePoisonWindow);
+        status = Run(engine, payload, &ExecutePoisonWindow, &model_id);
         break;
       default:
         return absl::DataLossError(absl::StrCat("unknown replicated command ",
                                                 static_cast<int64_t>(command)));
+    }
+    if (metrics != nullptr) {
+      const double seconds = std::chrono::duration<double>(
+                                 std::chrono::steady_clock::now() - start)
+                                 .count();
+      if (status.ok() && command == Command::kForwardBackward) {
+        metrics->ObserveForwardBackwardSeconds(model_id, seconds);
+      } else if (status.ok() && command == Command::kOptimStep) {
+        metrics->ObserveOptimStepSeconds(model_id, seconds);
+      } else {
+        metrics->RecordRankState();
+      }
     }
     // This rank's groups are unusable: exit so the supervisor restarts the
     // deployment.

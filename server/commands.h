@@ -11,7 +11,7 @@
 //   TALLY_RETURN_IF_ERROR(ReplicateCommand(control, Command::kOptimStep, req));
 //   TALLY_RETURN_IF_ERROR(ExecuteOptimStep(engine, req, &resp));
 //   // ranks > 0:
-//   return tally::CommandLoop(engine, control);
+//   return tally::CommandLoop(engine, control, metrics.get());
 #ifndef TALLY_SERVER_COMMANDS_H_
 #define TALLY_SERVER_COMMANDS_H_
 
@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "runtime/communicator.h"
 #include "runtime/engine.h"
+#include "server/metrics.h"
 #include "tally/v1/trainer.pb.h"
 
 namespace tally {
@@ -77,8 +78,11 @@ absl::Status ReplicateCommand(Communicator& control, Command command,
 // Ranks > 0: executes replicated commands until kShutdown. Failures that can
 // differ between ranks are agreed inside the engine, so a failed command
 // failed on rank 0 too and is only logged; a failed collective (a dead or hung
-// rank, Engine::CollectiveFailure) ends the loop with its error.
-absl::Status CommandLoop(Engine& engine, Communicator& control);
+// rank, Engine::CollectiveFailure) or a broken control group ends the loop
+// with its error. `metrics` (nullable) gets this rank's execution times and
+// state after every command.
+absl::Status CommandLoop(Engine& engine, Communicator& control,
+                         ServerMetrics* metrics);
 
 }  // namespace tally
 

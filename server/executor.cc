@@ -13,11 +13,6 @@ bool CommandExecutor::Submit(std::function<void()> command) {
   return true;
 }
 
-size_t CommandExecutor::queue_depth() const {
-  absl::MutexLock lock(&mu_);
-  return queue_.size();
-}
-
 void CommandExecutor::Stop() {
   {
     absl::MutexLock lock(&mu_);

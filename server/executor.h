@@ -28,7 +28,6 @@ class CommandExecutor {
 
   // False (and `command` is dropped) once Stop() has begun.
   bool Submit(std::function<void()> command);
-  size_t queue_depth() const;
   void Stop();
 
  private:

@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "runtime/log.h"
-#include "server/commands.h"
 #include "server/flags.h"
 #include "server/launcher.h"
 #include "server/server.h"
@@ -67,10 +66,10 @@ int main(int argc, char** argv) {
   if ((*engine)->mesh().rank() != 0) {
     // Ranks > 0 ignore SIGTERM (it stays blocked): they stop when rank 0,
     // having drained its requests, replicates the shutdown command.
-    absl::Status status = tally::CommandLoop(**engine, (*engine)->control());
+    absl::Status status = tally::ServeWorkerRank(options, *std::move(engine));
     if (!status.ok()) {
       tally::Log(tally::LogLevel::kError,
-                 absl::StrCat("command loop: ", status.ToString()));
+                 absl::StrCat("rank: ", status.ToString()));
       return 1;
     }
     return 0;

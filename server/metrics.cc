@@ -1,8 +1,14 @@
 #include "server/metrics.h"
 
+#include <prometheus/metric_family.h>
+
 #include <cmath>
+#include <set>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "runtime/status.h"
 
 namespace tally {
@@ -22,6 +28,46 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   return b;
 }
 
+// The engine's communicators, each once, named by the roles it plays
+// ("world", "data+dp_shard", "control"): a single-rank engine uses one
+// communicator for every role, and its counters must not be summed twice.
+std::vector<std::pair<std::string, const Communicator*>> NamedCommunicators(
+    Engine& engine) {
+  const EngineGroups& g = engine.groups();
+  const std::vector<std::pair<const char*, const Communicator*>> roles = {
+      {"world", g.world},
+      {"data", g.data},
+      {"data_and_cp", g.data_and_cp},
+      {"replicas", g.replicas},
+      {"dp_replicate", g.dp_replicate},
+      {"dp_shard", g.dp_shard},
+      {"cp", g.cp},
+      {"tp", g.tp},
+      {"ep", g.ep},
+      {"expert_replicas", g.expert_replicas},
+      {"control", &engine.control()}};
+  std::vector<std::pair<std::vector<std::string>, const Communicator*>> merged;
+  for (const auto& [role, comm] : roles) {
+    if (comm == nullptr) continue;
+    auto it = std::find_if(merged.begin(), merged.end(),
+                           [&](const auto& m) { return m.second == comm; });
+    if (it == merged.end()) {
+      merged.push_back({{role}, comm});
+    } else {
+      it->first.push_back(role);
+    }
+  }
+  std::vector<std::pair<std::string, const Communicator*>> named;
+  for (const auto& [names, comm] : merged) {
+    named.emplace_back(absl::StrJoin(names, "+"), comm);
+  }
+  return named;
+}
+
+int64_t TensorBytes(const torch::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+}
+
 }  // namespace
 
 struct ServerMetrics::ModelSeries {
@@ -35,109 +81,122 @@ struct ServerMetrics::ModelSeries {
   prometheus::Gauge* pending_tokens;
   prometheus::Gauge* loss;
   prometheus::Gauge* step;
-  prometheus::Histogram* forward_backward_seconds;
-  prometheus::Histogram* optim_step_seconds;
   prometheus::Counter* duplicate_requests;
   prometheus::Counter* poisoned_windows;
+};
+
+struct ServerMetrics::RankModelSeries {
+  prometheus::Histogram* forward_backward_seconds;
+  prometheus::Histogram* optim_step_seconds;
+  prometheus::Gauge* parameter_bytes;
+  prometheus::Gauge* gradient_bytes;
+  prometheus::Gauge* optimizer_state_bytes;
+};
+
+// Prometheus counters only go up, so the communicator's totals are added as
+// increments since the last copy.
+struct ServerMetrics::CommSeries {
+  prometheus::Counter* calls;
+  prometheus::Counter* bytes;
+  CommCounter copied;
 };
 
 ServerMetrics::~ServerMetrics() = default;
 
 absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
-    const std::string& address) {
+    const std::string& address, Engine* engine) {
   std::unique_ptr<ServerMetrics> m(new ServerMetrics());
+  m->engine_ = engine;
   m->registry_ = std::make_shared<prometheus::Registry>();
   prometheus::Registry& r = *m->registry_;
-  m->grad_norm_ = &prometheus::BuildGauge()
-                       .Name("tally_grad_norm")
-                       .Help("Pre-clip global gradient norm of the last step")
-                       .Register(r);
+  const prometheus::Labels rank = {
+      {"rank", absl::StrCat(engine->mesh().rank())}};
+  auto gauge = [&](const char* name, const char* help) {
+    return &prometheus::BuildGauge()
+                .Name(name)
+                .Help(help)
+                .Labels(rank)
+                .Register(r);
+  };
+  auto counter = [&](const char* name, const char* help) {
+    return &prometheus::BuildCounter()
+                .Name(name)
+                .Help(help)
+                .Labels(rank)
+                .Register(r);
+  };
+  auto histogram = [&](const char* name, const char* help) {
+    return &prometheus::BuildHistogram()
+                .Name(name)
+                .Help(help)
+                .Labels(rank)
+                .Register(r);
+  };
+  m->grad_norm_ = gauge("tally_grad_norm",
+                        "Pre-clip global gradient norm of the last step");
   m->grad_norm_distribution_ =
-      &prometheus::BuildHistogram()
-           .Name("tally_grad_norm_distribution")
-           .Help("Pre-clip global gradient norms (finite ones)")
-           .Register(r);
-  m->clip_coefficient_ = &prometheus::BuildGauge()
-                              .Name("tally_clip_coefficient")
-                              .Help(
-                                  "Clip coefficient of the last step (1: "
-                                  "not clipped)")
-                              .Register(r);
-  m->optim_steps_ = &prometheus::BuildCounter()
-                         .Name("tally_optim_steps_total")
-                         .Help("OptimStep outcomes")
-                         .Register(r);
-  m->valid_tokens_ = &prometheus::BuildCounter()
-                          .Name("tally_valid_tokens_total")
-                          .Help("Valid tokens backpropagated")
-                          .Register(r);
-  m->samples_ = &prometheus::BuildCounter()
-                     .Name("tally_samples_total")
-                     .Help(
-                         "Samples with at least one valid token "
-                         "backpropagated")
-                     .Register(r);
-  m->pending_tokens_ = &prometheus::BuildGauge()
-                            .Name("tally_pending_tokens")
-                            .Help("Valid tokens in the pending window")
-                            .Register(r);
-  m->loss_ = &prometheus::BuildGauge()
-                  .Name("tally_loss")
-                  .Help("Mean loss of the last ForwardBackward")
-                  .Register(r);
-  m->model_step_ = &prometheus::BuildGauge()
-                        .Name("tally_model_step")
-                        .Help("Optimizer steps applied to the model")
-                        .Register(r);
-  m->forward_backward_seconds_ = &prometheus::BuildHistogram()
-                                      .Name("tally_forward_backward_seconds")
-                                      .Help("ForwardBackward execution time")
-                                      .Register(r);
-  m->optim_step_seconds_ = &prometheus::BuildHistogram()
-                                .Name("tally_optim_step_seconds")
-                                .Help("OptimStep execution time")
-                                .Register(r);
-  m->requests_ = &prometheus::BuildCounter()
-                      .Name("tally_requests_total")
-                      .Help("RPCs by method and status code")
-                      .Register(r);
+      histogram("tally_grad_norm_distribution",
+                "Pre-clip global gradient norms (finite ones)");
+  m->clip_coefficient_ =
+      gauge("tally_clip_coefficient",
+            "Clip coefficient of the last step (1: not clipped)");
+  m->optim_steps_ = counter("tally_optim_steps_total", "OptimStep outcomes");
+  m->valid_tokens_ =
+      counter("tally_valid_tokens_total", "Valid tokens backpropagated");
+  m->samples_ = counter("tally_samples_total",
+                        "Samples with at least one valid token backpropagated");
+  m->pending_tokens_ =
+      gauge("tally_pending_tokens", "Valid tokens in the pending window");
+  m->loss_ = gauge("tally_loss", "Mean loss of the last ForwardBackward");
+  m->model_step_ =
+      gauge("tally_model_step", "Optimizer steps applied to the model");
+  m->forward_backward_seconds_ =
+      histogram("tally_forward_backward_seconds",
+                "ForwardBackward execution time on this rank");
+  m->optim_step_seconds_ = histogram("tally_optim_step_seconds",
+                                     "OptimStep execution time on this rank");
+  m->requests_ =
+      counter("tally_requests_total", "RPCs by method and status code");
+  m->collective_calls_ =
+      counter("tally_collective_calls_total",
+              "Collectives this rank took part in, by communicator and op");
+  m->collective_bytes_ = counter(
+      "tally_collective_bytes_total",
+      "Payload bytes this rank contributed to collectives, by communicator "
+      "and op");
+  m->parameter_bytes_ = gauge("tally_rank_parameter_bytes",
+                              "Bytes of this rank's parameter shards");
+  m->gradient_bytes_ = gauge("tally_rank_gradient_bytes",
+                             "Bytes of this rank's gradient shards");
+  m->optimizer_state_bytes_ =
+      gauge("tally_rank_optimizer_state_bytes",
+            "Bytes of this rank's optimizer state (AdamW moments)");
   m->duplicate_requests_ =
-      &prometheus::BuildCounter()
-           .Name("tally_duplicate_requests_total")
-           .Help("Retried sequenced requests answered without re-executing")
-           .Register(r);
-  m->poisoned_windows_ = &prometheus::BuildCounter()
-                              .Name("tally_poisoned_windows_total")
-                              .Help(
-                                  "Accumulation windows poisoned (a failed "
-                                  "ForwardBackward, a seq_id gap timeout)")
-                              .Register(r);
+      counter("tally_duplicate_requests_total",
+              "Retried sequenced requests answered without re-executing");
+  m->poisoned_windows_ = counter(
+      "tally_poisoned_windows_total",
+      "Accumulation windows poisoned (a failed ForwardBackward, a seq_id gap "
+      "timeout)");
   m->seq_gap_wait_seconds_ =
-      &prometheus::BuildHistogram()
-           .Name("tally_seq_gap_wait_seconds")
-           .Help("How long a missing seq_id held back later requests")
-           .Register(r)
-           .Add({}, LatencyBuckets());
-  m->queue_depth_ = &prometheus::BuildGauge()
-                         .Name("tally_queue_depth")
-                         .Help("Requests held: waiting, queued or executing")
-                         .Register(r)
-                         .Add({});
-  m->rank_failures_ = &prometheus::BuildCounter()
-                           .Name("tally_rank_failures_total")
-                           .Help("Collectives that failed or timed out")
-                           .Register(r)
-                           .Add({});
-  m->models_ = &prometheus::BuildGauge()
-                    .Name("tally_models")
-                    .Help("Models loaded")
-                    .Register(r)
-                    .Add({});
-  prometheus::BuildGauge()
-      .Name("tally_build_info")
-      .Help("Build information (value 1)")
-      .Register(r)
-      .Add({{"version", TALLY_VERSION}})
+      &histogram("tally_seq_gap_wait_seconds",
+                 "How long a missing seq_id held back later requests")
+           ->Add({}, LatencyBuckets());
+  m->queue_depth_ =
+      &gauge("tally_queue_depth", "Requests held: waiting, queued or executing")
+           ->Add({});
+  m->rank_failures_ = &counter("tally_rank_failures_total",
+                               "Collectives that failed or timed out")
+                           ->Add({});
+  m->models_ = &gauge("tally_models", "Models loaded")->Add({});
+  const Mesh& mesh = engine->mesh();
+  // A value, not a label, so that alerts can compare it with the number of
+  // ranks scraped.
+  gauge("tally_world_size", "Ranks in this server's world")
+      ->Add({})
+      .Set(mesh.world_size());
+  gauge("tally_build_info", "Build and rank information (value 1)")
+      ->Add({{"version", TALLY_VERSION}, {"mesh", mesh.shape().ToString()}})
       .Set(1);
   TALLY_RETURN_IF_ERROR(CatchTorch("metrics exposer", [&] {
     m->exposer_ = std::make_unique<prometheus::Exposer>(address);
@@ -149,6 +208,8 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
         absl::StrCat("metrics exposer did not bind ", address));
   }
   m->port_ = ports.front();
+  absl::MutexLock lock(&m->mu_);
+  m->RecordRankStateLocked();
   return m;
 }
 
@@ -168,10 +229,22 @@ ServerMetrics::ModelSeries& ServerMetrics::Series(const std::string& id) {
         &optim_steps_->Add(with("outcome", "applied")),
         &optim_steps_->Add(with("outcome", "skipped_nonfinite")),
         &valid_tokens_->Add(l), &samples_->Add(l), &pending_tokens_->Add(l),
-        &loss_->Add(l), &model_step_->Add(l),
-        &forward_backward_seconds_->Add(l, LatencyBuckets()),
-        &optim_step_seconds_->Add(l, LatencyBuckets()),
-        &duplicate_requests_->Add(l), &poisoned_windows_->Add(l)});
+        &loss_->Add(l), &model_step_->Add(l), &duplicate_requests_->Add(l),
+        &poisoned_windows_->Add(l)});
+  }
+  return *slot;
+}
+
+ServerMetrics::RankModelSeries& ServerMetrics::RankSeries(
+    const std::string& id) {
+  auto& slot = rank_series_[id];
+  if (!slot) {
+    const prometheus::Labels l = {{"model_id", id}};
+    slot = std::make_unique<RankModelSeries>(
+        RankModelSeries{&forward_backward_seconds_->Add(l, LatencyBuckets()),
+                        &optim_step_seconds_->Add(l, LatencyBuckets()),
+                        &parameter_bytes_->Add(l), &gradient_bytes_->Add(l),
+                        &optimizer_state_bytes_->Add(l)});
   }
   return *slot;
 }
@@ -185,21 +258,23 @@ void ServerMetrics::RecordForwardBackward(
     const std::string& model_id, const v1::ForwardBackwardResponse& result,
     bool accumulated, double seconds) {
   absl::MutexLock lock(&mu_);
+  RankSeries(model_id).forward_backward_seconds->Observe(seconds);
   ModelSeries& s = Series(model_id);
-  s.forward_backward_seconds->Observe(seconds);
   s.loss->Set(result.loss_mean());
-  if (!accumulated) return;
-  s.valid_tokens->Increment(static_cast<double>(result.valid_tokens()));
-  s.samples->Increment(static_cast<double>(result.num_samples()));
-  s.pending_tokens->Set(static_cast<double>(result.accumulated_tokens()));
+  if (accumulated) {
+    s.valid_tokens->Increment(static_cast<double>(result.valid_tokens()));
+    s.samples->Increment(static_cast<double>(result.num_samples()));
+    s.pending_tokens->Set(static_cast<double>(result.accumulated_tokens()));
+  }
+  RecordRankStateLocked();
 }
 
 void ServerMetrics::RecordOptimStep(const std::string& model_id,
                                     const v1::OptimStepResponse& result,
                                     double seconds) {
   absl::MutexLock lock(&mu_);
+  RankSeries(model_id).optim_step_seconds->Observe(seconds);
   ModelSeries& s = Series(model_id);
-  s.optim_step_seconds->Observe(seconds);
   s.grad_norm->Set(result.grad_norm());
   if (std::isfinite(result.grad_norm())) {
     s.grad_norm_distribution->Observe(result.grad_norm());
@@ -208,20 +283,39 @@ void ServerMetrics::RecordOptimStep(const std::string& model_id,
   (result.skipped() ? s.steps_skipped : s.steps_applied)->Increment();
   s.step->Set(static_cast<double>(result.step()));
   s.pending_tokens->Set(0);
+  RecordRankStateLocked();
+}
+
+void ServerMetrics::ObserveForwardBackwardSeconds(const std::string& model_id,
+                                                  double seconds) {
+  absl::MutexLock lock(&mu_);
+  RankSeries(model_id).forward_backward_seconds->Observe(seconds);
+  RecordRankStateLocked();
+}
+
+void ServerMetrics::ObserveOptimStepSeconds(const std::string& model_id,
+                                            double seconds) {
+  absl::MutexLock lock(&mu_);
+  RankSeries(model_id).optim_step_seconds->Observe(seconds);
+  RecordRankStateLocked();
 }
 
 void ServerMetrics::SetPendingTokens(const std::string& model_id,
                                      int64_t tokens) {
   absl::MutexLock lock(&mu_);
   Series(model_id).pending_tokens->Set(static_cast<double>(tokens));
+  RecordRankStateLocked();
 }
 
 void ServerMetrics::SetModelCount(size_t count) {
   models_->Set(static_cast<double>(count));
+  absl::MutexLock lock(&mu_);
+  RecordRankStateLocked();
 }
 
 void ServerMetrics::RemoveModel(const std::string& model_id) {
   absl::MutexLock lock(&mu_);
+  RemoveRankSeries(model_id);
   auto it = series_.find(model_id);
   if (it == series_.end()) return;
   const ModelSeries& s = *it->second;
@@ -235,11 +329,76 @@ void ServerMetrics::RemoveModel(const std::string& model_id) {
   pending_tokens_->Remove(s.pending_tokens);
   loss_->Remove(s.loss);
   model_step_->Remove(s.step);
-  forward_backward_seconds_->Remove(s.forward_backward_seconds);
-  optim_step_seconds_->Remove(s.optim_step_seconds);
   duplicate_requests_->Remove(s.duplicate_requests);
   poisoned_windows_->Remove(s.poisoned_windows);
   series_.erase(it);
+}
+
+void ServerMetrics::RemoveRankSeries(const std::string& model_id) {
+  auto it = rank_series_.find(model_id);
+  if (it == rank_series_.end()) return;
+  const RankModelSeries& s = *it->second;
+  forward_backward_seconds_->Remove(s.forward_backward_seconds);
+  optim_step_seconds_->Remove(s.optim_step_seconds);
+  parameter_bytes_->Remove(s.parameter_bytes);
+  gradient_bytes_->Remove(s.gradient_bytes);
+  optimizer_state_bytes_->Remove(s.optimizer_state_bytes);
+  rank_series_.erase(it);
+}
+
+void ServerMetrics::RecordRankState() {
+  absl::MutexLock lock(&mu_);
+  RecordRankStateLocked();
+}
+
+void ServerMetrics::RecordRankStateLocked() {
+  for (const auto& [roles, comm] : NamedCommunicators(*engine_)) {
+    for (int i = 0; i < kNumCommOps; ++i) {
+      const auto op = static_cast<CommOp>(i);
+      const CommCounter& now = comm->stats().Get(op);
+      const std::string key = absl::StrCat(roles, "/", CommOpName(op));
+      // Ops a communicator never ran get no series (most pairs of the 6x6).
+      if (now.calls == 0 && comm_series_.count(key) == 0) continue;
+      auto& slot = comm_series_[key];
+      if (!slot) {
+        const prometheus::Labels l = {{"communicator", roles},
+                                      {"op", CommOpName(op)}};
+        slot = std::make_unique<CommSeries>(CommSeries{
+            &collective_calls_->Add(l), &collective_bytes_->Add(l), {}});
+      }
+      // CommStats only grow once the metrics exist (the rendezvous resets
+      // the world's before); Increment ignores a negative step.
+      slot->calls->Increment(
+          static_cast<double>(now.calls - slot->copied.calls));
+      slot->bytes->Increment(
+          static_cast<double>(now.bytes - slot->copied.bytes));
+      slot->copied = now;
+    }
+  }
+  std::set<std::string> live;
+  for (const ModelSummary& summary : engine_->ListModels()) {
+    live.insert(summary.model_id);
+    absl::StatusOr<LlamaModel*> model = engine_->model(summary.model_id);
+    if (!model.ok()) continue;
+    int64_t parameters = 0, gradients = 0;
+    for (const Parameter& p : (*model)->parameters()) {
+      parameters += TensorBytes(p.tensor);
+      gradients += TensorBytes(p.tensor.grad());
+    }
+    RankModelSeries& s = RankSeries(summary.model_id);
+    s.parameter_bytes->Set(static_cast<double>(parameters));
+    s.gradient_bytes->Set(static_cast<double>(gradients));
+    // AdamW keeps two moments shaped like the parameters from creation on;
+    // SGD keeps none.
+    s.optimizer_state_bytes->Set(
+        summary.optimizer == OptimizerKind::kAdamW ? 2.0 * parameters : 0.0);
+  }
+  models_->Set(static_cast<double>(live.size()));
+  std::vector<std::string> gone;
+  for (const auto& [id, series] : rank_series_) {
+    if (live.count(id) == 0) gone.push_back(id);
+  }
+  for (const std::string& id : gone) RemoveRankSeries(id);
 }
 
 void ServerMetrics::RecordDuplicate(const std::string& model_id) {

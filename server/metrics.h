@@ -1,11 +1,20 @@
-// ServerMetrics: the Prometheus metrics of a tally server, exposed over HTTP
-// on their own port (`--metrics-port`). Every metric is documented in
-// docs/metrics.md; labels are bounded (model ids, RPC names, status codes),
-// never request ids.
+// ServerMetrics: the Prometheus metrics of one tally rank, exposed over HTTP
+// on their own port. Every rank serves its own /metrics (so a PodMonitor or a
+// scrape config listing every rank sees each one); every series carries a
+// constant `rank` label. Rank 0 adds the request-level metrics of the gRPC
+// front end (tokens, losses, grad norms, RPC codes, queue depth); every rank
+// reports what it executed itself (ForwardBackward / OptimStep time), its
+// collectives (calls and bytes per communicator and op) and the bytes of its
+// parameter, gradient and optimizer-state shards. Every metric is documented
+// in docs/metrics.md; labels are bounded (model ids, RPC names, status
+// codes, communicator roles), never request ids.
 //
-//   TALLY_ASSIGN_OR_RETURN(auto metrics,
-//                          tally::ServerMetrics::Create("0.0.0.0:9090"));
-//   metrics->RecordOptimStep("demo", result, seconds);
+//   TALLY_ASSIGN_OR_RETURN(
+//       auto metrics,
+//       tally::ServerMetrics::Create("0.0.0.0:9090", engine.get()));
+//   metrics->RecordOptimStep("demo", result, seconds);  // rank 0
+//   metrics->ObserveOptimStepSeconds("demo", seconds);  // ranks > 0
+//   metrics->RecordRankState();  // ranks > 0, after each command
 //   int port = metrics->port();
 #ifndef TALLY_SERVER_METRICS_H_
 #define TALLY_SERVER_METRICS_H_
@@ -22,20 +31,28 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "runtime/engine.h"
 #include "tally/v1/trainer.pb.h"
 
 namespace tally {
 
 class ServerMetrics {
  public:
-  // Binds `address` ("host:port", port 0 picks a free one).
+  // Binds `address` ("host:port", port 0 picks a free one). `engine` (not
+  // owned, outlives the metrics, only read) gives the `rank` label and the rank
+  // state. The request-flow recorders (RecordRequest, RecordDuplicate,
+  // RecordPoisonedWindow, RecordSeqGapWait, SetQueueDepth, RecordRankFailure)
+  // may run on any thread; every other method runs on the engine's command
+  // thread (the engine is not thread-safe) and refreshes the rank state after
+  // recording.
   static absl::StatusOr<std::unique_ptr<ServerMetrics>> Create(
-      const std::string& address);
+      const std::string& address, Engine* engine);
 
   ~ServerMetrics();
 
   int port() const { return port_; }
 
+  // Front end (rank 0).
   void RecordRequest(const std::string& method, const std::string& code);
   // `accumulated`: false for forward_only calls, which add no tokens.
   void RecordForwardBackward(const std::string& model_id,
@@ -48,6 +65,15 @@ class ServerMetrics {
   void SetModelCount(size_t count);
   // Drops a deleted model's per-model series.
   void RemoveModel(const std::string& model_id);
+
+  // Every rank: execution time of a command on this rank (rank 0's
+  // RecordForwardBackward / RecordOptimStep observe the same histograms).
+  void ObserveForwardBackwardSeconds(const std::string& model_id,
+                                     double seconds);
+  void ObserveOptimStepSeconds(const std::string& model_id, double seconds);
+  // Copies this rank's collective counters and shard sizes from the engine;
+  // models gone from the engine lose their series.
+  void RecordRankState();
 
   // A retried sequenced request answered without executing it again.
   void RecordDuplicate(const std::string& model_id);
@@ -62,9 +88,17 @@ class ServerMetrics {
   ServerMetrics() = default;
 
   struct ModelSeries;
+  struct RankModelSeries;
+  struct CommSeries;
   ModelSeries& Series(const std::string& model_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  RankModelSeries& RankSeries(const std::string& model_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveRankSeries(const std::string& model_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordRankStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  Engine* engine_ = nullptr;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
@@ -84,6 +118,11 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
   prometheus::Family<prometheus::Counter>* duplicate_requests_ = nullptr;
   prometheus::Family<prometheus::Counter>* poisoned_windows_ = nullptr;
+  prometheus::Family<prometheus::Counter>* collective_calls_ = nullptr;
+  prometheus::Family<prometheus::Counter>* collective_bytes_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* parameter_bytes_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* gradient_bytes_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* optimizer_state_bytes_ = nullptr;
   prometheus::Gauge* models_ = nullptr;
   prometheus::Histogram* seq_gap_wait_seconds_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
@@ -91,6 +130,11 @@ class ServerMetrics {
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<ModelSeries>> series_
+      ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<RankModelSeries>> rank_series_
+      ABSL_GUARDED_BY(mu_);
+  // Keyed by "<communicator roles>/<op>".
+  std::map<std::string, std::unique_ptr<CommSeries>> comm_series_
       ABSL_GUARDED_BY(mu_);
 };
 

@@ -4,7 +4,9 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/log.h"
@@ -13,6 +15,26 @@
 
 namespace tally {
 namespace {
+
+std::optional<std::string> GetEnv(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return std::nullopt;
+  return std::string(value);
+}
+
+// Ranks sharing a host (the local launcher, torchrun) get distinct ports:
+// base + local rank; 0 stays "any free port".
+absl::StatusOr<int> LocalRankPort(const ServerOptions& options, int base,
+                                  const char* flag) {
+  if (base == 0) return 0;
+  TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
+  const int port = base + env.local_rank;
+  if (port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, " ", base, " + local rank ", env.local_rank, " is past 65535"));
+  }
+  return port;
+}
 
 absl::Status WritePortFile(const std::string& path, int grpc_port,
                            int metrics_port) {
@@ -41,6 +63,7 @@ absl::Status CheckSameOnEveryRank(Communicator& world,
   if (world.size() == 1) return absl::OkStatus();
   const std::vector<std::pair<const char*, double>> settings = {
       {"--max-batch-tokens", static_cast<double>(options.max_batch_tokens)},
+      {"--bucket-mb", static_cast<double>(options.bucket_mb)},
       {"--demo-model", options.demo_model ? 1.0 : 0.0}};
   std::vector<double> values;
   for (const auto& [flag, value] : settings) values.push_back(value);
@@ -65,14 +88,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     const ServerOptions& options) {
   EngineOptions engine_options;
   engine_options.max_batch_tokens = options.max_batch_tokens;
-  TALLY_ASSIGN_OR_RETURN(
-      RankEnv env,
-      ResolveRankEnv(options.rank_env,
-                     [](const char* name) -> std::optional<std::string> {
-                       const char* value = std::getenv(name);
-                       if (value == nullptr) return std::nullopt;
-                       return std::string(value);
-                     }));
+  engine_options.bucket_mb = options.bucket_mb;
+  TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
   if (env.world_size != options.mesh.world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the world has ", env.world_size, " ranks (from ",
@@ -124,8 +141,12 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   s->options_ = options;
   s->engine_ = std::move(engine);
   TALLY_ASSIGN_OR_RETURN(
-      s->metrics_, ServerMetrics::Create(
-                       absl::StrCat(options.host, ":", options.metrics_port)));
+      const int metrics_port,
+      LocalRankPort(options, options.metrics_port, "--metrics-port"));
+  TALLY_ASSIGN_OR_RETURN(
+      s->metrics_,
+      ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
+                            s->engine_.get()));
   s->metrics_->SetModelCount(s->engine_->num_models());
   s->executor_ = std::make_unique<CommandExecutor>();
 
@@ -171,6 +192,45 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
 }
 
 TallyServer::~TallyServer() { Shutdown().IgnoreError(); }
+
+absl::Status ServeWorkerRank(const ServerOptions& options,
+                             std::unique_ptr<Engine> engine) {
+  const int rank = engine->mesh().rank();
+  TALLY_ASSIGN_OR_RETURN(
+      const int metrics_port,
+      LocalRankPort(options, options.metrics_port, "--metrics-port"));
+  TALLY_ASSIGN_OR_RETURN(
+      const int grpc_port,
+      LocalRankPort(options, options.grpc_port, "--grpc-port"));
+  TALLY_ASSIGN_OR_RETURN(
+      std::unique_ptr<ServerMetrics> metrics,
+      ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
+                            engine.get()));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int bound_grpc_port = 0;
+  builder.AddListeningPort(absl::StrCat(options.host, ":", grpc_port),
+                           grpc::InsecureServerCredentials(), &bound_grpc_port);
+  std::unique_ptr<grpc::Server> health = builder.BuildAndStart();
+  if (!health || bound_grpc_port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.host, ":", grpc_port));
+  }
+  health->GetHealthCheckService()->SetServingStatus(true);
+  Log(LogLevel::kInfo,
+      absl::StrCat("rank ", rank, ": health on ", options.host, ":",
+                   bound_grpc_port, ", metrics on http://", options.host, ":",
+                   metrics->port(), "/metrics"));
+  if (!options.port_file.empty()) {
+    TALLY_RETURN_IF_ERROR(
+        WritePortFile(absl::StrCat(options.port_file, ".rank", rank),
+                      bound_grpc_port, metrics->port()));
+  }
+  absl::Status status = CommandLoop(*engine, engine->control(), metrics.get());
+  health->GetHealthCheckService()->SetServingStatus(false);
+  health->Shutdown();
+  return status;
+}
 
 absl::Status TallyServer::failure() const {
   absl::MutexLock lock(&failure_mu_);

@@ -38,15 +38,20 @@ struct ServerOptions {
   double rendezvous_timeout_secs = 300;
 
   std::string host = "0.0.0.0";
-  int grpc_port = 50051;    // 0: any free port
-  int metrics_port = 9090;  // 0: any free port
+  // Local rank r (LOCAL_RANK, set by the local launcher and torchrun) listens
+  // on port + r, so ranks sharing a host do not collide; 0: any free port.
+  int grpc_port = 50051;
+  int metrics_port = 9090;
   int64_t max_message_bytes = int64_t{256} << 20;
   std::string log_level = "info";
   // Create model "demo" (the embedded default config) at start.
   bool demo_model = false;
-  // Written as {"grpc_port": N, "metrics_port": M} once serving.
+  // Written as {"grpc_port": N, "metrics_port": M} once serving; ranks > 0
+  // write theirs to "<port_file>.rank<R>".
   std::string port_file;
   int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
+  // Every rank needs the same value (checked at start-up).
+  int64_t bucket_mb = EngineOptions().bucket_mb;
 
   // Reliability (docs/reliability.md).
   // How long a missing seq_id may hold back the requests behind it.
@@ -76,8 +81,14 @@ inline constexpr char kDemoModelId[] = "demo";
 absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     const ServerOptions& options);
 
+// Ranks > 0: serves this rank's metrics and grpc.health.v1 (what Kubernetes
+// probes; no tally.v1.Trainer) while CommandLoop (commands.h) executes rank
+// 0's commands, until rank 0 shuts the world down.
+absl::Status ServeWorkerRank(const ServerOptions& options,
+                             std::unique_ptr<Engine> engine);
+
 // Rank 0's front end over `engine`: gRPC and metrics. Ranks > 0 run
-// CommandLoop (commands.h) instead.
+// ServeWorkerRank instead.
 class TallyServer {
  public:
   static absl::StatusOr<std::unique_ptr<TallyServer>> Start(
@@ -103,8 +114,9 @@ class TallyServer {
 
   ServerOptions options_;
   std::unique_ptr<Engine> engine_;
-  std::unique_ptr<ServerMetrics> metrics_;
+  // Before metrics_, whose scrapes read its queue depth until destroyed.
   std::unique_ptr<CommandExecutor> executor_;
+  std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<TrainerService> service_;
   std::unique_ptr<grpc::Server> server_;
   int grpc_port_ = 0;

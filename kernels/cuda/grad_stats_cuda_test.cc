@@ -12,21 +12,17 @@
 #include <string>
 #include <vector>
 
+#include "tests/cuda/cuda_device.h"
+
 namespace tally::kernels {
 namespace {
 
 // Skips the calling test, naming why, unless a CUDA device is usable.
-#define TALLY_SKIP_WITHOUT_CUDA_DEVICE()                                \
-  do {                                                                  \
-    int device_count = 0;                                               \
-    const cudaError_t device_error = cudaGetDeviceCount(&device_count); \
-    if (device_error != cudaSuccess) {                                  \
-      GTEST_SKIP() << "no usable CUDA device: "                         \
-                   << cudaGetErrorString(device_error);                 \
-    }                                                                   \
-    if (device_count == 0) {                                            \
-      GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount returned 0";  \
-    }                                                                   \
+#define TALLY_SKIP_WITHOUT_CUDA_DEVICE()                       \
+  do {                                                         \
+    if (auto reason = ::tally::testing::MissingCudaDevice()) { \
+      GTEST_SKIP() << *reason;                                 \
+    }                                                          \
   } while (false)
 
 struct CudaFree {

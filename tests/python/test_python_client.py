@@ -151,13 +151,13 @@ class PythonClientTest(ServerTestCase):
 
         metrics = scrape(self.server.metrics_port)
         grad_norm = metrics[("tally_grad_norm",
-                             frozenset({("model_id", DEMO)}))]
+                             frozenset({("model_id", DEMO), ("rank", "0")}))]
         self.assertLessEqual(abs(grad_norm - last_step.grad_norm),
                              1e-9 * last_step.grad_norm,
                              f"metrics {grad_norm!r}, OptimStep "
                              f"{last_step.grad_norm!r}")
         applied = metrics[("tally_optim_steps_total",
-                           frozenset({("model_id", DEMO),
+                           frozenset({("model_id", DEMO), ("rank", "0"),
                                       ("outcome", "applied")}))]
         self.assertEqual(applied, 3.0)
 

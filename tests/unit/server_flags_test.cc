@@ -91,6 +91,14 @@ TEST(ServerFlagsTest, ReliabilityFlags) {
   }
 }
 
+TEST(ServerFlagsTest, BucketSizeReachesTheEngineOptions) {
+  EXPECT_EQ(Parse({})->options.bucket_mb, EngineOptions().bucket_mb);
+  auto flags = Parse({"--bucket-mb", "8"});
+  ASSERT_TRUE(flags.ok()) << flags.status();
+  EXPECT_EQ(flags->options.bucket_mb, 8);
+  EXPECT_FALSE(Parse({"--bucket-mb", "0"}).ok());
+}
+
 TEST(ServerFlagsTest, BadFlagsAreNamed) {
   struct Case {
     std::vector<const char*> args;

@@ -1,0 +1,388 @@
+"""TrainingClient: one model on a tally server, from a Python training loop.
+
+Every mutating call gets the next seq_id of the model at the moment it is
+made, and returns a concurrent.futures.Future at once, so ForwardBackward
+calls can be pipelined. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED,
+RESOURCE_EXHAUSTED) are retried with exponential backoff, resending the SAME
+request and seq_id: the server executes a sequenced request once and answers a
+repeat with the cached result, so a retry is never applied twice.
+
+Window-closing calls (optim_step, abort_window, save, load) are sent once the
+calls before them have finished, so that no step can overtake the
+ForwardBackward calls of its window even on a server that does not order by
+seq_id. A server whose API has ModelInfo.next_seq_id executes each model's
+requests in seq_id order, so the next window's calls are sent at once; with an
+older server they wait until the window-closing call has finished. If a call
+of the window failed for good, its OptimStep is not sent: the window is
+aborted instead (under the step's seq_id, so the sequence has no gap) and the
+step's future raises WindowAbortedError. A server that answers ABORTED (a
+poisoned window) also raises WindowAbortedError: call abort_window() and redo
+the window.
+
+    client = TrainingClient("localhost:50051", "demo", token="s3cret")
+    calls = [client.forward_backward(batch) for batch in window]
+    step = client.optim_step(adam={"learning_rate": 3e-4}, max_grad_norm=1.0)
+    print(step.result().grad_norm, sum(c.result().loss_sum for c in calls))
+"""
+
+import concurrent.futures
+import random
+import threading
+import time
+
+import grpc
+
+from tally.v1 import trainer_pb2 as pb
+from tally.v1 import trainer_pb2_grpc as pb_grpc
+
+from tally_client.samples import to_samples
+
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
+                             grpc.StatusCode.DEADLINE_EXCEEDED,
+                             grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+# The API revision with exactly-once sequencing (ordered by seq_id, retries
+# answered from a cache) reports where a client resumes.
+SERVER_ORDERS_BY_SEQ_ID = "next_seq_id" in pb.ModelInfo.DESCRIPTOR.fields_by_name
+
+_REDUCTIONS = {
+    "token_mean": pb.LOSS_REDUCTION_TOKEN_MEAN,
+    "sample_mean": pb.LOSS_REDUCTION_SAMPLE_MEAN,
+    "sum": pb.LOSS_REDUCTION_SUM,
+}
+
+
+class TallyError(Exception):
+    """A call failed for good; `code` is its grpc.StatusCode."""
+
+    def __init__(self, method, code, details):
+        super().__init__(f"{method}: {code.name}: {details}")
+        self.method = method
+        self.code = code
+        self.details = details
+
+
+class WindowAbortedError(TallyError):
+    """The accumulation window cannot be stepped: call abort_window() and
+    redo its forward_backward calls."""
+
+    def __init__(self, method, code, details):
+        super().__init__(
+            method, code,
+            f"{details} -- the accumulation window is poisoned or incomplete: "
+            f"call abort_window() and redo the window's forward_backward calls")
+
+
+class RetryPolicy:
+    """Attempts per call (the first included) and the exponential backoff
+    between them, with up to 10% jitter."""
+
+    def __init__(self, max_attempts=8, initial_backoff=0.1, max_backoff=5.0):
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.max_attempts = max_attempts
+        self.initial_backoff = initial_backoff
+        self.max_backoff = max_backoff
+
+    def backoff(self, attempt):
+        """Seconds to wait after failed attempt number `attempt` (1-based)."""
+        base = min(self.max_backoff, self.initial_backoff * 2 ** (attempt - 1))
+        return base * (1 + 0.1 * random.random())
+
+
+class Tls:
+    """TLS settings: root CA (None: the system's), and for mutual TLS a client
+    certificate and key. Each is PEM bytes or a path."""
+
+    def __init__(self, ca_cert=None, client_cert=None, client_key=None,
+                 server_name=None):
+        self.ca_cert = ca_cert
+        self.client_cert = client_cert
+        self.client_key = client_key
+        self.server_name = server_name
+
+    def credentials(self):
+        def read(value):
+            if value is None or isinstance(value, bytes):
+                return value
+            with open(value, "rb") as f:
+                return f.read()
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca_cert),
+            private_key=read(self.client_key),
+            certificate_chain=read(self.client_cert))
+
+
+def make_channel(target, tls=None, max_message_bytes=256 << 20):
+    """An insecure channel for tls None/False; TLS for True (system roots), a
+    Tls, or grpc.ChannelCredentials."""
+    options = [("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.max_receive_message_length", max_message_bytes)]
+    if not tls:
+        return grpc.insecure_channel(target, options=options)
+    if tls is True:
+        tls = Tls()
+    if isinstance(tls, Tls):
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        tls = tls.credentials()
+    return grpc.secure_channel(target, tls, options=options)
+
+
+class TrainingClient:
+    """A model's training calls. Thread-safe; results come as futures."""
+
+    def __init__(self, target, model_id, token=None, tls=None, *,
+                 timeout=600.0, retry=None, channel=None, first_seq_id=None):
+        """`token`: sent as "authorization: Bearer <token>". `timeout`: seconds
+        per attempt. `channel`: use this channel instead of opening one.
+        `first_seq_id`: the seq_id of the first mutating call (default: the
+        model's next_seq_id when the server reports one, else 1)."""
+        self.model_id = model_id
+        self._channel = channel or make_channel(target, tls)
+        self._owns_channel = channel is None
+        self._stub = pb_grpc.TrainerStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout = timeout
+        self._retry = retry or RetryPolicy()
+        self._lock = threading.Lock()
+        self._next_seq_id = first_seq_id
+        # Set when a sequenced call ended ABORTED: the server may or may not
+        # have used its seq_id (an OptimStep on a poisoned window did; a
+        # request aborted by a gap did not), so the next seq_id comes from
+        # the server's next_seq_id.
+        self._resync_seq_id = False
+        # Futures of the calls made since the last window-closing call.
+        self._in_flight = []
+        # The last window-closing call, which later calls wait for when the
+        # server does not order requests by seq_id.
+        self._closing = None
+
+    # ---- model management (not sequenced) --------------------------------
+
+    def create_model(self, **fields):
+        """CreateModel for this model id; `fields` as in CreateModelRequest
+        (config may be a dict). Blocks; returns ModelInfo."""
+        if isinstance(fields.get("config"), dict):
+            fields["config"] = pb.ModelConfig(**fields["config"])
+        if isinstance(fields.get("default_adam"), dict):
+            fields["default_adam"] = pb.AdamParams(**fields["default_adam"])
+        request = pb.CreateModelRequest(model_id=self.model_id, **fields)
+        return self._call("CreateModel", request, retryable=False).result()
+
+    def get_model(self):
+        return self._call("GetModel", pb.GetModelRequest(model_id=self.model_id),
+                          retryable=True).result()
+
+    def delete_model(self):
+        return self._call("DeleteModel",
+                          pb.DeleteModelRequest(model_id=self.model_id),
+                          retryable=False).result()
+
+    # ---- training (sequenced) --------------------------------------------
+
+    def forward_backward(self, samples, reduction="token_mean",
+                         forward_only=False):
+        """Future of a ForwardBackwardResponse. `samples`: pb.Sample objects,
+        (input_tokens, target_tokens[, weights]) tuples or dicts, with tokens
+        as lists, numpy arrays or torch tensors (see samples.to_samples)."""
+        request = pb.ForwardBackwardRequest(
+            model_id=self.model_id, samples=to_samples(samples),
+            reduction=_REDUCTIONS[reduction] if isinstance(reduction, str)
+            else reduction,
+            forward_only=forward_only)
+        result = concurrent.futures.Future()
+        with self._lock:
+            request.seq_id = self._take_seq_id()
+            closing = self._closing
+            self._in_flight.append(result)
+
+        def send():
+            _chain(self._call("ForwardBackward", request, retryable=True), result)
+
+        _when_all_done([] if closing is None else [closing], send)
+        return result
+
+    def optim_step(self, adam=None, max_grad_norm=None, **fields):
+        """Future of an OptimStepResponse. `adam`: a dict of AdamParams fields
+        (unset ones: the model's defaults); `max_grad_norm` None: the model's
+        default, 0: no clipping."""
+        request = pb.OptimStepRequest(model_id=self.model_id, **fields)
+        if adam:
+            request.adam.CopyFrom(pb.AdamParams(**adam))
+        if max_grad_norm is not None:
+            request.max_grad_norm = max_grad_norm
+        return self._close_window("OptimStep", request)
+
+    def abort_window(self):
+        """Future of an AbortAccumulationResponse: discards the pending
+        window."""
+        return self._close_window(
+            "AbortAccumulation",
+            pb.AbortAccumulationRequest(model_id=self.model_id))
+
+    def save(self, path):
+        """Future of a SaveCheckpointResponse (path: a server-side directory)."""
+        return self._close_window(
+            "SaveCheckpoint",
+            pb.SaveCheckpointRequest(model_id=self.model_id, path=path))
+
+    def load(self, path, load_optimizer=True):
+        """Future of a LoadCheckpointResponse; discards the pending window."""
+        return self._close_window(
+            "LoadCheckpoint",
+            pb.LoadCheckpointRequest(model_id=self.model_id, path=path,
+                                     load_optimizer=load_optimizer))
+
+    def close(self):
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- internals ---------------------------------------------------------
+
+    def _take_seq_id(self):
+        """The next seq_id; the caller holds self._lock."""
+        if self._resync_seq_id:
+            self._resync_seq_id = False
+            self._next_seq_id = None
+        if self._next_seq_id is None:
+            self._next_seq_id = self._server_next_seq_id()
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return seq_id
+
+    def _server_next_seq_id(self):
+        try:
+            info = self._call("GetModel",
+                              pb.GetModelRequest(model_id=self.model_id),
+                              retryable=True).result()
+        except TallyError as error:
+            if error.code == grpc.StatusCode.NOT_FOUND:
+                return 1
+            raise
+        # Servers without exactly-once sequencing do not report it.
+        return max(1, getattr(info, "next_seq_id", 0))
+
+    def _close_window(self, method, request):
+        """Sends `request` once every call in flight has finished. An
+        OptimStep after a call that failed for good aborts the window instead,
+        under the step's seq_id (the sequence must stay gap-free)."""
+        result = concurrent.futures.Future()
+        with self._lock:
+            request.seq_id = self._take_seq_id()
+            earlier, self._in_flight = self._in_flight, [result]
+            if not SERVER_ORDERS_BY_SEQ_ID:
+                self._closing = result
+
+        def send():
+            failed = [f for f in earlier if f.exception() is not None]
+            if failed and method == "OptimStep":
+                abort = pb.AbortAccumulationRequest(model_id=self.model_id,
+                                                    seq_id=request.seq_id)
+                cause = failed[0].exception()
+                aborted = self._call("AbortAccumulation", abort, retryable=True)
+                aborted.add_done_callback(lambda f: result.set_exception(
+                    WindowAbortedError(method, grpc.StatusCode.ABORTED,
+                                       f"not sent: an earlier call failed "
+                                       f"({cause}); the window was aborted")
+                    if f.exception() is None else f.exception()))
+                return
+            _chain(self._call(method, request, retryable=True), result)
+
+        _when_all_done(earlier, send)
+        return result
+
+    def _call(self, method, request, retryable):
+        """Future of `method(request)`, retried on transient failures when
+        `retryable` (sequenced or read-only calls)."""
+        result = concurrent.futures.Future()
+        rpc = getattr(self._stub, method)
+
+        def attempt(number):
+            call = rpc.future(request, timeout=self._timeout,
+                              metadata=self._metadata)
+
+            def done(call):
+                try:
+                    result.set_result(call.result())
+                    return
+                except grpc.RpcError as error:
+                    code, details = error.code(), error.details()
+                if (retryable and code in TRANSIENT_CODES
+                        and number < self._retry.max_attempts):
+                    timer = threading.Timer(self._retry.backoff(number),
+                                            attempt, args=(number + 1,))
+                    timer.daemon = True
+                    timer.start()
+                    return
+                if code == grpc.StatusCode.ABORTED and getattr(
+                        request, "seq_id", 0):
+                    self._resync_seq_id = True
+                error_type = (WindowAbortedError
+                              if code == grpc.StatusCode.ABORTED else TallyError)
+                result.set_exception(error_type(method, code, details))
+
+            call.add_done_callback(done)
+
+        attempt(1)
+        return result
+
+
+def _chain(source, target):
+    """Completes concurrent.futures.Future `target` like `source`."""
+    def copy(f):
+        if f.exception() is not None:
+            target.set_exception(f.exception())
+        else:
+            target.set_result(f.result())
+    source.add_done_callback(copy)
+
+
+def _when_all_done(futures, callback):
+    """Runs `callback()` once every future in `futures` is done (at once if
+    none), on the thread that completes the last one."""
+    remaining = [len(futures) + 1]
+    lock = threading.Lock()
+
+    def one_done(_):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    one_done(None)
+
+
+def wait_for_serving(target, timeout=60.0, tls=None):
+    """Polls grpc.health.v1 until the server at `target` is SERVING."""
+    # grpc_health is not a Debian package: the health service is called by
+    # its method path, with the request and response parsed by hand (an
+    # empty request; the response's field 1 is the status enum).
+    channel = make_channel(target, tls)
+    check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                request_serializer=lambda _: b"",
+                                response_deserializer=lambda b: b)
+    deadline = time.monotonic() + timeout
+    last = None
+    try:
+        while time.monotonic() < deadline:
+            try:
+                answer = check(None, timeout=2)
+                if answer == b"\x08\x01":  # status: SERVING
+                    return
+                last = f"health answer {answer!r}"
+            except grpc.RpcError as error:
+                last = f"{error.code().name}: {error.details()}"
+            time.sleep(0.1)
+    finally:
+        channel.close()
+    raise TimeoutError(f"{target} not SERVING after {timeout}s; last: {last}")

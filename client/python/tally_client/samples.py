@@ -1,0 +1,71 @@
+"""Turns what a training loop has (lists, numpy arrays, torch tensors) into
+tally.v1 Samples.
+
+    sample([1, 2, 3], [2, 3, -100])
+    to_samples([(np.array([1, 2]), np.array([2, 5]))])
+    samples_from_batch(tokens, targets)  # 2-D; -100 targets are ignored
+"""
+
+from tally.v1 import trainer_pb2 as pb
+
+IGNORE_INDEX = -100
+
+
+def to_list(values):
+    """A flat Python list from a list, tuple, numpy array or torch tensor."""
+    if hasattr(values, "detach"):  # torch.Tensor
+        values = values.detach().cpu()
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    return list(values)
+
+
+def sample(input_tokens, target_tokens, weights=None):
+    """A Sample; target_tokens[i] follows input_tokens[:i + 1], -100 ignores
+    a position; weights (optional) scale each position's loss."""
+    inputs, targets = to_list(input_tokens), to_list(target_tokens)
+    if len(inputs) != len(targets):
+        raise ValueError(f"input_tokens has {len(inputs)} tokens but "
+                         f"target_tokens has {len(targets)}")
+    result = pb.Sample(input_tokens=inputs, target_tokens=targets)
+    if weights is not None:
+        weights = to_list(weights)
+        if len(weights) != len(inputs):
+            raise ValueError(f"weights has {len(weights)} values for "
+                             f"{len(inputs)} tokens")
+        result.weights.extend(weights)
+    return result
+
+
+def to_samples(samples):
+    """Samples from pb.Sample objects, (inputs, targets[, weights]) tuples or
+    {"input_tokens", "target_tokens"[, "weights"]} dicts."""
+    out = []
+    for item in samples:
+        if isinstance(item, pb.Sample):
+            out.append(item)
+        elif isinstance(item, dict):
+            out.append(sample(**item))
+        else:
+            out.append(sample(*item))
+    return out
+
+
+def samples_from_batch(input_tokens, target_tokens, weights=None,
+                       pad_target=IGNORE_INDEX):
+    """One Sample per row of 2-D inputs/targets (lists, numpy, torch); each
+    row is cut after its last target that is not `pad_target`, so padding
+    costs nothing on the server."""
+    rows = []
+    weight_rows = [None] * len(input_tokens) if weights is None else weights
+    for inputs, targets, row_weights in zip(input_tokens, target_tokens,
+                                            weight_rows):
+        targets = to_list(targets)
+        length = len(targets)
+        while length > 0 and targets[length - 1] == pad_target:
+            length -= 1
+        length = max(length, 1)
+        rows.append(sample(to_list(inputs)[:length], targets[:length],
+                           None if row_weights is None
+                           else to_list(row_weights)[:length]))
+    return rows

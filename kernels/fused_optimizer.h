@@ -1,0 +1,62 @@
+// Fused optimizer updates over many CPU tensors: one pass per element that
+// reads the raw gradient, applies the step's gradient scale (clip_coef /
+// normalizer) and updates the parameter and, for AdamW, both moments.
+//
+// The arithmetic (kernels/optimizer_math.h) is that of the composed LibTorch
+// path, operation for operation: `grad.mul_(scale)` followed by
+// torch::optim::AdamW or by `p.mul_(1 - lr * wd).add_(grad, -lr)` for SGD.
+// On an x86-64 CPU with AVX2 + FMA (where ATen runs its AVX2 kernels) the
+// results are bitwise those of the composed path; elsewhere they may differ
+// by an ulp per operation. Gradients are only read: they stay raw (unscaled).
+//
+// Every element is independent, so results do not depend on the thread
+// count; work is split into fixed-size chunks over at::parallel_for.
+//
+//   tally::kernels::UpdateHyperparameters hp;
+//   hp.learning_rate = 1e-3;
+//   hp.step = 1;
+//   hp.grad_scale = clip_coef / num_tokens;
+//   std::vector<tally::kernels::UpdateOperands> tensors = {
+//       {param, param.grad(), exp_avg, exp_avg_sq}};
+//   TALLY_RETURN_IF_ERROR(tally::kernels::FusedAdamW(tensors, hp));
+#ifndef TALLY_KERNELS_FUSED_OPTIMIZER_H_
+#define TALLY_KERNELS_FUSED_OPTIMIZER_H_
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/optimizer_math.h"
+
+namespace tally::kernels {
+
+// One parameter's operands. For SGD the moments stay undefined.
+struct UpdateOperands {
+  torch::Tensor param;
+  torch::Tensor grad;
+  torch::Tensor exp_avg;
+  torch::Tensor exp_avg_sq;
+};
+
+// OK when the fused kernels can update `tensors`: every defined operand is a
+// contiguous CPU tensor of the parameter's dtype (float32 or float64) and
+// shape, and the moments are defined exactly when `with_moments`.
+// INVALID_ARGUMENT naming the operand otherwise.
+absl::Status CheckFusable(const UpdateOperands& tensors, bool with_moments);
+
+// Applies one AdamW update to every entry. Checks every entry first
+// (CheckFusable, prefixed with "tensors[i]") and changes nothing if one fails.
+absl::Status FusedAdamW(const std::vector<UpdateOperands>& tensors,
+                        const UpdateHyperparameters& hp);
+
+// Applies one SGD update (decoupled weight decay, then -lr * scaled grad);
+// only learning_rate, weight_decay and grad_scale of `hp` are used, and the
+// moments of every entry must be undefined.
+absl::Status FusedSgd(const std::vector<UpdateOperands>& tensors,
+                      const UpdateHyperparameters& hp);
+
+}  // namespace tally::kernels
+
+#endif  // TALLY_KERNELS_FUSED_OPTIMIZER_H_

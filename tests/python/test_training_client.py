@@ -1,0 +1,108 @@
+"""The Python client package (client/python, tally_client) against a real
+2-rank tally-server, directly and through a fault-injecting proxy.
+
+Every comparison is against a second model with the same seed trained on the
+same server without faults or without pipelining: the step counts must be
+identical, the grad norms and losses equal to float32 rounding (pipelined or
+retried calls may accumulate a window's gradients in another order).
+
+Dropped responses (executed, then retried) are in
+test_client_exactly_once.py, which needs the server's seq_id deduplication.
+"""
+
+import os
+import unittest
+
+import numpy as np
+import torch
+
+from client_testing import FB, STEP, VOCAB, ClientServerTestCase, window
+from tally_client import TallyError, WindowAbortedError, sample, samples_from_batch
+
+
+class TrainingClientTest(ClientServerTestCase):
+
+    def test_pipelined_calls_with_numpy_and_torch_match_blocking_calls(self):
+        expected = self.reference_steps("blocking", 2)
+        client = self.new_model("pipelined")
+        futures = []
+        for s in range(2):
+            calls = []
+            for c, batch in enumerate(window(s)):
+                # numpy for even calls, torch for odd ones.
+                convert = np.array if c % 2 == 0 else torch.tensor
+                calls.append(client.forward_backward(
+                    [(convert(x), convert(y)) for x, y in batch]))
+            futures.append((client.optim_step(), calls))
+        # Nothing was waited for until here.
+        self.assertSameTraining(
+            [(step.result().grad_norm, [c.result().loss_mean for c in calls])
+             for step, calls in futures], expected)
+        self.assertEqual(client.get_model().step, 2)
+
+    def test_samples_from_a_padded_batch(self):
+        rows = samples_from_batch(np.array([[1, 2, 3], [4, 5, 0]]),
+                                  torch.tensor([[2, 3, 4], [5, -100, -100]]))
+        self.assertEqual([list(r.input_tokens) for r in rows], [[1, 2, 3], [4]])
+        self.assertEqual([list(r.target_tokens) for r in rows], [[2, 3, 4], [5]])
+        with self.assertRaisesRegex(ValueError, "target_tokens has 1"):
+            sample([1, 2], [3])
+
+    def test_dropped_requests_are_retried_with_the_same_seq_id(self):
+        expected = self.reference_steps("reference-requests", 2)
+        proxy = self.proxy()
+        proxy.plan(FB, ["drop_request", None, "drop_request", "drop_request"])
+        proxy.plan(STEP, ["drop_request"])
+        client = self.new_model("dropped-requests", target=proxy.target,
+                                token="secret-token")
+        self.assertSameTraining(self.train_through(client, 2), expected)
+        self.assertEqual(proxy.received[FB], 6 + 3)
+        self.assertEqual(proxy.forwarded[FB], 6)
+        self.assertEqual(proxy.forwarded[STEP], 2)
+        self.assertEqual(proxy.last_metadata[FB]["authorization"],
+                         "Bearer secret-token")
+        self.assertEqual(client.get_model().step, 2)
+
+    def test_aborted_raises_and_names_the_remedy(self):
+        proxy = self.proxy()
+        proxy.plan(STEP, ["aborted"])
+        client = self.new_model("aborted", target=proxy.target)
+        for batch in window(0):
+            client.forward_backward([sample(x, y) for x, y in batch])
+        with self.assertRaisesRegex(WindowAbortedError, r"call abort_window\(\)"):
+            client.optim_step().result()
+        self.assertEqual(proxy.received[STEP], 1, "ABORTED must not be retried")
+        discarded = client.abort_window().result()
+        self.assertEqual(discarded.discarded_calls, 3)
+        # The window redone from scratch gives the reference step.
+        expected = self.reference_steps("reference-aborted", 1)
+        self.assertSameTraining(self.train_through(client, 1), expected)
+
+    def test_a_failed_call_aborts_its_window_instead_of_stepping(self):
+        client = self.new_model("failed-call")
+        good = client.forward_backward([sample([1, 2, 3], [2, 3, 4])])
+        bad = client.forward_backward([sample([1, VOCAB + 5], [2, 3])])
+        step = client.optim_step()
+        self.assertEqual(good.result().valid_tokens, 3)
+        with self.assertRaises(TallyError):
+            bad.result()
+        with self.assertRaisesRegex(WindowAbortedError, "window was aborted"):
+            step.result()
+        info = client.get_model()
+        self.assertEqual((info.step, info.accumulated_calls), (0, 0))
+
+    def test_save_and_load(self):
+        client = self.new_model("saved")
+        path = os.path.join(self.temp, "saved-ckpt")
+        self.train_through(client, 1)
+        saved = client.save(path).result()
+        self.assertEqual(saved.step, 1)
+        after_save = self.train_through(client, 2)
+        loaded = client.load(path).result()
+        self.assertEqual(loaded.model.step, 1)
+        # From the checkpoint, the same data gives the same second step.
+        self.assertSameTraining(self.train_through(client, 2), after_save)
+
+
+if __name__ == "__main__":
+    unittest.main()
