@@ -134,7 +134,8 @@ std::vector<RoleGroup> DistinctGroups(const EngineGroups& g) {
         RoleGroup{"replicas", g.replicas},
         RoleGroup{"dp_replicate", g.dp_replicate},
         RoleGroup{"dp_shard", g.dp_shard}, RoleGroup{"cp", g.cp},
-        RoleGroup{"tp", g.tp}}) {
+        RoleGroup{"tp", g.tp}, RoleGroup{"ep", g.ep},
+        RoleGroup{"expert_replicas", g.expert_replicas}}) {
     bool seen = false;
     for (const RoleGroup& kept : distinct) seen |= kept.comm == candidate.comm;
     if (!seen) distinct.push_back(candidate);
@@ -383,7 +384,8 @@ Volumes ComputeVolumes(const json& row) {
       v.counted[i] += counter.at("bytes").get<int64_t>();
     }
     const Wire wire = WireBytes(group);
-    if (role == "replicas" || role == "dp_replicate" || role == "dp_shard") {
+    if (role == "replicas" || role == "expert_replicas" ||
+        role == "dp_replicate" || role == "dp_shard") {
       v.dp.gloo += wire.gloo;
       v.dp.native_reduce_scatter += wire.native_reduce_scatter;
     } else if (role == "tp") {

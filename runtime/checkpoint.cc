@@ -541,7 +541,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
         for (const Parameter& p : model.parameters()) {
           out.emplace_back(p.name, p.tensor.detach().to(model.scalar_type()));
         }
-        return out;
+        return ExpertWeightsToHf(std::move(out));
       }));
   TALLY_ASSIGN_OR_RETURN(SerializedSafetensors weights_file,
                          SerializeSafetensors(weights, {{"format", "pt"}}));
@@ -646,6 +646,10 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
                                                    " has neither ", kModelFile,
                                                    " nor ", kShardIndexFile));
   }
+
+  // Mixtral's per-expert weights, stacked as the model holds them.
+  TALLY_ASSIGN_OR_RETURN(contents.weights,
+                         ExpertWeightsFromHf(std::move(contents.weights)));
 
   const std::string optimizer_path = PathIn(dir, kOptimizerFile);
   if (read_optimizer && IsFile(optimizer_path)) {

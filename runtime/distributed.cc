@@ -340,6 +340,23 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
                    ranks, op_timeout));
     groups->groups_.emplace_back(dims, std::move(group));
   }
+  const std::vector<int> ep_ranks = mesh.ExpertParallelRanks();
+  TALLY_ASSIGN_OR_RETURN(
+      groups->expert_parallel_,
+      make_group(absl::StrCat("ep/", absl::StrJoin(ep_ranks, ",")), ep_ranks,
+                 op_timeout));
+  if (mesh.size(MeshDim::kEp) > 1) {
+    const std::vector<int> ranks = mesh.ExpertDataParallelRanks();
+    TALLY_ASSIGN_OR_RETURN(
+        groups->owned_expert_data_parallel_,
+        make_group(absl::StrCat("expert_dp/", absl::StrJoin(ranks, ",")), ranks,
+                   op_timeout));
+    groups->expert_data_parallel_ = groups->owned_expert_data_parallel_.get();
+  } else {
+    TALLY_ASSIGN_OR_RETURN(groups->expert_data_parallel_,
+                           groups->group({MeshDim::kDpReplicate,
+                                          MeshDim::kDpShard, MeshDim::kCp}));
+  }
 
   if (env.world_size > 1) {
     // A barrier: once it completes, no rank needs the store any more, so
@@ -361,6 +378,10 @@ absl::Status ProcessGroups::failure() const {
   }
   for (const auto& [dims, group] : groups_) {
     if (!group->failure().ok()) return group->failure();
+  }
+  for (const Communicator* group :
+       {expert_parallel_.get(), owned_expert_data_parallel_.get()}) {
+    if (group != nullptr && !group->failure().ok()) return group->failure();
   }
   return absl::OkStatus();
 }

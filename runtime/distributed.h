@@ -113,6 +113,14 @@ class ProcessGroups {
   // any other combination, INVALID_ARGUMENT for ep or a repeated dim.
   absl::StatusOr<Communicator*> group(std::vector<MeshDim> dims);
 
+  // Expert parallelism (Mesh::ExpertParallelRanks): the ranks splitting the
+  // experts. A one-rank group when ep = 1.
+  Communicator& expert_parallel() { return *expert_parallel_; }
+  // The ranks holding the same experts with different data
+  // (Mesh::ExpertDataParallelRanks): expert gradients sum here. When ep = 1
+  // it is the {dp_replicate, dp_shard, cp} group.
+  Communicator& expert_data_parallel() { return *expert_data_parallel_; }
+
   // The first collective failure of any group (Communicator::failure).
   absl::Status failure() const;
 
@@ -125,6 +133,10 @@ class ProcessGroups {
   std::unique_ptr<Communicator> control_;
   std::vector<std::pair<std::vector<MeshDim>, std::unique_ptr<Communicator>>>
       groups_;
+  std::unique_ptr<Communicator> expert_parallel_;
+  // Owned only when ep > 1; else a group of groups_.
+  std::unique_ptr<Communicator> owned_expert_data_parallel_;
+  Communicator* expert_data_parallel_ = nullptr;
 };
 
 }  // namespace tally

@@ -65,6 +65,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   TALLY_ASSIGN_OR_RETURN(g.dp_shard, groups->group({MeshDim::kDpShard}));
   TALLY_ASSIGN_OR_RETURN(g.cp, groups->group({MeshDim::kCp}));
   TALLY_ASSIGN_OR_RETURN(g.tp, groups->group({MeshDim::kTp}));
+  g.ep = &groups->expert_parallel();
+  g.expert_replicas = &groups->expert_data_parallel();
   engine->control_ = &groups->control();
   engine->process_groups_ = std::move(groups);
   return engine;
@@ -79,7 +81,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::CreateSingleRank(
   TALLY_ASSIGN_OR_RETURN(engine->single_rank_world_,
                          MakeSingleRankCommunicator());
   Communicator* world = engine->single_rank_world_.get();
-  engine->groups_ = {world, world, world, world, world, world, world, world};
+  engine->groups_ = {world, world, world, world, world,
+                     world, world, world, world, world};
   engine->control_ = world;
   return engine;
 }
@@ -170,6 +173,7 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   sharding.tp = groups_.tp;
   sharding.dp_shard = groups_.dp_shard;
   sharding.cp = groups_.cp;
+  sharding.ep = groups_.ep;
   TALLY_ASSIGN_OR_RETURN(
       state->model,
       LlamaModel::Create(spec.config, spec.dtype, spec.seed, sharding));
@@ -246,7 +250,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   static const std::vector<Sample> kEmpty = {Sample{{0}, {kIgnoreIndex}, {}}};
 
   const bool sync_call =
-      !args.forward_only && groups_.replicas->size() > 1 &&
+      !args.forward_only && HasGradientReplicas(model) &&
       (state.spec.grad_sync == GradSync::kEager || state.replicas_summed);
   std::vector<torch::Tensor> earlier;
   if (sync_call) {
@@ -304,6 +308,12 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
       size += static_cast<int64_t>(samples[i].input_tokens.size());
     }
   }
+  // Then, for a MoE model, the real tokens routed to each expert.
+  const LlamaConfig& config = model.config();
+  const int64_t load_offset = size;
+  const int64_t load_slots =
+      config.num_hidden_layers * config.num_local_experts;
+  size += load_slots;
   torch::Tensor gathered = torch::zeros({size}, torch::kFloat64);
   int64_t padded_tokens = 0;
   absl::Status computed = CatchTorch("forward_backward", [&] {
@@ -313,9 +323,22 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     for (size_t b = 0; b < num_batches; ++b) {
       const PackedBatch& batch = packed[b];
       const AttentionLayout& layout = layouts[b];
-      torch::Tensor logprobs =
-          model.TargetLogprobs(batch.inputs, batch.targets, layout);
       const bool real = b < batches.size();
+      RouterStats router;
+      if (config.is_moe()) {
+        router.real_tokens = torch::arange(batch.inputs.size(1)).unsqueeze(0) <
+                             torch::tensor(batch.lengths).unsqueeze(1);
+        if (!real) router.real_tokens.fill_(false);
+      }
+      torch::Tensor logprobs =
+          model.TargetLogprobs(batch.inputs, batch.targets, layout,
+                               config.is_moe() ? &router : nullptr);
+      // The load-balancing term joins each token's loss, so it is weighted
+      // and normalized exactly like the token's cross-entropy.
+      torch::Tensor loss_logprobs = logprobs;
+      if (config.router_aux_loss_coef > 0) {
+        loss_logprobs = logprobs - config.router_aux_loss_coef * router.aux;
+      }
       torch::Tensor row_tokens;
       if (split_samples && real) {
         row_tokens =
@@ -324,7 +347,11 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
                 .to(torch::kInt64);
       }
       LossTerms terms =
-          ComputeLoss(logprobs, batch, args.reduction, row_tokens);
+          ComputeLoss(loss_logprobs, batch, args.reduction, row_tokens);
+      if (config.is_moe()) {
+        gathered.narrow(0, load_offset, load_slots)
+            .add_(router.expert_tokens.flatten());
+      }
       if (!args.forward_only) terms.raw_loss.backward();
       if (!real) continue;
       padded_tokens += batch.inputs.numel();
@@ -393,6 +420,23 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     state.window.Add(args.reduction, result.valid_tokens, result.num_samples);
   }
   result.window = state.window.counts();
+  if (config.is_moe()) {
+    // Expert load: token assignments per expert (summed over layers), and
+    // the least and most loaded expert of any layer as a fraction of that
+    // layer's assignments (1 / E when balanced).
+    torch::Tensor load =
+        gathered.narrow(0, load_offset, load_slots)
+            .view({config.num_hidden_layers, config.num_local_experts});
+    torch::Tensor per_expert = load.sum(0);
+    for (int64_t e = 0; e < config.num_local_experts; ++e) {
+      result.metrics[absl::StrCat("expert_tokens_", e)] =
+          per_expert[e].item<double>();
+    }
+    torch::Tensor fraction =
+        load / load.sum(1, /*keepdim=*/true).clamp_min(1.0);
+    result.metrics["expert_load_min_fraction"] = fraction.min().item<double>();
+    result.metrics["expert_load_max_fraction"] = fraction.max().item<double>();
+  }
   result.metrics["micro_batches"] = static_cast<double>(num_batches);
   result.metrics["padded_tokens"] = static_cast<double>(padded_tokens);
   result.metrics["seconds"] = SecondsSince(start);
@@ -411,9 +455,26 @@ absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
   return absl::OkStatus();
 }
 
+bool Engine::HasGradientReplicas(const LlamaModel& model) const {
+  return groups_.replicas->size() > 1 ||
+         (model.config().is_moe() && groups_.expert_replicas->size() > 1);
+}
+
 absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
-  return AllReduceGradientsInBuckets(params, *groups_.replicas,
-                                     options_.bucket_mb << 20);
+  // Expert gradients sum over the expert-data-parallel ranks, the rest over
+  // the replicas; each set in flat buckets. Copies of a Parameter share its
+  // tensor, so the sums land in `params`.
+  std::vector<Parameter> dense, expert;
+  for (const Parameter& p : params) (p.is_expert ? expert : dense).push_back(p);
+  for (auto& [group, subset] :
+       {std::pair<Communicator*, std::vector<Parameter>*>{groups_.replicas,
+                                                          &dense},
+        {groups_.expert_replicas, &expert}}) {
+    if (group->size() == 1 || subset->empty()) continue;
+    TALLY_RETURN_IF_ERROR(
+        AllReduceGradientsInBuckets(*subset, *group, options_.bucket_mb << 20));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Engine::SumCallGradientsOverReplicas(
@@ -496,7 +557,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
 
   std::vector<Parameter>& params = state->model->parameters();
   if (state->spec.grad_sync == GradSync::kDeferred &&
-      groups_.replicas->size() > 1 && !state->replicas_summed) {
+      HasGradientReplicas(*state->model) && !state->replicas_summed) {
     absl::Status summed = SumGradientsOverReplicas(params);
     // A partial sum cannot be undone: the window is no longer trustworthy.
     if (!summed.ok()) {
@@ -506,10 +567,9 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     TALLY_RETURN_IF_ERROR(summed);
     state->replicas_summed = true;
   }
-  TALLY_ASSIGN_OR_RETURN(
-      ClipResult clip,
-      ComputeClip(params, normalizer, mesh_, *groups_.world, args.norm_type,
-                  max_norm));
+  TALLY_ASSIGN_OR_RETURN(ClipResult clip,
+                         ComputeClip(params, normalizer, mesh_, *groups_.world,
+                                     args.norm_type, max_norm));
   OptimStepResult result;
   result.grad_norm = clip.norm.total;
   result.clip_coef = clip.clip_coef;

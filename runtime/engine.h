@@ -47,6 +47,11 @@ struct EngineGroups {
   Communicator* dp_shard = nullptr;  // ZeRO-3 gather / reduce-scatter
   Communicator* cp = nullptr;        // the K/V gather of context parallelism
   Communicator* tp = nullptr;        // Megatron tensor parallelism
+  Communicator* ep = nullptr;        // expert parallelism: the dispatch
+  // The expert-data-parallel ranks: holding the same experts with different
+  // data. Expert gradients SUM here (never over ep), like dense ones over
+  // `replicas`.
+  Communicator* expert_replicas = nullptr;
 };
 
 struct EngineOptions {
@@ -150,6 +155,9 @@ class Engine {
   absl::Status SumCallGradientsOverReplicas(std::vector<Parameter>& params,
                                             std::vector<torch::Tensor> earlier);
   absl::Status SumGradientsOverReplicas(std::vector<Parameter>& params);
+  // Whether some parameter of `model` has copies holding partial gradients
+  // that the engine (not the backward pass) must sum.
+  bool HasGradientReplicas(const LlamaModel& model) const;
   // Every rank returns an error if any rank's `local` is one, so no rank
   // applies what another refused.
   absl::Status AgreeAcrossRanks(absl::Status local);

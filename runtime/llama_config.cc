@@ -28,6 +28,7 @@ LlamaConfig LlamaConfig::WithDefaults() const {
   if (c.rms_norm_eps == 0.0) c.rms_norm_eps = 1e-6;
   if (c.rope_theta == 0.0) c.rope_theta = 10000.0;
   if (c.max_position_embeddings == 0) c.max_position_embeddings = 2048;
+  if (c.is_moe() && c.num_experts_per_tok == 0) c.num_experts_per_tok = 2;
   return c;
 }
 
@@ -71,12 +72,32 @@ absl::Status LlamaConfig::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.rope_theta must be finite and > 0, got ", rope_theta));
   }
+  if (num_local_experts < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.num_local_experts must be >= 0, got ", num_local_experts));
+  }
+  if (is_moe() &&
+      (num_experts_per_tok < 1 || num_experts_per_tok > num_local_experts)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.num_experts_per_tok must be in [1, num_local_experts = ",
+        num_local_experts, "], got ", num_experts_per_tok));
+  }
+  if (!is_moe() && (num_experts_per_tok != 0 || router_aux_loss_coef != 0)) {
+    return absl::InvalidArgumentError(
+        "config.num_experts_per_tok and config.router_aux_loss_coef need "
+        "config.num_local_experts > 0");
+  }
+  if (!(router_aux_loss_coef >= 0.0) || !std::isfinite(router_aux_loss_coef)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.router_aux_loss_coef must be finite and >= 0, got ",
+        router_aux_loss_coef));
+  }
   // Keeps a typo from allocating terabytes: the largest matrix must fit.
   constexpr int64_t kMaxMatrixElements = int64_t{1} << 31;
   if (vocab_size * hidden_size > kMaxMatrixElements ||
       intermediate_size * hidden_size > kMaxMatrixElements ||
       hidden_size * hidden_size > kMaxMatrixElements ||
-      num_hidden_layers > 4096) {
+      num_hidden_layers > 4096 || num_local_experts > 4096) {
     return absl::InvalidArgumentError(
         "config describes a model too large for this server");
   }
@@ -86,15 +107,18 @@ absl::Status LlamaConfig::Validate() const {
 uint64_t LlamaConfig::NumParameters() const {
   const uint64_t h = hidden_size, v = vocab_size, i = intermediate_size;
   const uint64_t kv = num_key_value_heads * head_dim();
-  const uint64_t per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h;
+  // A MoE layer: the router [E, h] and E SwiGLU experts.
+  const uint64_t mlp =
+      is_moe() ? num_local_experts * (h + 3 * h * i) : 3 * h * i;
+  const uint64_t per_layer = h * h * 2 + h * kv * 2 + mlp + 2 * h;
   return v * h * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer +
          h;
 }
 
 std::string LlamaConfig::ToHfJson(const std::string& dtype_name) const {
   nlohmann::ordered_json j;
-  j["architectures"] = {"LlamaForCausalLM"};
-  j["model_type"] = "llama";
+  j["architectures"] = {is_moe() ? "MixtralForCausalLM" : "LlamaForCausalLM"};
+  j["model_type"] = is_moe() ? "mixtral" : "llama";
   j["vocab_size"] = vocab_size;
   j["hidden_size"] = hidden_size;
   j["intermediate_size"] = intermediate_size;
@@ -107,6 +131,12 @@ std::string LlamaConfig::ToHfJson(const std::string& dtype_name) const {
   j["tie_word_embeddings"] = tie_word_embeddings;
   j["hidden_act"] = "silu";
   j["attention_bias"] = false;
+  if (is_moe()) {
+    j["num_local_experts"] = num_local_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["router_aux_loss_coef"] = router_aux_loss_coef;
+    j["output_router_logits"] = router_aux_loss_coef > 0;
+  }
   j["torch_dtype"] = dtype_name;
   return j.dump(2);
 }
@@ -117,10 +147,11 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromHfJson(const std::string& text) {
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError("config.json is not a JSON object");
   }
-  if (j.contains("model_type") && j["model_type"] != "llama") {
+  const bool mixtral = j.contains("model_type") && j["model_type"] == "mixtral";
+  if (j.contains("model_type") && j["model_type"] != "llama" && !mixtral) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.json model_type is ", j["model_type"].dump(),
-                     "; tally loads llama models"));
+                     "; tally loads llama and mixtral models"));
   }
   if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
     return absl::InvalidArgumentError(absl::StrCat("config.json hidden_act is ",
@@ -132,6 +163,7 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromHfJson(const std::string& text) {
         "config.json rope_scaling is not supported");
   }
   LlamaConfig c;
+  if (mixtral) c.num_local_experts = 8;  // HF MixtralConfig's default
   auto read_int = [&](const char* key, int64_t& out) -> absl::Status {
     if (!j.contains(key) || j[key].is_null()) return absl::OkStatus();
     if (!j[key].is_number_integer()) {
@@ -159,6 +191,26 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromHfJson(const std::string& text) {
         {"num_key_value_heads", &c.num_key_value_heads},
         {"max_position_embeddings", &c.max_position_embeddings}}) {
     if (absl::Status s = read_int(key, *field); !s.ok()) return s;
+  }
+  if (mixtral) {
+    for (auto [key, field] :
+         {std::pair<const char*, int64_t*>{"num_local_experts",
+                                           &c.num_local_experts},
+          {"num_experts_per_tok", &c.num_experts_per_tok}}) {
+      if (absl::Status s = read_int(key, *field); !s.ok()) return s;
+    }
+    if (!j.contains("output_router_logits") ||
+        j["output_router_logits"] == true) {
+      if (absl::Status s =
+              read_double("router_aux_loss_coef", c.router_aux_loss_coef);
+          !s.ok()) {
+        return s;
+      }
+    }
+    if (!c.is_moe()) {
+      return absl::InvalidArgumentError(
+          "config.json num_local_experts must be > 0 for a mixtral model");
+    }
   }
   if (absl::Status s = read_double("rms_norm_eps", c.rms_norm_eps); !s.ok()) {
     return s;
@@ -189,7 +241,10 @@ bool LlamaConfig::operator==(const LlamaConfig& o) const {
          num_key_value_heads == o.num_key_value_heads &&
          rms_norm_eps == o.rms_norm_eps && rope_theta == o.rope_theta &&
          max_position_embeddings == o.max_position_embeddings &&
-         tie_word_embeddings == o.tie_word_embeddings;
+         tie_word_embeddings == o.tie_word_embeddings &&
+         num_local_experts == o.num_local_experts &&
+         num_experts_per_tok == o.num_experts_per_tok &&
+         router_aux_loss_coef == o.router_aux_loss_coef;
 }
 
 }  // namespace tally

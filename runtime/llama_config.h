@@ -1,5 +1,7 @@
 // LlamaConfig: the architecture hyperparameters of a tally model, under the
-// HF LlamaConfig field names so config.json moves between tally and HF.
+// HF LlamaConfig field names so config.json moves between tally and HF. With
+// num_local_experts > 0 the model is a Mixtral-style mixture of experts (HF
+// MixtralConfig names; config.json "model_type": "mixtral").
 //
 //   tally::LlamaConfig config = tally::LlamaConfig::EmbeddedDefault();
 //   TALLY_RETURN_IF_ERROR(config.Validate());
@@ -26,6 +28,16 @@ struct LlamaConfig {
   double rope_theta = 0.0;              // 0: 10000
   int64_t max_position_embeddings = 0;  // 0: 2048
   bool tie_word_embeddings = false;
+  // Mixture of experts: every layer's MLP is a block_sparse_moe of this many
+  // SwiGLU experts (0: the dense Llama MLP), each token routed to the top
+  // num_experts_per_tok (0: 2) of them.
+  int64_t num_local_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  // Weight of the load-balancing loss added to the training loss (0: none,
+  // HF's default behaviour, where it needs output_router_logits).
+  double router_aux_loss_coef = 0.0;
+
+  bool is_moe() const { return num_local_experts > 0; }
 
   // The built-in demo model: byte-level vocabulary (256 bytes + specials).
   static LlamaConfig EmbeddedDefault();
@@ -40,7 +52,8 @@ struct LlamaConfig {
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   uint64_t NumParameters() const;
 
-  // HF config.json ("model_type": "llama", "torch_dtype": dtype_name).
+  // HF config.json ("model_type": "llama" or "mixtral", "torch_dtype":
+  // dtype_name).
   std::string ToHfJson(const std::string& dtype_name) const;
   static absl::StatusOr<LlamaConfig> FromHfJson(const std::string& json);
 

@@ -3,7 +3,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <map>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/parallel_ops.h"
 #include "runtime/status.h"
@@ -30,20 +32,116 @@ absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateExpertParallel(const LlamaConfig& config, int ep) {
+  // A dense model has nothing to split: it runs on an ep mesh unchanged.
+  if (!config.is_moe()) return absl::OkStatus();
+  if (config.num_local_experts % ep != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.num_local_experts (", config.num_local_experts,
+                     ") is not divisible by ep (", ep, ")"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+constexpr char kExpertsInfix[] = ".block_sparse_moe.experts.";
+
+}  // namespace
+
+std::optional<std::pair<std::string, int64_t>> StackedExpertName(
+    const std::string& hf_name) {
+  const size_t at = hf_name.find(kExpertsInfix);
+  if (at == std::string::npos) return std::nullopt;
+  const size_t start = at + sizeof(kExpertsInfix) - 1;
+  const size_t dot = hf_name.find('.', start);
+  int64_t expert = 0;
+  if (dot == std::string::npos ||
+      !absl::SimpleAtoi(hf_name.substr(start, dot - start), &expert) ||
+      expert < 0) {
+    return std::nullopt;
+  }
+  return std::make_pair(hf_name.substr(0, start) + hf_name.substr(dot + 1),
+                        expert);
+}
+
+NamedTensors ExpertWeightsToHf(NamedTensors tensors) {
+  NamedTensors out;
+  for (auto& [name, t] : tensors) {
+    const size_t at = name.find(kExpertsInfix);
+    if (at == std::string::npos) {
+      out.emplace_back(std::move(name), std::move(t));
+      continue;
+    }
+    const size_t start = at + sizeof(kExpertsInfix) - 1;
+    for (int64_t e = 0; e < t.size(0); ++e) {
+      out.emplace_back(
+          absl::StrCat(name.substr(0, start), e, ".", name.substr(start)),
+          t[e].contiguous());
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<NamedTensors> ExpertWeightsFromHf(NamedTensors tensors) {
+  NamedTensors out;
+  // Stacked name -> (index into out, experts by index).
+  std::map<std::string, std::pair<size_t, std::map<int64_t, torch::Tensor>>>
+      stacks;
+  for (auto& [name, t] : tensors) {
+    std::optional<std::pair<std::string, int64_t>> stacked =
+        StackedExpertName(name);
+    if (!stacked) {
+      out.emplace_back(std::move(name), std::move(t));
+      continue;
+    }
+    auto [it, fresh] = stacks.try_emplace(stacked->first);
+    if (fresh) {
+      it->second.first = out.size();
+      out.emplace_back(stacked->first, torch::Tensor());
+    }
+    if (!it->second.second.emplace(stacked->second, std::move(t)).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint weight ", name, " appears more than once"));
+    }
+  }
+  for (auto& [stacked_name, stack] : stacks) {
+    std::vector<torch::Tensor> experts;
+    for (auto& [e, t] : stack.second) {
+      if (e != static_cast<int64_t>(experts.size())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("checkpoint weights of ", stacked_name,
+                         " miss expert ", experts.size()));
+      }
+      if (!experts.empty() && t.sizes() != experts[0].sizes()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("checkpoint weights of ", stacked_name, ": expert ", e,
+                         " has shape ", c10::str(t.sizes()), ", expert 0 ",
+                         c10::str(experts[0].sizes())));
+      }
+      experts.push_back(std::move(t));
+    }
+    out[stack.first].second = torch::stack(experts);
+  }
+  return out;
+}
+
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
     const LlamaConfig& config, DType dtype, uint64_t seed,
     const ModelSharding& sharding) {
   TALLY_RETURN_IF_ERROR(config.Validate());
   TALLY_RETURN_IF_ERROR(ValidateTensorParallel(config, sharding.tp_size()));
+  TALLY_RETURN_IF_ERROR(ValidateExpertParallel(config, sharding.ep_size()));
   std::unique_ptr<LlamaModel> model(new LlamaModel(config, dtype, sharding));
   TALLY_RETURN_IF_ERROR(CatchTorch("model init", [&] {
     torch::NoGradGuard no_grad;
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
     const auto options = torch::TensorOptions().dtype(ToScalarType(dtype));
     const int64_t h = config.hidden_size, d = config.head_dim();
-    // tp_dim: the dim split over tp (-1: replicated over tp).
+    // tp_dim: the dim split over tp (-1: replicated over tp). Experts are
+    // split over ep instead, and not over tp or dp_shard.
     auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm,
-                   int tp_dim) -> int {
+                   int tp_dim, bool is_expert = false) -> int {
       torch::Tensor full =
           is_norm ? torch::ones(shape, options) : torch::empty(shape, options);
       if (!is_norm) full.normal_(0.0, 0.02, generator);
@@ -51,11 +149,14 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
       p.name = std::move(name);
       p.full_shape = shape;
       p.tp_local_shape = shape;
-      if (tp_dim >= 0 && sharding.tp_size() > 1) {
+      p.is_expert = is_expert;
+      if (is_expert) {
+        p.placements.Set(MeshDim::kEp, Placement::Shard(0));
+      } else if (tp_dim >= 0 && sharding.tp_size() > 1) {
         p.placements.Set(MeshDim::kTp, Placement::Shard(tp_dim));
         p.tp_local_shape[tp_dim] /= sharding.tp_size();
       }
-      if (sharding.dp_shard_size() > 1) {
+      if (!is_expert && sharding.dp_shard_size() > 1) {
         p.placements.Set(MeshDim::kDpShard, Placement::Shard(0));
       }
       p.tensor = model->LocalShard(p, full).set_requires_grad(true);
@@ -75,12 +176,22 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
                     {config.num_key_value_heads * d, h}, false, 0);
       layer.o = add(p + "self_attn.o_proj.weight",
                     {h, config.num_attention_heads * d}, false, 1);
-      layer.gate = add(p + "mlp.gate_proj.weight",
-                       {config.intermediate_size, h}, false, 0);
-      layer.up = add(p + "mlp.up_proj.weight", {config.intermediate_size, h},
-                     false, 0);
-      layer.down = add(p + "mlp.down_proj.weight",
-                       {h, config.intermediate_size}, false, 1);
+      const int64_t inter = config.intermediate_size;
+      if (config.is_moe()) {
+        const int64_t experts = config.num_local_experts;
+        const std::string moe = p + "block_sparse_moe.";
+        layer.router = add(moe + "gate.weight", {experts, h}, false, -1);
+        layer.w1 = add(moe + "experts.w1.weight", {experts, inter, h}, false,
+                       -1, true);
+        layer.w2 = add(moe + "experts.w2.weight", {experts, h, inter}, false,
+                       -1, true);
+        layer.w3 = add(moe + "experts.w3.weight", {experts, inter, h}, false,
+                       -1, true);
+      } else {
+        layer.gate = add(p + "mlp.gate_proj.weight", {inter, h}, false, 0);
+        layer.up = add(p + "mlp.up_proj.weight", {inter, h}, false, 0);
+        layer.down = add(p + "mlp.down_proj.weight", {h, inter}, false, 1);
+      }
       layer.input_norm = add(p + "input_layernorm.weight", {h}, true, -1);
       layer.post_norm =
           add(p + "post_attention_layernorm.weight", {h}, true, -1);
@@ -98,6 +209,9 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
 torch::Tensor LlamaModel::LocalShard(const Parameter& p,
                                      const torch::Tensor& full) const {
   torch::Tensor local = full;
+  if (p.placements.at(MeshDim::kEp).is_shard()) {
+    local = local.chunk(sharding_.ep_size(), 0)[sharding_.ep_rank()];
+  }
   const Placement& tp = p.placements.at(MeshDim::kTp);
   if (tp.is_shard()) {
     local =
@@ -113,6 +227,9 @@ torch::Tensor LlamaModel::LocalShard(const Parameter& p,
 absl::StatusOr<torch::Tensor> LlamaModel::GatherFull(
     const Parameter& p, const torch::Tensor& local) {
   torch::Tensor t = local.detach();
+  if (p.placements.at(MeshDim::kEp).is_shard() && sharding_.ep_size() > 1) {
+    TALLY_ASSIGN_OR_RETURN(t, sharding_.ep->AllGather(t.contiguous()));
+  }
   if (p.placements.at(MeshDim::kDpShard).is_shard()) {
     TALLY_ASSIGN_OR_RETURN(t, sharding_.dp_shard->AllGather(t));
     t = t.narrow(0, 0, p.tp_local_shape[0]);
@@ -130,7 +247,7 @@ absl::StatusOr<torch::Tensor> LlamaModel::GatherFull(
 
 torch::Tensor LlamaModel::Weight(int index) {
   const Parameter& p = parameters_[index];
-  if (sharding_.dp_shard_size() == 1) return p.tensor;
+  if (!p.placements.at(MeshDim::kDpShard).is_shard()) return p.tensor;
   return GatherShardedParameter(p.tensor, p.tp_local_shape[0],
                                 *sharding_.dp_shard);
 }
@@ -226,9 +343,94 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   return LeaveTensorParallel(torch::linear(out, Weight(idx.o)));
 }
 
+torch::Tensor LlamaModel::Mlp(int layer, const torch::Tensor& h,
+                              int64_t ep_rows, RouterStats* stats) {
+  const LayerIndex& idx = layers_[layer];
+  if (config_.is_moe()) return SparseMoe(layer, h, ep_rows, stats);
+  torch::Tensor x = EnterTensorParallel(h);
+  return LeaveTensorParallel(
+      torch::linear(torch::silu(torch::linear(x, Weight(idx.gate))) *
+                        torch::linear(x, Weight(idx.up)),
+                    Weight(idx.down)));
+}
+
+torch::Tensor LlamaModel::SparseMoe(int layer, const torch::Tensor& h,
+                                    int64_t ep_rows, RouterStats* stats) {
+  const LayerIndex& idx = layers_[layer];
+  const int64_t hidden = h.size(-1), tokens = h.numel() / hidden;
+  const int64_t experts = config_.num_local_experts;
+  // Replicated over tp: every tp rank computes the whole layer, so it needs
+  // no tp region (the residual stream is identical on the tp ranks).
+  torch::Tensor x = h.reshape({tokens, hidden});
+  torch::Tensor probs =
+      torch::softmax(torch::linear(x, Weight(idx.router)), -1);
+  auto [top_probs, top_experts] =
+      probs.topk(config_.num_experts_per_tok, /*dim=*/-1);
+  torch::Tensor top_sum = top_probs.sum(-1, /*keepdim=*/true);
+  if (stats != nullptr) {
+    const torch::Tensor real = stats->real_tokens.reshape({tokens});
+    stats->expert_tokens[layer].index_add_(
+        0, top_experts.masked_select(real.unsqueeze(1)),
+        torch::ones({real.sum().item<int64_t>() * top_experts.size(1)},
+                    torch::kFloat64));
+    torch::Tensor aux = (static_cast<double>(experts) / layers_.size()) *
+                        top_sum.squeeze(1).view(h.sizes().slice(0, 2));
+    stats->aux = stats->aux.defined() ? stats->aux + aux : aux;
+  }
+  top_probs = top_probs / top_sum;
+  // combine[n, e]: token n's weight for expert e, zero outside its top k.
+  torch::Tensor combine =
+      torch::zeros_like(probs).scatter(1, top_experts, top_probs);
+  const int ep = sharding_.ep_size();
+  if (ep > 1) {
+    // Dispatch: every rank's tokens and weights, padded to ep_rows (padding
+    // rows have zero weight for every expert, so no expert computes them).
+    torch::Tensor block = torch::cat({x, combine}, 1);
+    block =
+        torch::cat({block, torch::zeros({ep_rows - tokens, hidden + experts},
+                                        block.options())});
+    torch::Tensor all =
+        GatherShardedParameter(block, ep * ep_rows, *sharding_.ep);
+    x = all.narrow(1, 0, hidden);
+    combine = all.narrow(1, hidden, experts);
+  }
+  const int64_t local_experts = experts / ep;
+  const int64_t first = sharding_.ep_rank() * local_experts;
+  const torch::Tensor w1 = Weight(idx.w1), w2 = Weight(idx.w2),
+                      w3 = Weight(idx.w3);
+  torch::Tensor out = torch::zeros_like(x);
+  for (int64_t e = 0; e < local_experts; ++e) {
+    torch::Tensor weight = combine.select(1, first + e);
+    // An expert without tokens still runs (on zero rows): it contributes
+    // zero, and its weights get a (zero) gradient on every rank alike.
+    torch::Tensor rows = weight.detach().nonzero().squeeze(1);
+    torch::Tensor xe = x.index_select(0, rows);
+    torch::Tensor ye = torch::linear(
+        torch::silu(torch::linear(xe, w1[e])) * torch::linear(xe, w3[e]),
+        w2[e]);
+    out =
+        out.index_add(0, rows, ye * weight.index_select(0, rows).unsqueeze(1));
+  }
+  if (ep > 1) {
+    // Combine: each token's partial outputs summed on its owner.
+    out = ReduceScatterRows(out, *sharding_.ep).narrow(0, 0, tokens);
+  }
+  return out.view(h.sizes());
+}
+
 torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
                                          const torch::Tensor& targets,
-                                         const AttentionLayout& layout) {
+                                         const AttentionLayout& layout,
+                                         RouterStats* router_stats) {
+  if (!config_.is_moe()) router_stats = nullptr;
+  if (router_stats != nullptr) {
+    TORCH_CHECK(router_stats->real_tokens.sizes() == inputs.sizes(),
+                "router_stats.real_tokens must be shaped like inputs");
+    router_stats->expert_tokens =
+        torch::zeros({config_.num_hidden_layers, config_.num_local_experts},
+                     torch::kFloat64);
+    router_stats->aux = torch::Tensor();
+  }
   const int64_t d = config_.head_dim();
   const auto options = torch::TensorOptions().dtype(scalar_type());
 
@@ -255,16 +457,23 @@ torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
                         ? torch::embedding(Weight(embed_), inputs)
                         : VocabParallelEmbedding(inputs, Weight(embed_),
                                                  vocab_start, *sharding_.tp);
+  // The expert dispatch pads every ep rank's tokens to the largest count.
+  int64_t ep_rows = inputs.numel();
+  if (config_.is_moe() && sharding_.ep_size() > 1) {
+    torch::Tensor rows =
+        torch::tensor({static_cast<double>(ep_rows)}, torch::kFloat64);
+    const absl::Status reduced = sharding_.ep->AllReduce(rows, ReduceOp::kMax);
+    TORCH_CHECK(reduced.ok(),
+                "ep token count all_reduce: ", std::string(reduced.message()));
+    ep_rows = static_cast<int64_t>(rows.item<double>());
+  }
   for (size_t layer = 0; layer < layers_.size(); ++layer) {
     const LayerIndex& idx = layers_[layer];
     x = x + Attention(static_cast<int>(layer),
                       EnterTensorParallel(RmsNorm(x, Weight(idx.input_norm))),
                       cos, sin, mask);
-    torch::Tensor h = EnterTensorParallel(RmsNorm(x, Weight(idx.post_norm)));
-    x = x + LeaveTensorParallel(
-                torch::linear(torch::silu(torch::linear(h, Weight(idx.gate))) *
-                                  torch::linear(h, Weight(idx.up)),
-                              Weight(idx.down)));
+    x = x + Mlp(static_cast<int>(layer), RmsNorm(x, Weight(idx.post_norm)),
+                ep_rows, router_stats);
   }
   torch::Tensor logits = torch::linear(
       EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), Weight(lm_head_));

@@ -110,4 +110,26 @@ std::vector<int> Mesh::GroupRanks(const std::vector<MeshDim>& dims) const {
   return ranks;
 }
 
+std::vector<int> Mesh::ExpertParallelRanks() const {
+  std::vector<int> ranks;
+  for (int r : GroupRanks({MeshDim::kDpShard, MeshDim::kCp})) {
+    const Mesh peer(shape_, r);
+    if (peer.expert_replica_coord() == expert_replica_coord()) {
+      ranks.push_back(r);
+    }
+  }
+  return ranks;
+}
+
+std::vector<int> Mesh::ExpertDataParallelRanks() const {
+  std::vector<int> ranks;
+  for (int r :
+       GroupRanks({MeshDim::kDpReplicate, MeshDim::kDpShard, MeshDim::kCp})) {
+    if (Mesh(shape_, r).coord(MeshDim::kEp) == coord(MeshDim::kEp)) {
+      ranks.push_back(r);
+    }
+  }
+  return ranks;
+}
+
 }  // namespace tally

@@ -55,10 +55,23 @@ class Mesh {
   int world_size() const { return shape_.world_size(); }
   int size(MeshDim dim) const { return shape_.size(dim); }
   int coord(MeshDim dim) const { return coords_[static_cast<int>(dim)]; }
+  // This rank's block of ep peers within dp_shard x cp: ranks holding the
+  // same experts differ in it (or in dp_replicate).
+  int expert_replica_coord() const {
+    return (coord(MeshDim::kDpShard) * shape_.cp + coord(MeshDim::kCp)) /
+           shape_.ep;
+  }
 
   // The ranks that differ from this one only along the world dims `dims`
   // (this rank included), in row-major order.
   std::vector<int> GroupRanks(const std::vector<MeshDim>& dims) const;
+  // The ep group: the ranks of this rank's ep block (same pp, dp_replicate,
+  // tp and expert_replica_coord), in ep order.
+  std::vector<int> ExpertParallelRanks() const;
+  // The expert-data-parallel group: the ranks holding this rank's experts
+  // with different data (same pp, tp and ep coord; any dp_replicate and
+  // expert_replica_coord), in rank order.
+  std::vector<int> ExpertDataParallelRanks() const;
 
  private:
   Mesh(const MeshShape& shape, int rank);

@@ -93,6 +93,25 @@ class GatherShardedParameterFunction
   }
 };
 
+class ReduceScatterRowsFunction
+    : public torch::autograd::Function<ReduceScatterRowsFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               Communicator* group) {
+    SaveGroup(ctx, group);
+    return ValueOrThrow(group->ReduceScatter(x.contiguous()),
+                        "ReduceScatterRows reduce_scatter");
+  }
+
+  static variable_list backward(AutogradContext* ctx,
+                                variable_list grad_outputs) {
+    return {
+        ValueOrThrow(SavedGroup(ctx).AllGather(grad_outputs[0].contiguous()),
+                     "ReduceScatterRows all_gather"),
+        torch::Tensor()};
+  }
+};
+
 class CopyToTensorParallelRegionFunction
     : public torch::autograd::Function<CopyToTensorParallelRegionFunction> {
  public:
@@ -221,6 +240,14 @@ torch::Tensor GatherSequenceBlocks(const torch::Tensor& x,
   torch::Tensor blocks = GatherShardedParameter(
       x.permute({2, 0, 1, 3}).contiguous(), x.size(2) * group.size(), group);
   return blocks.permute({1, 2, 0, 3});
+}
+
+torch::Tensor ReduceScatterRows(const torch::Tensor& x, Communicator& group) {
+  CheckFloating(x, "ReduceScatterRows: x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) % group.size() == 0,
+              "ReduceScatterRows: x ", x.sizes(),
+              " must have rows divisible by ", group.size());
+  return ReduceScatterRowsFunction::apply(x, &group);
 }
 
 torch::Tensor CopyToTensorParallelRegion(const torch::Tensor& x,

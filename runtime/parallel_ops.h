@@ -11,6 +11,7 @@
 //   op                              forward                 backward
 //   GatherShardedParameter          1 AllGather             1 ReduceScatter
 //   GatherSequenceBlocks            1 AllGather             1 ReduceScatter
+//   ReduceScatterRows               1 ReduceScatter         1 AllGather
 //   CopyToTensorParallelRegion      none                    1 AllReduce(SUM)
 //   ReduceFromTensorParallelRegion  1 AllReduce(SUM)        none
 //   VocabParallelEmbedding          1 AllReduce(SUM)        none
@@ -77,6 +78,13 @@ torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
 // gradient and each rank gets the sum of all queries' gradients for its own
 // block.
 torch::Tensor GatherSequenceBlocks(const torch::Tensor& x, Communicator& group);
+
+// Expert parallelism's combine: every rank's partial outputs x [rows, ...]
+// (rows divisible by group.size()) summed, and this rank's slice of the
+// rows returned: [rows / group.size(), ...]. The backward all-gathers the
+// slices' gradients, since every rank's partial fed every slice. The dispatch
+// before it is GatherShardedParameter over equal (padded) token blocks.
+torch::Tensor ReduceScatterRows(const torch::Tensor& x, Communicator& group);
 
 // Megatron's "f": the input of a column-parallel layer. Forward is the
 // identity; backward sums the partial input gradients of the tp ranks.

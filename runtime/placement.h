@@ -4,7 +4,8 @@
 // The gradient norm counts a parameter's local shard only on its canonical
 // replica, the rank whose coordinate is 0 along every mesh dim where the
 // parameter is Replicate; so replicas are never double counted and shards
-// are each counted once.
+// are each counted once. A parameter Shard over ep (an expert) is counted in
+// the first ep block of dp_shard x cp (Mesh::expert_replica_coord() == 0).
 //
 //   tally::Placements p;                       // replicated everywhere
 //   p.Set(tally::MeshDim::kTp, tally::Placement::Shard(0));

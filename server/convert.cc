@@ -26,6 +26,9 @@ absl::StatusOr<LlamaConfig> ParseConfig(const v1::ModelConfig& c) {
   config.rope_theta = c.rope_theta();
   config.max_position_embeddings = c.max_position_embeddings();
   config.tie_word_embeddings = c.tie_word_embeddings();
+  config.num_local_experts = c.num_local_experts();
+  config.num_experts_per_tok = c.num_experts_per_tok();
+  config.router_aux_loss_coef = c.router_aux_loss_coef();
   config = config.WithDefaults();
   TALLY_RETURN_IF_ERROR(config.Validate());
   return config;
@@ -52,6 +55,9 @@ void ToProto(const LlamaConfig& c, v1::ModelConfig* out) {
   out->set_rope_theta(c.rope_theta);
   out->set_max_position_embeddings(c.max_position_embeddings);
   out->set_tie_word_embeddings(c.tie_word_embeddings);
+  out->set_num_local_experts(c.num_local_experts);
+  out->set_num_experts_per_tok(c.num_experts_per_tok);
+  out->set_router_aux_loss_coef(c.router_aux_loss_coef);
 }
 
 }  // namespace

@@ -43,6 +43,8 @@ std::vector<std::pair<std::string, const Communicator*>> NamedCommunicators(
       {"dp_shard", g.dp_shard},
       {"cp", g.cp},
       {"tp", g.tp},
+      {"ep", g.ep},
+      {"expert_replicas", g.expert_replicas},
       {"control", &engine.control()}};
   std::vector<std::pair<std::vector<std::string>, const Communicator*>> merged;
   for (const auto& [role, comm] : roles) {

@@ -5,7 +5,8 @@ tally saved before and after the step with a numpy-only safetensors reader,
 and replays the same step with a Llama written here in plain PyTorch from
 the HF definition (RMSNorm, rotate-half RoPE, GQA, SwiGLU, causal attention)
 and torch.optim. Losses, log-probs, the gradient norm, the clip coefficient
-and every updated weight must agree to ~1e-10 in float64.
+and every updated weight must agree to ~1e-10 in float64. The Mixtral test
+does the same with HF MixtralSparseMoeBlock's routing written here in torch.
 """
 
 import math
@@ -68,7 +69,14 @@ def parameter_names(config):
         names += [p + "input_layernorm.weight",
                   p + "post_attention_layernorm.weight"]
         names += [p + f"self_attn.{m}_proj.weight" for m in "qkvo"]
-        names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        if config.get("num_local_experts", 0) > 0:
+            moe = p + "block_sparse_moe."
+            names.append(moe + "gate.weight")
+            names += [moe + f"experts.{e}.{w}.weight"
+                      for e in range(config["num_local_experts"])
+                      for w in ("w1", "w2", "w3")]
+        else:
+            names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
     if not config["tie_word_embeddings"]:
         names.append("lm_head.weight")
     return sorted(names)
@@ -135,9 +143,11 @@ class ReferenceLlama:
 
     def mlp(self, x, prefix):
         p = self.params
+        prefix += "mlp."
         gate = x @ p[prefix + "gate_proj.weight"].T
         up = x @ p[prefix + "up_proj.weight"].T
         return (torch.nn.functional.silu(gate) * up) @ p[prefix + "down_proj.weight"].T
+
 
     def log_probs(self, inputs):
         """log_softmax of the logits, [T, vocab]; positions restart at 0."""
@@ -149,9 +159,45 @@ class ReferenceLlama:
             h = self.rms_norm(x, p[prefix + "input_layernorm.weight"])
             x = x + self.attention(h, prefix + "self_attn.", cos, sin)
             h = self.rms_norm(x, p[prefix + "post_attention_layernorm.weight"])
-            x = x + self.mlp(h, prefix + "mlp.")
+            x = x + self.mlp(h, prefix)
         x = self.rms_norm(x, p["model.norm.weight"])
         return torch.log_softmax(x @ self.lm_head().T, dim=-1)
+
+
+class ReferenceMixtral(ReferenceLlama):
+    """HF MixtralForCausalLM: the MLP is MixtralSparseMoeBlock. The router
+    softmax runs in the model dtype (HF upcasts to float32, the same for a
+    float32 model). `aux` holds tally's per-token load-balancing term of the
+    last log_probs: the mean over layers of E * (sum of the token's top-k
+    router probabilities)."""
+
+    def log_probs(self, inputs):
+        self.aux = 0
+        return super().log_probs(inputs)
+
+    def mlp(self, x, prefix):
+        p = self.params
+        prefix += "block_sparse_moe."
+        experts = self.config["num_local_experts"]
+        top_k = self.config["num_experts_per_tok"]
+        router_logits = x @ p[prefix + "gate.weight"].T  # [T, E]
+        routing = torch.softmax(router_logits, dim=1)
+        routing, selected = torch.topk(routing, top_k, dim=-1)
+        layers = self.config["num_hidden_layers"]
+        self.aux = self.aux + experts * routing.sum(dim=-1) / layers
+        routing = routing / routing.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        # expert_mask[e, k, t]: token t's k-th choice is expert e.
+        expert_mask = torch.nn.functional.one_hot(selected, experts).permute(2, 1, 0)
+        for e in range(experts):
+            choice, tokens = torch.where(expert_mask[e])
+            if tokens.numel() == 0:
+                continue
+            w = lambda n: p[prefix + f"experts.{e}.{n}.weight"]
+            h = x[tokens]
+            y = (torch.nn.functional.silu(h @ w("w1").T) * (h @ w("w3").T)) @ w("w2").T
+            out = out.index_add(0, tokens, y * routing[tokens, choice, None])
+        return out
 
 
 class SampleTerms:
@@ -167,7 +213,11 @@ class SampleTerms:
         self.logprobs = target_logp.masked_fill(ignored, 0.0)
         valid = [t != IGNORE and w > 0 for t, w in zip(targets, weights)]
         w = torch.tensor(weights, dtype=model.dtype) * torch.tensor(valid)
-        self.loss_sum = (w * -self.logprobs).sum()  # sum of w * token loss
+        token_loss = -self.logprobs
+        aux_coef = model.config.get("router_aux_loss_coef", 0.0)
+        if aux_coef > 0:  # tally adds the load-balancing term per token
+            token_loss = token_loss + aux_coef * model.aux
+        self.loss_sum = (w * token_loss).sum()  # sum of w * token loss
         self.valid_tokens = sum(valid)
 
 
@@ -185,8 +235,9 @@ def relative_max_diff(got, expected):
 
 class LlamaReferenceTest(ServerTestCase):
 
-    def create_model(self, model_id, dtype, tie, optimizer, **kwargs):
-        config = pb.ModelConfig(tie_word_embeddings=tie, **TINY_LLAMA)
+    def create_model(self, model_id, dtype, tie, optimizer, moe=None, **kwargs):
+        config = pb.ModelConfig(tie_word_embeddings=tie, **TINY_LLAMA,
+                                **(moe or {}))
         info = self.stub.CreateModel(pb.CreateModelRequest(
             model_id=model_id, config=config, seed=7, dtype=dtype,
             optimizer=optimizer, **kwargs))
@@ -199,11 +250,11 @@ class LlamaReferenceTest(ServerTestCase):
                                                           path=path))
         return path
 
-    def read_checkpoint(self, path, tie, safetensors_dtype):
+    def read_checkpoint(self, path, tie, safetensors_dtype, moe=None):
         """(config.json, {name: array}) after checking both against the
         model that was asked for."""
         config = read_json(os.path.join(path, "config.json"))
-        for field, value in TINY_LLAMA.items():
+        for field, value in dict(TINY_LLAMA, **(moe or {})).items():
             self.assertEqual(config[field], value, f"config.json {field}")
         self.assertEqual(config["tie_word_embeddings"], tie)
         tensors = read_safetensors(os.path.join(path, "model.safetensors"))
@@ -397,6 +448,62 @@ class LlamaReferenceTest(ServerTestCase):
         info = self.stub.GetModel(pb.GetModelRequest(model_id=model_id))
         self.assertEqual(info.accumulated_calls, 0)
         self.assertEqual(info.accumulated_tokens, 0)
+
+    def test_mixtral_sgd(self):
+        """A 4-expert top-2 Mixtral: TOKEN_MEAN and SAMPLE_MEAN windows, SGD
+        steps, against MixtralSparseMoeBlock semantics, through HF's
+        per-expert checkpoint names; then with tally's load-balancing loss.
+        One call holds a single token, so in that call two experts of every
+        layer receive none."""
+        self.start_server()
+        calls = [[SAMPLES[4]], SAMPLES[:4]]
+        lr = 0.5
+        for reduction, aux_coef in ((pb.LOSS_REDUCTION_TOKEN_MEAN, 0.0),
+                                    (pb.LOSS_REDUCTION_SAMPLE_MEAN, 0.0),
+                                    (pb.LOSS_REDUCTION_SAMPLE_MEAN, 0.25)):
+            moe = {"num_local_experts": 4, "num_experts_per_tok": 2,
+                   "router_aux_loss_coef": aux_coef}
+            model_id = f"mixtral{reduction}_{aux_coef}"
+            self.create_model(model_id, pb.DTYPE_FLOAT64, False, pb.OPTIMIZER_SGD,
+                              moe=moe, default_adam=pb.AdamParams(
+                                  learning_rate=lr, weight_decay=0.0))
+            config, before = self.read_checkpoint(
+                self.save(model_id, f"A{model_id}"), False, "<f8", moe)
+            self.assertEqual(config["model_type"], "mixtral")
+            responses = self.forward_backward(model_id, calls, reduction)
+            step = self.stub.OptimStep(pb.OptimStepRequest(model_id=model_id,
+                                                           max_grad_norm=0.0))
+            _, after = self.read_checkpoint(
+                self.save(model_id, f"B{model_id}"), False, "<f8", moe)
+
+            model = ReferenceMixtral(config, before, torch.float64)
+            terms = [[SampleTerms(model, s) for s in call] for call in calls]
+            self.check_call_losses(responses, terms, reduction, FLOAT64_RTOL)
+            flat = [t for call in terms for t in call if t.valid_tokens > 0]
+            if reduction == pb.LOSS_REDUCTION_TOKEN_MEAN:
+                loss = sum(t.loss_sum for t in flat) / sum(t.valid_tokens for t in flat)
+            else:
+                loss = sum(t.loss_sum / t.valid_tokens for t in flat) / len(flat)
+            loss.backward()
+            for p in model.params.values():  # an expert no token reached
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
+            def norm(names):
+                return math.sqrt(sum(float(model.params[n].grad.pow(2).sum())
+                                     for n in names))
+            expert_names = [n for n in model.params if ".experts." in n]
+            dense_names = [n for n in model.params if ".experts." not in n]
+            assert_close(self, step.grad_norm, norm(model.params), FLOAT64_RTOL,
+                         "grad_norm")
+            assert_close(self, step.metrics["grad_norm_expert"], norm(expert_names),
+                         FLOAT64_RTOL, "grad_norm_expert")
+            assert_close(self, step.metrics["grad_norm_dense"], norm(dense_names),
+                         FLOAT64_RTOL, "grad_norm_dense")
+            with torch.no_grad():
+                reference = {n: (p - lr * p.grad).numpy()
+                             for n, p in model.params.items()}
+            self.check_weights(model_id, after, reference, before)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A multi-rank tally-server gives the single-rank server's results.
 
 Each test starts a 1-rank server and a 4-rank one (`--nproc-per-node 4` with
-dp_shard 2 x tp 2, dp_replicate 2 x dp_shard 2 or cp 2 x tp 2), creates the same tiny
-Llama on both and sends both the same requests: ForwardBackward calls of very
+dp_shard 2 x tp 2, dp_replicate 2 x dp_shard 2, cp 2 x tp 2 or ep 2 x tp 2),
+creates the same tiny Llama (or Mixtral) on both and sends both the same requests: ForwardBackward calls of very
 uneven size (a call whose only valid token is one, samples whose targets are
 all ignored, weighted positions, a sample of one token) and OptimSteps with
 clipping. Every loss, token count, gradient norm and clip coefficient, and
@@ -37,6 +37,9 @@ DP_SHARD_TP = ["--nproc-per-node", "4", "--dp-shard", "2", "--tp", "2"]
 DP_REPLICATE_SHARD = ["--nproc-per-node", "4", "--dp-replicate", "2",
                       "--dp-shard", "2"]
 CP_TP = ["--nproc-per-node", "4", "--cp", "2", "--tp", "2"]
+EP_TP = ["--nproc-per-node", "4", "--dp-shard", "2", "--ep", "2", "--tp", "2"]
+MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2,
+           "router_aux_loss_coef": 0.01}
 
 TOKEN_MEAN = pb.LOSS_REDUCTION_TOKEN_MEAN
 SAMPLE_MEAN = pb.LOSS_REDUCTION_SAMPLE_MEAN
@@ -94,8 +97,10 @@ def valid_tokens(sample):
                if t != IGNORE and w > 0)
 
 
-def expected_shapes():
-    """The unsharded HF shape of every weight of TINY_LLAMA."""
+def expected_shapes(moe=None, stacked=False):
+    """The unsharded HF shape of every weight of TINY_LLAMA (with `moe`, its
+    Mixtral variant: per-expert weights, or the stacked [E, ...] tensors the
+    optimizer state is kept under when `stacked`)."""
     c = TINY_LLAMA
     hidden, inter = c["hidden_size"], c["intermediate_size"]
     kv = c["num_key_value_heads"] * hidden // c["num_attention_heads"]
@@ -109,10 +114,22 @@ def expected_shapes():
                        p + "self_attn.q_proj.weight": [hidden, hidden],
                        p + "self_attn.k_proj.weight": [kv, hidden],
                        p + "self_attn.v_proj.weight": [kv, hidden],
-                       p + "self_attn.o_proj.weight": [hidden, hidden],
-                       p + "mlp.gate_proj.weight": [inter, hidden],
-                       p + "mlp.up_proj.weight": [inter, hidden],
-                       p + "mlp.down_proj.weight": [hidden, inter]})
+                       p + "self_attn.o_proj.weight": [hidden, hidden]})
+        if not moe:
+            shapes.update({p + "mlp.gate_proj.weight": [inter, hidden],
+                           p + "mlp.up_proj.weight": [inter, hidden],
+                           p + "mlp.down_proj.weight": [hidden, inter]})
+            continue
+        experts = moe["num_local_experts"]
+        p += "block_sparse_moe."
+        shapes[p + "gate.weight"] = [experts, hidden]
+        for w, shape in (("w1", [inter, hidden]), ("w2", [hidden, inter]),
+                         ("w3", [inter, hidden])):
+            if stacked:
+                shapes[p + f"experts.{w}.weight"] = [experts] + shape
+            else:
+                shapes.update({p + f"experts.{e}.{w}.weight": shape
+                               for e in range(experts)})
     return shapes
 
 
@@ -154,10 +171,11 @@ class MultiRankServerTest(ServerTestCase):
                              f"{what}: 1-rank {a!r} vs 4-rank {b!r}")
 
     def create(self, connections, dtype, model_id=MODEL_ID,
-               grad_sync=pb.GRAD_SYNC_UNSPECIFIED):
+               grad_sync=pb.GRAD_SYNC_UNSPECIFIED, moe=None):
+        config = pb.ModelConfig(**TINY_LLAMA, **(moe or {}))
         for connection in connections:
             info = connection.stub.CreateModel(pb.CreateModelRequest(
-                model_id=model_id, config=pb.ModelConfig(**TINY_LLAMA), seed=SEED,
+                model_id=model_id, config=config, seed=SEED,
                 dtype=dtype, optimizer=pb.OPTIMIZER_ADAMW,
                 default_adam=pb.AdamParams(eps=ADAM_EPS),
                 default_max_grad_norm=MAX_GRAD_NORM, grad_sync=grad_sync))
@@ -262,7 +280,8 @@ class MultiRankServerTest(ServerTestCase):
             self.assertLessEqual(difference, rtol, f"{what} {name}: differs by "
                                  f"{difference:.3g} of its max {scale:.3g}")
 
-    def assert_checkpoints_close(self, single_dir, multi_dir, rtol, numpy_dtype):
+    def assert_checkpoints_close(self, single_dir, multi_dir, rtol, numpy_dtype,
+                                 moe=None):
         """Both checkpoints hold the full, unsharded model and agree."""
         single_config = read_json(os.path.join(single_dir, "config.json"))
         self.assertEqual(single_config,
@@ -271,7 +290,7 @@ class MultiRankServerTest(ServerTestCase):
             self.assertEqual(single_config[field], value, f"config.json {field}")
         single_model = read_safetensors(os.path.join(single_dir, "model.safetensors"))
         multi_model = read_safetensors(os.path.join(multi_dir, "model.safetensors"))
-        shapes = expected_shapes()
+        shapes = expected_shapes(moe)
         self.assertEqual(sorted(multi_model), sorted(shapes))
         for name, tensor in multi_model.items():
             self.assertEqual(list(tensor.shape), shapes[name], name)
@@ -282,7 +301,7 @@ class MultiRankServerTest(ServerTestCase):
         multi_optimizer = read_safetensors(
             os.path.join(multi_dir, "optimizer.safetensors"))
         self.assertEqual(sorted(multi_optimizer),
-                         sorted(f"{n}.{m}" for n in shapes
+                         sorted(f"{n}.{m}" for n in expected_shapes(moe, True)
                                 for m in ("exp_avg", "exp_avg_sq")))
         self.assert_tensors_close(single_optimizer, multi_optimizer, rtol,
                                   "optimizer")
@@ -338,10 +357,10 @@ class MultiRankServerTest(ServerTestCase):
                                       self.save(multi, "multi-4"),
                                       FLOAT32_RTOL, "<f4")
 
-    def check_float64_steps(self, mesh):
+    def check_float64_steps(self, mesh, moe=None):
         single, multi = self.start_pair(mesh)
         both = [single, multi]
-        self.create(both, pb.DTYPE_FLOAT64)
+        self.create(both, pb.DTYPE_FLOAT64, moe=moe)
         for step, reduction in enumerate([TOKEN_MEAN, SAMPLE_MEAN]):
             responses = self.train_step(both, step_calls(step), reduction,
                                         FLOAT64_RTOL, f"float64 step {step}")
@@ -350,7 +369,7 @@ class MultiRankServerTest(ServerTestCase):
                                  FLOAT64_RTOL, "logprobs after 2 steps")
         self.assert_checkpoints_close(self.save(single, "single-2"),
                                       self.save(multi, "multi-2"),
-                                      FLOAT64_RTOL, "<f8")
+                                      FLOAT64_RTOL, "<f8", moe)
 
     def test_dp_shard_tp_float64_steps(self):
         self.check_float64_steps(DP_SHARD_TP)
@@ -359,6 +378,11 @@ class MultiRankServerTest(ServerTestCase):
         """Context parallelism through the server: every sample's tokens
         split over two ranks, each with two tensor-parallel halves."""
         self.check_float64_steps(CP_TP)
+
+    def test_ep_tp_float64_steps(self):
+        """A Mixtral-style model with its experts split over two
+        expert-parallel ranks, each with two tensor-parallel halves."""
+        self.check_float64_steps(EP_TP, MIXTRAL)
 
     def test_dp_replicate_shard_deferred_and_eager_grad_sync(self):
         single, multi = self.start_pair(DP_REPLICATE_SHARD)

@@ -2,12 +2,15 @@
 // each running a multi-rank engine, and in the same process a single-rank
 // engine on the same samples. Every rank checks its own shards against the
 // matching shards of the single-device run: losses, gradients (EAGER),
-// norm, clip coefficient and updated parameters.
+// norm, clip coefficient and updated parameters. The ep meshes run a 4-expert
+// Mixtral-style model.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
 #include "runtime/grad_norm.h"
@@ -25,15 +28,42 @@ using testing::TinySpec;
 struct MeshCase {
   const char* name;
   MeshShape shape;
+  bool moe = false;
 };
 
-MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1) {
+MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1,
+                int ep = 1) {
   MeshShape shape;
   shape.dp_replicate = dp_replicate;
   shape.dp_shard = dp_shard;
   shape.tp = tp;
   shape.cp = cp;
+  shape.ep = ep;
   return shape;
+}
+
+// Four experts, two per token: in the one-token call two experts of every
+// layer receive no token. With the load-balancing loss, whose gradient must
+// not depend on how the tokens are split over ranks either.
+LlamaConfig MoeConfig() {
+  LlamaConfig config = testing::TinyConfig();
+  config.num_local_experts = 4;
+  config.num_experts_per_tok = 2;
+  config.router_aux_loss_coef = 0.02;
+  return config;
+}
+
+ModelSpec Spec(const std::string& id, DType dtype, OptimizerKind optimizer,
+               bool moe) {
+  ModelSpec spec = TinySpec(id, dtype, optimizer);
+  if (moe) spec.config = MoeConfig();
+  return spec;
+}
+
+// The group over which the engine sums p's partial gradients.
+Communicator* ReplicaGroup(const Engine& engine, const Parameter& p) {
+  return p.is_expert ? engine.groups().expert_replicas
+                     : engine.groups().replicas;
 }
 
 struct Variant {
@@ -76,10 +106,10 @@ std::vector<std::vector<Sample>> Calls() {
 
 // Checks one variant on this rank; gtest failures are reported by the rank.
 absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
-                          const std::string& id) {
+                          const std::string& id, bool moe) {
   SCOPED_TRACE(VariantName(v));
   const double tol = testing::GoldenTolerance(v.dtype);
-  ModelSpec spec = TinySpec(id, v.dtype, v.optimizer);
+  ModelSpec spec = Spec(id, v.dtype, v.optimizer, moe);
   spec.grad_sync = v.sync;
   if (v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW) {
     spec.default_adam.eps = 1e-4;  // see accumulation_golden_test.cc
@@ -101,6 +131,16 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
     EXPECT_EQ(got.num_samples, want.num_samples);
     EXPECT_EQ(got.window.tokens, want.window.tokens);
     EXPECT_EQ(got.window.samples, want.window.samples);
+    // Expert load counts real tokens only, summed over the data ranks.
+    for (const auto& [key, value] : want.metrics) {
+      if (absl::StartsWith(key, "expert_")) {
+        EXPECT_EQ(got.metrics[key], value) << key;
+      }
+    }
+    EXPECT_EQ(got.metrics.count("expert_load_min_fraction"), moe ? 1u : 0u);
+    if (moe && call.size() == 1) {
+      EXPECT_EQ(got.metrics["expert_load_min_fraction"], 0.0);
+    }
     for (size_t i = 0; i < call.size(); ++i) {
       EXPECT_LT(RelativeDiff(got.samples[i].loss_sum, want.samples[i].loss_sum),
                 tol + 1e-300);
@@ -114,16 +154,16 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
       }
     }
   }
-  // EAGER: summed over the replicas (dp_replicate x cp) after every call,
-  // so this rank's gradient shard is the single-device gradient's shard.
-  // DEFERRED: the replicas' local gradients sum to it (OptimStep does that
-  // sum).
+  // EAGER: summed over the replicas (dp_replicate x cp; experts: the
+  // expert-data-parallel ranks) after every call, so this rank's gradient
+  // shard is the single-device gradient's shard. DEFERRED: the replicas'
+  // local gradients sum to it (OptimStep does that sum).
   for (size_t i = 0; i < model.parameters().size(); ++i) {
     const Parameter& p = model.parameters()[i];
     torch::Tensor got = p.tensor.grad().clone();
-    if (v.sync == GradSync::kDeferred && engine.groups().replicas->size() > 1) {
-      TALLY_RETURN_IF_ERROR(
-          engine.groups().replicas->AllReduce(got, ReduceOp::kSum));
+    Communicator* replicas = ReplicaGroup(engine, p);
+    if (v.sync == GradSync::kDeferred && replicas->size() > 1) {
+      TALLY_RETURN_IF_ERROR(replicas->AllReduce(got, ReduceOp::kSum));
     }
     torch::Tensor want =
         model.LocalShard(p, ref_model.parameters()[i].tensor.grad());
@@ -137,6 +177,10 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
   EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), tol);
   EXPECT_LT(RelativeDiff(got.clip_coef, want.clip_coef), tol);
   EXPECT_LT(got.clip_coef, 0.5);
+  for (const char* slot : {"grad_norm_dense", "grad_norm_expert"}) {
+    EXPECT_LT(RelativeDiff(got.metrics[slot], want.metrics[slot]), tol) << slot;
+  }
+  EXPECT_EQ(got.metrics["grad_norm_expert"] > 0, moe);
   EXPECT_EQ(got.normalizer, want.normalizer);
 
   // The norm is the same bits on every rank.
@@ -154,8 +198,9 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
     torch::Tensor want = model.LocalShard(p, ref_model.parameters()[i].tensor);
     EXPECT_LT(RelativeDiff(p.tensor, want), param_tol) << p.name;
     // Replicas are bitwise identical: across dp_replicate and cp for
-    // everything, across tp for what tp replicates.
-    std::vector<Communicator*> replica_groups = {engine.groups().replicas};
+    // everything (experts: across the expert-data-parallel ranks), across tp
+    // for what tp replicates.
+    std::vector<Communicator*> replica_groups = {ReplicaGroup(engine, p)};
     if (!p.placements.at(MeshDim::kTp).is_shard()) {
       replica_groups.push_back(engine.groups().tp);
     }
@@ -228,6 +273,7 @@ class MultiRankGoldenTest : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(MultiRankGoldenTest, EqualsTheSingleDeviceRun) {
   const MeshShape shape = GetParam().shape;
+  const bool moe = GetParam().moe;
   testing::RunOnRanks(
       shape.world_size(), [&](const RankEnv& env) -> absl::Status {
         EngineOptions options;
@@ -242,7 +288,7 @@ TEST_P(MultiRankGoldenTest, EqualsTheSingleDeviceRun) {
             TALLY_RETURN_IF_ERROR(CheckVariant(
                 *engine, *reference,
                 {DType::kFloat64, OptimizerKind::kAdamW, sync, reduction},
-                absl::StrCat("m", n++)));
+                absl::StrCat("m", n++), moe));
           }
         }
         TALLY_RETURN_IF_ERROR(
@@ -253,16 +299,16 @@ TEST_P(MultiRankGoldenTest, EqualsTheSingleDeviceRun) {
             CheckVariant(*engine, *reference,
                          {DType::kFloat32, OptimizerKind::kSgd,
                           GradSync::kDeferred, LossReduction::kSampleMean},
-                         "fp32_sgd"));
+                         "fp32_sgd", moe));
         return CheckVariant(*engine, *reference,
                             {DType::kFloat32, OptimizerKind::kAdamW,
                              GradSync::kEager, LossReduction::kTokenMean},
-                            "fp32_adamw");
+                            "fp32_adamw", moe);
       });
 }
 
 // The staged reduction of the reference design, one collective per
-// parameter and dimension: squares summed over tp and dp_shard where the
+// parameter and dimension: squares summed over tp, dp_shard and ep where the
 // parameter is sharded, nothing over replicas. Test-only.
 absl::StatusOr<double> StagedL2Norm(LlamaModel& model, const EngineGroups& g) {
   double total = 0;
@@ -274,6 +320,9 @@ absl::StatusOr<double> StagedL2Norm(LlamaModel& model, const EngineGroups& g) {
     }
     if (p.placements.at(MeshDim::kTp).is_shard()) {
       TALLY_RETURN_IF_ERROR(g.tp->AllReduce(sq, ReduceOp::kSum));
+    }
+    if (p.placements.at(MeshDim::kEp).is_shard()) {
+      TALLY_RETURN_IF_ERROR(g.ep->AllReduce(sq, ReduceOp::kSum));
     }
     total += sq.item<double>();
   }
@@ -288,15 +337,99 @@ void SetGradients(LlamaModel& model, Fn full) {
   }
 }
 
+// Every rank sets its gradients to 2^rank before a DEFERRED OptimStep sums
+// them: SGD's update then reads back which ranks each sum covered. Expert
+// gradients must sum over the ranks with this rank's ep coordinate in every
+// dp_replicate and ep block (never over ep); dense ones over dp_replicate x
+// cp. The groups are enumerated here from the mesh layout itself.
+absl::Status CheckRankEncodedReduction(Engine& engine, const RankEnv& env) {
+  ModelSpec spec = Spec("r", DType::kFloat64, OptimizerKind::kSgd, true);
+  spec.default_adam.weight_decay = 0;
+  spec.grad_sync = GradSync::kDeferred;
+  TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
+  LlamaModel& model = *engine.model("r").value();
+  TALLY_RETURN_IF_ERROR(
+      engine.ForwardBackward("r", {MakeSamples(spec.config.vocab_size, {5}, 8)})
+          .status());
+  for (Parameter& p : model.parameters()) {
+    p.tensor.mutable_grad().fill_(std::ldexp(1.0, env.rank));
+  }
+  const std::vector<torch::Tensor> before = testing::ParameterValues(model);
+  OptimStepArgs args;
+  args.max_grad_norm = 0;  // no clipping
+  TALLY_ASSIGN_OR_RETURN(OptimStepResult step, engine.OptimStep("r", args));
+  EXPECT_EQ(step.clip_coef, 1.0);
+
+  const MeshShape& shape = engine.mesh().shape();
+  auto coords = [&](int rank) {
+    // Row-major pp x dp_replicate x dp_shard x cp x tp, tp fastest.
+    const int tp = rank % shape.tp, cp = rank / shape.tp % shape.cp;
+    const int dp_shard = rank / (shape.tp * shape.cp) % shape.dp_shard;
+    const int data = dp_shard * shape.cp + cp;
+    return std::array<int, 4>{tp, cp, dp_shard, data % shape.ep};
+  };
+  const auto me = coords(env.rank);
+  double expert_sum = 0, dense_sum = 0;
+  for (int r = 0; r < env.world_size; ++r) {
+    const auto other = coords(r);
+    if (other[0] != me[0]) continue;  // tp peers hold other shards
+    if (other[3] == me[3]) expert_sum += std::ldexp(1.0, r);
+    if (other[2] == me[2]) dense_sum += std::ldexp(1.0, r);
+  }
+  for (size_t i = 0; i < before.size(); ++i) {
+    const Parameter& p = model.parameters()[i];
+    const double sum = p.is_expert ? expert_sum : dense_sum;
+    torch::Tensor want = before[i] - step.learning_rate * sum / step.normalizer;
+    EXPECT_LT(RelativeDiff(p.tensor, want), 1e-12) << p.name;
+  }
+  return absl::OkStatus();
+}
+
+// The dispatch's collectives over ep are a fixed sequence whatever the
+// routing: per micro-batch one all-reduce (MAX) of the token count, and per
+// MoE layer an all-gather and a reduce-scatter forward and one of each
+// backward, with the same payload on every rank (the tokens padded equal).
+absl::Status CheckDispatchCollectives(Engine& engine) {
+  Communicator& ep = *engine.groups().ep;
+  if (ep.size() == 1) return absl::OkStatus();
+  ModelSpec spec = Spec("d", DType::kFloat64, OptimizerKind::kSgd, true);
+  TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
+  ep.stats().Reset();
+  // Uneven: one data rank holds 40 tokens, another a single one.
+  TALLY_ASSIGN_OR_RETURN(
+      ForwardBackwardResult result,
+      engine.ForwardBackward(
+          "d", {MakeSamples(spec.config.vocab_size, {40, 1}, 9)}));
+  const int64_t micro_batches =
+      static_cast<int64_t>(result.metrics["micro_batches"]);
+  const int64_t layers = spec.config.num_hidden_layers;
+  EXPECT_EQ(ep.stats().Get(CommOp::kAllReduce).calls, micro_batches);
+  EXPECT_EQ(ep.stats().Get(CommOp::kAllGather).calls,
+            2 * layers * micro_batches);
+  EXPECT_EQ(ep.stats().Get(CommOp::kReduceScatter).calls,
+            2 * layers * micro_batches);
+  torch::Tensor bytes = torch::tensor(
+      {static_cast<double>(ep.stats().Get(CommOp::kAllGather).bytes),
+       static_cast<double>(ep.stats().Get(CommOp::kReduceScatter).bytes)},
+      torch::kFloat64);
+  TALLY_ASSIGN_OR_RETURN(torch::Tensor all, ep.AllGather(bytes));
+  all = all.view({ep.size(), 2});
+  for (int r = 1; r < ep.size(); ++r) {
+    EXPECT_TRUE(torch::equal(all[r], all[0])) << "ep rank " << r;
+  }
+  return engine.DeleteModel("d").status();
+}
+
 class MultiRankNormTest : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(MultiRankNormTest, OneCollectiveEqualsTheStagedReduction) {
   const MeshShape shape = GetParam().shape;
+  const bool moe = GetParam().moe;
   testing::RunOnRanks(
       shape.world_size(), [&](const RankEnv& env) -> absl::Status {
         TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(shape, env, {}));
         const Mesh& mesh = engine->mesh();
-        ModelSpec spec = TinySpec("n", DType::kFloat64, OptimizerKind::kAdamW);
+        ModelSpec spec = Spec("n", DType::kFloat64, OptimizerKind::kAdamW, moe);
         TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
         LlamaModel& model = *engine->model("n").value();
         Communicator& world = engine->world();
@@ -312,6 +445,17 @@ TEST_P(MultiRankNormTest, OneCollectiveEqualsTheStagedReduction) {
             RelativeDiff(ones.total,
                          std::sqrt(static_cast<double>(model.NumParameters()))),
             1e-14);
+        // Each slot counts its logical numel once.
+        const LlamaConfig& c = spec.config;
+        const double expert_numel =
+            moe ? static_cast<double>(c.num_hidden_layers *
+                                      c.num_local_experts * 3 * c.hidden_size *
+                                      c.intermediate_size)
+                : 0.0;
+        EXPECT_LT(RelativeDiff(ones.expert, std::sqrt(expert_numel)), 1e-14);
+        EXPECT_LT(RelativeDiff(ones.dense,
+                               std::sqrt(model.NumParameters() - expert_numel)),
+                  1e-14);
 
         // Random full gradients (same seed on every rank): one collective,
         // equal to the staged reduction and to the norm of the full tensors.
@@ -363,6 +507,10 @@ TEST_P(MultiRankNormTest, OneCollectiveEqualsTheStagedReduction) {
           EXPECT_TRUE(torch::equal(before[k], after[k])) << k;
         }
 
+        if (moe) {
+          TALLY_RETURN_IF_ERROR(CheckDispatchCollectives(*engine));
+          return CheckRankEncodedReduction(*engine, env);
+        }
         // The training state per rank shrinks as 1/dp_shard (up to padding).
         TALLY_RETURN_IF_ERROR(
             engine
@@ -393,7 +541,16 @@ const auto kMeshes = ::testing::Values(
     MeshCase{"cp2", Shape(1, 1, 1, 2)}, MeshCase{"cp4", Shape(1, 1, 1, 4)},
     MeshCase{"cp2_dp_shard2", Shape(1, 2, 1, 2)},
     MeshCase{"cp2_tp2", Shape(1, 1, 2, 2)},
-    MeshCase{"dp_replicate2_cp2_tp2", Shape(2, 1, 2, 2)});
+    MeshCase{"dp_replicate2_cp2_tp2", Shape(2, 1, 2, 2)},
+    MeshCase{"ep2", Shape(1, 2, 1, 1, 2), true},
+    MeshCase{"ep4", Shape(1, 4, 1, 1, 4), true},
+    MeshCase{"ep2_tp2", Shape(1, 2, 2, 1, 2), true},
+    MeshCase{"ep2_dp_replicate2", Shape(2, 2, 1, 1, 2), true},
+    MeshCase{"ep2_cp2", Shape(1, 1, 1, 2, 2), true},
+    // Expert replicas (ranks 0, 2) where dense parameters have none.
+    MeshCase{"ep2_dp_shard4", Shape(1, 4, 1, 1, 2), true},
+    // Experts replicated over the data ranks, each with its own tokens.
+    MeshCase{"moe_dp_shard2", Shape(1, 2, 1), true});
 
 std::string MeshName(const ::testing::TestParamInfo<MeshCase>& info) {
   return info.param.name;

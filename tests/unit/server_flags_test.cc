@@ -30,7 +30,8 @@ TEST(ServerFlagsTest, ParsesKebabCaseInBothForms) {
 TEST(ServerFlagsTest, MeshAndRankFlags) {
   auto flags =
       Parse({"--nproc-per-node", "16", "--dp-replicate=2", "--dp-shard", "2",
-             "--cp", "2", "--tp", "2", "--rank", "3", "--world-size", "16",
+             "--cp=2", "--ep=4", "--tp", "2", "--rank", "3", "--world-size",
+             "16",
              "--master-addr", "tally-0.tally", "--master-port", "29400",
              "--rendezvous-timeout-secs", "60"});
   ASSERT_TRUE(flags.ok()) << flags.status();
@@ -41,6 +42,7 @@ TEST(ServerFlagsTest, MeshAndRankFlags) {
   EXPECT_EQ(o.mesh.dp_shard, 2);
   EXPECT_EQ(o.mesh.cp, 2);
   EXPECT_EQ(o.mesh.tp, 2);
+  EXPECT_EQ(o.mesh.ep, 4);
   EXPECT_EQ(o.rank_env.rank, 3);
   EXPECT_EQ(o.rank_env.world_size, 16);
   EXPECT_EQ(o.rank_env.master_addr, "tally-0.tally");
