@@ -18,7 +18,6 @@
 #include "client/trainer_client.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_util.h"
-#include "tests/e2e/metrics_scrape.h"
 #include "tests/e2e/server_process.h"
 
 namespace tally {

@@ -36,7 +36,6 @@
 #include "gtest/gtest.h"
 #include "runtime/status.h"
 #include "tests/e2e/e2e_util.h"
-#include "tests/e2e/metrics_scrape.h"
 #include "tests/e2e/server_process.h"
 
 namespace tally {

@@ -396,7 +396,7 @@ class MultiRankServerTest(ServerTestCase):
         for step, reduction in enumerate([TOKEN_MEAN, SAMPLE_MEAN]):
             self.train_step(connections, step_calls(step), reduction,
                             FLOAT32_RTOL, f"step {step}", model_ids)
-        single_dir = self.save(single, "single")
+        single_dir = self.save(single, "single-checkpoint")
         for model_id in model_ids[1:]:
             self.assert_checkpoints_close(single_dir,
                                           self.save(multi, model_id, model_id),
