@@ -135,7 +135,7 @@ absl::Status Run(const Options& options) {
     grpc_seconds.push_back(g);
     direct_seconds.push_back(d);
   }
-  server->Shutdown();
+  TALLY_RETURN_IF_ERROR(server->Shutdown());
 
   const double tokens_per_round =
       static_cast<double>(options.calls) * options.samples * options.tokens;
