@@ -113,6 +113,15 @@ std::vector<torch::Tensor> Gradients(LlamaModel& model) {
   return out;
 }
 
+bool AllEqual(const std::vector<torch::Tensor>& a,
+              const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
 double GoldenTolerance(DType dtype) {
   return dtype == DType::kFloat64 ? 1e-10 : 1e-5;
 }

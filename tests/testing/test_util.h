@@ -46,6 +46,10 @@ double RelativeDiff(double a, double b);
 std::vector<torch::Tensor> ParameterValues(LlamaModel& model);
 std::vector<torch::Tensor> Gradients(LlamaModel& model);
 
+// Same length and every pair bitwise equal.
+bool AllEqual(const std::vector<torch::Tensor>& a,
+              const std::vector<torch::Tensor>& b);
+
 // Tolerance of the golden comparisons for a dtype: 1e-10 (fp64), 1e-5 (fp32).
 double GoldenTolerance(DType dtype);
 

@@ -20,20 +20,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
+using testing::AllEqual;
 using testing::MakeSamples;
 using testing::ParameterValues;
 using testing::TinySpec;
 
 constexpr int64_t kVocab = 48;
-
-bool AllEqual(const std::vector<torch::Tensor>& a,
-              const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!torch::equal(a[i], b[i])) return false;
-  }
-  return true;
-}
 
 std::string ReadText(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -13,6 +13,7 @@
 namespace tally {
 namespace {
 
+using testing::AllEqual;
 using testing::Gradients;
 using testing::MakeSamples;
 using testing::ParameterValues;
@@ -20,15 +21,6 @@ using testing::RelativeDiff;
 using testing::TinySpec;
 
 constexpr int64_t kVocab = 48;
-
-bool AllEqual(const std::vector<torch::Tensor>& a,
-              const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!torch::equal(a[i], b[i])) return false;
-  }
-  return true;
-}
 
 class EngineSemanticsTest : public ::testing::Test {
  protected:
