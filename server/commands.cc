@@ -176,7 +176,7 @@ absl::Status CommandLoop(Engine& engine, Communicator& control,
         status = Run(engine, payload, &ExecuteLoadCheckpoint, &model_id);
         break;
       case Command::kPoisonWindow:
-        status = Run(engine, payload, &ExecutePoisonWindow);
+        status = Run(engine, payload, &ExecutePoisonWindow, &model_id);
         break;
       default:
         return absl::DataLossError(absl::StrCat("unknown replicated command ",
