@@ -230,8 +230,6 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
   return status;
 }
 
-TallyServer::~TallyServer() { Shutdown(); }
-
 absl::Status TallyServer::failure() const {
   absl::MutexLock lock(&failure_mu_);
   return failure_;
