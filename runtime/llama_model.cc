@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/parallel_ops.h"
+#include "runtime/pipeline.h"
 #include "runtime/status.h"
 
 namespace tally {
@@ -30,23 +31,40 @@ absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp) {
   return absl::OkStatus();
 }
 
+absl::Status ValidatePipelineParallel(const LlamaConfig& config, int pp) {
+  if (pp > config.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.num_hidden_layers (", config.num_hidden_layers,
+        ") is smaller than pp (", pp, "): every stage needs a layer"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
     const LlamaConfig& config, DType dtype, uint64_t seed,
     const ModelSharding& sharding) {
   TALLY_RETURN_IF_ERROR(config.Validate());
   TALLY_RETURN_IF_ERROR(ValidateTensorParallel(config, sharding.tp_size()));
+  TALLY_RETURN_IF_ERROR(ValidatePipelineParallel(config, sharding.pp_stages));
   std::unique_ptr<LlamaModel> model(new LlamaModel(config, dtype, sharding));
   TALLY_RETURN_IF_ERROR(CatchTorch("model init", [&] {
     torch::NoGradGuard no_grad;
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
     const auto options = torch::TensorOptions().dtype(ToScalarType(dtype));
     const int64_t h = config.hidden_size, d = config.head_dim();
-    // tp_dim: the dim split over tp (-1: replicated over tp).
+    const bool staged = sharding.pp_stages > 1;
+    const bool first = model->first_stage(), last = model->last_stage();
+    const LayerRange layers = StageLayers(
+        config.num_hidden_layers, sharding.pp_stage, sharding.pp_stages);
+    // tp_dim: the dim split over tp (-1: replicated over tp). Every stage
+    // draws every tensor, so each is the same whatever the stage split;
+    // `keep` says whether this stage holds it (-1 returned otherwise).
     auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm,
-                   int tp_dim) -> int {
+                   int tp_dim, bool keep = true) -> int {
       torch::Tensor full =
           is_norm ? torch::ones(shape, options) : torch::empty(shape, options);
       if (!is_norm) full.normal_(0.0, 0.02, generator);
+      if (!keep) return -1;
       Parameter p;
       p.name = std::move(name);
       p.full_shape = shape;
@@ -58,39 +76,48 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
       if (sharding.dp_shard_size() > 1) {
         p.placements.Set(MeshDim::kDpShard, Placement::Shard(0));
       }
+      // A tied embedding stays Replicate: its copies on the first and last
+      // stage are one parameter, counted once (on stage 0).
+      if (staged && !(config.tie_word_embeddings &&
+                      p.name == "model.embed_tokens.weight")) {
+        p.placements.Set(MeshDim::kPp, Placement::Shard(0));
+      }
       p.tensor = model->LocalShard(p, full).set_requires_grad(true);
       model->parameters_.push_back(std::move(p));
       return static_cast<int>(model->parameters_.size()) - 1;
     };
     model->embed_ =
-        add("model.embed_tokens.weight", {config.vocab_size, h}, false, 0);
+        add("model.embed_tokens.weight", {config.vocab_size, h}, false, 0,
+            first || (last && config.tie_word_embeddings));
     for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
       const std::string p = absl::StrCat("model.layers.", i, ".");
+      const bool keep = i >= layers.begin && i < layers.end;
       LayerIndex layer;
       layer.q = add(p + "self_attn.q_proj.weight",
-                    {config.num_attention_heads * d, h}, false, 0);
+                    {config.num_attention_heads * d, h}, false, 0, keep);
       layer.k = add(p + "self_attn.k_proj.weight",
-                    {config.num_key_value_heads * d, h}, false, 0);
+                    {config.num_key_value_heads * d, h}, false, 0, keep);
       layer.v = add(p + "self_attn.v_proj.weight",
-                    {config.num_key_value_heads * d, h}, false, 0);
+                    {config.num_key_value_heads * d, h}, false, 0, keep);
       layer.o = add(p + "self_attn.o_proj.weight",
-                    {h, config.num_attention_heads * d}, false, 1);
+                    {h, config.num_attention_heads * d}, false, 1, keep);
       layer.gate = add(p + "mlp.gate_proj.weight",
-                       {config.intermediate_size, h}, false, 0);
+                       {config.intermediate_size, h}, false, 0, keep);
       layer.up = add(p + "mlp.up_proj.weight", {config.intermediate_size, h},
-                     false, 0);
+                     false, 0, keep);
       layer.down = add(p + "mlp.down_proj.weight",
-                       {h, config.intermediate_size}, false, 1);
-      layer.input_norm = add(p + "input_layernorm.weight", {h}, true, -1);
+                       {h, config.intermediate_size}, false, 1, keep);
+      layer.input_norm = add(p + "input_layernorm.weight", {h}, true, -1, keep);
       layer.post_norm =
-          add(p + "post_attention_layernorm.weight", {h}, true, -1);
-      model->layers_.push_back(layer);
+          add(p + "post_attention_layernorm.weight", {h}, true, -1, keep);
+      if (keep) model->layers_.push_back(layer);
     }
-    model->final_norm_ = add("model.norm.weight", {h}, true, -1);
+    model->final_norm_ = add("model.norm.weight", {h}, true, -1, last);
     model->lm_head_ =
         config.tie_word_embeddings
-            ? model->embed_
-            : add("lm_head.weight", {config.vocab_size, h}, false, 0);
+            ? (last ? model->embed_ : -1)
+            : add("lm_head.weight", {config.vocab_size, h}, false, 0, last);
+    if (!first) model->embed_ = -1;
   }));
   return model;
 }
@@ -151,6 +178,13 @@ Parameter* LlamaModel::Find(const std::string& name) {
   for (Parameter& p : parameters_) {
     if (p.name == name) return &p;
   }
+  return nullptr;
+}
+
+Parameter* LlamaModel::SplitTiedEmbedding() {
+  if (!config_.tie_word_embeddings || sharding_.pp_stages == 1) return nullptr;
+  if (first_stage()) return &parameters_[embed_];
+  if (last_stage()) return &parameters_[lm_head_];
   return nullptr;
 }
 
@@ -229,6 +263,14 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
 torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
                                          const torch::Tensor& targets,
                                          const AttentionLayout& layout) {
+  TORCH_CHECK(sharding_.pp_stages == 1,
+              "TargetLogprobs needs the whole model; use StageForward");
+  return StageForward(inputs, targets, layout);
+}
+
+torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
+                                       const torch::Tensor& targets,
+                                       const AttentionLayout& layout) {
   const int64_t d = config_.head_dim();
   const auto options = torch::TensorOptions().dtype(scalar_type());
 
@@ -251,10 +293,13 @@ torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
   // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
   const int64_t vocab_start =
       sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
-  torch::Tensor x = sharding_.tp_size() == 1
-                        ? torch::embedding(Weight(embed_), inputs)
-                        : VocabParallelEmbedding(inputs, Weight(embed_),
-                                                 vocab_start, *sharding_.tp);
+  torch::Tensor x = input;
+  if (first_stage()) {
+    x = sharding_.tp_size() == 1
+            ? torch::embedding(Weight(embed_), input)
+            : VocabParallelEmbedding(input, Weight(embed_), vocab_start,
+                                     *sharding_.tp);
+  }
   for (size_t layer = 0; layer < layers_.size(); ++layer) {
     const LayerIndex& idx = layers_[layer];
     x = x + Attention(static_cast<int>(layer),
@@ -266,6 +311,7 @@ torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
                                   torch::linear(h, Weight(idx.up)),
                               Weight(idx.down)));
   }
+  if (!last_stage()) return x;
   torch::Tensor logits = torch::linear(
       EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), Weight(lm_head_));
   if (sharding_.tp_size() > 1) {

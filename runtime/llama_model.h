@@ -67,6 +67,11 @@ struct ModelSharding {
   // Context parallelism: the ranks splitting each sample's tokens, whose
   // keys and values attention gathers. Parameters are replicated over it.
   Communicator* cp = nullptr;
+  // Pipeline parallelism: this rank builds and runs stage `pp_stage` of
+  // `pp_stages` (see pipeline.h). The engine moves activations between
+  // stages; the model itself never talks to another stage.
+  int pp_stage = 0;
+  int pp_stages = 1;
 
   int tp_size() const { return tp ? tp->size() : 1; }
   int tp_rank() const { return tp ? tp->rank() : 0; }
@@ -77,6 +82,9 @@ struct ModelSharding {
 
 // INVALID_ARGUMENT naming the config field that tp does not divide.
 absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp);
+// INVALID_ARGUMENT naming config.num_hidden_layers when there are fewer
+// layers than pipeline stages.
+absl::Status ValidatePipelineParallel(const LlamaConfig& config, int pp);
 
 torch::ScalarType ToScalarType(DType dtype);
 
@@ -87,7 +95,10 @@ class LlamaModel {
   // rank draws the full tensors and keeps its shard. Megatron layout: q, k,
   // v, gate, up column-parallel (tp Shard(0)), o and down row-parallel
   // (Shard(1)), embedding and lm_head vocab-parallel (Shard(0)), norms
-  // Replicate; every parameter dim-0 sharded over dp_shard.
+  // Replicate; every parameter dim-0 sharded over dp_shard. Under pp only
+  // the stage's parameters are kept (placed Shard along pp, except a tied
+  // embedding: Replicate, held by the first and last stage and counted by
+  // the norm on the first).
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Create(
       const LlamaConfig& config, DType dtype, uint64_t seed,
       const ModelSharding& sharding = {});
@@ -100,8 +111,17 @@ class LlamaModel {
   const std::vector<Parameter>& parameters() const { return parameters_; }
   // nullptr when absent.
   Parameter* Find(const std::string& name);
-  // Of the whole (unsharded) model.
+  // Of this stage's parameters, unsharded (the whole model when pp = 1).
   uint64_t NumParameters() const;
+
+  int pp_stage() const { return sharding_.pp_stage; }
+  bool first_stage() const { return sharding_.pp_stage == 0; }
+  bool last_stage() const {
+    return sharding_.pp_stage == sharding_.pp_stages - 1;
+  }
+  // The tied embedding when the first and last stage each hold a copy whose
+  // gradients must be summed before a step; nullptr otherwise.
+  Parameter* SplitTiedEmbedding();
 
   // This rank's shard of `full` (shaped like parameter `p`'s full_shape):
   // what Create keeps of a freshly drawn tensor and what loading keeps of a
@@ -120,9 +140,17 @@ class LlamaModel {
   // in-range id), laid out as `layout` says. Returns [B, T] in the model
   // dtype; padded positions hold finite values that must be masked. Under
   // cp, every rank of the cp group must call it with the same B and T.
+  // Requires a single-stage model (pp = 1).
   torch::Tensor TargetLogprobs(const torch::Tensor& inputs,
                                const torch::Tensor& targets,
                                const AttentionLayout& layout);
+  // This rank's pipeline stage of TargetLogprobs. `input`: the token ids
+  // [B, T] on the first stage, else the previous stage's output. Returns
+  // the target logprobs [B, T] on the last stage (`targets` is read there
+  // only), else the hidden states [B, T, hidden_size] for the next stage.
+  torch::Tensor StageForward(const torch::Tensor& input,
+                             const torch::Tensor& targets,
+                             const AttentionLayout& layout);
 
  private:
   LlamaModel(const LlamaConfig& config, DType dtype,
@@ -145,7 +173,8 @@ class LlamaModel {
   ModelSharding sharding_;
   std::vector<Parameter> parameters_;
   // Indices into parameters_ (resolved once, so the forward pass does no
-  // string lookups).
+  // string lookups); -1 where this stage does not hold the parameter, and
+  // layers_ holds this stage's layers only.
   struct LayerIndex {
     int q, k, v, o, gate, up, down, input_norm, post_norm;
   };

@@ -50,6 +50,8 @@ struct ServerOptions {
   // write theirs to "<port_file>.rank<R>".
   std::string port_file;
   int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
+  // Micro-batches per call under pipeline parallelism; 0: --pp.
+  int64_t pp_microbatches = EngineOptions().pp_microbatches;
 
   // Reliability (docs/reliability.md).
   // How long a missing seq_id may hold back the requests behind it.

@@ -4,10 +4,13 @@
 // matching shards of the single-device run: losses, gradients (EAGER),
 // norm, clip coefficient and updated parameters.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <string>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
 #include "runtime/grad_norm.h"
@@ -27,8 +30,10 @@ struct MeshCase {
   MeshShape shape;
 };
 
-MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1) {
+MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1,
+                int pp = 1) {
   MeshShape shape;
+  shape.pp = pp;
   shape.dp_replicate = dp_replicate;
   shape.dp_shard = dp_shard;
   shape.tp = tp;
@@ -41,12 +46,17 @@ struct Variant {
   OptimizerKind optimizer;
   GradSync sync;
   LossReduction reduction;
+  NormType norm = NormType::kL2;
+  bool tied = false;
+  int64_t layers = 2;  // 4 for pp = 4
 };
 
 std::string VariantName(const Variant& v) {
   return absl::StrCat(DTypeName(v.dtype), "/", OptimizerName(v.optimizer), "/",
                       v.sync == GradSync::kEager ? "eager" : "deferred", "/",
-                      ReductionName(v.reduction));
+                      ReductionName(v.reduction), "/",
+                      v.norm == NormType::kInf ? "inf" : "l2",
+                      v.tied ? "/tied" : "");
 }
 
 // This rank's engine of a deployment laid out as `shape`.
@@ -80,6 +90,7 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
   SCOPED_TRACE(VariantName(v));
   const double tol = testing::GoldenTolerance(v.dtype);
   ModelSpec spec = TinySpec(id, v.dtype, v.optimizer);
+  spec.config = testing::TinyConfig(v.tied, v.layers);
   spec.grad_sync = v.sync;
   if (v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW) {
     spec.default_adam.eps = 1e-4;  // see accumulation_golden_test.cc
@@ -118,20 +129,54 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
   // so this rank's gradient shard is the single-device gradient's shard.
   // DEFERRED: the replicas' local gradients sum to it (OptimStep does that
   // sum).
-  for (size_t i = 0; i < model.parameters().size(); ++i) {
-    const Parameter& p = model.parameters()[i];
+  // Under pp the two copies of a tied embedding likewise sum to it.
+  Parameter* tied = model.SplitTiedEmbedding();
+  const int tied_peer =
+      model.first_stage() ? engine.groups().pp->size() - 1 : 0;
+  for (Parameter& p : model.parameters()) {
     torch::Tensor got = p.tensor.grad().clone();
     if (v.sync == GradSync::kDeferred && engine.groups().replicas->size() > 1) {
       TALLY_RETURN_IF_ERROR(
           engine.groups().replicas->AllReduce(got, ReduceOp::kSum));
     }
+    if (v.sync == GradSync::kDeferred && &p == tied) {
+      torch::Tensor other = torch::empty_like(got);
+      TALLY_RETURN_IF_ERROR(
+          engine.groups().pp->SendRecv(got, tied_peer, other, tied_peer));
+      got += other;
+    }
     torch::Tensor want =
-        model.LocalShard(p, ref_model.parameters()[i].tensor.grad());
+        model.LocalShard(p, ref_model.Find(p.name)->tensor.grad());
     EXPECT_LT(RelativeDiff(got, want), tol) << p.name;
   }
 
   OptimStepArgs step;
   step.max_grad_norm = 0.05;  // far below the norm: clipping is active
+  step.norm_type = v.norm;
+  if (engine.groups().pp->size() == engine.world().size() &&
+      engine.world().size() > 1 && v.sync == GradSync::kEager) {
+    // Negative check: clipping per stage (each rank of a pure pp mesh is a
+    // stage) would use this rank's norm, which is not the global one, so
+    // the golden comparison of the norm and clip coefficient rejects it.
+    TALLY_ASSIGN_OR_RETURN(auto stage_group, MakeSingleRankCommunicator());
+    TALLY_ASSIGN_OR_RETURN(
+        GradNorm per_stage,
+        ComputeGlobalGradNorm(model.parameters(), engine.mesh(), *stage_group,
+                              v.norm));
+    TALLY_ASSIGN_OR_RETURN(
+        GradNorm global,
+        ComputeGlobalGradNorm(ref_model.parameters(), reference.mesh(),
+                              reference.world(), v.norm));
+    if (v.norm == NormType::kL2) {
+      EXPECT_GT(RelativeDiff(per_stage.total, global.total), 1e-3);
+    } else {
+      // INF: the MAX is on one stage; the others' per-stage norm is lower.
+      TALLY_ASSIGN_OR_RETURN(
+          auto all, engine.world().AllGather(
+                        torch::tensor({per_stage.total}, torch::kFloat64)));
+      EXPECT_GT(RelativeDiff(all.min().item<double>(), global.total), 1e-3);
+    }
+  }
   TALLY_ASSIGN_OR_RETURN(OptimStepResult got, engine.OptimStep(id, step));
   TALLY_ASSIGN_OR_RETURN(OptimStepResult want, reference.OptimStep(id, step));
   EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), tol);
@@ -146,12 +191,19 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
     EXPECT_EQ(norms[r].item<double>(), got.grad_norm) << "rank " << r;
   }
 
+  if (tied != nullptr) {
+    torch::Tensor own = tied->tensor.detach().contiguous();
+    torch::Tensor other = torch::empty_like(own);
+    TALLY_RETURN_IF_ERROR(
+        engine.groups().pp->SendRecv(own, tied_peer, other, tied_peer));
+    EXPECT_TRUE(torch::equal(own, other)) << "tied embedding copies differ";
+  }
+
   const double param_tol =
       v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW ? 1e-4
                                                                          : tol;
-  for (size_t i = 0; i < model.parameters().size(); ++i) {
-    const Parameter& p = model.parameters()[i];
-    torch::Tensor want = model.LocalShard(p, ref_model.parameters()[i].tensor);
+  for (const Parameter& p : model.parameters()) {
+    torch::Tensor want = model.LocalShard(p, ref_model.Find(p.name)->tensor);
     EXPECT_LT(RelativeDiff(p.tensor, want), param_tol) << p.name;
     // Replicas are bitwise identical: across dp_replicate and cp for
     // everything, across tp for what tp replicates.
@@ -184,10 +236,9 @@ absl::Status CheckCheckpointsAcrossMeshes(Engine& engine, Engine& reference,
   TALLY_RETURN_IF_ERROR(reference.LoadCheckpoint(id, dir, true).status());
   LlamaModel& model = *engine.model(id).value();
   LlamaModel& ref_model = *reference.model(id).value();
-  for (size_t i = 0; i < model.parameters().size(); ++i) {
-    const Parameter& p = model.parameters()[i];
+  for (const Parameter& p : model.parameters()) {
     EXPECT_TRUE(torch::equal(
-        p.tensor, model.LocalShard(p, ref_model.parameters()[i].tensor)))
+        p.tensor, model.LocalShard(p, ref_model.Find(p.name)->tensor)))
         << p.name;
   }
   const std::string single_dir = absl::StrCat(dir, "_single_rank", env.rank);
@@ -214,10 +265,9 @@ absl::Status CheckCheckpointsAcrossMeshes(Engine& engine, Engine& reference,
   TALLY_ASSIGN_OR_RETURN(OptimStepResult want, reference.OptimStep(id, {}));
   EXPECT_EQ(got.step, want.step);
   EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), 1e-10);
-  for (size_t i = 0; i < model.parameters().size(); ++i) {
-    const Parameter& p = model.parameters()[i];
-    EXPECT_LT(RelativeDiff(p.tensor, model.LocalShard(
-                                         p, ref_model.parameters()[i].tensor)),
+  for (const Parameter& p : model.parameters()) {
+    EXPECT_LT(RelativeDiff(p.tensor,
+                           model.LocalShard(p, ref_model.Find(p.name)->tensor)),
               1e-10)
         << p.name;
   }
@@ -402,6 +452,116 @@ std::string MeshName(const ::testing::TestParamInfo<MeshCase>& info) {
 INSTANTIATE_TEST_SUITE_P(Meshes, MultiRankNormTest, kMeshes, MeshName);
 
 INSTANTIATE_TEST_SUITE_P(Meshes, MultiRankGoldenTest, kMeshes, MeshName);
+
+// Pipeline parallelism: tied and untied embeddings, both reductions and
+// both norms across the variants (fewer on the 8-rank meshes, for CI time).
+class PipelineGoldenTest : public ::testing::TestWithParam<MeshCase> {};
+
+TEST_P(PipelineGoldenTest, EqualsTheSingleDeviceRun) {
+  const MeshShape shape = GetParam().shape;
+  const int64_t layers = shape.pp > 2 ? 4 : 2;
+  const bool small = shape.world_size() <= 4;
+  testing::RunOnRanks(
+      shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+        EngineOptions options;
+        options.max_batch_tokens = 96;
+        TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(shape, env, options));
+        TALLY_ASSIGN_OR_RETURN(auto reference,
+                               Engine::CreateSingleRank(options));
+        const DType f64 = DType::kFloat64;
+        const OptimizerKind adam = OptimizerKind::kAdamW;
+        std::vector<Variant> variants = {
+            {f64, adam, GradSync::kEager, LossReduction::kTokenMean,
+             NormType::kL2, true, layers},
+            {f64, adam, GradSync::kDeferred, LossReduction::kSampleMean,
+             NormType::kInf, false, layers}};
+        if (small) {
+          variants.push_back({f64, adam, GradSync::kEager,
+                              LossReduction::kSampleMean, NormType::kInf, true,
+                              layers});
+          variants.push_back({f64, adam, GradSync::kDeferred,
+                              LossReduction::kTokenMean, NormType::kL2, false,
+                              layers});
+          variants.push_back({DType::kFloat32, OptimizerKind::kSgd,
+                              GradSync::kDeferred, LossReduction::kSampleMean,
+                              NormType::kL2, true, layers});
+        }
+        int n = 0;
+        for (const Variant& v : variants) {
+          TALLY_RETURN_IF_ERROR(
+              CheckVariant(*engine, *reference, v, absl::StrCat("p", n++)));
+        }
+        return CheckCheckpointsAcrossMeshes(*engine, *reference, "p0", env);
+      });
+}
+
+const auto kPipelineMeshes = ::testing::Values(
+    MeshCase{"pp2", Shape(1, 1, 1, 1, 2)},
+    MeshCase{"pp4", Shape(1, 1, 1, 1, 4)},
+    MeshCase{"pp2_dp_shard2", Shape(1, 2, 1, 1, 2)},
+    MeshCase{"pp2_tp2", Shape(1, 1, 2, 1, 2)},
+    MeshCase{"pp2_dp_shard2_tp2", Shape(1, 2, 2, 1, 2)},
+    // The composite run: every dimension that fits on 8 ranks but tp.
+    MeshCase{"pp2_dp_shard2_cp2", Shape(1, 2, 1, 2, 2)});
+
+INSTANTIATE_TEST_SUITE_P(Meshes, PipelineGoldenTest, kPipelineMeshes, MeshName);
+
+// One HF directory whatever pp: written by a pp = 2 deployment, it loads on
+// a single rank and on pp = 4, which then take the same step. A model with
+// fewer layers than stages is refused, naming the field.
+TEST(PipelineCheckpointTest, SavedWithPp2LoadsWithPp1AndPp4) {
+  ModelSpec spec = TinySpec("c", DType::kFloat64, OptimizerKind::kAdamW);
+  spec.config = testing::TinyConfig(/*tie_word_embeddings=*/true, 4);
+  // Both launches' ranks are children of this process.
+  auto dir = [] {
+    return absl::StrCat(::testing::TempDir(), "tally_pp2_", getppid());
+  };
+  const std::vector<std::vector<Sample>> calls = Calls();
+  testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           RankEngine(Shape(1, 1, 1, 1, 2), env, {}));
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    for (const auto& call : calls) {
+      TALLY_RETURN_IF_ERROR(engine->ForwardBackward("c", {call}).status());
+    }
+    TALLY_RETURN_IF_ERROR(engine->OptimStep("c", {}).status());
+    return engine->SaveCheckpoint("c", dir()).status();
+  });
+  testing::RunOnRanks(4, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           RankEngine(Shape(1, 1, 1, 1, 4), env, {}));
+    TALLY_ASSIGN_OR_RETURN(auto reference, Engine::CreateSingleRank({}));
+    ModelSpec too_deep = TinySpec("deep", DType::kFloat64, OptimizerKind::kSgd);
+    absl::Status refused = engine->CreateModel(too_deep).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(refused.message(), "num_hidden_layers"))
+        << refused;
+    for (Engine* e : {engine.get(), reference.get()}) {
+      TALLY_RETURN_IF_ERROR(e->CreateModel(spec).status());
+      TALLY_RETURN_IF_ERROR(e->LoadCheckpoint("c", dir(), true).status());
+    }
+    LlamaModel& model = *engine->model("c").value();
+    LlamaModel& ref_model = *reference->model("c").value();
+    EXPECT_EQ(engine->GetModel("c")->step, 1);
+    for (const Parameter& p : model.parameters()) {
+      EXPECT_TRUE(torch::equal(p.tensor, ref_model.Find(p.name)->tensor))
+          << p.name;
+    }
+    for (Engine* e : {engine.get(), reference.get()}) {
+      for (const auto& call : calls) {
+        TALLY_RETURN_IF_ERROR(e->ForwardBackward("c", {call}).status());
+      }
+    }
+    TALLY_ASSIGN_OR_RETURN(OptimStepResult got, engine->OptimStep("c", {}));
+    TALLY_ASSIGN_OR_RETURN(OptimStepResult want, reference->OptimStep("c", {}));
+    EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), 1e-10);
+    for (const Parameter& p : model.parameters()) {
+      EXPECT_LT(RelativeDiff(p.tensor, ref_model.Find(p.name)->tensor), 1e-10)
+          << p.name;
+    }
+    return absl::OkStatus();
+  });
+}
 
 }  // namespace
 }  // namespace tally
