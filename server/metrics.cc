@@ -43,6 +43,7 @@ std::vector<std::pair<std::string, const Communicator*>> NamedCommunicators(
       {"dp_shard", g.dp_shard},
       {"cp", g.cp},
       {"tp", g.tp},
+      {"pp", g.pp},
       {"control", &engine.control()}};
   std::vector<std::pair<std::vector<std::string>, const Communicator*>> merged;
   for (const auto& [role, comm] : roles) {

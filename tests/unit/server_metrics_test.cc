@@ -114,8 +114,8 @@ TEST(ServerMetricsTest, RankStateFollowsTheEngine) {
   ASSERT_GT(first.calls, 0);
   // A single-rank engine uses one communicator for every role.
   const std::string all_reduce =
-      "{rank=\"0\",communicator=\"world+data+dp_replicate+dp_shard+tp+"
-      "control\",op=\"all_reduce\"}";
+      "{rank=\"0\",communicator=\"world+data+data_and_cp+replicas+"
+      "dp_replicate+dp_shard+cp+tp+pp+control\",op=\"all_reduce\"}";
   text = Scrape(port);
   EXPECT_EQ(Value(text, "tally_collective_calls_total" + all_reduce),
             first.calls);
