@@ -491,6 +491,23 @@ TEST_P(PipelineGoldenTest, EqualsTheSingleDeviceRun) {
           TALLY_RETURN_IF_ERROR(
               CheckVariant(*engine, *reference, v, absl::StrCat("p", n++)));
         }
+        // forward_only: the activations flow forward only, and the last
+        // stage's results reach every rank.
+        ForwardBackwardArgs forward{Calls()[1], LossReduction::kSampleMean};
+        forward.forward_only = true;
+        forward.return_logprobs = true;
+        TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult got,
+                               engine->ForwardBackward("p0", forward));
+        TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult want,
+                               reference->ForwardBackward("p0", forward));
+        EXPECT_LT(RelativeDiff(got.loss_mean, want.loss_mean), 1e-10);
+        EXPECT_EQ(got.window.calls, 0);
+        for (size_t i = 0; i < want.samples.size(); ++i) {
+          for (size_t t = 0; t < want.samples[i].logprobs.size(); ++t) {
+            EXPECT_NEAR(got.samples[i].logprobs[t], want.samples[i].logprobs[t],
+                        1e-9);
+          }
+        }
         return CheckCheckpointsAcrossMeshes(*engine, *reference, "p0", env);
       });
 }
