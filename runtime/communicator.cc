@@ -44,6 +44,13 @@ absl::Status Communicator::failure() const {
   return failure_;
 }
 
+absl::Status Communicator::SendRecv(const torch::Tensor& send, int dst,
+                                    torch::Tensor& recv, int src) {
+  return absl::UnimplementedError(
+      "this communicator backend has no concurrent send/recv (pipeline "
+      "parallelism needs it)");
+}
+
 absl::Status Communicator::Latch(absl::Status result) {
   if (!result.ok()) {
     std::lock_guard<std::mutex> lock(failure_mu_);
@@ -147,6 +154,20 @@ class ProcessGroupCommunicator : public Communicator {
     return Latch(CatchTorch("recv", [&] {
       std::vector<at::Tensor> tensors = {tensor};
       group_->recv(tensors, src, /*tag=*/0)->wait();
+    }));
+  }
+
+  absl::Status SendRecv(const torch::Tensor& send, int dst, torch::Tensor& recv,
+                        int src) override {
+    stats_.Record(CommOp::kSend, Bytes(send));
+    stats_.Record(CommOp::kRecv, Bytes(recv));
+    return Latch(CatchTorch("send_recv", [&] {
+      std::vector<at::Tensor> incoming = {recv};
+      std::vector<at::Tensor> outgoing = {send.contiguous()};
+      auto received = group_->recv(incoming, src, /*tag=*/0);
+      auto sent = group_->send(outgoing, dst, /*tag=*/0);
+      sent->wait();
+      received->wait();
     }));
   }
 

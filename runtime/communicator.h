@@ -80,6 +80,12 @@ class Communicator {
   virtual absl::Status Broadcast(torch::Tensor& tensor, int root) = 0;
   virtual absl::Status Send(const torch::Tensor& tensor, int dst) = 0;
   virtual absl::Status Recv(torch::Tensor& tensor, int src) = 0;
+  // Sends `send` to `dst` while receiving `recv` from `src`, both posted
+  // before either is waited on: two ranks exchanging (a pipeline's
+  // activations one way, their gradients the other) cannot deadlock on
+  // a rendezvous send, as two blocking Sends would.
+  virtual absl::Status SendRecv(const torch::Tensor& send, int dst,
+                                torch::Tensor& recv, int src);
 
   CommStats& stats() { return stats_; }
   const CommStats& stats() const { return stats_; }

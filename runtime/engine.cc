@@ -8,6 +8,7 @@
 #include "runtime/context_parallel.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/loss.h"
+#include "runtime/pipeline.h"
 #include "runtime/status.h"
 
 namespace tally {
@@ -18,19 +19,37 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
-// Replaces the full tensors of `contents` by this rank's shards of them.
-// Tensors that match no parameter (or not its full shape) are left for
+// Replaces the full tensors of `contents` by this rank's shards of them and,
+// under pp, drops those of other stages' parameters. Tensors that match no
+// parameter of the model (or not its full shape) are left for
 // LoadWeightsInto / LoadState to report.
-void KeepLocalShards(LlamaModel& model, CheckpointContents& contents) {
+void KeepLocalShards(LlamaModel& model, bool staged,
+                     CheckpointContents& contents) {
+  const int64_t layers = model.config().num_hidden_layers;
+  // Returns false for a tensor of another stage.
   auto localize = [&](const std::string& param_name, torch::Tensor& t) {
     const Parameter* p = model.Find(param_name);
-    if (p == nullptr || t.sizes() != c10::IntArrayRef(p->full_shape)) return;
-    t = model.LocalShard(*p, t);
+    if (p == nullptr) {
+      return !staged || OwningStage(param_name, layers, /*stages=*/1) < 0;
+    }
+    if (t.sizes() == c10::IntArrayRef(p->full_shape)) {
+      t = model.LocalShard(*p, t);
+    }
+    return true;
   };
-  for (auto& [name, t] : contents.weights) localize(name, t);
-  for (auto& [name, t] : contents.optimizer_state) {
-    localize(name.substr(0, name.rfind('.')), t);
+  for (NamedTensors* tensors : {&contents.weights, &contents.optimizer_state}) {
+    NamedTensors kept;
+    for (auto& [name, t] : *tensors) {
+      const std::string param =
+          tensors == &contents.weights ? name : name.substr(0, name.rfind('.'));
+      if (localize(param, t)) kept.emplace_back(name, std::move(t));
+    }
+    *tensors = std::move(kept);
   }
+}
+
+bool Staged(const LlamaModel& model, const EngineGroups& groups) {
+  return model.sharded() || groups.pp->size() > 1;
 }
 
 absl::Status NotFound(const std::string& model_id) {
@@ -67,6 +86,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   TALLY_ASSIGN_OR_RETURN(g.tp, groups->group({MeshDim::kTp}));
   g.ep = &groups->expert_parallel();
   g.expert_replicas = &groups->expert_data_parallel();
+  TALLY_ASSIGN_OR_RETURN(g.pp, groups->group({MeshDim::kPp}));
   engine->control_ = &groups->control();
   engine->process_groups_ = std::move(groups);
   return engine;
@@ -81,7 +101,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::CreateSingleRank(
   TALLY_ASSIGN_OR_RETURN(engine->single_rank_world_,
                          MakeSingleRankCommunicator());
   Communicator* world = engine->single_rank_world_.get();
-  engine->groups_ = {world, world, world, world, world,
+  engine->groups_ = {world, world, world, world, world, world,
                      world, world, world, world, world};
   engine->control_ = world;
   return engine;
@@ -174,11 +194,14 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   sharding.dp_shard = groups_.dp_shard;
   sharding.cp = groups_.cp;
   sharding.ep = groups_.ep;
+  sharding.pp_stage = groups_.pp->rank();
+  sharding.pp_stages = groups_.pp->size();
   TALLY_ASSIGN_OR_RETURN(
       state->model,
       LlamaModel::Create(spec.config, spec.dtype, spec.seed, sharding));
   if (init) {
-    if (state->model->sharded()) KeepLocalShards(*state->model, *init);
+    if (Staged(*state->model, groups_))
+      KeepLocalShards(*state->model, groups_.pp->size() > 1, *init);
     TALLY_RETURN_IF_ERROR(LoadWeightsInto(*init, *state->model));
   }
   state->optimizer =
@@ -233,24 +256,34 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   const std::vector<Sample>& samples = args.samples;
   const int num_samples = static_cast<int>(samples.size());
 
-  // Samples are split over the ranks that hold distinct data; tp and cp
-  // peers see the same ones (cp peers each take a part of every sample's
-  // tokens). Every data rank runs as many micro-batches as the busiest one,
-  // padding with empty batches, because the forward pass gathers dp_shard
-  // parameters collectively.
+  // Samples are split over the ranks that hold distinct data; tp, cp and
+  // pp peers see the same ones (cp peers each take a part of every sample's
+  // tokens). Each data rank's share is cut into pp_microbatches parts, each
+  // batched by max_batch_tokens. Every data rank runs as many micro-batches
+  // as the busiest one, padding with empty batches, because the forward
+  // pass gathers dp_shard parameters collectively.
+  const int stages = groups_.pp->size(), stage = groups_.pp->rank();
+  const int parts =
+      options_.pp_microbatches > 0 ? options_.pp_microbatches : stages;
   const std::vector<std::vector<int>> assignment =
       PartitionSamples(samples, groups_.data->size());
   std::vector<std::vector<int>> batches;
   size_t num_batches = 0;
   for (int r = 0; r < groups_.data->size(); ++r) {
-    auto plan = PlanBatches(samples, assignment[r], options_.max_batch_tokens);
+    std::vector<std::vector<int>> plan;
+    for (const std::vector<int>& part : SplitContiguous(assignment[r], parts)) {
+      for (std::vector<int>& batch :
+           PlanBatches(samples, part, options_.max_batch_tokens)) {
+        plan.push_back(std::move(batch));
+      }
+    }
     num_batches = std::max(num_batches, plan.size());
     if (r == groups_.data->rank()) batches = std::move(plan);
   }
   static const std::vector<Sample> kEmpty = {Sample{{0}, {kIgnoreIndex}, {}}};
 
   const bool sync_call =
-      !args.forward_only && HasGradientReplicas(model) &&
+      !args.forward_only && NeedsGradientSync(model) &&
       (state.spec.grad_sync == GradSync::kEager || state.replicas_summed);
   std::vector<torch::Tensor> earlier;
   if (sync_call) {
@@ -316,23 +349,113 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   size += load_slots;
   torch::Tensor gathered = torch::zeros({size}, torch::kFloat64);
   int64_t padded_tokens = 0;
+  // The micro-batches flow through the stages in 1F1B order (a single stage
+  // alternates forward and backward). Every stage packed the same batches,
+  // so each knows the shape of what it receives. A send is fused with the
+  // receive from the same peer that the next step needs, as Megatron does,
+  // so that two neighbours exchanging never wait on each other's send.
+  const bool first = stage == 0, last = stage == stages - 1;
+  std::vector<PipelineStep> steps;
+  if (args.forward_only) {
+    for (size_t b = 0; b < num_batches; ++b) {
+      steps.push_back({true, static_cast<int>(b)});
+    }
+  } else {
+    steps = OneForwardOneBackward(stage, stages, num_batches);
+  }
   absl::Status computed = CatchTorch("forward_backward", [&] {
     std::optional<torch::NoGradGuard> no_grad;
     if (args.forward_only) no_grad.emplace();
     double* out = gathered.data_ptr<double>();
-    for (size_t b = 0; b < num_batches; ++b) {
+    // Between stages flow the hidden states [B, T, H] and, for a MoE
+    // model, one more channel: the load-balancing term of the layers so far,
+    // which joins the loss on the last stage.
+    const int64_t hidden = config.hidden_size;
+    const bool carries_aux = config.is_moe();
+    auto stage_input_like = [&](size_t b) {
+      const torch::Tensor& ids = packed[b].inputs;
+      return torch::empty({ids.size(0), ids.size(1), hidden + carries_aux},
+                          torch::TensorOptions().dtype(model.scalar_type()));
+    };
+    // Per micro-batch: the received input, the stage's output (the raw loss
+    // on the last stage) and, before its backward, the output's gradient.
+    std::vector<torch::Tensor> stage_inputs(num_batches),
+        stage_outputs(num_batches), output_grads(num_batches);
+    auto check = [](absl::Status status) {
+      TORCH_CHECK(status.ok(), status.ToString());
+    };
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const PipelineStep& step = steps[i];
+      const size_t b = static_cast<size_t>(step.micro_batch);
+      const PipelineStep* next = i + 1 < steps.size() ? &steps[i + 1] : nullptr;
+      if (!step.forward) {
+        if (last) {
+          stage_outputs[b].backward();
+        } else {
+          if (!output_grads[b].defined()) {
+            output_grads[b] = stage_input_like(b);
+            check(groups_.pp->Recv(output_grads[b], stage + 1));
+          }
+          stage_outputs[b].backward(output_grads[b]);
+        }
+        if (!first) {
+          const torch::Tensor grad = stage_inputs[b].grad();
+          if (next != nullptr && next->forward) {
+            const size_t n = next->micro_batch;
+            stage_inputs[n] = stage_input_like(n);
+            check(groups_.pp->SendRecv(grad, stage - 1, stage_inputs[n],
+                                       stage - 1));
+          } else {
+            check(groups_.pp->Send(grad, stage - 1));
+          }
+        }
+        stage_inputs[b] = stage_outputs[b] = output_grads[b] = torch::Tensor();
+        continue;
+      }
       const PackedBatch& batch = packed[b];
       const AttentionLayout& layout = layouts[b];
       const bool real = b < batches.size();
+      if (real) padded_tokens += batch.inputs.numel();
       RouterStats router;
       if (config.is_moe()) {
         router.real_tokens = torch::arange(batch.inputs.size(1)).unsqueeze(0) <
                              torch::tensor(batch.lengths).unsqueeze(1);
         if (!real) router.real_tokens.fill_(false);
       }
-      torch::Tensor logprobs =
-          model.TargetLogprobs(batch.inputs, batch.targets, layout,
-                               config.is_moe() ? &router : nullptr);
+      torch::Tensor input = batch.inputs;
+      if (!first) {
+        if (!stage_inputs[b].defined()) {
+          stage_inputs[b] = stage_input_like(b);
+          check(groups_.pp->Recv(stage_inputs[b], stage - 1));
+        }
+        if (!args.forward_only) stage_inputs[b].requires_grad_(true);
+        input = stage_inputs[b];
+        if (carries_aux) {
+          router.aux = input.select(-1, hidden);
+          input = input.narrow(-1, 0, hidden);
+        }
+      }
+      torch::Tensor output = model.StageForward(
+          input, batch.targets, layout, config.is_moe() ? &router : nullptr);
+      if (config.is_moe()) {
+        gathered.narrow(0, load_offset, load_slots)
+            .add_(router.expert_tokens.flatten());
+      }
+      if (!last) {
+        if (carries_aux)
+          output = torch::cat({output, router.aux.unsqueeze(-1)}, -1);
+        if (next != nullptr && !next->forward) {
+          const size_t n = next->micro_batch;
+          output_grads[n] = stage_input_like(n);
+          check(groups_.pp->SendRecv(output.detach(), stage + 1,
+                                     output_grads[n], stage + 1));
+        } else {
+          check(groups_.pp->Send(output.detach(), stage + 1));
+        }
+        if (!args.forward_only) stage_outputs[b] = output;
+        continue;
+      }
+      const torch::Tensor& logprobs = output;
       // The load-balancing term joins each token's loss, so it is weighted
       // and normalized exactly like the token's cross-entropy.
       torch::Tensor loss_logprobs = logprobs;
@@ -348,13 +471,8 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
       }
       LossTerms terms =
           ComputeLoss(loss_logprobs, batch, args.reduction, row_tokens);
-      if (config.is_moe()) {
-        gathered.narrow(0, load_offset, load_slots)
-            .add_(router.expert_tokens.flatten());
-      }
-      if (!args.forward_only) terms.raw_loss.backward();
+      if (!args.forward_only) stage_outputs[b] = terms.raw_loss;
       if (!real) continue;
-      padded_tokens += batch.inputs.numel();
       auto loss_sums = terms.sample_loss_sums.accessor<double, 1>();
       auto valid = terms.sample_valid_tokens.accessor<int64_t, 1>();
       torch::Tensor rows, positions;
@@ -385,9 +503,13 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     TALLY_RETURN_IF_ERROR(
         groups_.data_and_cp->AllReduce(gathered, ReduceOp::kSum));
   }
+  // Only the last stage computed the results (zeros elsewhere): every rank,
+  // rank 0 on stage 0 included, gets the same numbers and normalizer.
+  if (stages > 1) {
+    TALLY_RETURN_IF_ERROR(groups_.pp->AllReduce(gathered, ReduceOp::kSum));
+  }
   if (sync_call) {
-    TALLY_RETURN_IF_ERROR(
-        SumCallGradientsOverReplicas(params, std::move(earlier)));
+    TALLY_RETURN_IF_ERROR(SyncCallGradients(model, std::move(earlier)));
   }
 
   ForwardBackwardResult result;
@@ -455,17 +577,20 @@ absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
   return absl::OkStatus();
 }
 
-bool Engine::HasGradientReplicas(const LlamaModel& model) const {
+bool Engine::NeedsGradientSync(LlamaModel& model) const {
   return groups_.replicas->size() > 1 ||
-         (model.config().is_moe() && groups_.expert_replicas->size() > 1);
+         (model.config().is_moe() && groups_.expert_replicas->size() > 1) ||
+         model.SplitTiedEmbedding() != nullptr;
 }
 
-absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
+absl::Status Engine::SyncGradients(LlamaModel& model) {
   // Expert gradients sum over the expert-data-parallel ranks, the rest over
   // the replicas; each set in flat buckets. Copies of a Parameter share its
-  // tensor, so the sums land in `params`.
+  // tensor, so the sums land in the model.
   std::vector<Parameter> dense, expert;
-  for (const Parameter& p : params) (p.is_expert ? expert : dense).push_back(p);
+  for (const Parameter& p : model.parameters()) {
+    (p.is_expert ? expert : dense).push_back(p);
+  }
   for (auto& [group, subset] :
        {std::pair<Communicator*, std::vector<Parameter>*>{groups_.replicas,
                                                           &dense},
@@ -474,12 +599,27 @@ absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
     TALLY_RETURN_IF_ERROR(
         AllReduceGradientsInBuckets(*subset, *group, options_.bucket_mb << 20));
   }
-  return absl::OkStatus();
+  Parameter* tied = model.SplitTiedEmbedding();
+  if (tied == nullptr) return absl::OkStatus();
+  // The first and last stage swap their (replica-summed) gradients of the
+  // tied embedding and each adds the two: IEEE addition commutes, so both
+  // copies get the same bits and stay identical after the step.
+  const int peer = model.first_stage() ? groups_.pp->size() - 1 : 0;
+  torch::Tensor own = tied->tensor.grad().defined()
+                          ? tied->tensor.grad()
+                          : torch::zeros_like(tied->tensor);
+  torch::Tensor other = torch::empty_like(own);
+  TALLY_RETURN_IF_ERROR(groups_.pp->SendRecv(own, peer, other, peer));
+  return CatchTorch("sum the tied embedding", [&] {
+    torch::NoGradGuard no_grad;
+    tied->tensor.mutable_grad() = own + other;
+  });
 }
 
-absl::Status Engine::SumCallGradientsOverReplicas(
-    std::vector<Parameter>& params, std::vector<torch::Tensor> earlier) {
-  TALLY_RETURN_IF_ERROR(SumGradientsOverReplicas(params));
+absl::Status Engine::SyncCallGradients(LlamaModel& model,
+                                       std::vector<torch::Tensor> earlier) {
+  TALLY_RETURN_IF_ERROR(SyncGradients(model));
+  std::vector<Parameter>& params = model.parameters();
   return CatchTorch("accumulate gradients", [&] {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
@@ -557,8 +697,8 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
 
   std::vector<Parameter>& params = state->model->parameters();
   if (state->spec.grad_sync == GradSync::kDeferred &&
-      HasGradientReplicas(*state->model) && !state->replicas_summed) {
-    absl::Status summed = SumGradientsOverReplicas(params);
+      NeedsGradientSync(*state->model) && !state->replicas_summed) {
+    absl::Status summed = SyncGradients(*state->model);
     // A partial sum cannot be undone: the window is no longer trustworthy.
     if (!summed.ok()) {
       Poison(*state, absl::StrCat("summing the window over replicas failed: ",
@@ -646,45 +786,19 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   manifest.unsaved_window = pending;
   LlamaModel* model = state->model.get();
   Optimizer* optimizer = state->optimizer.get();
-  // One writer. A sharded model is consolidated so the checkpoint is one HF
-  // directory whatever the mesh: only the writer holds the unsharded copy;
-  // the other ranks help gather it one tensor at a time.
+  // One writer. A sharded or staged model is consolidated so the checkpoint
+  // is one HF directory whatever the mesh: only the writer holds the whole
+  // copy; the other ranks help gather it one tensor at a time.
   const bool writer = mesh_.rank() == 0;
   absl::Status ready = absl::OkStatus();
   std::unique_ptr<LlamaModel> full_model;
   std::unique_ptr<Optimizer> full_optimizer;
-  if (model->sharded()) {
+  if (Staged(*model, groups_)) {
+    ready = GatherOnWriter(*state, full_model, full_optimizer);
     if (writer) {
-      absl::StatusOr<std::unique_ptr<LlamaModel>> created =
-          LlamaModel::Create(model->config(), model->dtype(), /*seed=*/0);
-      ready = created.status();
-      if (ready.ok()) full_model = *std::move(created);
+      model = full_model.get();
+      optimizer = full_optimizer.get();
     }
-    // Before the gathers, so a writer that could not allocate stops every
-    // rank rather than leaving them in a collective.
-    TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(ready));
-    std::vector<std::pair<std::string, torch::Tensor>> full_state;
-    for (const auto& [name, local] : optimizer->StateTensors()) {
-      const std::string param = name.substr(0, name.rfind('.'));
-      TALLY_ASSIGN_OR_RETURN(torch::Tensor full,
-                             model->GatherFull(*model->Find(param), local));
-      if (writer) full_state.emplace_back(name, std::move(full));
-    }
-    for (size_t i = 0; i < model->parameters().size(); ++i) {
-      const Parameter& p = model->parameters()[i];
-      TALLY_ASSIGN_OR_RETURN(torch::Tensor full,
-                             model->GatherFull(p, p.tensor));
-      if (!writer) continue;
-      torch::NoGradGuard no_grad;
-      full_model->parameters()[i].tensor.copy_(full);
-    }
-    if (writer) {
-      full_optimizer = std::make_unique<Optimizer>(state->spec.optimizer,
-                                                   &full_model->parameters());
-      ready = full_optimizer->LoadState(full_state, optimizer->step_count());
-    }
-    model = full_model.get();
-    optimizer = full_optimizer.get();
   }
   absl::StatusOr<uint64_t> bytes = uint64_t{0};
   if (writer) {
@@ -694,6 +808,87 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   }
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(bytes.status()));
   return SaveResult{path, state->step, *bytes, pending};
+}
+
+absl::Status Engine::GatherOnWriter(
+    ModelState& state, std::unique_ptr<LlamaModel>& full_model,
+    std::unique_ptr<Optimizer>& full_optimizer) {
+  LlamaModel& model = *state.model;
+  const bool writer = mesh_.rank() == 0;
+  absl::Status ready = absl::OkStatus();
+  if (writer) {
+    absl::StatusOr<std::unique_ptr<LlamaModel>> created =
+        LlamaModel::Create(model.config(), model.dtype(), /*seed=*/0);
+    ready = created.status();
+    if (ready.ok()) full_model = *std::move(created);
+  }
+  // Before the gathers, so a writer that could not allocate stops every
+  // rank rather than leaving them in a collective.
+  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(ready));
+
+  // Each stage gathers the parameters it owns (the last stage's copy of a
+  // tied embedding is stage 0's) over its tp and dp_shard groups, in the
+  // model's order, each parameter followed by its optimizer state.
+  const int64_t layers = model.config().num_hidden_layers;
+  const int stages = groups_.pp->size(), stage = groups_.pp->rank();
+  const auto state_tensors = state.optimizer->StateTensors();
+  std::vector<std::string> state_suffixes;  // the same for every parameter
+  std::vector<torch::Tensor> stage_tensors;
+  for (const Parameter& p : model.parameters()) {
+    if (OwningStage(p.name, layers, stages) != stage) continue;
+    const bool first_owned = stage_tensors.empty();
+    TALLY_ASSIGN_OR_RETURN(torch::Tensor full, model.GatherFull(p, p.tensor));
+    stage_tensors.push_back(std::move(full));
+    for (const auto& [name, local] : state_tensors) {
+      if (name.rfind(p.name + ".", 0) != 0 ||
+          name.find('.', p.name.size() + 1) != std::string::npos) {
+        continue;
+      }
+      if (first_owned) {
+        state_suffixes.push_back(name.substr(p.name.size()));
+      }
+      TALLY_ASSIGN_OR_RETURN(full, model.GatherFull(p, local));
+      stage_tensors.push_back(std::move(full));
+    }
+  }
+  // A stage's gathered tensors sit on its rank at coordinate 0 of every
+  // other dim: the one that shares rank 0's pp group, where they are sent.
+  const bool stage_leader = mesh_.coord(MeshDim::kDpReplicate) == 0 &&
+                            mesh_.coord(MeshDim::kDpShard) == 0 &&
+                            mesh_.coord(MeshDim::kCp) == 0 &&
+                            mesh_.coord(MeshDim::kTp) == 0;
+  if (stage_leader && !writer) {
+    for (const torch::Tensor& t : stage_tensors) {
+      TALLY_RETURN_IF_ERROR(groups_.pp->Send(t, 0));
+    }
+  }
+  if (!writer) return absl::OkStatus();
+  std::vector<std::pair<std::string, torch::Tensor>> full_state;
+  size_t own = 0;
+  for (int s = 0; s < stages; ++s) {
+    for (Parameter& p : full_model->parameters()) {
+      if (OwningStage(p.name, layers, stages) != s) continue;
+      for (size_t k = 0; k <= state_suffixes.size(); ++k) {
+        torch::Tensor full;
+        if (s == 0) {
+          full = stage_tensors[own++];
+        } else {
+          full = torch::empty(p.full_shape, p.tensor.options());
+          TALLY_RETURN_IF_ERROR(groups_.pp->Recv(full, s));
+        }
+        if (k > 0) {
+          full_state.emplace_back(p.name + state_suffixes[k - 1],
+                                  std::move(full));
+          continue;
+        }
+        torch::NoGradGuard no_grad;
+        p.tensor.copy_(full);
+      }
+    }
+  }
+  full_optimizer = std::make_unique<Optimizer>(state.spec.optimizer,
+                                               &full_model->parameters());
+  return full_optimizer->LoadState(full_state, state.optimizer->step_count());
 }
 
 absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
@@ -708,7 +903,9 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
                                                &state->model->parameters());
   absl::Status staged = [&]() -> absl::Status {
     TALLY_ASSIGN_OR_RETURN(contents, ReadCheckpoint(path, load_optimizer));
-    if (state->model->sharded()) KeepLocalShards(*state->model, contents);
+    if (Staged(*state->model, groups_)) {
+      KeepLocalShards(*state->model, groups_.pp->size() > 1, contents);
+    }
     if (load_optimizer) {
       if (!contents.manifest) {
         return absl::FailedPreconditionError(absl::StrCat(

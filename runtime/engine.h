@@ -52,6 +52,10 @@ struct EngineGroups {
   // data. Expert gradients SUM here (never over ep), like dense ones over
   // `replicas`.
   Communicator* expert_replicas = nullptr;
+  // Pipeline parallelism: the stages of this rank's (dp, cp, tp)
+  // coordinates; group rank = stage. Activations and their gradients move
+  // here, and the tied embedding's two copies sum their gradients.
+  Communicator* pp = nullptr;
 };
 
 struct EngineOptions {
@@ -62,6 +66,10 @@ struct EngineOptions {
   // (dp_replicate x cp; one collective per bucket); every rank needs the
   // same value.
   int64_t bucket_mb = 25;
+  // Under pipeline parallelism: how many parts each data rank's samples of
+  // a call are split into (each then batched by max_batch_tokens) to flow
+  // through the stages; 0 means the number of stages.
+  int pp_microbatches = 0;
 };
 
 class Engine {
@@ -135,8 +143,8 @@ class Engine {
     bool poisoned = false;
     std::string poison_reason;
     // DEFERRED: the window's gradients were already summed over the replicas
-    // (by an OptimStep that then refused to step), so later calls of the
-    // window must sum their own share before adding it.
+    // and tied copies (by an OptimStep that then refused to step), so later
+    // calls of the window must sum their own share before adding it.
     bool replicas_summed = false;
   };
 
@@ -150,14 +158,19 @@ class Engine {
   absl::StatusOr<std::unique_ptr<ModelState>> BuildModel(ModelSpec spec);
   absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
       ModelState& state, const ForwardBackwardArgs& args);
-  // Sums this call's gradients over groups_.replicas, leaving earlier
-  // calls' (already summed) untouched.
-  absl::Status SumCallGradientsOverReplicas(std::vector<Parameter>& params,
-                                            std::vector<torch::Tensor> earlier);
-  absl::Status SumGradientsOverReplicas(std::vector<Parameter>& params);
-  // Whether some parameter of `model` has copies holding partial gradients
-  // that the engine (not the backward pass) must sum.
-  bool HasGradientReplicas(const LlamaModel& model) const;
+  // Whether gradients must be summed across ranks before a step: over
+  // groups_.replicas (expert ones over groups_.expert_replicas), and between
+  // the tied embedding's copies on the first and last pipeline stage.
+  bool NeedsGradientSync(LlamaModel& model) const;
+  // Sums this call's gradients (SyncGradients), leaving earlier calls'
+  // (already summed) untouched.
+  absl::Status SyncCallGradients(LlamaModel& model,
+                                 std::vector<torch::Tensor> earlier);
+  absl::Status SyncGradients(LlamaModel& model);
+  // Consolidates a sharded or staged model onto rank 0 (nullptrs elsewhere).
+  absl::Status GatherOnWriter(ModelState& state,
+                              std::unique_ptr<LlamaModel>& full_model,
+                              std::unique_ptr<Optimizer>& full_optimizer);
   // Every rank returns an error if any rank's `local` is one, so no rank
   // applies what another refused.
   absl::Status AgreeAcrossRanks(absl::Status local);

@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/parallel_ops.h"
+#include "runtime/pipeline.h"
 #include "runtime/status.h"
 
 namespace tally {
@@ -39,6 +40,15 @@ absl::Status ValidateExpertParallel(const LlamaConfig& config, int ep) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.num_local_experts (", config.num_local_experts,
                      ") is not divisible by ep (", ep, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePipelineParallel(const LlamaConfig& config, int pp) {
+  if (pp > config.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.num_hidden_layers (", config.num_hidden_layers,
+        ") is smaller than pp (", pp, "): every stage needs a layer"));
   }
   return absl::OkStatus();
 }
@@ -132,19 +142,28 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
   TALLY_RETURN_IF_ERROR(config.Validate());
   TALLY_RETURN_IF_ERROR(ValidateTensorParallel(config, sharding.tp_size()));
   TALLY_RETURN_IF_ERROR(ValidateExpertParallel(config, sharding.ep_size()));
+  TALLY_RETURN_IF_ERROR(ValidatePipelineParallel(config, sharding.pp_stages));
   std::unique_ptr<LlamaModel> model(new LlamaModel(config, dtype, sharding));
   TALLY_RETURN_IF_ERROR(CatchTorch("model init", [&] {
     torch::NoGradGuard no_grad;
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
     const auto options = torch::TensorOptions().dtype(ToScalarType(dtype));
     const int64_t h = config.hidden_size, d = config.head_dim();
+    const bool staged = sharding.pp_stages > 1;
+    const bool first = model->first_stage(), last = model->last_stage();
+    const LayerRange layers = StageLayers(
+        config.num_hidden_layers, sharding.pp_stage, sharding.pp_stages);
     // tp_dim: the dim split over tp (-1: replicated over tp). Experts are
-    // split over ep instead, and not over tp or dp_shard.
+    // split over ep instead, and not over tp or dp_shard. Every stage draws
+    // every tensor, so each is the same whatever the stage split; `keep`
+    // says whether this stage holds it (-1 returned otherwise).
     auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm,
-                   int tp_dim, bool is_expert = false) -> int {
+                   int tp_dim, bool keep = true,
+                   bool is_expert = false) -> int {
       torch::Tensor full =
           is_norm ? torch::ones(shape, options) : torch::empty(shape, options);
       if (!is_norm) full.normal_(0.0, 0.02, generator);
+      if (!keep) return -1;
       Parameter p;
       p.name = std::move(name);
       p.full_shape = shape;
@@ -159,49 +178,61 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
       if (!is_expert && sharding.dp_shard_size() > 1) {
         p.placements.Set(MeshDim::kDpShard, Placement::Shard(0));
       }
+      // A tied embedding stays Replicate: its copies on the first and last
+      // stage are one parameter, counted once (on stage 0).
+      if (staged && !(config.tie_word_embeddings &&
+                      p.name == "model.embed_tokens.weight")) {
+        p.placements.Set(MeshDim::kPp, Placement::Shard(0));
+      }
       p.tensor = model->LocalShard(p, full).set_requires_grad(true);
       model->parameters_.push_back(std::move(p));
       return static_cast<int>(model->parameters_.size()) - 1;
     };
     model->embed_ =
-        add("model.embed_tokens.weight", {config.vocab_size, h}, false, 0);
+        add("model.embed_tokens.weight", {config.vocab_size, h}, false, 0,
+            first || (last && config.tie_word_embeddings));
     for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
       const std::string p = absl::StrCat("model.layers.", i, ".");
+      const bool keep = i >= layers.begin && i < layers.end;
       LayerIndex layer;
       layer.q = add(p + "self_attn.q_proj.weight",
-                    {config.num_attention_heads * d, h}, false, 0);
+                    {config.num_attention_heads * d, h}, false, 0, keep);
       layer.k = add(p + "self_attn.k_proj.weight",
-                    {config.num_key_value_heads * d, h}, false, 0);
+                    {config.num_key_value_heads * d, h}, false, 0, keep);
       layer.v = add(p + "self_attn.v_proj.weight",
-                    {config.num_key_value_heads * d, h}, false, 0);
+                    {config.num_key_value_heads * d, h}, false, 0, keep);
       layer.o = add(p + "self_attn.o_proj.weight",
-                    {h, config.num_attention_heads * d}, false, 1);
+                    {h, config.num_attention_heads * d}, false, 1, keep);
       const int64_t inter = config.intermediate_size;
       if (config.is_moe()) {
         const int64_t experts = config.num_local_experts;
         const std::string moe = p + "block_sparse_moe.";
-        layer.router = add(moe + "gate.weight", {experts, h}, false, -1);
+        layer.router = add(moe + "gate.weight", {experts, h}, false, -1, keep);
         layer.w1 = add(moe + "experts.w1.weight", {experts, inter, h}, false,
-                       -1, true);
+                       -1, keep, /*is_expert=*/true);
         layer.w2 = add(moe + "experts.w2.weight", {experts, h, inter}, false,
-                       -1, true);
+                       -1, keep, /*is_expert=*/true);
         layer.w3 = add(moe + "experts.w3.weight", {experts, inter, h}, false,
-                       -1, true);
+                       -1, keep, /*is_expert=*/true);
       } else {
-        layer.gate = add(p + "mlp.gate_proj.weight", {inter, h}, false, 0);
-        layer.up = add(p + "mlp.up_proj.weight", {inter, h}, false, 0);
-        layer.down = add(p + "mlp.down_proj.weight", {h, inter}, false, 1);
+        layer.gate =
+            add(p + "mlp.gate_proj.weight", {inter, h}, false, 0, keep);
+        layer.up = add(p + "mlp.up_proj.weight", {inter, h}, false, 0, keep);
+        layer.down =
+            add(p + "mlp.down_proj.weight", {h, inter}, false, 1, keep);
       }
-      layer.input_norm = add(p + "input_layernorm.weight", {h}, true, -1);
+      layer.input_norm = add(p + "input_layernorm.weight", {h}, true, -1, keep);
       layer.post_norm =
-          add(p + "post_attention_layernorm.weight", {h}, true, -1);
-      model->layers_.push_back(layer);
+          add(p + "post_attention_layernorm.weight", {h}, true, -1, keep);
+      if (keep) model->layers_.push_back(layer);
     }
-    model->final_norm_ = add("model.norm.weight", {h}, true, -1);
+    model->first_layer_ = layers.begin;
+    model->final_norm_ = add("model.norm.weight", {h}, true, -1, last);
     model->lm_head_ =
         config.tie_word_embeddings
-            ? model->embed_
-            : add("lm_head.weight", {config.vocab_size, h}, false, 0);
+            ? (last ? model->embed_ : -1)
+            : add("lm_head.weight", {config.vocab_size, h}, false, 0, last);
+    if (!first) model->embed_ = -1;
   }));
   return model;
 }
@@ -268,6 +299,13 @@ Parameter* LlamaModel::Find(const std::string& name) {
   for (Parameter& p : parameters_) {
     if (p.name == name) return &p;
   }
+  return nullptr;
+}
+
+Parameter* LlamaModel::SplitTiedEmbedding() {
+  if (!config_.tie_word_embeddings || sharding_.pp_stages == 1) return nullptr;
+  if (first_stage()) return &parameters_[embed_];
+  if (last_stage()) return &parameters_[lm_head_];
   return nullptr;
 }
 
@@ -369,12 +407,13 @@ torch::Tensor LlamaModel::SparseMoe(int layer, const torch::Tensor& h,
   torch::Tensor top_sum = top_probs.sum(-1, /*keepdim=*/true);
   if (stats != nullptr) {
     const torch::Tensor real = stats->real_tokens.reshape({tokens});
-    stats->expert_tokens[layer].index_add_(
+    stats->expert_tokens[first_layer_ + layer].index_add_(
         0, top_experts.masked_select(real.unsqueeze(1)),
         torch::ones({real.sum().item<int64_t>() * top_experts.size(1)},
                     torch::kFloat64));
-    torch::Tensor aux = (static_cast<double>(experts) / layers_.size()) *
-                        top_sum.squeeze(1).view(h.sizes().slice(0, 2));
+    torch::Tensor aux =
+        (static_cast<double>(experts) / config_.num_hidden_layers) *
+        top_sum.squeeze(1).view(h.sizes().slice(0, 2));
     stats->aux = stats->aux.defined() ? stats->aux + aux : aux;
   }
   top_probs = top_probs / top_sum;
@@ -422,14 +461,26 @@ torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
                                          const torch::Tensor& targets,
                                          const AttentionLayout& layout,
                                          RouterStats* router_stats) {
+  TORCH_CHECK(sharding_.pp_stages == 1,
+              "TargetLogprobs needs the whole model; use StageForward");
+  if (router_stats != nullptr) router_stats->aux = torch::Tensor();
+  return StageForward(inputs, targets, layout, router_stats);
+}
+
+torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
+                                       const torch::Tensor& targets,
+                                       const AttentionLayout& layout,
+                                       RouterStats* router_stats) {
+  // [B, T]: the token ids, or the leading dims of the hidden states.
+  const int64_t batch = input.size(0), seq = input.size(1);
   if (!config_.is_moe()) router_stats = nullptr;
   if (router_stats != nullptr) {
-    TORCH_CHECK(router_stats->real_tokens.sizes() == inputs.sizes(),
-                "router_stats.real_tokens must be shaped like inputs");
+    TORCH_CHECK(
+        router_stats->real_tokens.sizes() == c10::IntArrayRef({batch, seq}),
+        "router_stats.real_tokens must be shaped [B, T] like input");
     router_stats->expert_tokens =
         torch::zeros({config_.num_hidden_layers, config_.num_local_experts},
                      torch::kFloat64);
-    router_stats->aux = torch::Tensor();
   }
   const int64_t d = config_.head_dim();
   const auto options = torch::TensorOptions().dtype(scalar_type());
@@ -453,12 +504,15 @@ torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
   // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
   const int64_t vocab_start =
       sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
-  torch::Tensor x = sharding_.tp_size() == 1
-                        ? torch::embedding(Weight(embed_), inputs)
-                        : VocabParallelEmbedding(inputs, Weight(embed_),
-                                                 vocab_start, *sharding_.tp);
+  torch::Tensor x = input;
+  if (first_stage()) {
+    x = sharding_.tp_size() == 1
+            ? torch::embedding(Weight(embed_), input)
+            : VocabParallelEmbedding(input, Weight(embed_), vocab_start,
+                                     *sharding_.tp);
+  }
   // The expert dispatch pads every ep rank's tokens to the largest count.
-  int64_t ep_rows = inputs.numel();
+  int64_t ep_rows = batch * seq;
   if (config_.is_moe() && sharding_.ep_size() > 1) {
     torch::Tensor rows =
         torch::tensor({static_cast<double>(ep_rows)}, torch::kFloat64);
@@ -475,6 +529,7 @@ torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
     x = x + Mlp(static_cast<int>(layer), RmsNorm(x, Weight(idx.post_norm)),
                 ep_rows, router_stats);
   }
+  if (!last_stage()) return x;
   torch::Tensor logits = torch::linear(
       EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), Weight(lm_head_));
   if (sharding_.tp_size() > 1) {

@@ -95,6 +95,11 @@ struct ModelSharding {
   // Expert parallelism: the ranks splitting the experts of every MoE layer,
   // each computing its experts for the tokens of all of them.
   Communicator* ep = nullptr;
+  // Pipeline parallelism: this rank builds and runs stage `pp_stage` of
+  // `pp_stages` (see pipeline.h). The engine moves activations between
+  // stages; the model itself never talks to another stage.
+  int pp_stage = 0;
+  int pp_stages = 1;
 
   int ep_size() const { return ep ? ep->size() : 1; }
   int ep_rank() const { return ep ? ep->rank() : 0; }
@@ -107,6 +112,9 @@ struct ModelSharding {
 
 // INVALID_ARGUMENT naming the config field that tp does not divide.
 absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp);
+// INVALID_ARGUMENT naming config.num_hidden_layers when there are fewer
+// layers than pipeline stages.
+absl::Status ValidatePipelineParallel(const LlamaConfig& config, int pp);
 
 // INVALID_ARGUMENT when ep does not divide config.num_local_experts of a
 // MoE config (a dense model ignores ep).
@@ -137,7 +145,10 @@ class LlamaModel {
   // Replicate; every parameter dim-0 sharded over dp_shard. MoE: the router
   // is placed like a norm (replicated over tp, sharded over dp_shard); the
   // stacked experts are Shard(0) over ep and replicated over tp, dp_shard
-  // (no ZeRO sharding) and dp_replicate.
+  // (no ZeRO sharding) and dp_replicate. Under pp only the stage's
+  // parameters are kept (placed Shard along pp, except a tied embedding:
+  // Replicate, held by the first and last stage and counted by the norm on
+  // the first).
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Create(
       const LlamaConfig& config, DType dtype, uint64_t seed,
       const ModelSharding& sharding = {});
@@ -150,8 +161,17 @@ class LlamaModel {
   const std::vector<Parameter>& parameters() const { return parameters_; }
   // nullptr when absent.
   Parameter* Find(const std::string& name);
-  // Of the whole (unsharded) model.
+  // Of this stage's parameters, unsharded (the whole model when pp = 1).
   uint64_t NumParameters() const;
+
+  int pp_stage() const { return sharding_.pp_stage; }
+  bool first_stage() const { return sharding_.pp_stage == 0; }
+  bool last_stage() const {
+    return sharding_.pp_stage == sharding_.pp_stages - 1;
+  }
+  // The tied embedding when the first and last stage each hold a copy whose
+  // gradients must be summed before a step; nullptr otherwise.
+  Parameter* SplitTiedEmbedding();
 
   // This rank's shard of `full` (shaped like parameter `p`'s full_shape):
   // what Create keeps of a freshly drawn tensor and what loading keeps of a
@@ -174,11 +194,24 @@ class LlamaModel {
   // cp, every rank of the cp group must call it with the same B and T; under
   // ep, every rank of the ep group calls it the same number of times (the
   // MoE layers' collectives pair up), with any B and T.
-  // A MoE model fills `router_stats` when given.
+  // A MoE model fills `router_stats` when given. Requires a single-stage
+  // model (pp = 1).
   torch::Tensor TargetLogprobs(const torch::Tensor& inputs,
                                const torch::Tensor& targets,
                                const AttentionLayout& layout,
                                RouterStats* router_stats = nullptr);
+  // This rank's pipeline stage of TargetLogprobs. `input`: the token ids
+  // [B, T] on the first stage, else the previous stage's hidden states.
+  // Returns the target logprobs [B, T] on the last stage (`targets` is read
+  // there only), else the hidden states [B, T, hidden_size] for the next
+  // stage. A MoE stage fills the rows of its layers in
+  // `router_stats->expert_tokens` and adds its layers' terms to
+  // `router_stats->aux` (which carries the earlier stages' sum, or is
+  // undefined on the first stage).
+  torch::Tensor StageForward(const torch::Tensor& input,
+                             const torch::Tensor& targets,
+                             const AttentionLayout& layout,
+                             RouterStats* router_stats = nullptr);
 
  private:
   LlamaModel(const LlamaConfig& config, DType dtype,
@@ -207,7 +240,8 @@ class LlamaModel {
   ModelSharding sharding_;
   std::vector<Parameter> parameters_;
   // Indices into parameters_ (resolved once, so the forward pass does no
-  // string lookups).
+  // string lookups); -1 where this stage does not hold the parameter, and
+  // layers_ holds this stage's layers only.
   struct LayerIndex {
     int q, k, v, o, input_norm, post_norm;
     int gate = -1, up = -1, down = -1;           // dense MLP
@@ -215,6 +249,8 @@ class LlamaModel {
   };
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<LayerIndex> layers_;
+  // The global index of layers_[0] (its layer number in the whole model).
+  int64_t first_layer_ = 0;
 };
 
 }  // namespace tally

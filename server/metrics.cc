@@ -45,6 +45,7 @@ std::vector<std::pair<std::string, const Communicator*>> NamedCommunicators(
       {"tp", g.tp},
       {"ep", g.ep},
       {"expert_replicas", g.expert_replicas},
+      {"pp", g.pp},
       {"control", &engine.control()}};
   std::vector<std::pair<std::vector<std::string>, const Communicator*>> merged;
   for (const auto& [role, comm] : roles) {

@@ -68,6 +68,7 @@ absl::Status CheckSameOnEveryRank(Communicator& world,
   const std::vector<std::pair<const char*, double>> settings = {
       {"--max-batch-tokens", static_cast<double>(options.max_batch_tokens)},
       {"--bucket-mb", static_cast<double>(options.bucket_mb)},
+      {"--pp-microbatches", static_cast<double>(options.pp_microbatches)},
       {"--demo-model", options.demo_model ? 1.0 : 0.0}};
   std::vector<double> values;
   for (const auto& [flag, value] : settings) values.push_back(value);
@@ -144,6 +145,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
   EngineOptions engine_options;
   engine_options.max_batch_tokens = options.max_batch_tokens;
   engine_options.bucket_mb = options.bucket_mb;
+  engine_options.pp_microbatches = static_cast<int>(options.pp_microbatches);
   TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
   if (env.world_size != options.mesh.world_size()) {
     return absl::InvalidArgumentError(

@@ -55,6 +55,8 @@ struct ServerOptions {
   int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
   // Every rank needs the same value (checked at start-up).
   int64_t bucket_mb = EngineOptions().bucket_mb;
+  // Micro-batches per call under pipeline parallelism; 0: --pp.
+  int64_t pp_microbatches = EngineOptions().pp_microbatches;
 
   // Reliability (docs/reliability.md).
   // How long a missing seq_id may hold back the requests behind it.

@@ -266,6 +266,44 @@ class NcclCommunicator : public Communicator {
     });
   }
 
+  // Both posted in one NCCL group, so two neighbours exchanging never wait
+  // on each other's send. The device buffer holds the outgoing bytes, then
+  // the incoming ones.
+  absl::Status SendRecv(const torch::Tensor& send, int dst, torch::Tensor& recv,
+                        int src) override {
+    constexpr const char* kOp = "send_recv";
+    TALLY_ASSIGN_OR_RETURN(ncclDataType_t send_type, NcclType(kOp, send));
+    TALLY_ASSIGN_OR_RETURN(ncclDataType_t recv_type, NcclType(kOp, recv));
+    TALLY_RETURN_IF_ERROR(CheckPeer(kOp, "dst", dst, size_));
+    TALLY_RETURN_IF_ERROR(CheckPeer(kOp, "src", src, size_));
+    if (dst == rank_ || src == rank_) {
+      return absl::InvalidArgumentError(
+          "send_recv: dst and src must be other ranks");
+    }
+    stats_.Record(CommOp::kSend, Bytes(send));
+    stats_.Record(CommOp::kRecv, Bytes(recv));
+    TALLY_ASSIGN_OR_RETURN(torch::Tensor outgoing, Contiguous(kOp, send));
+    TALLY_ASSIGN_OR_RETURN(torch::Tensor incoming, Contiguous(kOp, recv));
+    const size_t send_bytes = Bytes(send);
+    TALLY_RETURN_IF_ERROR(Run(
+        kOp, Upload{outgoing.data_ptr(), send_bytes, 0}, "ncclSend/ncclRecv",
+        [&](char* buffer) {
+          ncclResult_t result = ncclGroupStart();
+          if (result != ncclSuccess) return result;
+          result =
+              ncclSend(buffer, send.numel(), send_type, dst, comm_, stream_);
+          const ncclResult_t received =
+              ncclRecv(buffer + send_bytes, recv.numel(), recv_type, src, comm_,
+                       stream_);
+          const ncclResult_t ended = ncclGroupEnd();
+          if (result != ncclSuccess) return result;
+          return received != ncclSuccess ? received : ended;
+        },
+        Download{incoming.data_ptr(), Bytes(recv), send_bytes}));
+    if (incoming.is_same(recv)) return absl::OkStatus();
+    return CatchTorch(kOp, [&] { recv.copy_(incoming); });
+  }
+
  private:
   static absl::StatusOr<torch::Tensor> Contiguous(const char* op,
                                                   const torch::Tensor& tensor) {

@@ -224,7 +224,8 @@ struct RankResult {
   torch::Tensor gathered;
   torch::Tensor scattered;
   torch::Tensor broadcast;
-  torch::Tensor received;  // rank 1 only
+  torch::Tensor received;   // rank 1 only
+  torch::Tensor exchanged;  // the peer's SumInput, by SendRecv
   CommStats stats;
 };
 
@@ -251,6 +252,10 @@ absl::Status RunRank(c10::intrusive_ptr<c10d::Store> store, int rank,
     result.received = torch::zeros_like(SendInput());
     TALLY_RETURN_IF_ERROR(communicator->Recv(result.received, /*src=*/0));
   }
+  // Both ranks send first: only a fused send/recv cannot deadlock here.
+  result.exchanged = torch::zeros_like(SumInput(1 - rank));
+  TALLY_RETURN_IF_ERROR(communicator->SendRecv(SumInput(rank), 1 - rank,
+                                               result.exchanged, 1 - rank));
   result.stats = communicator->stats();
   return absl::OkStatus();
 }
@@ -287,16 +292,19 @@ TEST(NcclCommunicatorTest, TwoRanksOnTwoDevicesMatchHostReference) {
         << result.scattered;
     EXPECT_TRUE(torch::equal(result.broadcast, BroadcastInput(1)))
         << result.broadcast;
+    EXPECT_TRUE(torch::equal(result.exchanged, SumInput(1 - rank)))
+        << result.exchanged;
 
     ExpectCounter(result.stats, CommOp::kAllReduce, 2,
                   12 * sizeof(float) + 6 * sizeof(int64_t));
     ExpectCounter(result.stats, CommOp::kAllGather, 1, 6 * sizeof(uint8_t));
     ExpectCounter(result.stats, CommOp::kReduceScatter, 1, 8 * sizeof(double));
     ExpectCounter(result.stats, CommOp::kBroadcast, 1, 5 * sizeof(int64_t));
-    ExpectCounter(result.stats, CommOp::kSend, rank == 0 ? 1 : 0,
-                  rank == 0 ? 3 * sizeof(double) : 0);
-    ExpectCounter(result.stats, CommOp::kRecv, rank == 1 ? 1 : 0,
-                  rank == 1 ? 3 * sizeof(double) : 0);
+    const size_t exchanged_bytes = SumInput(rank).nbytes();
+    ExpectCounter(result.stats, CommOp::kSend, rank == 0 ? 2 : 1,
+                  (rank == 0 ? 3 * sizeof(double) : 0) + exchanged_bytes);
+    ExpectCounter(result.stats, CommOp::kRecv, rank == 1 ? 2 : 1,
+                  (rank == 1 ? 3 * sizeof(double) : 0) + exchanged_bytes);
   }
   EXPECT_TRUE(torch::equal(results[1].received, SendInput()))
       << results[1].received;

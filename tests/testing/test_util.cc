@@ -5,12 +5,12 @@
 
 namespace tally::testing {
 
-LlamaConfig TinyConfig(bool tie_word_embeddings) {
+LlamaConfig TinyConfig(bool tie_word_embeddings, int64_t num_hidden_layers) {
   LlamaConfig c;
   c.vocab_size = 48;
   c.hidden_size = 32;
   c.intermediate_size = 40;
-  c.num_hidden_layers = 2;
+  c.num_hidden_layers = num_hidden_layers;
   c.num_attention_heads = 4;
   c.num_key_value_heads = 2;
   c.rms_norm_eps = 1e-5;

@@ -17,7 +17,9 @@
 namespace tally::testing {
 
 // A 2-layer GQA Llama small enough for exact fp64 checks in milliseconds.
-LlamaConfig TinyConfig(bool tie_word_embeddings = false);
+// `num_hidden_layers` = 4 serves pipeline tests of up to 4 stages.
+LlamaConfig TinyConfig(bool tie_word_embeddings = false,
+                       int64_t num_hidden_layers = 2);
 
 // One sample of `length` tokens from `rng`, of which exactly `valid` have a
 // real target and a positive weight; the others are -100 or weight 0

@@ -5,12 +5,18 @@
 // norm, clip coefficient and updated parameters. The ep meshes run a 4-expert
 // Mixtral-style model.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <map>
 #include <string>
+#include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "runtime/accumulation.h"
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
 #include "runtime/grad_norm.h"
@@ -31,9 +37,10 @@ struct MeshCase {
   bool moe = false;
 };
 
-MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1,
-                int ep = 1) {
+MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1, int ep = 1,
+                int pp = 1) {
   MeshShape shape;
+  shape.pp = pp;
   shape.dp_replicate = dp_replicate;
   shape.dp_shard = dp_shard;
   shape.tp = tp;
@@ -42,11 +49,15 @@ MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1,
   return shape;
 }
 
+MeshShape PipelineShape(int pp, int dp_shard = 1, int tp = 1, int cp = 1,
+                        int ep = 1) {
+  return Shape(1, dp_shard, tp, cp, ep, pp);
+}
+
 // Four experts, two per token: in the one-token call two experts of every
 // layer receive no token. With the load-balancing loss, whose gradient must
 // not depend on how the tokens are split over ranks either.
-LlamaConfig MoeConfig() {
-  LlamaConfig config = testing::TinyConfig();
+LlamaConfig MoeConfig(LlamaConfig config = testing::TinyConfig()) {
   config.num_local_experts = 4;
   config.num_experts_per_tok = 2;
   config.router_aux_loss_coef = 0.02;
@@ -54,9 +65,10 @@ LlamaConfig MoeConfig() {
 }
 
 ModelSpec Spec(const std::string& id, DType dtype, OptimizerKind optimizer,
-               bool moe) {
+               bool moe, bool tied = false, int64_t layers = 2) {
   ModelSpec spec = TinySpec(id, dtype, optimizer);
-  if (moe) spec.config = MoeConfig();
+  spec.config = testing::TinyConfig(tied, layers);
+  if (moe) spec.config = MoeConfig(spec.config);
   return spec;
 }
 
@@ -71,12 +83,17 @@ struct Variant {
   OptimizerKind optimizer;
   GradSync sync;
   LossReduction reduction;
+  NormType norm = NormType::kL2;
+  bool tied = false;
+  int64_t layers = 2;  // 4 for pp = 4
 };
 
 std::string VariantName(const Variant& v) {
   return absl::StrCat(DTypeName(v.dtype), "/", OptimizerName(v.optimizer), "/",
                       v.sync == GradSync::kEager ? "eager" : "deferred", "/",
-                      ReductionName(v.reduction));
+                      ReductionName(v.reduction), "/",
+                      v.norm == NormType::kInf ? "inf" : "l2",
+                      v.tied ? "/tied" : "");
 }
 
 // This rank's engine of a deployment laid out as `shape`.
@@ -109,7 +126,7 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
                           const std::string& id, bool moe) {
   SCOPED_TRACE(VariantName(v));
   const double tol = testing::GoldenTolerance(v.dtype);
-  ModelSpec spec = Spec(id, v.dtype, v.optimizer, moe);
+  ModelSpec spec = Spec(id, v.dtype, v.optimizer, moe, v.tied, v.layers);
   spec.grad_sync = v.sync;
   if (v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW) {
     spec.default_adam.eps = 1e-4;  // see accumulation_golden_test.cc
@@ -157,21 +174,31 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
   // EAGER: summed over the replicas (dp_replicate x cp; experts: the
   // expert-data-parallel ranks) after every call, so this rank's gradient
   // shard is the single-device gradient's shard. DEFERRED: the replicas'
-  // local gradients sum to it (OptimStep does that sum).
-  for (size_t i = 0; i < model.parameters().size(); ++i) {
-    const Parameter& p = model.parameters()[i];
+  // local gradients sum to it (OptimStep does that sum). Under pp the two
+  // copies of a tied embedding likewise sum to it.
+  Parameter* tied = model.SplitTiedEmbedding();
+  const int tied_peer =
+      model.first_stage() ? engine.groups().pp->size() - 1 : 0;
+  for (Parameter& p : model.parameters()) {
     torch::Tensor got = p.tensor.grad().clone();
     Communicator* replicas = ReplicaGroup(engine, p);
     if (v.sync == GradSync::kDeferred && replicas->size() > 1) {
       TALLY_RETURN_IF_ERROR(replicas->AllReduce(got, ReduceOp::kSum));
     }
+    if (v.sync == GradSync::kDeferred && &p == tied) {
+      torch::Tensor other = torch::empty_like(got);
+      TALLY_RETURN_IF_ERROR(
+          engine.groups().pp->SendRecv(got, tied_peer, other, tied_peer));
+      got += other;
+    }
     torch::Tensor want =
-        model.LocalShard(p, ref_model.parameters()[i].tensor.grad());
+        model.LocalShard(p, ref_model.Find(p.name)->tensor.grad());
     EXPECT_LT(RelativeDiff(got, want), tol) << p.name;
   }
 
   OptimStepArgs step;
   step.max_grad_norm = 0.05;  // far below the norm: clipping is active
+  step.norm_type = v.norm;
   TALLY_ASSIGN_OR_RETURN(OptimStepResult got, engine.OptimStep(id, step));
   TALLY_ASSIGN_OR_RETURN(OptimStepResult want, reference.OptimStep(id, step));
   EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), tol);
@@ -190,12 +217,19 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
     EXPECT_EQ(norms[r].item<double>(), got.grad_norm) << "rank " << r;
   }
 
+  if (tied != nullptr) {
+    torch::Tensor own = tied->tensor.detach().contiguous();
+    torch::Tensor other = torch::empty_like(own);
+    TALLY_RETURN_IF_ERROR(
+        engine.groups().pp->SendRecv(own, tied_peer, other, tied_peer));
+    EXPECT_TRUE(torch::equal(own, other)) << "tied embedding copies differ";
+  }
+
   const double param_tol =
       v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW ? 1e-4
                                                                          : tol;
-  for (size_t i = 0; i < model.parameters().size(); ++i) {
-    const Parameter& p = model.parameters()[i];
-    torch::Tensor want = model.LocalShard(p, ref_model.parameters()[i].tensor);
+  for (const Parameter& p : model.parameters()) {
+    torch::Tensor want = model.LocalShard(p, ref_model.Find(p.name)->tensor);
     EXPECT_LT(RelativeDiff(p.tensor, want), param_tol) << p.name;
     // Replicas are bitwise identical: across dp_replicate and cp for
     // everything (experts: across the expert-data-parallel ranks), across tp
@@ -229,10 +263,9 @@ absl::Status CheckCheckpointsAcrossMeshes(Engine& engine, Engine& reference,
   TALLY_RETURN_IF_ERROR(reference.LoadCheckpoint(id, dir, true).status());
   LlamaModel& model = *engine.model(id).value();
   LlamaModel& ref_model = *reference.model(id).value();
-  for (size_t i = 0; i < model.parameters().size(); ++i) {
-    const Parameter& p = model.parameters()[i];
+  for (const Parameter& p : model.parameters()) {
     EXPECT_TRUE(torch::equal(
-        p.tensor, model.LocalShard(p, ref_model.parameters()[i].tensor)))
+        p.tensor, model.LocalShard(p, ref_model.Find(p.name)->tensor)))
         << p.name;
   }
   const std::string single_dir = absl::StrCat(dir, "_single_rank", env.rank);
@@ -259,10 +292,9 @@ absl::Status CheckCheckpointsAcrossMeshes(Engine& engine, Engine& reference,
   TALLY_ASSIGN_OR_RETURN(OptimStepResult want, reference.OptimStep(id, {}));
   EXPECT_EQ(got.step, want.step);
   EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), 1e-10);
-  for (size_t i = 0; i < model.parameters().size(); ++i) {
-    const Parameter& p = model.parameters()[i];
-    EXPECT_LT(RelativeDiff(p.tensor, model.LocalShard(
-                                         p, ref_model.parameters()[i].tensor)),
+  for (const Parameter& p : model.parameters()) {
+    EXPECT_LT(RelativeDiff(p.tensor,
+                           model.LocalShard(p, ref_model.Find(p.name)->tensor)),
               1e-10)
         << p.name;
   }
@@ -559,6 +591,211 @@ std::string MeshName(const ::testing::TestParamInfo<MeshCase>& info) {
 INSTANTIATE_TEST_SUITE_P(Meshes, MultiRankNormTest, kMeshes, MeshName);
 
 INSTANTIATE_TEST_SUITE_P(Meshes, MultiRankGoldenTest, kMeshes, MeshName);
+
+// Pipeline parallelism: tied and untied embeddings, both reductions and
+// both norms across the variants (fewer on the 8-rank meshes, for CI time).
+class PipelineGoldenTest : public ::testing::TestWithParam<MeshCase> {};
+
+TEST_P(PipelineGoldenTest, EqualsTheSingleDeviceRun) {
+  const MeshShape shape = GetParam().shape;
+  const bool moe = GetParam().moe;
+  const int64_t layers = shape.pp > 2 ? 4 : 2;
+  const bool small = shape.world_size() <= 4;
+  testing::RunOnRanks(
+      shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+        EngineOptions options;
+        options.max_batch_tokens = 96;
+        TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(shape, env, options));
+        TALLY_ASSIGN_OR_RETURN(auto reference,
+                               Engine::CreateSingleRank(options));
+        const DType f64 = DType::kFloat64;
+        const OptimizerKind adam = OptimizerKind::kAdamW;
+        std::vector<Variant> variants = {
+            {f64, adam, GradSync::kEager, LossReduction::kTokenMean,
+             NormType::kL2, true, layers},
+            {f64, adam, GradSync::kDeferred, LossReduction::kSampleMean,
+             NormType::kInf, false, layers}};
+        if (small) {
+          variants.push_back({f64, adam, GradSync::kEager,
+                              LossReduction::kSampleMean, NormType::kInf, true,
+                              layers});
+          variants.push_back({f64, adam, GradSync::kDeferred,
+                              LossReduction::kTokenMean, NormType::kL2, false,
+                              layers});
+          variants.push_back({DType::kFloat32, OptimizerKind::kSgd,
+                              GradSync::kDeferred, LossReduction::kSampleMean,
+                              NormType::kL2, true, layers});
+        }
+        int n = 0;
+        for (const Variant& v : variants) {
+          TALLY_RETURN_IF_ERROR(CheckVariant(*engine, *reference, v,
+                                             absl::StrCat("p", n++), moe));
+        }
+        // forward_only: the activations flow forward only, and the last
+        // stage's results reach every rank.
+        ForwardBackwardArgs forward{Calls()[1], LossReduction::kSampleMean};
+        forward.forward_only = true;
+        forward.return_logprobs = true;
+        TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult got,
+                               engine->ForwardBackward("p0", forward));
+        TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult want,
+                               reference->ForwardBackward("p0", forward));
+        EXPECT_LT(RelativeDiff(got.loss_mean, want.loss_mean), 1e-10);
+        EXPECT_EQ(got.window.calls, 0);
+        for (size_t i = 0; i < want.samples.size(); ++i) {
+          for (size_t t = 0; t < want.samples[i].logprobs.size(); ++t) {
+            EXPECT_NEAR(got.samples[i].logprobs[t], want.samples[i].logprobs[t],
+                        1e-9);
+          }
+        }
+        return CheckCheckpointsAcrossMeshes(*engine, *reference, "p0", env);
+      });
+}
+
+const auto kPipelineMeshes = ::testing::Values(
+    MeshCase{"pp2", PipelineShape(2)}, MeshCase{"pp4", PipelineShape(4)},
+    MeshCase{"pp2_dp_shard2", PipelineShape(2, 2)},
+    MeshCase{"pp2_tp2", PipelineShape(2, 1, 2)},
+    MeshCase{"pp2_dp_shard2_tp2", PipelineShape(2, 2, 2)},
+    // A MoE model: each stage dispatches its own layers' tokens over ep, and
+    // the load-balancing term flows to the last stage with the activations.
+    MeshCase{"pp2_ep2_moe", PipelineShape(2, 2, 1, 1, 2), true},
+    // The composite runs on 8 ranks: pp x dp_shard x tp with a MoE model at
+    // ep = 2, and pp x dp_shard x cp.
+    MeshCase{"pp2_dp_shard2_tp2_ep2_moe", PipelineShape(2, 2, 2, 1, 2), true},
+    MeshCase{"pp2_dp_shard2_cp2", PipelineShape(2, 2, 1, 2)});
+
+INSTANTIATE_TEST_SUITE_P(Meshes, PipelineGoldenTest, kPipelineMeshes, MeshName);
+
+// The bug this design rules out: clipping each stage by its own norm. A
+// test-only engine variant does exactly that on pp = 2 (each stage measures
+// and clips its gradients alone, then steps unclipped); the golden
+// comparison that the engine's own step passes must reject it.
+TEST(PipelineGoldenTest, ClippingPerStageFailsTheGoldenComparison) {
+  testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(PipelineShape(2), env, {}));
+    TALLY_ASSIGN_OR_RETURN(auto reference, Engine::CreateSingleRank({}));
+    // SGD: an update proportional to the clipped gradient (AdamW would
+    // largely cancel a per-stage scale).
+    ModelSpec spec =
+        Spec("m", DType::kFloat64, OptimizerKind::kSgd, false, /*tied=*/true);
+    spec.grad_sync = GradSync::kEager;
+    for (const char* id : {"global", "per_stage"}) {
+      spec.model_id = id;
+      TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    }
+    TALLY_RETURN_IF_ERROR(reference->CreateModel(spec).status());
+    for (const std::vector<Sample>& call : Calls()) {
+      for (const char* id : {"global", "per_stage"}) {
+        TALLY_RETURN_IF_ERROR(engine->ForwardBackward(id, {call}).status());
+      }
+      TALLY_RETURN_IF_ERROR(
+          reference->ForwardBackward("per_stage", {call}).status());
+    }
+    LlamaModel& want = *reference->model("per_stage").value();
+    const std::vector<torch::Tensor> initial = testing::ParameterValues(want);
+    OptimStepArgs step;
+    step.max_grad_norm = 0.05;  // far below the norm: clipping is active
+    TALLY_RETURN_IF_ERROR(reference->OptimStep("per_stage", step).status());
+    TALLY_RETURN_IF_ERROR(engine->OptimStep("global", step).status());
+
+    LlamaModel& per_stage = *engine->model("per_stage").value();
+    TALLY_ASSIGN_OR_RETURN(auto stage_alone, MakeSingleRankCommunicator());
+    TALLY_ASSIGN_OR_RETURN(
+        ClipResult clip,
+        ComputeClip(per_stage.parameters(),
+                    engine->GetModel("per_stage")->window.tokens,
+                    engine->mesh(), *stage_alone, NormType::kL2,
+                    *step.max_grad_norm));
+    for (Parameter& p : per_stage.parameters()) {
+      p.tensor.mutable_grad().mul_(clip.clip_coef);
+    }
+    OptimStepArgs unclipped;
+    unclipped.max_grad_norm = 0;
+    TALLY_RETURN_IF_ERROR(engine->OptimStep("per_stage", unclipped).status());
+
+    // The updates (step minus the shared initial values) against the
+    // single-device update: SGD's update is the clipped gradient times lr.
+    std::map<std::string, torch::Tensor> want_update;
+    for (size_t i = 0; i < initial.size(); ++i) {
+      const Parameter& p = want.parameters()[i];
+      want_update[p.name] = p.tensor.detach() - initial[i];
+    }
+    double global_diff = 0, per_stage_diff = 0;
+    for (const auto& [id, diff] :
+         {std::pair<const char*, double*>{"global", &global_diff},
+          {"per_stage", &per_stage_diff}}) {
+      LlamaModel& got = *engine->model(id).value();
+      for (const Parameter& p : got.parameters()) {
+        const torch::Tensor start = got.LocalShard(
+            p, initial[want.Find(p.name) - want.parameters().data()]);
+        *diff = std::max(*diff,
+                         RelativeDiff(p.tensor.detach() - start,
+                                      got.LocalShard(p, want_update[p.name])));
+      }
+    }
+    EXPECT_LT(global_diff, 1e-9);
+    // Each stage's own norm is below the global one, so each clipped less:
+    // every stage's update is off by far more than the golden tolerance.
+    EXPECT_GT(per_stage_diff, 1e-2);
+    return absl::OkStatus();
+  });
+}
+
+// One HF directory whatever pp: written by a pp = 2 deployment, it loads on
+// a single rank and on pp = 4, which then take the same step. A model with
+// fewer layers than stages is refused, naming the field.
+TEST(PipelineCheckpointTest, SavedWithPp2LoadsWithPp1AndPp4) {
+  ModelSpec spec = TinySpec("c", DType::kFloat64, OptimizerKind::kAdamW);
+  spec.config = testing::TinyConfig(/*tie_word_embeddings=*/true, 4);
+  // Both launches' ranks are children of this process.
+  auto dir = [] {
+    return absl::StrCat(::testing::TempDir(), "tally_pp2_", getppid());
+  };
+  const std::vector<std::vector<Sample>> calls = Calls();
+  testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(PipelineShape(2), env, {}));
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    for (const auto& call : calls) {
+      TALLY_RETURN_IF_ERROR(engine->ForwardBackward("c", {call}).status());
+    }
+    TALLY_RETURN_IF_ERROR(engine->OptimStep("c", {}).status());
+    return engine->SaveCheckpoint("c", dir()).status();
+  });
+  testing::RunOnRanks(4, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(PipelineShape(4), env, {}));
+    TALLY_ASSIGN_OR_RETURN(auto reference, Engine::CreateSingleRank({}));
+    ModelSpec too_deep = TinySpec("deep", DType::kFloat64, OptimizerKind::kSgd);
+    absl::Status refused = engine->CreateModel(too_deep).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(refused.message(), "num_hidden_layers"))
+        << refused;
+    for (Engine* e : {engine.get(), reference.get()}) {
+      TALLY_RETURN_IF_ERROR(e->CreateModel(spec).status());
+      TALLY_RETURN_IF_ERROR(e->LoadCheckpoint("c", dir(), true).status());
+    }
+    LlamaModel& model = *engine->model("c").value();
+    LlamaModel& ref_model = *reference->model("c").value();
+    EXPECT_EQ(engine->GetModel("c")->step, 1);
+    for (const Parameter& p : model.parameters()) {
+      EXPECT_TRUE(torch::equal(p.tensor, ref_model.Find(p.name)->tensor))
+          << p.name;
+    }
+    for (Engine* e : {engine.get(), reference.get()}) {
+      for (const auto& call : calls) {
+        TALLY_RETURN_IF_ERROR(e->ForwardBackward("c", {call}).status());
+      }
+    }
+    TALLY_ASSIGN_OR_RETURN(OptimStepResult got, engine->OptimStep("c", {}));
+    TALLY_ASSIGN_OR_RETURN(OptimStepResult want, reference->OptimStep("c", {}));
+    EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), 1e-10);
+    for (const Parameter& p : model.parameters()) {
+      EXPECT_LT(RelativeDiff(p.tensor, ref_model.Find(p.name)->tensor), 1e-10)
+          << p.name;
+    }
+    return absl::OkStatus();
+  });
+}
 
 }  // namespace
 }  // namespace tally

@@ -51,6 +51,15 @@ TEST(ServerFlagsTest, MeshAndRankFlags) {
   // Unset overrides leave the environment in charge.
   EXPECT_FALSE(Parse({})->options.rank_env.rank.has_value());
   EXPECT_FALSE(Parse({"--tp", "0"}).ok());
+
+  auto pp = Parse({"--pp", "4", "--pp-microbatches", "8"});
+  ASSERT_TRUE(pp.ok()) << pp.status();
+  EXPECT_EQ(pp->options.mesh.pp, 4);
+  EXPECT_EQ(pp->options.mesh.world_size(), 4);
+  EXPECT_EQ(pp->options.pp_microbatches, 8);
+  EXPECT_EQ(Parse({})->options.pp_microbatches, 0);  // = --pp
+  EXPECT_FALSE(Parse({"--pp-microbatches", "0"}).ok());
+  EXPECT_FALSE(Parse({"--pp", "0"}).ok());
 }
 
 TEST(ServerFlagsTest, DefaultsAndHelp) {
@@ -68,11 +77,11 @@ TEST(ServerFlagsTest, DefaultsAndHelp) {
 }
 
 TEST(ServerFlagsTest, ReliabilityFlags) {
-  auto flags = Parse({"--seq-gap-timeout-secs", "2.5", "--seq-cache=8",
-                      "--max-queued-requests", "9",
-                      "--max-queued-requests-per-model", "3",
-                      "--shutdown-drain-secs", "0.5", "--exit-timeout-secs",
-                      "7", "--collective-timeout-secs", "45"});
+  auto flags =
+      Parse({"--seq-gap-timeout-secs", "2.5", "--seq-cache=8",
+             "--max-queued-requests", "9", "--max-queued-requests-per-model",
+             "3", "--shutdown-drain-secs", "0.5", "--exit-timeout-secs", "7",
+             "--collective-timeout-secs", "45"});
   ASSERT_TRUE(flags.ok()) << flags.status();
   const ServerOptions& o = flags->options;
   EXPECT_EQ(o.seq_gap_timeout_secs, 2.5);
@@ -82,9 +91,9 @@ TEST(ServerFlagsTest, ReliabilityFlags) {
   EXPECT_EQ(o.shutdown_drain_secs, 0.5);
   EXPECT_EQ(o.exit_timeout_secs, 7);
   EXPECT_EQ(o.collective_timeout_secs, 45);
-  for (const char* bad : {"--seq-gap-timeout-secs=0", "--seq-cache=0",
-                          "--exit-timeout-secs=-1", "--shutdown-drain-secs=x",
-                          "--collective-timeout-secs=nan"}) {
+  for (const char* bad :
+       {"--seq-gap-timeout-secs=0", "--seq-cache=0", "--exit-timeout-secs=-1",
+        "--shutdown-drain-secs=x", "--collective-timeout-secs=nan"}) {
     const auto refused = Parse({bad});
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
         << bad;

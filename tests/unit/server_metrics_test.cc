@@ -115,7 +115,7 @@ TEST(ServerMetricsTest, RankStateFollowsTheEngine) {
   // A single-rank engine uses one communicator for every role.
   const std::string all_reduce =
       "{rank=\"0\",communicator=\"world+data+data_and_cp+replicas+"
-      "dp_replicate+dp_shard+cp+tp+ep+expert_replicas+control\",op=\"all_"
+      "dp_replicate+dp_shard+cp+tp+ep+expert_replicas+pp+control\",op=\"all_"
       "reduce\"}";
   text = Scrape(port);
   EXPECT_EQ(Value(text, "tally_collective_calls_total" + all_reduce),
