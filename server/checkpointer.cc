@@ -109,15 +109,17 @@ void Checkpointer::SaveAllOnExit() {
 
 absl::StatusOr<std::vector<ResumedModel>> Checkpointer::Resume() {
   std::vector<ResumedModel> resumed;
-  // <dir>/<model>/step-N, or <dir>/<tenant>/<model>/step-N.
-  std::vector<std::string> model_ids;
-  for (const std::string& name : ModelIdsIn(options_.dir)) {
-    if (!ListStepCheckpoints(ModelDir(name)).empty()) {
-      model_ids.push_back(name);
-      continue;
-    }
-    for (const std::string& model : ModelIdsIn(ModelDir(name))) {
-      model_ids.push_back(absl::StrCat(name, "/", model));
+  // <dir>/<model>/step-N, or <dir>/<tenant>/<model>/step-N. Which one is the
+  // server's setting, not a guess from the contents: a tenant's model named
+  // like a step directory must not turn its tenant into a model.
+  std::vector<std::string> model_ids = ModelIdsIn(options_.dir);
+  if (options_.tenant_dirs) {
+    std::vector<std::string> tenants = std::move(model_ids);
+    model_ids.clear();
+    for (const std::string& tenant : tenants) {
+      for (const std::string& model : ModelIdsIn(ModelDir(tenant))) {
+        model_ids.push_back(ScopedModelId(tenant, model));
+      }
     }
   }
   for (const std::string& model_id : model_ids) {

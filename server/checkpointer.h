@@ -35,6 +35,9 @@ struct CheckpointerOptions {
   std::string dir;
   int64_t every_steps = 0;  // 0: no periodic checkpoints
   int keep = 3;
+  // With bearer-token auth every model belongs to a tenant: Resume reads
+  // <dir>/<tenant>/<model_id>/ only, and <dir>/<model_id>/ only without.
+  bool tenant_dirs = false;
 };
 
 struct ResumedModel {
@@ -73,7 +76,9 @@ class Checkpointer {
   // counted, and the other models are still saved.
   void SaveAllOnExit();
 
-  // For each model directory in `dir` (sorted by id), creates the model if it
+  // For each model directory in `dir` (sorted by id; with tenant_dirs the
+  // engine id is "<tenant>/<model_id>", so the model stays its tenant's),
+  // creates the model if it
   // does not exist and loads its newest checkpoint that passes
   // VerifyCheckpoint, skipping damaged ones with a warning. A model whose
   // checkpoints are all damaged is skipped; an error loading a verified one

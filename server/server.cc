@@ -233,7 +233,8 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   s->checkpointer_ = std::make_unique<Checkpointer>(
       CheckpointerOptions{options.checkpoint_dir,
                           options.checkpoint_every_steps,
-                          options.checkpoint_keep},
+                          options.checkpoint_keep,
+                          /*tenant_dirs=*/s->authenticator_ != nullptr},
       s->engine_.get(), &s->engine_->control(), s->metrics_.get());
   service_options.checkpointer = s->checkpointer_.get();
   if (options.resume) {
