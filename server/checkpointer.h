@@ -78,15 +78,14 @@ class Checkpointer {
 
   // For each model directory in `dir` (sorted by id; with tenant_dirs the
   // engine id is "<tenant>/<model_id>", so the model stays its tenant's),
-  // creates the model if it
-  // does not exist and loads its newest checkpoint that passes
-  // VerifyCheckpoint, skipping damaged ones with a warning. A model whose
-  // checkpoints are all damaged is skipped; an error loading a verified one
-  // is returned. A checkpoint that dropped a pending window (an exit
-  // checkpoint) comes back with its window poisoned: the client's calls of
-  // that window executed (the sequencing state says so) but their gradients
-  // are gone, so its next OptimStep must fail ABORTED, not step on a partial
-  // window.
+  // creates the model if it does not exist and loads its newest checkpoint
+  // that passes VerifyCheckpoint, skipping damaged ones with a warning. A
+  // model whose checkpoints are all damaged is skipped; an error loading a
+  // verified one is returned. A checkpoint that dropped a pending window (an
+  // exit checkpoint) comes back with its window poisoned: the client's calls
+  // of that window executed (the sequencing state says so) but their
+  // gradients are gone, so its next OptimStep must fail ABORTED, not step on
+  // a partial window.
   absl::StatusOr<std::vector<ResumedModel>> Resume();
 
   std::string ModelDir(const std::string& model_id) const;

@@ -167,6 +167,95 @@ class CheckpointE2eTest : public ::testing::Test {
     testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
   }
 
+  // The exit checkpoint test on servers started with `server_flags` (the
+  // reference too).
+  void ExpectExitCheckpointResumesExactly(
+      const std::vector<std::string>& server_flags) {
+    ServerProcess* reference = StartServerOrFail(server_flags, servers_);
+    ASSERT_NE(reference, nullptr);
+    std::unique_ptr<TrainerClient> reference_client = ClientOf(*reference);
+    const std::string exit_dir = dir_ + "/exit";
+    std::vector<std::string> on_exit = server_flags;
+    on_exit.insert(on_exit.end(),
+                   {"--checkpoint-dir", exit_dir, "--checkpoint-on-exit"});
+    ServerProcess* first = StartServerOrFail(on_exit, stopped_);
+    ASSERT_NE(first, nullptr);
+    std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
+    uint64_t seq_ids[2] = {0, 0};
+    for (int m = 0; m < 2; ++m) {
+      ASSERT_TRUE(
+          reference_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m]))
+              .ok());
+      Train(*reference_client, kModelIds[m], 1, 3);
+      ASSERT_TRUE(
+          first_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m])).ok());
+      Train(*first_client, kModelIds[m], 1, 3, &seq_ids[m]);
+      v1::ForwardBackwardRequest pending = StepWindow(kModelIds[m], 4)[0];
+      pending.set_seq_id(++seq_ids[m]);
+      ASSERT_TRUE(first_client->ForwardBackward(pending).ok());
+    }
+    first_client.reset();  // an idle connection would hold the shutdown
+    const absl::StatusOr<int> exit_code = first->Stop(absl::Seconds(30));
+    ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+    EXPECT_EQ(*exit_code, 0) << first->ReadLog();
+    for (const char* id : kModelIds) {
+      EXPECT_NE(
+          first->ReadLog().find(absl::StrCat("exit checkpoint of model '", id,
+                                             "' drops its pending window (1 "
+                                             "calls")),
+          std::string::npos)
+          << first->ReadLog();
+      // The exit checkpoint and nothing else (no periodic ones).
+      std::vector<std::string> saved;
+      for (const auto& entry : fs::directory_iterator(exit_dir + "/" + id)) {
+        saved.push_back(entry.path().filename().string());
+      }
+      EXPECT_EQ(saved, std::vector<std::string>{"step-000000000003"});
+    }
+
+    std::vector<std::string> resume = server_flags;
+    resume.insert(resume.end(), {"--checkpoint-dir", exit_dir, "--resume"});
+    ServerProcess* second = StartServerOrFail(resume, servers_);
+    ASSERT_NE(second, nullptr);
+    std::unique_ptr<TrainerClient> client = ClientOf(*second);
+    for (int m = 0; m < 2; ++m) {
+      const std::string id = kModelIds[m];
+      SCOPED_TRACE(id);
+      absl::StatusOr<v1::ModelInfo> info = Info(*client, id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->step(), 3);
+      EXPECT_EQ(info->dtype(), kDtypes[m]);
+      EXPECT_EQ(info->accumulated_calls(), 0);
+      EXPECT_EQ(info->next_seq_id(), seq_ids[m] + 1);
+      v1::OptimStepRequest optim;
+      optim.set_model_id(id);
+      optim.set_seq_id(++seq_ids[m]);
+      const absl::Status refused = client->OptimStep(optim).status();
+      EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+      EXPECT_NE(
+          refused.message().find("the server restarted from a checkpoint"),
+          std::string::npos)
+          << refused;
+      v1::AbortAccumulationRequest abort;
+      abort.set_model_id(id);
+      abort.set_seq_id(++seq_ids[m]);
+      ASSERT_TRUE(client->AbortAccumulation(abort).ok());
+      const std::string expected =
+          Save(*reference_client, id, id + "-reference");
+      const std::string actual = Save(*client, id, id + "-resumed");
+      for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+        const std::string want = testing::ReadFileBytes(expected + "/" + file);
+        ASSERT_FALSE(want.empty()) << file;
+        EXPECT_TRUE(want == testing::ReadFileBytes(actual + "/" + file))
+            << file << " differs";
+      }
+      Train(*client, id, 4, 4, &seq_ids[m]);  // the resent window steps
+    }
+    reference_client.reset();
+    client.reset();
+    testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+  }
+
   // SIGKILL: no shutdown, no final write, like a crashed node.
   static void Kill(ServerProcess& server) {
     ASSERT_EQ(kill(server.pid(), SIGKILL), 0);
@@ -202,84 +291,14 @@ TEST_F(CheckpointE2eTest, MultiRankResumeAfterKillIsExact) {
 // the exit (its gradients dropped) comes back poisoned, so the client's
 // OptimStep does not step on what is left of it.
 TEST_F(CheckpointE2eTest, SigtermWritesAnExitCheckpointThatResumesExactly) {
-  ServerProcess* reference = StartServerOrFail({}, servers_);
-  ASSERT_NE(reference, nullptr);
-  std::unique_ptr<TrainerClient> reference_client = ClientOf(*reference);
-  const std::string exit_dir = dir_ + "/exit";
-  ServerProcess* first = StartServerOrFail(
-      {"--checkpoint-dir", exit_dir, "--checkpoint-on-exit"}, stopped_);
-  ASSERT_NE(first, nullptr);
-  std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
-  uint64_t seq_ids[2] = {0, 0};
-  for (int m = 0; m < 2; ++m) {
-    ASSERT_TRUE(
-        reference_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m]))
-            .ok());
-    Train(*reference_client, kModelIds[m], 1, 3);
-    ASSERT_TRUE(
-        first_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m])).ok());
-    Train(*first_client, kModelIds[m], 1, 3, &seq_ids[m]);
-    v1::ForwardBackwardRequest pending = StepWindow(kModelIds[m], 4)[0];
-    pending.set_seq_id(++seq_ids[m]);
-    ASSERT_TRUE(first_client->ForwardBackward(pending).ok());
-  }
-  first_client.reset();  // an idle connection would hold the shutdown
-  const absl::StatusOr<int> exit_code = first->Stop(absl::Seconds(30));
-  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
-  EXPECT_EQ(*exit_code, 0) << first->ReadLog();
-  for (const char* id : kModelIds) {
-    EXPECT_NE(
-        first->ReadLog().find(absl::StrCat("exit checkpoint of model '", id,
-                                           "' drops its pending "
-                                           "window (1 calls")),
-        std::string::npos)
-        << first->ReadLog();
-    // The exit checkpoint and nothing else (no periodic ones).
-    std::vector<std::string> saved;
-    for (const auto& entry : fs::directory_iterator(exit_dir + "/" + id)) {
-      saved.push_back(entry.path().filename().string());
-    }
-    EXPECT_EQ(saved, std::vector<std::string>{"step-000000000003"});
-  }
+  ExpectExitCheckpointResumesExactly({});
+}
 
-  ServerProcess* second =
-      StartServerOrFail({"--checkpoint-dir", exit_dir, "--resume"}, servers_);
-  ASSERT_NE(second, nullptr);
-  std::unique_ptr<TrainerClient> client = ClientOf(*second);
-  for (int m = 0; m < 2; ++m) {
-    const std::string id = kModelIds[m];
-    SCOPED_TRACE(id);
-    absl::StatusOr<v1::ModelInfo> info = Info(*client, id);
-    ASSERT_TRUE(info.ok()) << info.status();
-    EXPECT_EQ(info->step(), 3);
-    EXPECT_EQ(info->dtype(), kDtypes[m]);
-    EXPECT_EQ(info->accumulated_calls(), 0);
-    EXPECT_EQ(info->next_seq_id(), seq_ids[m] + 1);
-    v1::OptimStepRequest optim;
-    optim.set_model_id(id);
-    optim.set_seq_id(++seq_ids[m]);
-    const absl::Status refused = client->OptimStep(optim).status();
-    EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
-    EXPECT_NE(refused.message().find("the server restarted from a checkpoint"),
-              std::string::npos)
-        << refused;
-    v1::AbortAccumulationRequest abort;
-    abort.set_model_id(id);
-    abort.set_seq_id(++seq_ids[m]);
-    ASSERT_TRUE(client->AbortAccumulation(abort).ok());
-    const std::string expected = Save(*reference_client, id, id + "-reference");
-    const std::string actual = Save(*client, id, id + "-resumed");
-    for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
-      const std::string want = testing::ReadFileBytes(expected + "/" + file);
-      ASSERT_FALSE(want.empty()) << file;
-      EXPECT_TRUE(want == testing::ReadFileBytes(actual + "/" + file))
-          << file << " differs";
-    }
-    Train(*client, id, 4, 4, &seq_ids[m]);  // the resent window steps
-  }
-  reference_client.reset();
-  client.reset();
-  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+// The same on 2 ranks: the exit save is replicated, and the ranks > 0,
+// still in their command loop, take part (their shards are gathered).
+TEST_F(CheckpointE2eTest, MultiRankExitCheckpointResumesExactly) {
+  ExpectExitCheckpointResumesExactly(
+      {"--nproc-per-node", "2", "--dp-shard", "2"});
 }
 
 // A server asked for an exit checkpoint without a place for it refuses to
