@@ -45,6 +45,21 @@ std::string Checkpointer::ModelDir(const std::string& model_id) const {
   return (fs::path(options_.dir) / model_id).string();
 }
 
+absl::Status Checkpointer::SaveStep(const std::string& model_id, int64_t step,
+                                    bool allow_pending,
+                                    v1::SaveCheckpointResponse* saved) {
+  v1::SaveCheckpointRequest request;
+  request.set_model_id(model_id);
+  request.set_path(StepCheckpointDir(ModelDir(model_id), step));
+  request.set_allow_pending(allow_pending);
+  TALLY_RETURN_IF_ERROR(
+      ReplicateCommand(*control_, Command::kSaveCheckpoint, request));
+  TALLY_RETURN_IF_ERROR(ExecuteSaveCheckpoint(
+      *engine_, request, saved,
+      server_state_source_ ? server_state_source_(model_id) : ""));
+  return PruneStepCheckpoints(ModelDir(model_id), options_.keep);
+}
+
 void Checkpointer::AfterOptimStep(const std::string& model_id,
                                   const v1::OptimStepResponse& response) {
   if (options_.every_steps <= 0 || response.skipped() ||
@@ -52,19 +67,9 @@ void Checkpointer::AfterOptimStep(const std::string& model_id,
     return;
   }
   const auto start = std::chrono::steady_clock::now();
-  v1::SaveCheckpointRequest request;
-  request.set_model_id(model_id);
-  request.set_path(StepCheckpointDir(ModelDir(model_id), response.step()));
   v1::SaveCheckpointResponse saved;
-  absl::Status status =
-      ReplicateCommand(*control_, Command::kSaveCheckpoint, request);
-  if (status.ok()) {
-    status = ExecuteSaveCheckpoint(
-        *engine_, request, &saved,
-        server_state_source_ ? server_state_source_(model_id) : "");
-  }
-  if (status.ok())
-    status = PruneStepCheckpoints(ModelDir(model_id), options_.keep);
+  const absl::Status status =
+      SaveStep(model_id, response.step(), /*allow_pending=*/false, &saved);
   metrics_->RecordCheckpoint("periodic", status.ok(), SecondsSince(start));
   if (!status.ok()) {
     Log(LogLevel::kWarning,
@@ -73,17 +78,48 @@ void Checkpointer::AfterOptimStep(const std::string& model_id,
   }
 }
 
-absl::StatusOr<std::vector<ResumedModel>> Checkpointer::Resume() {
-  std::vector<ResumedModel> resumed;
-  // <dir>/<model>/step-N, or <dir>/<tenant>/<model>/step-N.
-  std::vector<std::string> model_ids;
-  for (const std::string& name : ModelIdsIn(options_.dir)) {
-    if (!ListStepCheckpoints(ModelDir(name)).empty()) {
-      model_ids.push_back(name);
+void Checkpointer::SaveAllOnExit() {
+  for (const ModelSummary& model : engine_->ListModels()) {
+    const auto start = std::chrono::steady_clock::now();
+    v1::SaveCheckpointResponse saved;
+    // The steps taken are worth keeping even when a window is pending; its
+    // gradients could not be resumed anyway.
+    const absl::Status status =
+        SaveStep(model.model_id, model.step, /*allow_pending=*/true, &saved);
+    metrics_->RecordCheckpoint("exit", status.ok(), SecondsSince(start));
+    if (!status.ok()) {
+      Log(LogLevel::kError,
+          absl::StrCat("exit checkpoint of model '", model.model_id,
+                       "' at step ", model.step,
+                       " failed: ", status.ToString()));
       continue;
     }
-    for (const std::string& model : ModelIdsIn(ModelDir(name))) {
-      model_ids.push_back(absl::StrCat(name, "/", model));
+    Log(LogLevel::kInfo,
+        absl::StrCat("exit checkpoint of model '", model.model_id, "' at step ",
+                     saved.step(), ": ", saved.path()));
+    if (saved.unsaved_calls() > 0) {
+      Log(LogLevel::kWarning,
+          absl::StrCat("exit checkpoint of model '", model.model_id,
+                       "' drops its pending window (", saved.unsaved_calls(),
+                       " calls, ", saved.unsaved_tokens(),
+                       " tokens); resumed, the window is poisoned"));
+    }
+  }
+}
+
+absl::StatusOr<std::vector<ResumedModel>> Checkpointer::Resume() {
+  std::vector<ResumedModel> resumed;
+  // <dir>/<model>/step-N, or <dir>/<tenant>/<model>/step-N. Which one is the
+  // server's setting, not a guess from the contents: a tenant's model named
+  // like a step directory must not turn its tenant into a model.
+  std::vector<std::string> model_ids = ModelIdsIn(options_.dir);
+  if (options_.tenant_dirs) {
+    std::vector<std::string> tenants = std::move(model_ids);
+    model_ids.clear();
+    for (const std::string& tenant : tenants) {
+      for (const std::string& model : ModelIdsIn(ModelDir(tenant))) {
+        model_ids.push_back(ScopedModelId(tenant, model));
+      }
     }
   }
   for (const std::string& model_id : model_ids) {
@@ -157,6 +193,18 @@ absl::Status Checkpointer::ResumeModel(const std::string& model_id,
       ReplicateCommand(*control_, Command::kLoadCheckpoint, load));
   TALLY_RETURN_IF_ERROR(
       ExecuteLoadCheckpoint(*engine_, load, &response, &resumed->server_state));
+  if (info.manifest.unsaved_window.calls > 0) {
+    v1::GetModelRequest poison;
+    poison.set_model_id(model_id);
+    v1::ModelInfo poisoned;
+    TALLY_RETURN_IF_ERROR(
+        ReplicateCommand(*control_, Command::kPoisonWindow, poison));
+    TALLY_RETURN_IF_ERROR(ExecutePoisonWindow(
+        *engine_, poison, &poisoned,
+        absl::StrCat("the server restarted from a checkpoint that dropped ",
+                     info.manifest.unsaved_window.calls,
+                     " pending ForwardBackward calls of this window")));
+  }
   resumed->model_id = model_id;
   resumed->path = path;
   resumed->step = response.model().step();

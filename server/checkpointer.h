@@ -1,17 +1,20 @@
 // Checkpointer: the server's own checkpoints: one every N optimizer steps of
-// each model (keeping the newest K), and `--resume`, which brings every model
-// found in the checkpoint directory back at its newest valid checkpoint.
+// each model (keeping the newest K), a final one of every model at shutdown
+// (`--checkpoint-on-exit`), and `--resume`, which brings every model found in
+// the checkpoint directory back at its newest valid checkpoint.
 //
 // Layout (docs/checkpoints.md): <dir>/<model_id>/step-<12-digit step>/, a
 // full checkpoint each; with bearer-token auth a model's engine id is
 // "<tenant>/<model_id>", so its directory is <dir>/<tenant>/<model_id>/.
-// Every call runs on the executor thread (or before serving starts) and
-// replicates its commands to the other ranks, like a client request.
+// Every call runs on the executor thread (or before serving starts, or after
+// the executor stopped) and replicates its commands to the other ranks, like
+// a client request.
 //
 //   tally::Checkpointer checkpointer(options, engine, &engine->control(),
 //                                    metrics);
 //   TALLY_ASSIGN_OR_RETURN(auto resumed, checkpointer.Resume());
 //   checkpointer.AfterOptimStep(model_id, response);  // may save
+//   checkpointer.SaveAllOnExit();  // at shutdown, with --checkpoint-on-exit
 #ifndef TALLY_SERVER_CHECKPOINTER_H_
 #define TALLY_SERVER_CHECKPOINTER_H_
 
@@ -32,6 +35,9 @@ struct CheckpointerOptions {
   std::string dir;
   int64_t every_steps = 0;  // 0: no periodic checkpoints
   int keep = 3;
+  // With bearer-token auth every model belongs to a tenant: Resume reads
+  // <dir>/<tenant>/<model_id>/ only, and <dir>/<model_id>/ only without.
+  bool tenant_dirs = false;
 };
 
 struct ResumedModel {
@@ -63,11 +69,23 @@ class Checkpointer {
   void AfterOptimStep(const std::string& model_id,
                       const v1::OptimStepResponse& response);
 
-  // For each model directory in `dir` (sorted by id), creates the model if it
-  // does not exist and loads its newest checkpoint that passes
-  // VerifyCheckpoint, skipping damaged ones with a warning. A model whose
-  // checkpoints are all damaged is skipped; an error loading a verified one
-  // is returned.
+  // Saves every model at its current step, in the layout of the periodic
+  // checkpoints (pruned alike). A pending window is not saved: its
+  // gradients are dropped, with a warning, and tally.json records it, so
+  // Resume poisons the resumed window (see there). Failures are logged and
+  // counted, and the other models are still saved.
+  void SaveAllOnExit();
+
+  // For each model directory in `dir` (sorted by id; with tenant_dirs the
+  // engine id is "<tenant>/<model_id>", so the model stays its tenant's),
+  // creates the model if it does not exist and loads its newest checkpoint
+  // that passes VerifyCheckpoint, skipping damaged ones with a warning. A
+  // model whose checkpoints are all damaged is skipped; an error loading a
+  // verified one is returned. A checkpoint that dropped a pending window (an
+  // exit checkpoint) comes back with its window poisoned: the client's calls
+  // of that window executed (the sequencing state says so) but their
+  // gradients are gone, so its next OptimStep must fail ABORTED, not step on
+  // a partial window.
   absl::StatusOr<std::vector<ResumedModel>> Resume();
 
   std::string ModelDir(const std::string& model_id) const;
@@ -75,6 +93,9 @@ class Checkpointer {
  private:
   absl::Status ResumeModel(const std::string& model_id, const std::string& path,
                            ResumedModel* resumed);
+  // Saves `model_id` at `step` into its step directory, then prunes.
+  absl::Status SaveStep(const std::string& model_id, int64_t step,
+                        bool allow_pending, v1::SaveCheckpointResponse* saved);
 
   CheckpointerOptions options_;
   Engine* engine_;

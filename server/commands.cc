@@ -97,11 +97,9 @@ absl::Status ExecuteLoadCheckpoint(Engine& engine,
 
 absl::Status ExecutePoisonWindow(Engine& engine,
                                  const v1::GetModelRequest& request,
-                                 v1::ModelInfo* response) {
-  TALLY_RETURN_IF_ERROR(engine.PoisonWindow(
-      request.model_id(),
-      "a sequenced request of the window did not arrive within "
-      "--seq-gap-timeout"));
+                                 v1::ModelInfo* response,
+                                 const std::string& reason) {
+  TALLY_RETURN_IF_ERROR(engine.PoisonWindow(request.model_id(), reason));
   TALLY_ASSIGN_OR_RETURN(ModelSummary summary,
                          engine.GetModel(request.model_id()));
   ToProto(summary, response);
@@ -198,7 +196,14 @@ absl::Status CommandLoop(Engine& engine, Communicator& control,
             &model_id);
         break;
       case Command::kPoisonWindow:
-        status = Run(engine, payload, &ExecutePoisonWindow, &model_id);
+        status = Run<v1::GetModelRequest, v1::ModelInfo>(
+            engine, payload,
+            [](Engine& e, const v1::GetModelRequest& request,
+               v1::ModelInfo* response) {
+              return ExecutePoisonWindow(e, request, response,
+                                         "rank 0 poisoned the window");
+            },
+            &model_id);
         break;
       default:
         return absl::DataLossError(absl::StrCat("unknown replicated command ",

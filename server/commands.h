@@ -70,11 +70,18 @@ absl::Status ExecuteLoadCheckpoint(Engine& engine,
                                    v1::LoadCheckpointResponse* response,
                                    std::string* server_state = nullptr);
 
-// Poisons the window of request.model_id (a sequenced request of it never
-// arrived, sequencer.h); `response` is the model after it.
+// Poisons the window of request.model_id, for `reason` (quoted by the
+// OptimStep it fails); `response` is the model after it. Rank 0 poisons a
+// window when a sequenced request of it never arrived (sequencer.h) or when
+// --resume restored a checkpoint that dropped it (checkpointer.h); the other
+// ranks only need the flag.
+inline constexpr char kGapPoisonReason[] =
+    "a sequenced request of the window did not arrive within "
+    "--seq-gap-timeout";
 absl::Status ExecutePoisonWindow(Engine& engine,
                                  const v1::GetModelRequest& request,
-                                 v1::ModelInfo* response);
+                                 v1::ModelInfo* response,
+                                 const std::string& reason);
 
 // Rank 0: sends (command, serialized request) to every rank. A no-op in a
 // single-rank deployment.

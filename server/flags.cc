@@ -214,6 +214,10 @@ const std::vector<FlagSpec>& Flags() {
        "at start, load each model's newest valid checkpoint in "
        "--checkpoint-dir",
        BoolFlag("resume", &ServerOptions::resume)},
+      {"checkpoint-on-exit", nullptr,
+       "on SIGTERM/SIGINT, after the last request, checkpoint every model "
+       "into --checkpoint-dir (a pending window's gradients are dropped)",
+       BoolFlag("checkpoint-on-exit", &ServerOptions::checkpoint_on_exit)},
       {"tls-cert", "PEM", "serve TLS with this certificate chain",
        StringFlag(&ServerOptions::tls_cert)},
       {"tls-key", "PEM", "private key of --tls-cert",
@@ -284,8 +288,8 @@ std::string ServerUsage() {
       "Serves tally.v1.Trainer over gRPC and Prometheus metrics over HTTP.\n"
       "SIGTERM/SIGINT: health turns NOT_SERVING, the server keeps serving for\n"
       "--shutdown-drain-secs, then finishes the executing requests, refuses\n"
-      "the rest (UNAVAILABLE) and exits 0. A dead or hung rank: UNAVAILABLE,\n"
-      "exit 1.\n\nFlags:\n";
+      "the rest (UNAVAILABLE), checkpoints with --checkpoint-on-exit and\n"
+      "exits 0. A dead or hung rank: UNAVAILABLE, exit 1.\n\nFlags:\n";
   for (const FlagSpec& f : Flags()) {
     std::string left = absl::StrCat("  --", f.name);
     if (f.value_name) absl::StrAppend(&left, " ", f.value_name);

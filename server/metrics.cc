@@ -321,7 +321,7 @@ void ServerMetrics::SetPendingTokens(const std::string& model_id,
 void ServerMetrics::RecordCheckpoint(const std::string& kind, bool ok,
                                      double seconds) {
   checkpoint_seconds_->Add({{"kind", kind}}, LatencyBuckets()).Observe(seconds);
-  if (ok && (kind == "save" || kind == "periodic")) {
+  if (ok && (kind == "save" || kind == "periodic" || kind == "exit")) {
     checkpoint_last_success_->SetToCurrentTime();
   }
 }

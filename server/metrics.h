@@ -66,8 +66,8 @@ class ServerMetrics {
   // Drops a deleted model's per-model series.
   void RemoveModel(const std::string& model_id);
   // A checkpoint operation of `kind` ("save": client SaveCheckpoint,
-  // "periodic", "load", "resume") that took `seconds`; a successful write
-  // (save, periodic) also sets the last-success timestamp.
+  // "periodic", "exit", "load", "resume") that took `seconds`; a successful
+  // write (save, periodic, exit) also sets the last-success timestamp.
   void RecordCheckpoint(const std::string& kind, bool ok, double seconds);
   // A request refused for its credentials; `reason` is "missing_token" or
   // "invalid_token".

@@ -213,6 +213,10 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
     return absl::InvalidArgumentError(
         "--checkpoint-every-steps needs --checkpoint-dir");
   }
+  if (options.checkpoint_on_exit && options.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--checkpoint-on-exit needs --checkpoint-dir");
+  }
   TrainerServiceOptions service_options;
   if (!options.checkpoint_root.empty()) {
     std::error_code error;
@@ -231,7 +235,8 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   s->checkpointer_ = std::make_unique<Checkpointer>(
       CheckpointerOptions{options.checkpoint_dir,
                           options.checkpoint_every_steps,
-                          options.checkpoint_keep},
+                          options.checkpoint_keep,
+                          /*tenant_dirs=*/s->authenticator_ != nullptr},
       s->engine_.get(), &s->engine_->control(), s->metrics_.get());
   service_options.checkpointer = s->checkpointer_.get();
   if (options.resume) {
@@ -283,6 +288,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
     TALLY_RETURN_IF_ERROR(
         WritePortFile(options.port_file, s->grpc_port_, s->metrics_->port()));
   }
+  s->served_ = true;
   return s;
 }
 
@@ -367,6 +373,12 @@ absl::Status TallyServer::Shutdown() {
   // After a rank failure the groups are unusable; the other ranks exit on
   // their own broken collectives.
   if (engine_ && failed.ok()) {
+    // No command runs any more, and the other ranks still take part. main's
+    // watchdog bounds it too; an unfinished write leaves the previous
+    // checkpoint.
+    if (options_.checkpoint_on_exit && served_ && failure().ok()) {
+      checkpointer_->SaveAllOnExit();
+    }
     absl::Status told = ReplicateCommand(engine_->control(), Command::kShutdown,
                                          v1::ListModelsRequest());
     if (!told.ok()) {

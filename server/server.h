@@ -87,6 +87,8 @@ struct ServerOptions {
   int64_t checkpoint_every_steps = 0;  // 0: no periodic checkpoints
   int checkpoint_keep = 3;             // newest periodic checkpoints kept
   bool resume = false;  // at start, load each model's newest valid one
+  // At shutdown, once the executor finished, save every model there too.
+  bool checkpoint_on_exit = false;
 
   // Access control (docs/security.md). TLS when both are set.
   std::string tls_cert;
@@ -132,7 +134,8 @@ class TallyServer {
 
   // Health NOT_SERVING; unless a rank failed, the server keeps serving for
   // --shutdown-drain-secs; then requests that have not started executing get
-  // UNAVAILABLE, executing ones finish, and the other ranks are told to stop.
+  // UNAVAILABLE, executing ones finish, every model is checkpointed with
+  // --checkpoint-on-exit, and the other ranks are told to stop.
   // Returns failure(). Idempotent.
   absl::Status Shutdown();
 
@@ -151,6 +154,9 @@ class TallyServer {
   std::unique_ptr<TrainerService> service_;
   std::unique_ptr<grpc::Server> server_;
   int grpc_port_ = 0;
+  // Start succeeded. A failed start (a failed --resume) writes no exit
+  // checkpoint over the good ones with half-resumed models.
+  bool served_ = false;
   bool shut_down_ = false;
   mutable absl::Mutex failure_mu_;
   absl::Status failure_ ABSL_GUARDED_BY(failure_mu_);

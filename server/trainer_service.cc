@@ -193,7 +193,7 @@ void TrainerService::PoisonForGap(const std::string& model_id) {
       TALLY_RETURN_IF_ERROR(ReplicateCommand(engine_->control(),
                                              Command::kPoisonWindow, request));
       return CountingPoison(model_id, [&] {
-        return ExecutePoisonWindow(*engine_, request, &model);
+        return ExecutePoisonWindow(*engine_, request, &model, kGapPoisonReason);
       });
     });
     if (!poisoned.ok()) {

@@ -1,17 +1,21 @@
 // End-to-end access control: a tally-server with mutual TLS, bearer tokens,
-// tenants and a checkpoint root, driven over real TLS connections. The
+// tenants, a checkpoint root and tenant-owned periodic checkpoints, driven
+// over real TLS connections. The
 // certificates are made at test time with the openssl CLI (no key is
 // committed); without openssl the TLS test is skipped.
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
+#include <signal.h>
 #include <stdlib.h>
 
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
+#include <map>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -33,11 +37,6 @@ using ::tally::testing::StartServerOrFail;
 
 constexpr char kAliceToken[] = "alice-3c1f0e8a9b7d";
 constexpr char kBobToken[] = "bob-77e2d90a41c5";
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 
 v1::CreateModelRequest TinyModel(const std::string& model_id) {
   v1::CreateModelRequest request;
@@ -89,7 +88,7 @@ class AccessE2eTest : public ::testing::Test {
                                        dir_, "/openssl.log' 2>&1")
                               .c_str()),
               0)
-        << ReadFile(dir_ + "/openssl.log");
+        << testing::ReadFileBytes(dir_ + "/openssl.log");
   }
 
   // A client over TLS to `server`; with the client certificate unless
@@ -97,10 +96,10 @@ class AccessE2eTest : public ::testing::Test {
   TrainerClient Client(const ServerProcess& server, bool with_certificate,
                        const std::string& token) {
     grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = ReadFile(dir_ + "/ca.pem");
+    ssl.pem_root_certs = testing::ReadFileBytes(dir_ + "/ca.pem");
     if (with_certificate) {
-      ssl.pem_private_key = ReadFile(dir_ + "/client.key");
-      ssl.pem_cert_chain = ReadFile(dir_ + "/client.pem");
+      ssl.pem_private_key = testing::ReadFileBytes(dir_ + "/client.key");
+      ssl.pem_cert_chain = testing::ReadFileBytes(dir_ + "/client.pem");
     }
     std::shared_ptr<grpc::ChannelCredentials> credentials =
         grpc::SslCredentials(ssl);
@@ -229,6 +228,91 @@ TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
                           "tally_checkpoint_last_success_timestamp_seconds", {})
                   .value_or(-1),
               1.6e9);
+  }
+  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
+// Periodic checkpoints of two tenants' models, kill -9, --resume: each model
+// comes back as its tenant's, with the parameters it had, and stays out of
+// the other tenant's reach. Bob's model id looks like a step directory, which
+// must not turn his tenant directory into a model of its own.
+TEST_F(AccessE2eTest, ResumedModelsStayTheirTenants) {
+  if (std::system("command -v openssl > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl is not installed; it makes the test certificates";
+  }
+  MakeCertificates();
+  std::ofstream(dir_ + "/tokens") << kAliceToken << " alice\n"
+                                  << kBobToken << " bob\n";
+  const std::string checkpoints = dir_ + "/checkpoints";
+  const std::vector<std::string> flags = {"--tls-cert",
+                                          dir_ + "/server.pem",
+                                          "--tls-key",
+                                          dir_ + "/server.key",
+                                          "--auth-tokens-file",
+                                          dir_ + "/tokens",
+                                          "--checkpoint-dir",
+                                          checkpoints,
+                                          "--checkpoint-every-steps",
+                                          "2"};
+  constexpr int32_t kVocab = 32;  // TinyModel's
+  const std::string alice_model = "alpha";
+  const std::string bob_model = "step-000000000001";
+  std::vector<std::unique_ptr<ServerProcess>> killed;
+  ServerProcess* first = StartServerOrFail(flags, killed);
+  ASSERT_NE(first, nullptr);
+  std::map<std::string, std::string> weights_before;  // by model id
+  {
+    TrainerClient alice = Client(*first, false, kAliceToken);
+    TrainerClient bob = Client(*first, false, kBobToken);
+    for (auto [client, id] :
+         {std::pair{&alice, alice_model}, std::pair{&bob, bob_model}}) {
+      ASSERT_TRUE(client->CreateModel(TinyModel(id)).ok());
+      // Different step counts, so that swapped models would show.
+      testing::Train(*client, id, kVocab, 1, id == alice_model ? 2 : 4);
+      v1::SaveCheckpointRequest save;
+      save.set_model_id(id);
+      save.set_path(dir_ + "/before-" + id);
+      ASSERT_TRUE(client->SaveCheckpoint(save).ok());
+      weights_before[id] =
+          testing::ReadFileBytes(save.path() + "/model.safetensors");
+      ASSERT_FALSE(weights_before[id].empty());
+    }
+  }
+  EXPECT_TRUE(fs::is_directory(checkpoints + "/alice/alpha/step-000000000002"));
+  EXPECT_TRUE(fs::is_directory(checkpoints + "/bob/" + bob_model +
+                               "/step-000000000004"));
+  ASSERT_EQ(kill(first->pid(), SIGKILL), 0);
+  ASSERT_FALSE(first->Stop(absl::Seconds(30)).ok());  // killed by signal 9
+
+  std::vector<std::string> resume = flags;
+  resume.push_back("--resume");
+  ServerProcess* second = StartServerOrFail(resume, servers_);
+  ASSERT_NE(second, nullptr);
+  {
+    TrainerClient alice = Client(*second, false, kAliceToken);
+    TrainerClient bob = Client(*second, false, kBobToken);
+    for (auto [owner, other, id, step] :
+         {std::tuple{&alice, &bob, alice_model, 2},
+          std::tuple{&bob, &alice, bob_model, 4}}) {
+      SCOPED_TRACE(id);
+      const absl::StatusOr<v1::ModelInfo> info = owner->GetModel(Get(id));
+      ASSERT_TRUE(info.ok()) << info.status() << second->ReadLog();
+      EXPECT_EQ(info->step(), step);
+      EXPECT_EQ(other->GetModel(Get(id)).status().code(),
+                absl::StatusCode::kNotFound);
+      const absl::StatusOr<v1::ListModelsResponse> listed =
+          owner->ListModels({});
+      ASSERT_TRUE(listed.ok()) << listed.status();
+      ASSERT_EQ(listed->models_size(), 1);
+      EXPECT_EQ(listed->models(0).model_id(), id);
+      v1::SaveCheckpointRequest save;
+      save.set_model_id(id);
+      save.set_path(dir_ + "/after-" + id);
+      ASSERT_TRUE(owner->SaveCheckpoint(save).ok());
+      EXPECT_TRUE(weights_before[id] ==
+                  testing::ReadFileBytes(save.path() + "/model.safetensors"))
+          << "the resumed parameters differ";
+    }
   }
   testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
 }

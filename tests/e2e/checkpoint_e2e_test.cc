@@ -1,6 +1,7 @@
 // End-to-end checkpoint tests with real tally-server processes: periodic
-// checkpoints, and the exact resume of a server killed with SIGKILL (-9),
-// checked bitwise against an uninterrupted run.
+// checkpoints, the exact resume of a server killed with SIGKILL (-9), on one
+// rank and on two, checked bitwise against an uninterrupted run, and the
+// checkpoint a SIGTERMed server writes with --checkpoint-on-exit.
 #include <google/protobuf/util/message_differencer.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -52,44 +53,14 @@ v1::CreateModelRequest TinyModel(const std::string& model_id, v1::DType dtype) {
   return request;
 }
 
-// The window of step `step`: two calls of random samples drawn from the step
-// number, so a resumed run sends exactly what the uninterrupted one sent.
 std::vector<v1::ForwardBackwardRequest> StepWindow(const std::string& model_id,
                                                    int step) {
-  std::mt19937 rng(1000 + step);
-  std::uniform_int_distribution<int32_t> token(0, kVocab - 1);
-  std::vector<v1::ForwardBackwardRequest> calls(2);
-  for (v1::ForwardBackwardRequest& call : calls) {
-    call.set_model_id(model_id);
-    for (int s = 0; s < 2; ++s) {
-      v1::Sample* sample = call.add_samples();
-      for (int i = 0; i < 6 + 3 * s; ++i) {
-        sample->add_input_tokens(token(rng));
-        sample->add_target_tokens(token(rng));
-      }
-    }
-  }
-  return calls;
+  return testing::StepWindow(model_id, step, kVocab);
 }
 
-// Trains steps first..last (inclusive), checking each reaches its step.
 void Train(TrainerClient& client, const std::string& model_id, int first,
-           int last) {
-  for (int step = first; step <= last; ++step) {
-    for (const v1::ForwardBackwardRequest& call : StepWindow(model_id, step)) {
-      ASSERT_TRUE(client.ForwardBackward(call).ok());
-    }
-    v1::OptimStepRequest optim;
-    optim.set_model_id(model_id);
-    absl::StatusOr<v1::OptimStepResponse> stepped = client.OptimStep(optim);
-    ASSERT_TRUE(stepped.ok()) << stepped.status();
-    ASSERT_EQ(stepped->step(), step);
-  }
-}
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
+           int last, uint64_t* seq_id = nullptr) {
+  testing::Train(client, model_id, kVocab, first, last, seq_id);
 }
 
 std::unique_ptr<TrainerClient> ClientOf(const ServerProcess& server) {
@@ -128,6 +99,163 @@ class CheckpointE2eTest : public ::testing::Test {
     return save.path();
   }
 
+  // Train 6 steps, versus train 3, kill -9, restart with --resume, train 3,
+  // on servers started with `server_flags` (the reference too: another mesh
+  // sums in another order): the same parameters and optimizer moments, bit
+  // for bit, in FLOAT32 and FLOAT64.
+  void ExpectExactResumeAfterKill(
+      const std::vector<std::string>& server_flags) {
+    ServerProcess* reference = StartServerOrFail(server_flags, servers_);
+    ASSERT_NE(reference, nullptr);
+    std::unique_ptr<TrainerClient> reference_client = ClientOf(*reference);
+    std::vector<std::string> periodic = server_flags;
+    periodic.insert(periodic.end(), {"--checkpoint-dir", dir_ + "/periodic",
+                                     "--checkpoint-every-steps", "3",
+                                     "--checkpoint-keep", "2"});
+    ServerProcess* first = StartServerOrFail(periodic, killed_);
+    ASSERT_NE(first, nullptr);
+    std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
+    for (int m = 0; m < 2; ++m) {
+      ASSERT_TRUE(
+          reference_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m]))
+              .ok());
+      Train(*reference_client, kModelIds[m], 1, 6);
+      ASSERT_TRUE(
+          first_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m])).ok());
+      Train(*first_client, kModelIds[m], 1, 3);
+      // A pending window at the kill: lost, as the checkpoint never held it.
+      ASSERT_TRUE(
+          first_client->ForwardBackward(StepWindow(kModelIds[m], 99)[0]).ok());
+    }
+    Kill(*first);
+
+    std::vector<std::string> resume = periodic;
+    resume.push_back("--resume");
+    ServerProcess* second = StartServerOrFail(resume, servers_);
+    ASSERT_NE(second, nullptr);
+    std::unique_ptr<TrainerClient> second_client = ClientOf(*second);
+    for (int m = 0; m < 2; ++m) {
+      const std::string id = kModelIds[m];
+      SCOPED_TRACE(id);
+      EXPECT_NE(second->ReadLog().find("resumed model '" + id + "' at step 3"),
+                std::string::npos)
+          << second->ReadLog();
+      absl::StatusOr<v1::ModelInfo> info = Info(*second_client, id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->step(), 3);
+      EXPECT_EQ(info->accumulated_calls(), 0);
+      EXPECT_EQ(info->dtype(), kDtypes[m]);
+      Train(*second_client, id, 4, 6);
+      const std::string expected =
+          Save(*reference_client, id, id + "-reference");
+      const std::string actual = Save(*second_client, id, id + "-resumed");
+      for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+        const std::string want = testing::ReadFileBytes(expected + "/" + file);
+        ASSERT_FALSE(want.empty()) << file;
+        EXPECT_TRUE(want == testing::ReadFileBytes(actual + "/" + file))
+            << file << " differs";
+      }
+      // Periodic checkpoints at steps 3 and 6, both kept (--checkpoint-keep
+      // 2).
+      const std::string model_dir = dir_ + "/periodic/" + id;
+      EXPECT_TRUE(fs::is_directory(model_dir + "/step-000000000003"));
+      EXPECT_TRUE(fs::is_directory(model_dir + "/step-000000000006"));
+    }
+    // Idle connections would hold the servers' shutdown.
+    reference_client.reset();
+    second_client.reset();
+    testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+  }
+
+  // The exit checkpoint test on servers started with `server_flags` (the
+  // reference too).
+  void ExpectExitCheckpointResumesExactly(
+      const std::vector<std::string>& server_flags) {
+    ServerProcess* reference = StartServerOrFail(server_flags, servers_);
+    ASSERT_NE(reference, nullptr);
+    std::unique_ptr<TrainerClient> reference_client = ClientOf(*reference);
+    const std::string exit_dir = dir_ + "/exit";
+    std::vector<std::string> on_exit = server_flags;
+    on_exit.insert(on_exit.end(),
+                   {"--checkpoint-dir", exit_dir, "--checkpoint-on-exit"});
+    ServerProcess* first = StartServerOrFail(on_exit, stopped_);
+    ASSERT_NE(first, nullptr);
+    std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
+    uint64_t seq_ids[2] = {0, 0};
+    for (int m = 0; m < 2; ++m) {
+      ASSERT_TRUE(
+          reference_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m]))
+              .ok());
+      Train(*reference_client, kModelIds[m], 1, 3);
+      ASSERT_TRUE(
+          first_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m])).ok());
+      Train(*first_client, kModelIds[m], 1, 3, &seq_ids[m]);
+      v1::ForwardBackwardRequest pending = StepWindow(kModelIds[m], 4)[0];
+      pending.set_seq_id(++seq_ids[m]);
+      ASSERT_TRUE(first_client->ForwardBackward(pending).ok());
+    }
+    first_client.reset();  // an idle connection would hold the shutdown
+    const absl::StatusOr<int> exit_code = first->Stop(absl::Seconds(30));
+    ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+    EXPECT_EQ(*exit_code, 0) << first->ReadLog();
+    for (const char* id : kModelIds) {
+      EXPECT_NE(
+          first->ReadLog().find(absl::StrCat("exit checkpoint of model '", id,
+                                             "' drops its pending window (1 "
+                                             "calls")),
+          std::string::npos)
+          << first->ReadLog();
+      // The exit checkpoint and nothing else (no periodic ones).
+      std::vector<std::string> saved;
+      for (const auto& entry : fs::directory_iterator(exit_dir + "/" + id)) {
+        saved.push_back(entry.path().filename().string());
+      }
+      EXPECT_EQ(saved, std::vector<std::string>{"step-000000000003"});
+    }
+
+    std::vector<std::string> resume = server_flags;
+    resume.insert(resume.end(), {"--checkpoint-dir", exit_dir, "--resume"});
+    ServerProcess* second = StartServerOrFail(resume, servers_);
+    ASSERT_NE(second, nullptr);
+    std::unique_ptr<TrainerClient> client = ClientOf(*second);
+    for (int m = 0; m < 2; ++m) {
+      const std::string id = kModelIds[m];
+      SCOPED_TRACE(id);
+      absl::StatusOr<v1::ModelInfo> info = Info(*client, id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->step(), 3);
+      EXPECT_EQ(info->dtype(), kDtypes[m]);
+      EXPECT_EQ(info->accumulated_calls(), 0);
+      EXPECT_EQ(info->next_seq_id(), seq_ids[m] + 1);
+      v1::OptimStepRequest optim;
+      optim.set_model_id(id);
+      optim.set_seq_id(++seq_ids[m]);
+      const absl::Status refused = client->OptimStep(optim).status();
+      EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+      EXPECT_NE(
+          refused.message().find("the server restarted from a checkpoint"),
+          std::string::npos)
+          << refused;
+      v1::AbortAccumulationRequest abort;
+      abort.set_model_id(id);
+      abort.set_seq_id(++seq_ids[m]);
+      ASSERT_TRUE(client->AbortAccumulation(abort).ok());
+      const std::string expected =
+          Save(*reference_client, id, id + "-reference");
+      const std::string actual = Save(*client, id, id + "-resumed");
+      for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+        const std::string want = testing::ReadFileBytes(expected + "/" + file);
+        ASSERT_FALSE(want.empty()) << file;
+        EXPECT_TRUE(want == testing::ReadFileBytes(actual + "/" + file))
+            << file << " differs";
+      }
+      Train(*client, id, 4, 4, &seq_ids[m]);  // the resent window steps
+    }
+    reference_client.reset();
+    client.reset();
+    testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+  }
+
   // SIGKILL: no shutdown, no final write, like a crashed node.
   static void Kill(ServerProcess& server) {
     ASSERT_EQ(kill(server.pid(), SIGKILL), 0);
@@ -141,69 +269,51 @@ class CheckpointE2eTest : public ::testing::Test {
   std::string dir_;
   std::vector<std::unique_ptr<ServerProcess>> servers_;  // stopped cleanly
   std::vector<std::unique_ptr<ServerProcess>> killed_;
+  std::vector<std::unique_ptr<ServerProcess>> stopped_;  // by the test
 };
 
 // Train 6 steps, versus train 3, kill -9, restart with --resume, train 3:
 // the same parameters and optimizer moments, bit for bit, in FLOAT32 and
 // FLOAT64.
 TEST_F(CheckpointE2eTest, ResumeAfterKillIsExact) {
-  ServerProcess* reference = StartServerOrFail({}, servers_);
-  ASSERT_NE(reference, nullptr);
-  std::unique_ptr<TrainerClient> reference_client = ClientOf(*reference);
-  const std::vector<std::string> periodic = {
-      "--checkpoint-dir",         dir_ + "/periodic",
-      "--checkpoint-every-steps", "3",
-      "--checkpoint-keep",        "2"};
-  ServerProcess* first = StartServerOrFail(periodic, killed_);
-  ASSERT_NE(first, nullptr);
-  std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
-  for (int m = 0; m < 2; ++m) {
-    ASSERT_TRUE(
-        reference_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m]))
-            .ok());
-    Train(*reference_client, kModelIds[m], 1, 6);
-    ASSERT_TRUE(
-        first_client->CreateModel(TinyModel(kModelIds[m], kDtypes[m])).ok());
-    Train(*first_client, kModelIds[m], 1, 3);
-    // A pending window at the kill: lost, as the checkpoint never held it.
-    ASSERT_TRUE(
-        first_client->ForwardBackward(StepWindow(kModelIds[m], 99)[0]).ok());
-  }
-  Kill(*first);
+  ExpectExactResumeAfterKill({});
+}
 
-  std::vector<std::string> resume = periodic;
-  resume.push_back("--resume");
-  ServerProcess* second = StartServerOrFail(resume, servers_);
-  ASSERT_NE(second, nullptr);
-  std::unique_ptr<TrainerClient> second_client = ClientOf(*second);
-  for (int m = 0; m < 2; ++m) {
-    const std::string id = kModelIds[m];
-    SCOPED_TRACE(id);
-    EXPECT_NE(second->ReadLog().find("resumed model '" + id + "' at step 3"),
-              std::string::npos)
-        << second->ReadLog();
-    absl::StatusOr<v1::ModelInfo> info = Info(*second_client, id);
-    ASSERT_TRUE(info.ok()) << info.status();
-    EXPECT_EQ(info->step(), 3);
-    EXPECT_EQ(info->accumulated_calls(), 0);
-    EXPECT_EQ(info->dtype(), kDtypes[m]);
-    Train(*second_client, id, 4, 6);
-    const std::string expected = Save(*reference_client, id, id + "-reference");
-    const std::string actual = Save(*second_client, id, id + "-resumed");
-    for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
-      const std::string want = ReadBytes(expected + "/" + file);
-      ASSERT_FALSE(want.empty()) << file;
-      EXPECT_TRUE(want == ReadBytes(actual + "/" + file)) << file << " differs";
-    }
-    // Periodic checkpoints at steps 3 and 6, both kept (--checkpoint-keep 2).
-    const std::string model_dir = dir_ + "/periodic/" + id;
-    EXPECT_TRUE(fs::is_directory(model_dir + "/step-000000000003"));
-    EXPECT_TRUE(fs::is_directory(model_dir + "/step-000000000006"));
-  }
-  // Idle connections would hold the servers' shutdown.
-  reference_client.reset();
-  second_client.reset();
-  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+// The same on a 2-rank server whose parameters and optimizer state are
+// sharded (ZeRO-3): the ranks save whole tensors and reload their shards.
+TEST_F(CheckpointE2eTest, MultiRankResumeAfterKillIsExact) {
+  ExpectExactResumeAfterKill({"--nproc-per-node", "2", "--dp-shard", "2"});
+}
+
+// --checkpoint-on-exit without periodic checkpoints: SIGTERM saves every
+// model at its step and exits 0; --resume brings back exactly those
+// parameters and optimizer moments, and the seq_ids. The window pending at
+// the exit (its gradients dropped) comes back poisoned, so the client's
+// OptimStep does not step on what is left of it.
+TEST_F(CheckpointE2eTest, SigtermWritesAnExitCheckpointThatResumesExactly) {
+  ExpectExitCheckpointResumesExactly({});
+}
+
+// The same on 2 ranks: the exit save is replicated, and the ranks > 0,
+// still in their command loop, take part (their shards are gathered).
+TEST_F(CheckpointE2eTest, MultiRankExitCheckpointResumesExactly) {
+  ExpectExitCheckpointResumesExactly(
+      {"--nproc-per-node", "2", "--dp-shard", "2"});
+}
+
+// A server asked for an exit checkpoint without a place for it refuses to
+// start, naming the flag.
+TEST_F(CheckpointE2eTest, CheckpointOnExitNeedsACheckpointDir) {
+  const absl::StatusOr<std::unique_ptr<ServerProcess>> refused =
+      ServerProcess::Start(testing::ServerBinaryFromEnv(),
+                           {"--checkpoint-on-exit"});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("exit code 1"), std::string::npos)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find(
+                "--checkpoint-on-exit needs --checkpoint-dir"),
+            std::string::npos)
+      << refused.status();
 }
 
 // Sequenced training, kill -9, --resume: the model's seq_ids continue where
@@ -305,7 +415,7 @@ TEST_F(CheckpointE2eTest, ResumeSkipsADamagedNewestCheckpoint) {
   const std::string model_dir = dir_ + "/" + id;
   EXPECT_FALSE(fs::exists(model_dir + "/step-000000000001"));  // pruned
   const std::string newest = model_dir + "/step-000000000003/model.safetensors";
-  std::string weights = ReadBytes(newest);
+  std::string weights = testing::ReadFileBytes(newest);
   ASSERT_FALSE(weights.empty());
   weights[weights.size() / 2] ^= 0x10;
   std::ofstream(newest, std::ios::binary | std::ios::trunc) << weights;

@@ -12,8 +12,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <fstream>
+#include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,6 +61,73 @@ inline int64_t ValidTokens(const v1::Sample& sample) {
     if (sample.target_tokens(i) != kIgnoredTarget && weighted) ++valid;
   }
   return valid;
+}
+
+// `length` random next-token positions over `vocab` tokens: the first
+// `masked` targets are kIgnoredTarget, and position i weighs `weight(i)` when
+// a weight function is given (called in order, after the tokens are drawn).
+inline v1::Sample MakeSample(std::mt19937& rng, int32_t vocab, int length,
+                             int masked,
+                             const std::function<float(int)>& weight = {}) {
+  std::uniform_int_distribution<int32_t> token(0, vocab - 1);
+  std::vector<int32_t> text(length + 1);
+  for (int32_t& t : text) t = token(rng);
+  v1::Sample sample;
+  for (int i = 0; i < length; ++i) {
+    sample.add_input_tokens(text[i]);
+    sample.add_target_tokens(i < masked ? kIgnoredTarget : text[i + 1]);
+    if (weight) sample.add_weights(weight(i));
+  }
+  return sample;
+}
+
+// The checkpoint tests' training window of step `step`: two calls of random
+// samples drawn from the step number, so a resumed run sends exactly what an
+// uninterrupted one sent.
+inline std::vector<v1::ForwardBackwardRequest> StepWindow(
+    const std::string& model_id, int step, int32_t vocab) {
+  std::mt19937 rng(1000 + step);
+  std::uniform_int_distribution<int32_t> token(0, vocab - 1);
+  std::vector<v1::ForwardBackwardRequest> calls(2);
+  for (v1::ForwardBackwardRequest& call : calls) {
+    call.set_model_id(model_id);
+    for (int s = 0; s < 2; ++s) {
+      v1::Sample* sample = call.add_samples();
+      for (int i = 0; i < 6 + 3 * s; ++i) {
+        sample->add_input_tokens(token(rng));
+        sample->add_target_tokens(token(rng));
+      }
+    }
+  }
+  return calls;
+}
+
+// Trains steps first..last (inclusive) of StepWindow, checking each reaches
+// its step. With `seq_id`, every call is sequenced, continuing *seq_id.
+inline void Train(TrainerClient& client, const std::string& model_id,
+                  int32_t vocab, int first, int last,
+                  uint64_t* seq_id = nullptr) {
+  for (int step = first; step <= last; ++step) {
+    for (v1::ForwardBackwardRequest call : StepWindow(model_id, step, vocab)) {
+      if (seq_id != nullptr) call.set_seq_id(++*seq_id);
+      const absl::StatusOr<v1::ForwardBackwardResponse> done =
+          client.ForwardBackward(call);
+      ASSERT_TRUE(done.ok()) << done.status();
+    }
+    v1::OptimStepRequest optim;
+    optim.set_model_id(model_id);
+    if (seq_id != nullptr) optim.set_seq_id(++*seq_id);
+    const absl::StatusOr<v1::OptimStepResponse> stepped =
+        client.OptimStep(optim);
+    ASSERT_TRUE(stepped.ok()) << stepped.status();
+    ASSERT_EQ(stepped->step(), step);
+  }
+}
+
+// The whole file; empty when it cannot be read.
+inline std::string ReadFileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 // The tiny Llama the e2e tests train: 19,616 parameters.

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -43,7 +44,7 @@
 namespace tally {
 namespace {
 
-using ::tally::testing::kIgnoredTarget;
+using ::tally::testing::MakeSample;
 using ::tally::testing::ServerBinaryFromEnv;
 using ::tally::testing::ServerProcess;
 using ::tally::testing::ValidTokens;
@@ -88,20 +89,9 @@ v1::CreateModelRequest TinyModelRequest() {
   return request;
 }
 
-// `length` random next-token positions; the first `ignored_prefix` targets
-// are -100 and weighted samples carry weights exact in float32, some 0.
-v1::Sample MakeSample(std::mt19937& rng, int length, int ignored_prefix,
-                      bool weighted) {
-  std::uniform_int_distribution<int32_t> token(0, kVocab - 1);
-  std::vector<int32_t> text(length + 1);
-  for (int32_t& t : text) t = token(rng);
-  v1::Sample sample;
-  for (int i = 0; i < length; ++i) {
-    sample.add_input_tokens(text[i]);
-    sample.add_target_tokens(i < ignored_prefix ? kIgnoredTarget : text[i + 1]);
-    if (weighted) sample.add_weights(0.25f * static_cast<float>(rng() % 5));
-  }
-  return sample;
+// Weights exact in float32, some 0, drawn from `rng`.
+std::function<float(int)> QuarterWeights(std::mt19937& rng) {
+  return [&rng](int) { return 0.25f * static_cast<float>(rng() % 5); };
 }
 
 using Calls = std::vector<std::vector<v1::Sample>>;
@@ -113,12 +103,15 @@ using Calls = std::vector<std::vector<v1::Sample>>;
 Calls StepCalls(int step) {
   std::mt19937 rng(4000 + step);
   std::vector<v1::Sample> many = {
-      MakeSample(rng, 60, 5, false), MakeSample(rng, 17, 0, true),
-      MakeSample(rng, 6, 6, false), MakeSample(rng, 33, 20, true),
-      MakeSample(rng, 1, 0, false)};
-  std::vector<v1::Sample> single_token = {MakeSample(rng, 9, 8, false)};
-  std::vector<v1::Sample> lopsided = {MakeSample(rng, 1, 0, false),
-                                      MakeSample(rng, 48, 0, true)};
+      MakeSample(rng, kVocab, 60, 5),
+      MakeSample(rng, kVocab, 17, 0, QuarterWeights(rng)),
+      MakeSample(rng, kVocab, 6, 6),
+      MakeSample(rng, kVocab, 33, 20, QuarterWeights(rng)),
+      MakeSample(rng, kVocab, 1, 0)};
+  std::vector<v1::Sample> single_token = {MakeSample(rng, kVocab, 9, 8)};
+  std::vector<v1::Sample> lopsided = {
+      MakeSample(rng, kVocab, 1, 0),
+      MakeSample(rng, kVocab, 48, 0, QuarterWeights(rng))};
   return {many, single_token, lopsided};
 }
 
@@ -230,8 +223,8 @@ absl::StatusOr<std::vector<double>> ProbeLogprobs(TrainerClient& client) {
   request.set_model_id(kModelId);
   request.set_forward_only(true);
   request.set_return_logprobs(true);
-  *request.add_samples() = MakeSample(rng, 40, 3, false);
-  *request.add_samples() = MakeSample(rng, 25, 0, false);
+  *request.add_samples() = MakeSample(rng, kVocab, 40, 3);
+  *request.add_samples() = MakeSample(rng, kVocab, 25, 0);
   TALLY_ASSIGN_OR_RETURN(v1::ForwardBackwardResponse response,
                          client.ForwardBackward(request));
   std::vector<double> logprobs;

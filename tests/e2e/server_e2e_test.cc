@@ -47,6 +47,7 @@ using ::grpc::health::v1::HealthCheckResponse;
 using ::tally::testing::CheckHealth;
 using ::tally::testing::HttpGet;
 using ::tally::testing::kIgnoredTarget;
+using ::tally::testing::MakeSample;
 using ::tally::testing::MetricValue;
 using ::tally::testing::ServerBinaryFromEnv;
 using ::tally::testing::ServerProcess;
@@ -91,24 +92,13 @@ uint64_t TinyParameterCount() {
          uint64_t{kVocab} * kHidden;
 }
 
-// A next-token sample of `length` random tokens: target i is input i + 1, the
-// first `masked` targets are ignored and, when `zero_weight_every` > 0, every
-// such position has weight 0 and the others weights in {0.5, 0.75, 1}.
-v1::Sample MakeSample(std::mt19937& rng, int length, int masked,
-                      int zero_weight_every) {
-  std::uniform_int_distribution<int32_t> token(0, kVocab - 1);
-  std::vector<int32_t> text(length + 1);
-  for (int32_t& t : text) t = token(rng);
-  v1::Sample sample;
-  for (int i = 0; i < length; ++i) {
-    sample.add_input_tokens(text[i]);
-    sample.add_target_tokens(i < masked ? kIgnoredTarget : text[i + 1]);
-    if (zero_weight_every > 0) {
-      sample.add_weights(i % zero_weight_every == 0 ? 0.0f
-                                                    : 0.5f + 0.25f * (i % 3));
-    }
-  }
-  return sample;
+// Weights for MakeSample: 0 at every `zero_every`-th position, the others in
+// {0.5, 0.75, 1}; no weights when `zero_every` is 0.
+std::function<float(int)> ZeroWeightEvery(int zero_every) {
+  if (zero_every == 0) return {};
+  return [zero_every](int i) {
+    return i % zero_every == 0 ? 0.0f : 0.5f + 0.25f * (i % 3);
+  };
 }
 
 struct ValidCounts {
@@ -136,7 +126,8 @@ std::vector<v1::Sample> TrainingCall(int step, int call) {
   for (int i = 0; i < count; ++i) {
     const int length = 5 + static_cast<int>(rng() % 40);
     const int masked = static_cast<int>(rng() % (length / 2));
-    samples.push_back(MakeSample(rng, length, masked, i % 2 == 1 ? 3 : 0));
+    samples.push_back(MakeSample(rng, kVocab, length, masked,
+                                 ZeroWeightEvery(i % 2 == 1 ? 3 : 0)));
   }
   return samples;
 }
@@ -144,7 +135,7 @@ std::vector<v1::Sample> TrainingCall(int step, int call) {
 // Two fixed samples whose forward-only loss fingerprints the weights.
 std::vector<v1::Sample> ProbeSamples() {
   std::mt19937 rng(42);
-  return {MakeSample(rng, 20, 3, 0), MakeSample(rng, 33, 0, 0)};
+  return {MakeSample(rng, kVocab, 20, 3), MakeSample(rng, kVocab, 33, 0)};
 }
 
 v1::ForwardBackwardRequest ForwardBackwardRequest(
@@ -549,8 +540,8 @@ TEST_F(ServerE2eTest, InvalidArgumentsNameTheFieldAndChangeNothing) {
   ASSERT_NO_FATAL_FAILURE(CreateTrainedModelWithPendingCall(id));
 
   std::mt19937 rng(11);
-  const std::vector<v1::Sample> valid = {MakeSample(rng, 12, 2, 0),
-                                         MakeSample(rng, 9, 2, 0)};
+  const std::vector<v1::Sample> valid = {MakeSample(rng, kVocab, 12, 2),
+                                         MakeSample(rng, kVocab, 9, 2)};
   // `valid` with `edit` applied, sent as a ForwardBackward.
   auto forward_backward =
       [&](std::function<void(v1::ForwardBackwardRequest&)> edit) {
@@ -860,7 +851,8 @@ TEST_F(ServerE2eTest, ServerRefusesMessagesAboveItsLimit) {
 
   std::mt19937 rng(5);
   std::vector<v1::Sample> samples;
-  for (int i = 0; i < 520; ++i) samples.push_back(MakeSample(rng, 64, 0, 3));
+  for (int i = 0; i < 520; ++i)
+    samples.push_back(MakeSample(rng, kVocab, 64, 0, ZeroWeightEvery(3)));
   const v1::ForwardBackwardRequest big = ForwardBackwardRequest(id, samples);
   ASSERT_GT(big.ByteSizeLong(), 180'000u);
   ASSERT_LT(big.ByteSizeLong(), 260'000u);
@@ -956,7 +948,7 @@ TEST_F(ServerE2eTest, SigtermFinishesTheInFlightCallAndExitsZero) {
     std::mt19937 rng(17);
     std::vector<v1::Sample> samples;
     for (int i = 0; i < num_samples; ++i) {
-      samples.push_back(MakeSample(rng, kMaxPositions, 4, 0));
+      samples.push_back(MakeSample(rng, kVocab, kMaxPositions, 4));
     }
     return ForwardBackwardRequest(id, samples);
   };

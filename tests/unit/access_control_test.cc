@@ -109,11 +109,12 @@ absl::StatusOr<ParsedFlags> Parse(std::vector<const char*> args) {
 }
 
 TEST(AccessControlFlagsTest, ParseCheckpointAndSecurityFlags) {
-  absl::StatusOr<ParsedFlags> flags = Parse(
-      {"--checkpoint-root", "/data/ckpt", "--checkpoint-dir=/data/auto",
-       "--checkpoint-every-steps", "50", "--checkpoint-keep", "4", "--resume",
-       "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
-       "--auth-tokens-file", "tokens", "--allow-insecure-remote"});
+  absl::StatusOr<ParsedFlags> flags =
+      Parse({"--checkpoint-root", "/data/ckpt", "--checkpoint-dir=/data/auto",
+             "--checkpoint-every-steps", "50", "--checkpoint-keep", "4",
+             "--resume", "--checkpoint-on-exit", "--tls-cert", "c.pem",
+             "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
+             "--auth-tokens-file", "tokens", "--allow-insecure-remote"});
   ASSERT_TRUE(flags.ok()) << flags.status();
   const ServerOptions& o = flags->options;
   EXPECT_EQ(o.checkpoint_root, "/data/ckpt");
@@ -121,6 +122,7 @@ TEST(AccessControlFlagsTest, ParseCheckpointAndSecurityFlags) {
   EXPECT_EQ(o.checkpoint_every_steps, 50);
   EXPECT_EQ(o.checkpoint_keep, 4);
   EXPECT_TRUE(o.resume);
+  EXPECT_TRUE(o.checkpoint_on_exit);
   EXPECT_EQ(o.tls_cert, "c.pem");
   EXPECT_EQ(o.tls_key, "k.pem");
   EXPECT_EQ(o.tls_client_ca, "ca.pem");
@@ -130,10 +132,13 @@ TEST(AccessControlFlagsTest, ParseCheckpointAndSecurityFlags) {
   const ServerOptions defaults = Parse({})->options;
   EXPECT_EQ(defaults.host, "127.0.0.1");  // loopback unless told otherwise
   EXPECT_FALSE(defaults.resume);
+  EXPECT_FALSE(defaults.checkpoint_on_exit);
   EXPECT_FALSE(defaults.allow_insecure_remote);
   EXPECT_EQ(defaults.checkpoint_every_steps, 0);
   EXPECT_FALSE(Parse({"--checkpoint-keep", "0"}).ok());
   EXPECT_FALSE(Parse({"--resume=maybe"}).ok());
+  EXPECT_TRUE(Parse({"--checkpoint-on-exit=false"}).ok());
+  EXPECT_FALSE(Parse({"--checkpoint-on-exit=1"}).ok());
 }
 
 }  // namespace

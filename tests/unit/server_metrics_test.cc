@@ -10,6 +10,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "runtime/status.h"
 #include "server/metrics.h"
@@ -140,6 +142,35 @@ TEST(ServerMetricsTest, RankStateFollowsTheEngine) {
   text = Scrape(port);
   EXPECT_EQ(text.find("model_id=\"m\""), std::string::npos) << text;
   EXPECT_EQ(Value(text, "tally_models{rank=\"0\"}"), 0);
+}
+
+// Exit checkpoints (--checkpoint-on-exit) are writes: timed under their own
+// kind and, when they succeed, the last successful checkpoint; a failed one
+// or a load is not.
+TEST(ServerMetricsTest, ExitCheckpointsAreSuccessfulWrites) {
+  auto engine = Engine::CreateSingleRank({});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto metrics = ServerMetrics::Create("127.0.0.1:0", engine->get());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  const std::string last_success =
+      "tally_checkpoint_last_success_timestamp_seconds{rank=\"0\"}";
+  (*metrics)->RecordCheckpoint("exit", /*ok=*/false, 0.5);
+  (*metrics)->RecordCheckpoint("load", /*ok=*/true, 0.25);
+  std::string text = Scrape((*metrics)->port());
+  EXPECT_EQ(
+      Value(text, "tally_checkpoint_seconds_count{rank=\"0\",kind=\"exit\"}"),
+      1);
+  EXPECT_EQ(
+      Value(text, "tally_checkpoint_seconds_sum{rank=\"0\",kind=\"exit\"}"),
+      0.5);
+  EXPECT_EQ(Value(text, last_success), 0);
+  const double before = absl::ToUnixSeconds(absl::Now());
+  (*metrics)->RecordCheckpoint("exit", /*ok=*/true, 0.25);
+  text = Scrape((*metrics)->port());
+  EXPECT_EQ(
+      Value(text, "tally_checkpoint_seconds_count{rank=\"0\",kind=\"exit\"}"),
+      2);
+  EXPECT_GE(Value(text, last_success), before);
 }
 
 }  // namespace
