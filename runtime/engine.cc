@@ -940,6 +940,8 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   ClearWindow(*state);
   result.model = Summarize(*state);
   result.server_state = std::move(contents.server_state);
+  if (contents.manifest)
+    result.unsaved_window = contents.manifest->unsaved_window;
   return result;
 }
 

@@ -151,6 +151,8 @@ struct LoadResult {
   ModelSummary model;
   WindowCounts discarded;
   std::string server_state;  // as SaveOptions::server_state was
+  // The pending window the checkpoint's save dropped (allow_pending).
+  WindowCounts unsaved_window;
 };
 
 }  // namespace tally

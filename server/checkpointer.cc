@@ -191,20 +191,13 @@ absl::Status Checkpointer::ResumeModel(const std::string& model_id,
   v1::LoadCheckpointResponse response;
   TALLY_RETURN_IF_ERROR(
       ReplicateCommand(*control_, Command::kLoadCheckpoint, load));
+  LoadResult loaded;
   TALLY_RETURN_IF_ERROR(
-      ExecuteLoadCheckpoint(*engine_, load, &response, &resumed->server_state));
-  if (info.manifest.unsaved_window.calls > 0) {
-    v1::GetModelRequest poison;
-    poison.set_model_id(model_id);
-    v1::ModelInfo poisoned;
-    TALLY_RETURN_IF_ERROR(
-        ReplicateCommand(*control_, Command::kPoisonWindow, poison));
-    TALLY_RETURN_IF_ERROR(ExecutePoisonWindow(
-        *engine_, poison, &poisoned,
-        absl::StrCat("the server restarted from a checkpoint that dropped ",
-                     info.manifest.unsaved_window.calls,
-                     " pending ForwardBackward calls of this window")));
-  }
+      ExecuteLoadCheckpoint(*engine_, load, &response, &loaded));
+  resumed->server_state = std::move(loaded.server_state);
+  TALLY_RETURN_IF_ERROR(PoisonDroppedWindow(*control_, *engine_, model_id,
+                                            loaded.unsaved_window,
+                                            "the server restarted from"));
   resumed->model_id = model_id;
   resumed->path = path;
   resumed->step = response.model().step();

@@ -82,7 +82,7 @@ absl::Status ExecuteSaveCheckpoint(Engine& engine,
 absl::Status ExecuteLoadCheckpoint(Engine& engine,
                                    const v1::LoadCheckpointRequest& request,
                                    v1::LoadCheckpointResponse* response,
-                                   std::string* server_state) {
+                                   LoadResult* loaded_out) {
   TALLY_ASSIGN_OR_RETURN(
       LoadResult loaded,
       engine.LoadCheckpoint(request.model_id(), request.path(),
@@ -91,7 +91,7 @@ absl::Status ExecuteLoadCheckpoint(Engine& engine,
   response->set_discarded_calls(loaded.discarded.calls);
   response->set_discarded_tokens(loaded.discarded.tokens);
   response->set_discarded_samples(loaded.discarded.samples);
-  if (server_state != nullptr) *server_state = std::move(loaded.server_state);
+  if (loaded_out != nullptr) *loaded_out = std::move(loaded);
   return absl::OkStatus();
 }
 
@@ -104,6 +104,22 @@ absl::Status ExecutePoisonWindow(Engine& engine,
                          engine.GetModel(request.model_id()));
   ToProto(summary, response);
   return absl::OkStatus();
+}
+
+absl::Status PoisonDroppedWindow(Communicator& control, Engine& engine,
+                                 const std::string& model_id,
+                                 const WindowCounts& dropped,
+                                 absl::string_view cause) {
+  if (dropped.calls == 0) return absl::OkStatus();
+  v1::GetModelRequest poison;
+  poison.set_model_id(model_id);
+  TALLY_RETURN_IF_ERROR(
+      ReplicateCommand(control, Command::kPoisonWindow, poison));
+  v1::ModelInfo poisoned;
+  return ExecutePoisonWindow(
+      engine, poison, &poisoned,
+      absl::StrCat(cause, " a checkpoint that dropped ", dropped.calls,
+                   " pending ForwardBackward calls of this window"));
 }
 
 absl::Status ReplicateCommand(Communicator& control, Command command,

@@ -64,11 +64,12 @@ absl::Status ExecuteSaveCheckpoint(Engine& engine,
                                    const v1::SaveCheckpointRequest& request,
                                    v1::SaveCheckpointResponse* response,
                                    const std::string& server_state = "");
-// `server_state`, when given, receives the bytes the checkpoint holds.
+// `loaded`, when given, receives the engine's result: the server_state the
+// checkpoint holds and the window its save dropped.
 absl::Status ExecuteLoadCheckpoint(Engine& engine,
                                    const v1::LoadCheckpointRequest& request,
                                    v1::LoadCheckpointResponse* response,
-                                   std::string* server_state = nullptr);
+                                   LoadResult* loaded = nullptr);
 
 // Poisons the window of request.model_id, for `reason` (quoted by the
 // OptimStep it fails); `response` is the model after it. Rank 0 poisons a
@@ -82,6 +83,17 @@ absl::Status ExecutePoisonWindow(Engine& engine,
                                  const v1::GetModelRequest& request,
                                  v1::ModelInfo* response,
                                  const std::string& reason);
+
+// Rank 0, after a load that continues the checkpoint's seq_ids: the calls of
+// the window the checkpoint's save dropped (allow_pending) count as
+// executed, so a client resuming at next_seq_id would step on a window
+// missing them. Poisons the window on every rank, the next OptimStep quoting
+// "<cause> a checkpoint that dropped N pending ForwardBackward calls"; a
+// no-op when nothing was dropped.
+absl::Status PoisonDroppedWindow(Communicator& control, Engine& engine,
+                                 const std::string& model_id,
+                                 const WindowCounts& dropped,
+                                 absl::string_view cause);
 
 // Rank 0: sends (command, serialized request) to every rank. A no-op in a
 // single-rank deployment.

@@ -496,13 +496,12 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
        request->seq_id(), request, response},
       validation, [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
-        std::string server_state;
+        LoadResult loaded;
         absl::Status status = ReplicateCommand(
             engine_->control(), Command::kLoadCheckpoint, *request);
         if (status.ok()) {
           status = CountingPoison(request->model_id(), [&] {
-            return ExecuteLoadCheckpoint(*engine_, *request, response,
-                                         &server_state);
+            return ExecuteLoadCheckpoint(*engine_, *request, response, &loaded);
           });
         }
         metrics_->RecordCheckpoint("load", status.ok(), SecondsSince(start));
@@ -514,7 +513,13 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
           response->mutable_model()->set_next_seq_id(request->seq_id() + 1);
         } else {
           absl::Status restored =
-              RestoreSequencing(request->model_id(), server_state);
+              RestoreSequencing(request->model_id(), loaded.server_state);
+          if (restored.ok() && !loaded.server_state.empty()) {
+            TALLY_RETURN_IF_ERROR(
+                PoisonDroppedWindow(engine_->control(), *engine_,
+                                    request->model_id(), loaded.unsaved_window,
+                                    "LoadCheckpoint restored the seq_ids of"));
+          }
           if (!restored.ok()) {
             // The weights are loaded; the live sequence stays.
             Log(LogLevel::kWarning,

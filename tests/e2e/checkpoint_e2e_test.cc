@@ -399,6 +399,64 @@ TEST_F(CheckpointE2eTest, ResumeContinuesTheSeqIds) {
   testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
 }
 
+// A checkpoint saved with allow_pending drops the pending calls, yet its
+// sequencing state counts them as executed. An unsequenced load that takes
+// over those seq_ids therefore poisons the window: the client resuming at
+// next_seq_id gets ABORTED at its OptimStep instead of a step on a window
+// missing the dropped calls.
+TEST_F(CheckpointE2eTest, LoadOfAPendingSavePoisonsTheContinuedWindow) {
+  ServerProcess* server = StartServerOrFail({}, servers_);
+  ASSERT_NE(server, nullptr);
+  std::unique_ptr<TrainerClient> client = ClientOf(*server);
+  const std::string id = "pending";
+  ASSERT_TRUE(client->CreateModel(TinyModel(id, kDtypes[1])).ok());
+  uint64_t seq_id = 0;
+  const std::vector<v1::ForwardBackwardRequest> window = StepWindow(id, 1);
+  for (v1::ForwardBackwardRequest call : window) {
+    call.set_seq_id(++seq_id);
+    ASSERT_TRUE(client->ForwardBackward(call).ok());
+  }
+  v1::SaveCheckpointRequest save;
+  save.set_model_id(id);
+  save.set_path(dir_ + "/pending");
+  save.set_allow_pending(true);
+  save.set_seq_id(++seq_id);
+  absl::StatusOr<v1::SaveCheckpointResponse> saved =
+      client->SaveCheckpoint(save);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  ASSERT_EQ(saved->unsaved_calls(), static_cast<int64_t>(window.size()));
+
+  v1::LoadCheckpointRequest load;
+  load.set_model_id(id);
+  load.set_path(save.path());
+  absl::StatusOr<v1::LoadCheckpointResponse> loaded =
+      client->LoadCheckpoint(load);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->model().next_seq_id(), seq_id + 1);
+  // The client goes on at next_seq_id: one more call, then the step.
+  v1::ForwardBackwardRequest more = StepWindow(id, 2)[0];
+  more.set_seq_id(++seq_id);
+  ASSERT_TRUE(client->ForwardBackward(more).ok());
+  v1::OptimStepRequest optim;
+  optim.set_model_id(id);
+  optim.set_seq_id(++seq_id);
+  const absl::Status refused = client->OptimStep(optim).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+  EXPECT_NE(refused.message().find(absl::StrCat(
+                "dropped ", window.size(), " pending ForwardBackward calls")),
+            std::string::npos)
+      << refused;
+  absl::StatusOr<v1::ModelInfo> info = Info(*client, id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->step(), 0);
+  v1::AbortAccumulationRequest abort;
+  abort.set_model_id(id);
+  abort.set_seq_id(++seq_id);
+  ASSERT_TRUE(client->AbortAccumulation(abort).ok());
+  client.reset();
+  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
 // A damaged newest checkpoint is skipped: the server resumes from the one
 // before it, and keeps only --checkpoint-keep of them.
 TEST_F(CheckpointE2eTest, ResumeSkipsADamagedNewestCheckpoint) {
