@@ -171,7 +171,8 @@ class ManifestTest(unittest.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         # What TallyServer::Start refuses (--help does not get that far).
         flags = parse_args(args)
-        for needs_dir in ("--resume", "--checkpoint-every-steps"):
+        for needs_dir in ("--resume", "--checkpoint-every-steps",
+                          "--checkpoint-on-exit"):
             if needs_dir in flags:
                 self.assertIn("--checkpoint-dir", flags, needs_dir)
 
