@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/status.h"
 
 namespace tally {
 namespace {
@@ -448,28 +449,30 @@ void Sequencer::Stop(absl::Status status) {
   Send(replies);
 }
 
-absl::StatusOr<uint64_t> Sequencer::NextSeqId(
+absl::StatusOr<Sequencer::ModelQueue*> Sequencer::FindQueue(
     const std::string& model_id) const {
-  absl::MutexLock lock(&mu_);
   auto it = models_.find(model_id);
   if (it == models_.end()) {
     return absl::NotFoundError(
         absl::StrCat("model '", model_id, "' not found"));
   }
-  return it->second->next_seq_id;
+  return it->second.get();
+}
+
+absl::StatusOr<uint64_t> Sequencer::NextSeqId(
+    const std::string& model_id) const {
+  absl::MutexLock lock(&mu_);
+  TALLY_ASSIGN_OR_RETURN(const ModelQueue* q, FindQueue(model_id));
+  return q->next_seq_id;
 }
 
 absl::StatusOr<SequencerState> Sequencer::ExportState(
     const std::string& model_id) const {
   absl::MutexLock lock(&mu_);
-  auto it = models_.find(model_id);
-  if (it == models_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("model '", model_id, "' not found"));
-  }
+  TALLY_ASSIGN_OR_RETURN(const ModelQueue* q, FindQueue(model_id));
   SequencerState state;
-  state.next_seq_id = it->second->next_seq_id;
-  for (const auto& [seq_id, outcome] : it->second->outcomes) {
+  state.next_seq_id = q->next_seq_id;
+  for (const auto& [seq_id, outcome] : q->outcomes) {
     state.outcomes.push_back(outcome);
   }
   return state;
@@ -479,12 +482,8 @@ absl::Status Sequencer::ImportState(const std::string& model_id,
                                     SequencerState state) {
   if (absl::Status valid = ValidateState(state); !valid.ok()) return valid;
   absl::MutexLock lock(&mu_);
-  auto it = models_.find(model_id);
-  if (it == models_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("model '", model_id, "' not found"));
-  }
-  ModelQueue& q = *it->second;
+  TALLY_ASSIGN_OR_RETURN(ModelQueue * found, FindQueue(model_id));
+  ModelQueue& q = *found;
   if (!q.pending.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "model '", model_id, "' has sequenced requests waiting or executing"));

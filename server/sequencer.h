@@ -165,6 +165,9 @@ class Sequencer {
   void Advance(const std::shared_ptr<ModelQueue>& queue, Replies& replies)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseGap(ModelQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND naming the model when it has no queue.
+  absl::StatusOr<ModelQueue*> FindQueue(const std::string& model_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs on the dispatch thread: executes the queue's next seq_id.
   void RunNext(const std::shared_ptr<ModelQueue>& queue);
   void GapTimerLoop();
