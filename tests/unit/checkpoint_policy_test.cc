@@ -151,9 +151,12 @@ TEST_F(CheckpointPolicyTest, CommandsCarryAllowPendingAndServerState) {
   load.set_path(PathOf("cmd"));
   load.set_load_optimizer(true);
   v1::LoadCheckpointResponse loaded;
-  std::string restored;
+  LoadResult restored;
   ASSERT_TRUE(ExecuteLoadCheckpoint(*engine_, load, &loaded, &restored).ok());
-  EXPECT_EQ(restored, server_state);
+  EXPECT_EQ(restored.server_state, server_state);
+  // The window the save dropped, which a load continuing its seq_ids poisons.
+  EXPECT_EQ(restored.unsaved_window.calls, saved.unsaved_calls());
+  EXPECT_EQ(restored.unsaved_window.tokens, saved.unsaved_tokens());
   EXPECT_EQ(loaded.discarded_calls(), 1);
 }
 
