@@ -259,6 +259,12 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
       p.tensor.mutable_grad() = torch::Tensor();
     }
   }
+  std::unique_ptr<OverlappedGradientSum> overlapped;
+  if (sync_call && options_.overlap_grad_sync) {
+    TALLY_ASSIGN_OR_RETURN(
+        overlapped, OverlappedGradientSum::Create(ReplicaGradientSets(params),
+                                                  options_.bucket_mb << 20));
+  }
 
   // Every micro-batch is packed (and split over cp) up front: under cp,
   // SAMPLE_MEAN needs each sample's T_b before the first backward.
@@ -352,7 +358,11 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
         gathered.narrow(0, load_offset, load_slots)
             .add_(router.expert_tokens.flatten());
       }
-      if (!args.forward_only) terms.raw_loss.backward();
+      if (!args.forward_only) {
+        // Earlier micro-batches only accumulate into what the last one sums.
+        if (overlapped && b + 1 == num_batches) overlapped->Arm();
+        terms.raw_loss.backward();
+      }
       if (!real) continue;
       padded_tokens += batch.inputs.numel();
       auto loss_sums = terms.sample_loss_sums.accessor<double, 1>();
@@ -386,8 +396,8 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
         groups_.data_and_cp->AllReduce(gathered, ReduceOp::kSum));
   }
   if (sync_call) {
-    TALLY_RETURN_IF_ERROR(
-        SumCallGradientsOverReplicas(params, std::move(earlier)));
+    TALLY_RETURN_IF_ERROR(SumCallGradientsOverReplicas(
+        params, std::move(earlier), overlapped.get()));
   }
 
   ForwardBackwardResult result;
@@ -460,26 +470,38 @@ bool Engine::HasGradientReplicas(const LlamaModel& model) const {
          (model.config().is_moe() && groups_.expert_replicas->size() > 1);
 }
 
+std::vector<GradientSet> Engine::ReplicaGradientSets(
+    const std::vector<Parameter>& params) const {
+  GradientSet dense{groups_.replicas, {}};
+  GradientSet expert{groups_.expert_replicas, {}};
+  for (const Parameter& p : params) {
+    (p.is_expert ? expert : dense).parameters.push_back(p);
+  }
+  std::vector<GradientSet> sets;
+  for (GradientSet* set : {&dense, &expert}) {
+    if (set->group->size() > 1 && !set->parameters.empty()) {
+      sets.push_back(std::move(*set));
+    }
+  }
+  return sets;
+}
+
 absl::Status Engine::SumGradientsOverReplicas(std::vector<Parameter>& params) {
-  // Expert gradients sum over the expert-data-parallel ranks, the rest over
-  // the replicas; each set in flat buckets. Copies of a Parameter share its
-  // tensor, so the sums land in `params`.
-  std::vector<Parameter> dense, expert;
-  for (const Parameter& p : params) (p.is_expert ? expert : dense).push_back(p);
-  for (auto& [group, subset] :
-       {std::pair<Communicator*, std::vector<Parameter>*>{groups_.replicas,
-                                                          &dense},
-        {groups_.expert_replicas, &expert}}) {
-    if (group->size() == 1 || subset->empty()) continue;
-    TALLY_RETURN_IF_ERROR(
-        AllReduceGradientsInBuckets(*subset, *group, options_.bucket_mb << 20));
+  // Each set in flat buckets. Copies of a Parameter share its tensor, so the
+  // sums land in `params`.
+  for (GradientSet& set : ReplicaGradientSets(params)) {
+    TALLY_RETURN_IF_ERROR(AllReduceGradientsInBuckets(
+        set.parameters, *set.group, options_.bucket_mb << 20));
   }
   return absl::OkStatus();
 }
 
 absl::Status Engine::SumCallGradientsOverReplicas(
-    std::vector<Parameter>& params, std::vector<torch::Tensor> earlier) {
-  TALLY_RETURN_IF_ERROR(SumGradientsOverReplicas(params));
+    std::vector<Parameter>& params, std::vector<torch::Tensor> earlier,
+    OverlappedGradientSum* overlapped) {
+  TALLY_RETURN_IF_ERROR(overlapped != nullptr
+                            ? overlapped->Finish()
+                            : SumGradientsOverReplicas(params));
   return CatchTorch("accumulate gradients", [&] {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {

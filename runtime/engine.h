@@ -25,6 +25,7 @@
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
 #include "runtime/distributed.h"
+#include "runtime/grad_buckets.h"
 #include "runtime/llama_model.h"
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
@@ -62,6 +63,10 @@ struct EngineOptions {
   // (dp_replicate x cp; one collective per bucket); every rank needs the
   // same value.
   int64_t bucket_mb = 25;
+  // EAGER: start the buckets' all-reduces from gradient hooks during the
+  // last backward of a call, so communication overlaps the rest of it (same
+  // results, bitwise). Off: all of them after backward.
+  bool overlap_grad_sync = true;
 };
 
 class Engine {
@@ -151,10 +156,16 @@ class Engine {
   absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
       ModelState& state, const ForwardBackwardArgs& args);
   // Sums this call's gradients over groups_.replicas, leaving earlier
-  // calls' (already summed) untouched.
+  // calls' (already summed) untouched; through `overlapped` (which started
+  // during backward) when set.
   absl::Status SumCallGradientsOverReplicas(std::vector<Parameter>& params,
-                                            std::vector<torch::Tensor> earlier);
+                                            std::vector<torch::Tensor> earlier,
+                                            OverlappedGradientSum* overlapped);
   absl::Status SumGradientsOverReplicas(std::vector<Parameter>& params);
+  // Dense gradients over the replicas, expert ones over the expert replicas;
+  // only the sets with more than one rank.
+  std::vector<GradientSet> ReplicaGradientSets(
+      const std::vector<Parameter>& params) const;
   // Whether some parameter of `model` has copies holding partial gradients
   // that the engine (not the backward pass) must sum.
   bool HasGradientReplicas(const LlamaModel& model) const;

@@ -55,6 +55,7 @@ struct ServerOptions {
   int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
   // Every rank needs the same value (checked at start-up).
   int64_t bucket_mb = EngineOptions().bucket_mb;
+  bool overlap_grad_sync = EngineOptions().overlap_grad_sync;
 
   // Reliability (docs/reliability.md).
   // How long a missing seq_id may hold back the requests behind it.
