@@ -115,6 +115,9 @@ class Engine {
 
   // Direct access to a model's parameters, for tests and benchmarks.
   absl::StatusOr<LlamaModel*> model(const std::string& model_id);
+  // EngineOptions::overlap_grad_sync from the next call on. Results do not
+  // depend on it, so benchmarks may alternate it between calls.
+  void set_overlap_grad_sync(bool on) { options_.overlap_grad_sync = on; }
   const Mesh& mesh() const { return mesh_; }
   Communicator& world() { return *groups_.world; }
   // Reserved for replicating commands from rank 0 (never used by training
