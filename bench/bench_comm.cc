@@ -2,9 +2,13 @@
 // multi-rank runtime, measured from the Communicator counters of real rank
 // processes, against the theoretical data-parallel / ZeRO-3 / Megatron
 // volumes; and the parameter + gradient + optimizer bytes per rank as
-// dp_shard grows. Reported, not timed: see docs/performance.md.
+// dp_shard grows. Reported, not timed: see docs/performance.md. One timed
+// section: EAGER ForwardBackward on dp_replicate = 2 with the gradient
+// buckets summed during backward (--overlap-grad-sync, the default) versus
+// after it, launches of the two interleaved, the ratio of the medians.
 //
 //   build/bench/bench_comm   # or `make bench`; tables, then one JSON per row
+//   build/bench/bench_comm --overlap-only   # just the timed section
 //
 // The binary is its own launcher: for each mesh it starts one copy of itself
 // per rank through tally's local launcher (torchrun's RANK / WORLD_SIZE /
@@ -55,6 +59,9 @@ using nlohmann::json;
 // rank 0 appends its JSON rows to.
 constexpr char kMeshFlag[] = "--rank-of-mesh=";
 constexpr char kResultsFlag[] = "--results=";
+// A rank of the overlap section instead.
+constexpr char kOverlapFlag[] = "--rank-of-overlap";
+constexpr char kOverlapOnlyFlag[] = "--overlap-only";
 
 constexpr absl::Duration kRendezvousTimeout = absl::Seconds(60);
 // A rank stuck in a collective dies of SIGALRM after this, and the launcher
@@ -67,6 +74,16 @@ constexpr int kCallsPerStep[] = {1, 4};
 // A dp_shard-only mesh's model-state bytes may exceed total(1) / S by shard
 // padding (zero for the embedded model, whose dims all divide by 4).
 constexpr double kShardingTolerance = 0.01;
+
+// The overlap section: a model large enough for several buckets (4.5M
+// parameters, 18 MB of fp32 gradients, in 4 MiB buckets) and few tokens per
+// call (one 16-token sample per rank), so the sum is a visible part of a
+// call. In one pair of rank processes, calls alternate off / on in ABBA
+// order after a warm-up of each, so a drift of the machine's load hits both.
+constexpr int kOverlapSamples = 2;
+constexpr int kOverlapWarmupPairs = 1;
+constexpr int kOverlapPairs = 24;
+constexpr int64_t kOverlapBucketMb = 4;
 
 MeshShape Shape(int dp_replicate, int dp_shard, int tp) {
   MeshShape shape;
@@ -296,6 +313,63 @@ absl::Status RunRank(const MeshShape& shape, const std::string& results_path) {
   if (env.rank != 0) return absl::OkStatus();
   std::ofstream out(results_path, std::ios::app);
   for (const json& row : rows) out << row.dump() << "\n";
+  out.close();
+  if (!out) {
+    return absl::InternalError(absl::StrCat("cannot write ", results_path));
+  }
+  return absl::OkStatus();
+}
+
+LlamaConfig OverlapConfig() {
+  LlamaConfig config = LlamaConfig::EmbeddedDefault();
+  config.hidden_size = 256;
+  config.intermediate_size = 704;
+  config.num_hidden_layers = 6;
+  return config;
+}
+
+// Times EAGER ForwardBackward calls on dp_replicate = 2, alternating the
+// overlap off and on; rank 0 writes one row with every call's seconds.
+absl::Status RunOverlapRank(const std::string& results_path) {
+  SetLogLevel(LogLevel::kWarning);
+  torch::set_num_threads(1);  // the two ranks share the machine's cores
+  TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv({}, GetEnv));
+  TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(Shape(2, 1, 1), env.rank));
+  TALLY_ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroups> groups,
+                         ProcessGroups::Create(env, mesh, kRendezvousTimeout));
+  EngineOptions options;
+  options.bucket_mb = kOverlapBucketMb;
+  TALLY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                         Engine::Create(options, mesh, std::move(groups)));
+  ModelSpec spec = BenchSpec("overlap", GradSync::kEager);
+  spec.config = OverlapConfig();
+  TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+  std::vector<Sample> call = MakeCalls(1)[0];
+  call.resize(kOverlapSamples);
+  std::vector<double> seconds[2];  // [overlap]
+  for (int pair = 0; pair < kOverlapWarmupPairs + kOverlapPairs; ++pair) {
+    for (int i = 0; i < 2; ++i) {
+      const bool overlap = (pair + i) % 2 == 1;
+      engine->set_overlap_grad_sync(overlap);
+      const auto start = std::chrono::steady_clock::now();
+      TALLY_RETURN_IF_ERROR(
+          engine->ForwardBackward("overlap", {call}).status());
+      if (pair >= kOverlapWarmupPairs) {
+        seconds[overlap].push_back(std::chrono::duration<double>(
+                                       std::chrono::steady_clock::now() - start)
+                                       .count());
+      }
+    }
+  }
+  TALLY_ASSIGN_OR_RETURN(LlamaModel * model, engine->model("overlap"));
+  if (env.rank != 0) return absl::OkStatus();
+  std::ofstream out(results_path, std::ios::app);
+  out << json{{"kind", "overlap"},
+              {"params", model->NumParameters()},
+              {"off_seconds", seconds[0]},
+              {"on_seconds", seconds[1]}}
+             .dump()
+      << "\n";
   out.close();
   if (!out) {
     return absl::InternalError(absl::StrCat("cannot write ", results_path));
@@ -574,18 +648,19 @@ json SummaryJson(const json& row) {
   return out;
 }
 
-absl::StatusOr<std::vector<json>> LaunchMesh(const std::string& self,
-                                             const MeshShape& shape) {
+// Runs `nproc` copies of this binary with `rank_flag` and the results file;
+// returns the rows rank 0 wrote.
+absl::StatusOr<std::vector<json>> LaunchRanks(const std::string& self,
+                                              int nproc,
+                                              const std::string& rank_flag,
+                                              const std::string& label) {
   std::string path = "/tmp/bench_comm_XXXXXX";
   const int fd = mkstemp(path.data());
   if (fd < 0) return absl::InternalError("mkstemp failed for the results file");
   close(fd);
   LaunchOptions launch;
-  launch.nproc = shape.world_size();
-  launch.args = {self,
-                 absl::StrCat(kMeshFlag, shape.dp_replicate, ",",
-                              shape.dp_shard, ",", shape.tp),
-                 absl::StrCat(kResultsFlag, path)};
+  launch.nproc = nproc;
+  launch.args = {self, rank_flag, absl::StrCat(kResultsFlag, path)};
   const absl::Status launched = LaunchAndSupervise(launch);
   std::vector<json> rows;
   std::ifstream in(path);
@@ -597,14 +672,21 @@ absl::StatusOr<std::vector<json>> LaunchMesh(const std::string& self,
   }
   std::remove(path.c_str());
   if (!launched.ok()) {
-    return absl::Status(
-        launched.code(),
-        absl::StrCat("mesh ", shape.ToString(), ": ", launched.message()));
+    return absl::Status(launched.code(),
+                        absl::StrCat(label, ": ", launched.message()));
   }
   return rows;
 }
 
-int RunBenchmark(const std::string& self) {
+absl::StatusOr<std::vector<json>> LaunchMesh(const std::string& self,
+                                             const MeshShape& shape) {
+  return LaunchRanks(self, shape.world_size(),
+                     absl::StrCat(kMeshFlag, shape.dp_replicate, ",",
+                                  shape.dp_shard, ",", shape.tp),
+                     absl::StrCat("mesh ", shape.ToString()));
+}
+
+void BlockLauncherSignals() {
   // The launcher waits for these with sigtimedwait; block them before any
   // thread starts (see server/launcher.h).
   sigset_t signals;
@@ -612,9 +694,53 @@ int RunBenchmark(const std::string& self) {
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+}
 
+int RunOverlapSection(const std::string& self) {
+  absl::StatusOr<std::vector<json>> rows =
+      LaunchRanks(self, 2, kOverlapFlag, "overlap section");
+  if (!rows.ok() || rows->size() != 1) {
+    std::cerr << "bench_comm: "
+              << (rows.ok() ? absl::InternalError("expected one overlap row")
+                            : rows.status())
+              << "\n";
+    return 1;
+  }
+  const json& row = rows->front();
+  const int64_t params = row.at("params").get<int64_t>();
+  const std::vector<double> off = row.at("off_seconds");
+  const std::vector<double> on = row.at("on_seconds");
+  const double after = torch::tensor(off).median().item<double>();
+  const double during = torch::tensor(on).median().item<double>();
+  std::cout << absl::StrFormat(
+      "\nGradient sync overlap: EAGER ForwardBackward, dp_replicate=2, %d "
+      "params (fp32), %d MiB buckets, %d x %d tokens per call; %d calls per "
+      "mode alternating in one run; medians\n",
+      params, kOverlapBucketMb, kOverlapSamples, kTokensPerSample,
+      kOverlapPairs);
+  std::cout << absl::StrFormat("  %-38s %10s\n", "buckets summed", "s / call");
+  std::cout << absl::StrFormat("  %-38s %10.4f\n", "after backward (off)",
+                               after);
+  std::cout << absl::StrFormat("  %-38s %10.4f\n",
+                               "during backward (--overlap-grad-sync)", during);
+  std::cout << absl::StrFormat("  off / on = %.3f\n", after / during);
+  std::cout << json{{"bench", "grad_sync_overlap"},
+                    {"params", params},
+                    {"bucket_mb", kOverlapBucketMb},
+                    {"calls_per_mode", kOverlapPairs},
+                    {"after_s", after},
+                    {"during_s", during},
+                    {"off_over_on", after / during}}
+                   .dump()
+            << "\n";
+  return 0;
+}
+
+int RunBenchmark(const std::string& self, bool overlap_only) {
+  BlockLauncherSignals();
   // The launcher's per-rank start and exit lines would bury the tables.
   SetLogLevel(LogLevel::kWarning);
+  if (overlap_only) return RunOverlapSection(self);
   std::vector<json> comm_rows, state_rows;
   for (const MeshShape& shape : BenchMeshes()) {
     const absl::Time start = absl::Now();
@@ -641,7 +767,8 @@ int RunBenchmark(const std::string& self) {
     row["bench"] = "model_state";
     std::cout << row.dump() << "\n";
   }
-  return scales ? 0 : 1;
+  const int overlap = RunOverlapSection(self);
+  return scales ? overlap : 1;
 }
 
 }  // namespace
@@ -649,27 +776,37 @@ int RunBenchmark(const std::string& self) {
 
 int main(int argc, char** argv) {
   std::optional<std::string> mesh_arg, results_path;
+  bool overlap_only = false, overlap_rank = false;
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
     if (absl::ConsumePrefix(&arg, tally::kMeshFlag)) {
       mesh_arg = std::string(arg);
+    } else if (arg == tally::kOverlapFlag) {
+      overlap_rank = true;
     } else if (absl::ConsumePrefix(&arg, tally::kResultsFlag)) {
       results_path = std::string(arg);
+    } else if (arg == tally::kOverlapOnlyFlag) {
+      overlap_only = true;
     } else {
-      std::cerr << "usage: " << argv[0]
-                << "\n  (runs every mesh; no options)\n";
+      std::cerr << "usage: " << argv[0] << " [" << tally::kOverlapOnlyFlag
+                << "]\n  (runs every mesh, then the timed overlap section)\n";
       return 2;
     }
   }
-  if (!mesh_arg) return tally::RunBenchmark(argv[0]);
+  if (!mesh_arg && !overlap_rank) {
+    return tally::RunBenchmark(argv[0], overlap_only);
+  }
 
   alarm(tally::kRankDeadlineSeconds);
-  absl::Status status = absl::InvalidArgumentError(absl::StrCat(
-      tally::kResultsFlag, " is required with ", tally::kMeshFlag));
-  if (results_path) {
+  absl::Status status = absl::InvalidArgumentError(
+      absl::StrCat(tally::kResultsFlag, " is required with ", tally::kMeshFlag,
+                   " or ", tally::kOverlapFlag));
+  if (results_path && mesh_arg) {
     absl::StatusOr<tally::MeshShape> shape = tally::ParseMesh(*mesh_arg);
     status =
         shape.ok() ? tally::RunRank(*shape, *results_path) : shape.status();
+  } else if (results_path) {
+    status = tally::RunOverlapRank(*results_path);
   }
   if (!status.ok()) {
     std::cerr << "bench_comm rank: " << status << "\n";

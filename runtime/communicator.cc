@@ -39,6 +39,22 @@ int64_t CommStats::TotalCalls() const {
   return total;
 }
 
+PendingCollective PendingCollective::Done(absl::Status status) {
+  PendingCollective done(nullptr);
+  done.status_ = std::move(status);
+  return done;
+}
+
+absl::Status PendingCollective::Wait() {
+  if (!status_) status_ = wait_();
+  return *status_;
+}
+
+PendingCollective Communicator::AllReduceAsync(torch::Tensor tensor,
+                                               ReduceOp op) {
+  return PendingCollective::Done(AllReduce(tensor, op));
+}
+
 absl::Status Communicator::failure() const {
   std::lock_guard<std::mutex> lock(failure_mu_);
   return failure_;
@@ -82,14 +98,25 @@ class ProcessGroupCommunicator : public Communicator {
   int size() const override { return group_->getSize(); }
 
   absl::Status AllReduce(torch::Tensor& tensor, ReduceOp op) override {
+    return AllReduceAsync(tensor, op).Wait();
+  }
+
+  // The backend runs the op on its own threads; the group's collective
+  // timeout applies there, so Wait() fails (never hangs) when a peer is gone.
+  PendingCollective AllReduceAsync(torch::Tensor tensor, ReduceOp op) override {
     stats_.Record(CommOp::kAllReduce, Bytes(tensor));
-    return Latch(CatchTorch("all_reduce", [&] {
+    c10::intrusive_ptr<c10d::Work> work;
+    absl::Status started = CatchTorch("all_reduce", [&] {
       std::vector<at::Tensor> tensors = {tensor};
       c10d::AllreduceOptions options;
       options.reduceOp =
           op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
-      group_->allreduce(tensors, options)->wait();
-    }));
+      work = group_->allreduce(tensors, options);
+    });
+    if (!started.ok()) return PendingCollective::Done(Latch(started));
+    return PendingCollective([this, work] {
+      return Latch(CatchTorch("all_reduce", [&] { work->wait(); }));
+    });
   }
 
   absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& input) override {

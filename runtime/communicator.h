@@ -4,12 +4,18 @@
 // A small interface in the spirit of c10d's ProcessGroup: the runtime talks to
 // this, never to a backend, so tests can count collectives and a backend
 // without a native op (Gloo has no reduce-scatter) gets a documented fallback.
-// Every call is synchronous and applies in place where the op allows.
+// Every call is synchronous and applies in place where the op allows, except
+// AllReduceAsync, which returns at once (c10d's Work) so that a caller can
+// overlap the collective with computation.
 //
 //   std::unique_ptr<tally::Communicator> world = ...;
 //   torch::Tensor sq = torch::zeros({2}, torch::kFloat64);
 //   TALLY_RETURN_IF_ERROR(world->AllReduce(sq, tally::ReduceOp::kSum));
 //   int64_t n = world->stats().Get(tally::CommOp::kAllReduce).calls;
+//
+//   tally::PendingCollective sum = world->AllReduceAsync(buf, kSum);
+//   ...  // compute; `buf` stays untouched
+//   TALLY_RETURN_IF_ERROR(sum.Wait());
 #ifndef TALLY_RUNTIME_COMMUNICATOR_H_
 #define TALLY_RUNTIME_COMMUNICATOR_H_
 
@@ -17,8 +23,10 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,6 +70,22 @@ class CommStats {
   std::array<CommCounter, kNumCommOps> counters_{};
 };
 
+// A collective in flight: Wait() blocks until it completes and returns its
+// status; later calls return the same status without waiting.
+class PendingCollective {
+ public:
+  explicit PendingCollective(std::function<absl::Status()> wait)
+      : wait_(std::move(wait)) {}
+  // One that already finished (or never started) with `status`.
+  static PendingCollective Done(absl::Status status);
+
+  absl::Status Wait();
+
+ private:
+  std::function<absl::Status()> wait_;
+  std::optional<absl::Status> status_;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -70,6 +94,12 @@ class Communicator {
   virtual int size() const = 0;
 
   virtual absl::Status AllReduce(torch::Tensor& tensor, ReduceOp op) = 0;
+  // Starts the all-reduce of `tensor` (contiguous) in place and returns
+  // without waiting for it; `tensor` must stay alive and untouched until
+  // Wait(). Collectives of one group still pair up across ranks in the order
+  // they were started. This default runs AllReduce before returning, for
+  // backends that cannot start one and continue.
+  virtual PendingCollective AllReduceAsync(torch::Tensor tensor, ReduceOp op);
   // Concatenates every rank's `input` (same shape everywhere) along dim 0.
   virtual absl::StatusOr<torch::Tensor> AllGather(
       const torch::Tensor& input) = 0;

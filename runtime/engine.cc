@@ -292,6 +292,16 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
       p.tensor.mutable_grad() = torch::Tensor();
     }
   }
+  std::unique_ptr<OverlappedGradientSum> overlapped;
+  if (sync_call && options_.overlap_grad_sync) {
+    std::vector<GradientSet> replica_sets = ReplicaGradientSets(params);
+    // Nothing to overlap when only a tied embedding needs its stages' sum.
+    if (!replica_sets.empty()) {
+      TALLY_ASSIGN_OR_RETURN(
+          overlapped, OverlappedGradientSum::Create(std::move(replica_sets),
+                                                    options_.bucket_mb << 20));
+    }
+  }
 
   // Every micro-batch is packed (and split over cp) up front: under cp,
   // SAMPLE_MEAN needs each sample's T_b before the first backward.
@@ -389,6 +399,9 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
       const size_t b = static_cast<size_t>(step.micro_batch);
       const PipelineStep* next = i + 1 < steps.size() ? &steps[i + 1] : nullptr;
       if (!step.forward) {
+        // Backwards run in micro-batch order: the earlier ones only
+        // accumulate into what the call's last one sums.
+        if (overlapped && b + 1 == num_batches) overlapped->Arm();
         if (last) {
           stage_outputs[b].backward();
         } else {
@@ -509,7 +522,8 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     TALLY_RETURN_IF_ERROR(groups_.pp->AllReduce(gathered, ReduceOp::kSum));
   }
   if (sync_call) {
-    TALLY_RETURN_IF_ERROR(SyncCallGradients(model, std::move(earlier)));
+    TALLY_RETURN_IF_ERROR(
+        SyncCallGradients(model, std::move(earlier), overlapped.get()));
   }
 
   ForwardBackwardResult result;
@@ -583,21 +597,33 @@ bool Engine::NeedsGradientSync(LlamaModel& model) const {
          model.SplitTiedEmbedding() != nullptr;
 }
 
-absl::Status Engine::SyncGradients(LlamaModel& model) {
-  // Expert gradients sum over the expert-data-parallel ranks, the rest over
-  // the replicas; each set in flat buckets. Copies of a Parameter share its
-  // tensor, so the sums land in the model.
-  std::vector<Parameter> dense, expert;
-  for (const Parameter& p : model.parameters()) {
-    (p.is_expert ? expert : dense).push_back(p);
+std::vector<GradientSet> Engine::ReplicaGradientSets(
+    const std::vector<Parameter>& params) const {
+  GradientSet dense{groups_.replicas, {}};
+  GradientSet expert{groups_.expert_replicas, {}};
+  for (const Parameter& p : params) {
+    (p.is_expert ? expert : dense).parameters.push_back(p);
   }
-  for (auto& [group, subset] :
-       {std::pair<Communicator*, std::vector<Parameter>*>{groups_.replicas,
-                                                          &dense},
-        {groups_.expert_replicas, &expert}}) {
-    if (group->size() == 1 || subset->empty()) continue;
-    TALLY_RETURN_IF_ERROR(
-        AllReduceGradientsInBuckets(*subset, *group, options_.bucket_mb << 20));
+  std::vector<GradientSet> sets;
+  for (GradientSet* set : {&dense, &expert}) {
+    if (set->group->size() > 1 && !set->parameters.empty()) {
+      sets.push_back(std::move(*set));
+    }
+  }
+  return sets;
+}
+
+absl::Status Engine::SyncGradients(LlamaModel& model,
+                                   OverlappedGradientSum* overlapped) {
+  // Each replica set in flat buckets. Copies of a Parameter share its
+  // tensor, so the sums land in the model.
+  if (overlapped != nullptr) {
+    TALLY_RETURN_IF_ERROR(overlapped->Finish());
+  } else {
+    for (GradientSet& set : ReplicaGradientSets(model.parameters())) {
+      TALLY_RETURN_IF_ERROR(AllReduceGradientsInBuckets(
+          set.parameters, *set.group, options_.bucket_mb << 20));
+    }
   }
   Parameter* tied = model.SplitTiedEmbedding();
   if (tied == nullptr) return absl::OkStatus();
@@ -617,8 +643,9 @@ absl::Status Engine::SyncGradients(LlamaModel& model) {
 }
 
 absl::Status Engine::SyncCallGradients(LlamaModel& model,
-                                       std::vector<torch::Tensor> earlier) {
-  TALLY_RETURN_IF_ERROR(SyncGradients(model));
+                                       std::vector<torch::Tensor> earlier,
+                                       OverlappedGradientSum* overlapped) {
+  TALLY_RETURN_IF_ERROR(SyncGradients(model, overlapped));
   std::vector<Parameter>& params = model.parameters();
   return CatchTorch("accumulate gradients", [&] {
     torch::NoGradGuard no_grad;

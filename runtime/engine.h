@@ -25,6 +25,7 @@
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
 #include "runtime/distributed.h"
+#include "runtime/grad_buckets.h"
 #include "runtime/llama_model.h"
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
@@ -70,6 +71,10 @@ struct EngineOptions {
   // a call are split into (each then batched by max_batch_tokens) to flow
   // through the stages; 0 means the number of stages.
   int pp_microbatches = 0;
+  // EAGER: start the buckets' all-reduces from gradient hooks during the
+  // last backward of a call, so communication overlaps the rest of it (same
+  // results, bitwise). Off: all of them after backward.
+  bool overlap_grad_sync = true;
 };
 
 class Engine {
@@ -118,6 +123,9 @@ class Engine {
 
   // Direct access to a model's parameters, for tests and benchmarks.
   absl::StatusOr<LlamaModel*> model(const std::string& model_id);
+  // EngineOptions::overlap_grad_sync from the next call on. Results do not
+  // depend on it, so benchmarks may alternate it between calls.
+  void set_overlap_grad_sync(bool on) { options_.overlap_grad_sync = on; }
   const Mesh& mesh() const { return mesh_; }
   Communicator& world() { return *groups_.world; }
   // Reserved for replicating commands from rank 0 (never used by training
@@ -165,8 +173,16 @@ class Engine {
   // Sums this call's gradients (SyncGradients), leaving earlier calls'
   // (already summed) untouched.
   absl::Status SyncCallGradients(LlamaModel& model,
-                                 std::vector<torch::Tensor> earlier);
-  absl::Status SyncGradients(LlamaModel& model);
+                                 std::vector<torch::Tensor> earlier,
+                                 OverlappedGradientSum* overlapped);
+  // The replica sums (through `overlapped`, which started during backward,
+  // when set), then the tied embedding's.
+  absl::Status SyncGradients(LlamaModel& model,
+                             OverlappedGradientSum* overlapped = nullptr);
+  // Dense gradients over the replicas, expert ones over the expert replicas;
+  // only the sets with more than one rank.
+  std::vector<GradientSet> ReplicaGradientSets(
+      const std::vector<Parameter>& params) const;
   // Consolidates a sharded or staged model onto rank 0 (nullptrs elsewhere).
   absl::Status GatherOnWriter(ModelState& state,
                               std::unique_ptr<LlamaModel>& full_model,

@@ -158,6 +158,9 @@ const std::vector<FlagSpec>& Flags() {
        "MiB per flat bucket of the gradient all-reduce over replicas",
        IntFlag("bucket-mb", 1, 1 << 16,
                [](ServerOptions& o, int64_t v) { o.bucket_mb = v; })},
+      {"overlap-grad-sync", nullptr,
+       "EAGER: sum gradient buckets during backward (=false: after it)",
+       BoolFlag("overlap-grad-sync", &ServerOptions::overlap_grad_sync)},
       // Reliability (docs/reliability.md).
       {"seq-gap-timeout-secs", "S",
        "how long a missing seq_id may hold back the requests behind it "

@@ -146,6 +146,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
   engine_options.max_batch_tokens = options.max_batch_tokens;
   engine_options.bucket_mb = options.bucket_mb;
   engine_options.pp_microbatches = static_cast<int>(options.pp_microbatches);
+  engine_options.overlap_grad_sync = options.overlap_grad_sync;
   TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
   if (env.world_size != options.mesh.world_size()) {
     return absl::InvalidArgumentError(

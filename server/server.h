@@ -57,6 +57,7 @@ struct ServerOptions {
   int64_t bucket_mb = EngineOptions().bucket_mb;
   // Micro-batches per call under pipeline parallelism; 0: --pp.
   int64_t pp_microbatches = EngineOptions().pp_microbatches;
+  bool overlap_grad_sync = EngineOptions().overlap_grad_sync;
 
   // Reliability (docs/reliability.md).
   // How long a missing seq_id may hold back the requests behind it.

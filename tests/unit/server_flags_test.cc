@@ -25,6 +25,8 @@ TEST(ServerFlagsTest, ParsesKebabCaseInBothForms) {
   EXPECT_EQ(flags->options.port_file, "/tmp/p.json");
   EXPECT_FALSE(flags->help);
   EXPECT_FALSE(Parse({"--demo-model=false"})->options.demo_model);
+  EXPECT_TRUE(Parse({})->options.overlap_grad_sync);
+  EXPECT_FALSE(Parse({"--overlap-grad-sync=false"})->options.overlap_grad_sync);
 }
 
 TEST(ServerFlagsTest, MeshAndRankFlags) {
