@@ -37,6 +37,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "bench/bench_main.h"
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
 #include "runtime/llama_model.h"
@@ -349,13 +350,6 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
 }  // namespace tally
 
 int main(int argc, char** argv) {
-  const absl::StatusOr<tally::Options> options =
-      tally::ParseOptions(argc, argv);
-  absl::Status status = options.status();
-  if (status.ok()) status = tally::Run(*options);
-  if (!status.ok()) {
-    std::cerr << "bench_optim_step: " << status << "\n";
-    return 1;
-  }
-  return 0;
+  return tally::BenchMain("bench_optim_step", tally::ParseOptions(argc, argv),
+                          tally::Run);
 }

@@ -24,6 +24,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
+#include "bench/bench_main.h"
 #include "client/trainer_client.h"
 #include "runtime/engine.h"
 #include "runtime/llama_config.h"
@@ -193,13 +194,6 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
 }  // namespace tally
 
 int main(int argc, char** argv) {
-  const absl::StatusOr<tally::Options> options =
-      tally::ParseOptions(argc, argv);
-  absl::Status status = options.status();
-  if (status.ok()) status = tally::Run(*options);
-  if (!status.ok()) {
-    std::cerr << "bench_rpc: " << status << "\n";
-    return 1;
-  }
-  return 0;
+  return tally::BenchMain("bench_rpc", tally::ParseOptions(argc, argv),
+                          tally::Run);
 }
