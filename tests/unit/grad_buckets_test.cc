@@ -199,6 +199,15 @@ TEST(GradBucketsTest, OverlappedSumRejectsAnEmptyBucket) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// This rank's groups on a dp_replicate = 2 mesh (its world: the pair).
+absl::StatusOr<std::unique_ptr<ProcessGroups>> ReplicaPairGroups(
+    const RankEnv& env) {
+  MeshShape shape;
+  shape.dp_replicate = 2;
+  TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+  return ProcessGroups::Create(env, mesh, absl::Seconds(60), absl::Seconds(20));
+}
+
 // Two ranks, two micro-batches, only the second armed. Laid out from w3 to
 // w0 with "unused" in it, the planned buckets are [w3, w2 | w2 | w1 | w1,
 // unused, w0 | w0]: the first three start during the armed backward, the
@@ -207,12 +216,8 @@ TEST(GradBucketsTest, OverlappedSumRejectsAnEmptyBucket) {
 // post-backward AllReduceGradientsInBuckets, bit for bit.
 TEST(GradBucketsTest, OverlappedSumStartsBucketsDuringBackward) {
   testing::RunOnRanks(2, [](const RankEnv& env) -> absl::Status {
-    MeshShape shape;
-    shape.dp_replicate = 2;
-    TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
-    TALLY_ASSIGN_OR_RETURN(
-        std::unique_ptr<ProcessGroups> groups,
-        ProcessGroups::Create(env, mesh, absl::Seconds(60), absl::Seconds(20)));
+    TALLY_ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroups> groups,
+                           ReplicaPairGroups(env));
     Communicator& group = groups->world();
 
     std::vector<Parameter> params = MakeChain();
@@ -264,12 +269,8 @@ TEST(GradBucketsTest, OverlappedSumStartsBucketsDuringBackward) {
 // pairs the next collective correctly.
 TEST(GradBucketsTest, OverlappedSumAbandonedKeepsTheGroupInStep) {
   testing::RunOnRanks(2, [](const RankEnv& env) -> absl::Status {
-    MeshShape shape;
-    shape.dp_replicate = 2;
-    TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
-    TALLY_ASSIGN_OR_RETURN(
-        std::unique_ptr<ProcessGroups> groups,
-        ProcessGroups::Create(env, mesh, absl::Seconds(60), absl::Seconds(20)));
+    TALLY_ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroups> groups,
+                           ReplicaPairGroups(env));
     Communicator& group = groups->world();
     std::vector<Parameter> params = MakeChain();
     group.stats().Reset();
