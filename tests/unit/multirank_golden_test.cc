@@ -655,6 +655,9 @@ TEST_P(PipelineGoldenTest, EqualsTheSingleDeviceRun) {
 const auto kPipelineMeshes = ::testing::Values(
     MeshCase{"pp2", PipelineShape(2)}, MeshCase{"pp4", PipelineShape(4)},
     MeshCase{"pp2_dp_shard2", PipelineShape(2, 2)},
+    // Replica sums (overlapped with backward in EAGER) before the tied
+    // embedding's stage sum.
+    MeshCase{"pp2_dp_replicate2", Shape(2, 1, 1, 1, 1, 2)},
     MeshCase{"pp2_tp2", PipelineShape(2, 1, 2)},
     MeshCase{"pp2_dp_shard2_tp2", PipelineShape(2, 2, 2)},
     // A MoE model: each stage dispatches its own layers' tokens over ep, and
