@@ -180,6 +180,18 @@ TEST(GradStatsTest, FiniteDoublesWhoseSquaresOverflowAreNotNonfinite) {
   EXPECT_FALSE(stats.nonfinite);
 }
 
+// Neighbouring chunks are swept in pairs of one dtype: a list alternating
+// float and double chunks of uneven lengths, where no pair can form across
+// the dtype change and the paired chunks differ in length.
+TEST(GradStatsTest, MixedDtypeListMatchesReference) {
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble);
+  ExpectMatchesReference({torch::randn({65536 + 3}, f32),
+                          torch::randn({2 * 65536 + 5}, f64),
+                          torch::randn({7}, f32), torch::randn({65536}, f32),
+                          torch::randn({11}, f64)});
+}
+
 TEST(GradStatsTest, RejectsUnsupportedDtypes) {
   const torch::Tensor floats = torch::ones({4});
   EXPECT_THROW(MultiTensorGradStats({floats, torch::ones({4}, torch::kInt)}),
