@@ -127,6 +127,11 @@ absl::StatusOr<LlamaModel*> Engine::model(const std::string& model_id) {
   return state->model.get();
 }
 
+absl::StatusOr<Optimizer*> Engine::optimizer(const std::string& model_id) {
+  TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
+  return state->optimizer.get();
+}
+
 ModelSummary Engine::Summarize(const ModelState& state) {
   ModelSummary s;
   s.model_id = state.spec.model_id;
@@ -139,6 +144,7 @@ ModelSummary Engine::Summarize(const ModelState& state) {
   s.default_adam = state.spec.default_adam;
   s.default_max_grad_norm = state.spec.default_max_grad_norm;
   s.grad_sync = state.spec.grad_sync;
+  s.damage = state.damage;
   return s;
 }
 
@@ -232,6 +238,7 @@ absl::StatusOr<ModelSummary> Engine::DeleteModel(const std::string& model_id) {
 absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
     const std::string& model_id, const ForwardBackwardArgs& args) {
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
+  TALLY_RETURN_IF_ERROR(CheckIntact(*state));
   TALLY_RETURN_IF_ERROR(ValidateSamples(state->spec.config, args.samples));
   if (!args.forward_only) {
     TALLY_RETURN_IF_ERROR(state->window.CheckReduction(args.reduction));
@@ -665,6 +672,13 @@ void Engine::ClearWindow(ModelState& state) {
   state.replicas_summed = false;
 }
 
+absl::Status Engine::CheckIntact(const ModelState& state) {
+  if (state.damage.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "model '", state.spec.model_id, "' may have partly updated parameters: ",
+      state.damage, "; LoadCheckpoint a checkpoint to restore it"));
+}
+
 void Engine::Poison(ModelState& state, std::string reason) {
   if (state.poisoned) return;  // the first cause is the one to report
   state.poisoned = true;
@@ -692,6 +706,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
                                                   const OptimStepArgs& args) {
   const auto start = std::chrono::steady_clock::now();
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
+  TALLY_RETURN_IF_ERROR(CheckIntact(*state));
   if (state->poisoned) {
     return absl::AbortedError(absl::StrCat(
         "the accumulation window is poisoned (", state->poison_reason,
@@ -777,7 +792,19 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   absl::Status stepped =
       AgreeAcrossRanks(state->optimizer->Step(hp, clip.grad_scale));
   ClearWindow(*state);
-  TALLY_RETURN_IF_ERROR(stepped);
+  if (!stepped.ok()) {
+    // Some parameters (on some rank) may have taken the update already.
+    state->damage = absl::StrCat(
+        "an OptimStep failed while updating the parameters of "
+        "step ",
+        state->step + 1, " (", stepped.message(), ")");
+    return absl::Status(
+        stepped.code(),
+        absl::StrCat(state->damage,
+                     "; the parameters may be partly updated, so the model "
+                     "refuses ForwardBackward, OptimStep and SaveCheckpoint "
+                     "until a LoadCheckpoint restores it"));
+  }
   result.step = ++state->step;
   result.metrics["seconds"] = SecondsSince(start);
   return result;
@@ -795,6 +822,7 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
                                                   const std::string& path,
                                                   const SaveOptions& options) {
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
+  TALLY_RETURN_IF_ERROR(CheckIntact(*state));
   const WindowCounts pending = state->window.counts();
   if ((pending.calls > 0 || state->poisoned) && !options.allow_pending) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -955,11 +983,12 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   // Phase 2: apply.
   absl::Status loaded = LoadWeightsInto(contents, *state->model);
   if (!loaded.ok()) {
-    // A copy failed midway: weights are mixed.
-    Poison(*state, absl::StrCat("LoadCheckpoint failed while copying weights: ",
-                                loaded.message()));
+    // A copy failed midway: weights are mixed, whatever the window says.
+    state->damage = absl::StrCat(
+        "LoadCheckpoint failed while copying weights (", loaded.message(), ")");
     return loaded;
   }
+  state->damage.clear();
   LoadResult result;
   result.discarded = state->window.counts();
   state->optimizer = std::move(optimizer);

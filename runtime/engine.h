@@ -111,7 +111,9 @@ class Engine {
   absl::StatusOr<bool> WindowPoisoned(const std::string& model_id) const;
 
   // FAILED_PRECONDITION while a window is pending (or poisoned) unless
-  // options.allow_pending.
+  // options.allow_pending. ForwardBackward, OptimStep and SaveCheckpoint
+  // refuse a model whose parameters a failed OptimStep or LoadCheckpoint may
+  // have left partly updated (ModelSummary::damage), until a LoadCheckpoint.
   absl::StatusOr<SaveResult> SaveCheckpoint(const std::string& model_id,
                                             const std::string& path,
                                             const SaveOptions& options = {});
@@ -123,6 +125,7 @@ class Engine {
 
   // Direct access to a model's parameters, for tests and benchmarks.
   absl::StatusOr<LlamaModel*> model(const std::string& model_id);
+  absl::StatusOr<Optimizer*> optimizer(const std::string& model_id);
   // EngineOptions::overlap_grad_sync from the next call on. Results do not
   // depend on it, so benchmarks may alternate it between calls.
   void set_overlap_grad_sync(bool on) { options_.overlap_grad_sync = on; }
@@ -150,6 +153,10 @@ class Engine {
     // trusted until it is aborted. `poison_reason` says why.
     bool poisoned = false;
     std::string poison_reason;
+    // Set when the parameters may be partly updated (an optimizer step or a
+    // weight copy failed midway): the model refuses to train or be saved
+    // until a LoadCheckpoint replaces them. Says why.
+    std::string damage;
     // DEFERRED: the window's gradients were already summed over the replicas
     // and tied copies (by an OptimStep that then refused to step), so later
     // calls of the window must sum their own share before adding it.
@@ -191,6 +198,9 @@ class Engine {
   // applies what another refused.
   absl::Status AgreeAcrossRanks(absl::Status local);
   static void ClearWindow(ModelState& state);
+  // FAILED_PRECONDITION naming the damage when the parameters may be partly
+  // updated.
+  static absl::Status CheckIntact(const ModelState& state);
   static void Poison(ModelState& state, std::string reason);
 
   EngineOptions options_;

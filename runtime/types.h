@@ -129,6 +129,9 @@ struct ModelSummary {
   AdamParams default_adam;
   double default_max_grad_norm = 0.0;
   GradSync grad_sync = GradSync::kEager;
+  // Non-empty when the parameters may be partly updated (an OptimStep or a
+  // LoadCheckpoint failed midway): why. Only a LoadCheckpoint repairs it.
+  std::string damage;
 };
 
 struct SaveOptions {

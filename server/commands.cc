@@ -153,7 +153,17 @@ absl::Status Run(Engine& engine, const std::string& payload,
   }
   *model_id = request.model_id();
   Response response;
-  return execute(engine, request, &response);
+  bool threw = true;
+  absl::Status status = CatchTorch("a replicated command", [&] {
+    absl::Status executed = execute(engine, request, &response);
+    threw = false;
+    return executed;
+  });
+  if (threw && !model_id->empty()) {
+    // The window may hold part of the call: never step on it silently.
+    engine.PoisonWindow(*model_id, std::string(status.message())).IgnoreError();
+  }
+  return status;
 }
 
 }  // namespace

@@ -269,6 +269,7 @@ void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_default_max_grad_norm(s.default_max_grad_norm);
   out->set_grad_sync(s.grad_sync == GradSync::kDeferred ? v1::GRAD_SYNC_DEFERRED
                                                         : v1::GRAD_SYNC_EAGER);
+  out->set_damage(s.damage);
 }
 
 void ToProto(const ForwardBackwardResult& r, v1::ForwardBackwardResponse* out) {

@@ -1,5 +1,11 @@
 #include "server/executor.h"
 
+#include <exception>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/log.h"
+
 namespace tally {
 
 CommandExecutor::CommandExecutor() : thread_([this] { Loop(); }) {}
@@ -35,7 +41,17 @@ void CommandExecutor::Loop() {
       command = std::move(queue_.front());
       queue_.pop_front();
     }
-    command();
+    // Commands answer their own failures (RequestScheduler turns a thrown
+    // exception into INTERNAL); one that still escapes must not end the
+    // process, nor the commands queued behind it.
+    try {
+      command();
+    } catch (const std::exception& e) {
+      Log(LogLevel::kError,
+          absl::StrCat("a queued command threw and was dropped: ", e.what()));
+    } catch (...) {
+      Log(LogLevel::kError, "a queued command threw and was dropped");
+    }
   }
 }
 

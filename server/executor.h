@@ -3,7 +3,8 @@
 //
 // gRPC callback handlers must not block, and a multi-rank engine must execute
 // the same command sequence on every rank, so every engine call goes through
-// this single queue. Stop() runs what is already queued, then joins.
+// this single queue. Stop() runs what is already queued, then joins. A
+// command that throws is logged and dropped; the loop goes on.
 //
 //   tally::CommandExecutor executor;
 //   if (!executor.Submit([&] { engine->OptimStep(id, args); })) { ... }

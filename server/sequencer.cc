@@ -194,10 +194,23 @@ Sequencer::~Sequencer() {
 }
 
 void Sequencer::AddModel(const std::string& model_id) {
-  absl::MutexLock lock(&mu_);
-  auto queue = std::make_shared<ModelQueue>();
-  queue->model_id = model_id;
-  models_[model_id] = std::move(queue);
+  Replies replies;
+  {
+    absl::MutexLock lock(&mu_);
+    auto queue = std::make_shared<ModelQueue>();
+    queue->model_id = model_id;
+    std::shared_ptr<ModelQueue>& slot = models_[model_id];
+    if (slot != nullptr) {
+      slot->removed = true;
+      AnswerWaiting(*slot,
+                    absl::NotFoundError(
+                        absl::StrCat("model '", model_id, "' was re-created")),
+                    replies);
+      CloseGap(*slot);
+    }
+    slot = std::move(queue);
+  }
+  Send(replies);
 }
 
 void Sequencer::RemoveModel(const std::string& model_id) {
@@ -207,19 +220,30 @@ void Sequencer::RemoveModel(const std::string& model_id) {
     auto it = models_.find(model_id);
     if (it == models_.end()) return;
     ModelQueue& queue = *it->second;
-    for (auto& [seq_id, waiting] : queue.pending) {
-      if (queue.dispatched && seq_id == queue.next_seq_id) continue;
-      for (SequencedRequest& caller : waiting.callers) {
-        replies.push_back({std::move(caller),
-                           {absl::NotFoundError(absl::StrCat(
-                                "model '", model_id, "' was deleted")),
-                            ""}});
-      }
-    }
+    queue.removed = true;
+    AnswerWaiting(queue,
+                  absl::NotFoundError(absl::StrCat("model '", model_id,
+                                                   "' was deleted before this "
+                                                   "request ran")),
+                  replies);
     CloseGap(queue);
     models_.erase(it);
   }
   Send(replies);
+}
+
+void Sequencer::AnswerWaiting(ModelQueue& queue, const absl::Status& status,
+                              Replies& replies) {
+  for (auto it = queue.pending.begin(); it != queue.pending.end();) {
+    if (queue.dispatched && it->first == queue.next_seq_id) {
+      ++it;
+      continue;
+    }
+    for (SequencedRequest& caller : it->second.callers) {
+      replies.push_back({std::move(caller), {status, ""}});
+    }
+    it = queue.pending.erase(it);
+  }
 }
 
 void Sequencer::Submit(const std::string& model_id, SequencedRequest request) {
@@ -243,7 +267,8 @@ void Sequencer::Submit(const std::string& model_id, SequencedRequest request) {
         answer(absl::AlreadyExistsError(absl::StrCat(
             "seq_id ", seq_id, " of model '", model_id,
             "' was executed and its response is no longer cached (the "
-            "server keeps the last ",
+            "server keeps those of the current and the previous window, and "
+            "at least the last ",
             options_.cache_size, "); next_seq_id is ", queue.next_seq_id)));
       } else if (done->second.fingerprint != request.fingerprint) {
         answer(absl::AlreadyExistsError(
@@ -283,7 +308,7 @@ void Sequencer::CloseGap(ModelQueue& queue) {
 void Sequencer::Advance(const std::shared_ptr<ModelQueue>& queue,
                         Replies& replies) {
   ModelQueue& q = *queue;
-  if (q.dispatched) return;
+  if (q.dispatched || q.removed) return;
   auto first = q.pending.begin();
   if (first == q.pending.end()) {
     CloseGap(q);
@@ -317,25 +342,37 @@ void Sequencer::RunNext(const std::shared_ptr<ModelQueue>& queue) {
   uint64_t seq_id = 0, fingerprint = 0;
   while (live.empty()) {
     std::vector<SequencedRequest> callers;
-    Replies abandoned;
+    Replies unrun;
+    bool removed = false;
     {
       absl::MutexLock lock(&mu_);
       seq_id = q.next_seq_id;
+      removed = q.removed;
       auto waiting = q.pending.find(seq_id);
       if (waiting != q.pending.end()) {
         fingerprint = waiting->second.fingerprint;
         callers = std::move(waiting->second.callers);
         waiting->second.callers.clear();
       }
-      if (callers.empty()) {
-        // Every caller gave up: the seq_id stays unused for their retry.
+      if (callers.empty() || removed) {
+        // Every caller gave up (the seq_id stays unused for their retry), or
+        // the model is gone: nothing runs.
         if (waiting != q.pending.end()) q.pending.erase(waiting);
         q.dispatched = false;
-        Advance(queue, abandoned);
+        Advance(queue, unrun);
       }
     }
-    if (callers.empty()) {
-      Send(abandoned);
+    if (removed) {
+      for (SequencedRequest& caller : callers) {
+        unrun.push_back({std::move(caller),
+                         {absl::NotFoundError(absl::StrCat(
+                              "model '", q.model_id,
+                              "' was deleted before this request ran")),
+                          ""}});
+      }
+    }
+    if (callers.empty() || removed) {
+      Send(unrun);
       return;
     }
     Replies refused;
@@ -354,21 +391,22 @@ void Sequencer::RunNext(const std::shared_ptr<ModelQueue>& queue) {
   Replies replies;
   {
     absl::MutexLock lock(&mu_);
-    SequencerState::Outcome& cached = q.outcomes[seq_id];
+    SequencerState::Outcome cached;
     cached.seq_id = seq_id;
     cached.fingerprint = fingerprint;
     cached.code = outcome.status.code();
     cached.message = std::string(outcome.status.message());
     cached.response = outcome.response;
-    while (q.outcomes.size() > std::max<size_t>(options_.cache_size, 1)) {
-      q.outcomes.erase(q.outcomes.begin());
-    }
+    Remember(q, std::move(cached), outcome.closes_window);
     q.next_seq_id = seq_id + 1;
+    q.restored = false;
     auto joined = q.pending.find(seq_id);
-    for (SequencedRequest& caller : joined->second.callers) {
-      live.push_back(std::move(caller));
+    if (joined != q.pending.end()) {
+      for (SequencedRequest& caller : joined->second.callers) {
+        live.push_back(std::move(caller));
+      }
+      q.pending.erase(joined);
     }
-    q.pending.erase(joined);
     q.dispatched = false;
     Advance(queue, replies);
   }
@@ -378,49 +416,89 @@ void Sequencer::RunNext(const std::shared_ptr<ModelQueue>& queue) {
   Send(replies);
 }
 
+void Sequencer::Remember(ModelQueue& queue, SequencerState::Outcome outcome,
+                         bool closes_window) {
+  const uint64_t seq_id = outcome.seq_id;
+  queue.cached_bytes += outcome.response.size();
+  queue.outcomes[seq_id] = std::move(outcome);
+  if (closes_window) {
+    queue.previous_window_start = queue.window_start;
+    queue.window_start = seq_id + 1;
+  }
+  Prune(queue);
+}
+
+void Sequencer::Prune(ModelQueue& queue) const {
+  const size_t floor = std::max<size_t>(options_.cache_size, 1);
+  while (queue.outcomes.size() > floor) {
+    auto oldest = queue.outcomes.begin();
+    const bool in_kept_windows = oldest->first >= queue.previous_window_start;
+    if (in_kept_windows && queue.cached_bytes <= options_.cache_bytes) break;
+    queue.cached_bytes -= oldest->second.response.size();
+    queue.outcomes.erase(oldest);
+  }
+}
+
+absl::Status Sequencer::GapTimedOut(const ModelQueue& queue, uint64_t seq_id,
+                                    uint64_t missing) const {
+  if (queue.restored) {
+    return absl::AbortedError(absl::StrCat(
+        "model '", queue.model_id,
+        "' was restored from a checkpoint to next_seq_id ", missing,
+        ", and seq_id ", seq_id,
+        " is ahead of it: the requests before it were lost with the previous "
+        "server process; resend the window from seq_id ",
+        missing, " (ModelInfo.next_seq_id)"));
+  }
+  return absl::AbortedError(absl::StrCat(
+      "seq_id ", seq_id, " of model '", queue.model_id, "' waited ",
+      absl::FormatDuration(options_.gap_timeout), " for seq_id ", missing,
+      ", which never arrived; the accumulation window is poisoned: call "
+      "AbortAccumulation and resend from seq_id ",
+      missing, " (ModelInfo.next_seq_id)"));
+}
+
 void Sequencer::GapTimerLoop() {
   absl::MutexLock lock(&mu_);
+  auto deadline = [this](const ModelQueue& q) {
+    if (q.gap_since == absl::InfiniteFuture()) return absl::InfiniteFuture();
+    return q.gap_since +
+           (q.restored ? options_.restored_gap_timeout : options_.gap_timeout);
+  };
   while (!exiting_) {
     absl::Time earliest = absl::InfiniteFuture();
     for (const auto& [id, queue] : models_) {
-      if (queue->gap_since != absl::InfiniteFuture()) {
-        earliest = std::min(earliest, queue->gap_since + options_.gap_timeout);
-      }
+      earliest = std::min(earliest, deadline(*queue));
     }
     const absl::Time now = absl::Now();
     if (earliest > now) {
       gap_changed_.WaitWithDeadline(&mu_, earliest);
       continue;
     }
-    std::vector<std::pair<std::string, Replies>> timed_out;
+    // Models whose window a lost request poisoned, and the answers.
+    std::vector<std::string> poisoned;
+    Replies replies;
     for (auto& [id, queue] : models_) {
       ModelQueue& q = *queue;
-      if (q.gap_since + options_.gap_timeout > now) continue;
+      if (deadline(q) > now) continue;
       const uint64_t missing = q.next_seq_id;
+      // A restored model lost the requests with the process: nothing of its
+      // window ran, so there is nothing to poison.
+      if (!q.restored) poisoned.push_back(id);
       CloseGap(q);
-      Replies replies;
       for (auto& [seq_id, waiting] : q.pending) {
         for (SequencedRequest& caller : waiting.callers) {
           replies.push_back(
-              {std::move(caller),
-               {absl::AbortedError(absl::StrCat(
-                    "seq_id ", seq_id, " of model '", id, "' waited ",
-                    absl::FormatDuration(options_.gap_timeout), " for seq_id ",
-                    missing,
-                    ", which never arrived; the accumulation window is "
-                    "poisoned: call AbortAccumulation and resend from seq_id ",
-                    missing, " (ModelInfo.next_seq_id)")),
-                ""}});
+              {std::move(caller), {GapTimedOut(q, seq_id, missing), ""}});
         }
       }
       q.pending.clear();
-      timed_out.emplace_back(id, std::move(replies));
     }
     mu_.Unlock();
-    for (auto& [id, replies] : timed_out) {
+    for (const std::string& id : poisoned) {
       if (hooks_.on_gap_timeout) hooks_.on_gap_timeout(id);
-      Send(replies);
     }
+    Send(replies);
     mu_.Lock();
   }
 }
@@ -432,18 +510,8 @@ void Sequencer::Stop(absl::Status status) {
     if (!stopped_.ok()) return;
     stopped_ = status;
     for (auto& [id, queue] : models_) {
-      ModelQueue& q = *queue;
-      for (auto it = q.pending.begin(); it != q.pending.end();) {
-        if (q.dispatched && it->first == q.next_seq_id) {
-          ++it;
-          continue;
-        }
-        for (SequencedRequest& caller : it->second.callers) {
-          replies.push_back({std::move(caller), {status, ""}});
-        }
-        it = q.pending.erase(it);
-      }
-      CloseGap(q);
+      AnswerWaiting(*queue, status, replies);
+      CloseGap(*queue);
     }
   }
   Send(replies);
@@ -489,14 +557,19 @@ absl::Status Sequencer::ImportState(const std::string& model_id,
         "model '", model_id, "' has sequenced requests waiting or executing"));
   }
   q.next_seq_id = state.next_seq_id;
+  q.restored = true;
   q.outcomes.clear();
+  q.cached_bytes = 0;
+  // The restored outcomes were what retention kept: they stay retryable.
+  q.window_start = q.previous_window_start =
+      state.outcomes.empty() ? state.next_seq_id
+                             : state.outcomes.front().seq_id;
   for (SequencerState::Outcome& outcome : state.outcomes) {
+    q.cached_bytes += outcome.response.size();
     const uint64_t seq_id = outcome.seq_id;
     q.outcomes[seq_id] = std::move(outcome);
   }
-  while (q.outcomes.size() > std::max<size_t>(options_.cache_size, 1)) {
-    q.outcomes.erase(q.outcomes.begin());
-  }
+  Prune(q);
   return absl::OkStatus();
 }
 

@@ -12,7 +12,15 @@
 //     `gap_timeout`, `on_gap_timeout` runs (the caller poisons the window) and
 //     every waiting request of the model gets ABORTED;
 //   - a caller that gave up before its request ran (see `precheck`) leaves the
-//     seq_id unused, so its retry executes it.
+//     seq_id unused, so its retry executes it;
+//   - every caller is answered exactly once: removing a model answers its
+//     waiting callers NOT_FOUND and forgets them, and work dispatched for a
+//     removed model runs nothing. A model's queue is its incarnation: a model
+//     removed and added again under the same id starts a new queue, and no
+//     request accepted by the old one can run on the new one;
+//   - after ImportState (a restored model), a request ahead of the restored
+//     next_seq_id is answered ABORTED after `restored_gap_timeout` instead of
+//     the full gap timeout: its predecessors were lost with the process.
 // It knows nothing of gRPC or the engine: callers supply closures, and the
 // state a checkpoint needs (next seq_id and cached outcomes) round-trips
 // through SequencerState.
@@ -52,6 +60,9 @@ namespace tally {
 struct SequencedOutcome {
   absl::Status status;
   std::string response;  // the serialized response message when OK
+  // The request ended an accumulation window (a successful OptimStep, an
+  // AbortAccumulation): outcome retention counts windows by it.
+  bool closes_window = false;
 };
 
 struct SequencedRequest {
@@ -73,8 +84,18 @@ struct SequencedRequest {
 struct SequencerOptions {
   // How long a missing seq_id may hold back the requests behind it.
   absl::Duration gap_timeout = absl::Seconds(30);
-  // Outcomes kept per model for retries: the last `cache_size` seq_ids.
+  // The same for a model restored by ImportState whose restored next_seq_id
+  // has not arrived yet: a client ahead of it lost its predecessors with the
+  // previous process and is told so soon. Short, not zero, so that a client
+  // pipelining from the restored seq_id is not refused for a reordering.
+  absl::Duration restored_gap_timeout = absl::Seconds(1);
+  // Outcomes kept per model for retries: every seq_id of the current and the
+  // previous accumulation window (SequencedOutcome::closes_window), and at
+  // least the last `cache_size` seq_ids, ...
   size_t cache_size = 64;
+  // ... as long as the kept responses of the model total at most
+  // `cache_bytes`; beyond it the oldest outside the last `cache_size` go.
+  size_t cache_bytes = size_t{256} << 20;
 };
 
 // The observers (metrics) are optional; none of the hooks may call back into
@@ -122,9 +143,11 @@ class Sequencer {
   Sequencer(const Sequencer&) = delete;
   Sequencer& operator=(const Sequencer&) = delete;
 
-  // A new model (or a re-created one) starts at seq_id 1 with no outcomes.
+  // A new model (or a re-created one) starts at seq_id 1 with no outcomes,
+  // in a new incarnation: an existing queue of the id is removed first.
   void AddModel(const std::string& model_id);
-  // Its waiting requests get NOT_FOUND; an executing one still finishes.
+  // Its waiting requests get NOT_FOUND, once each; an executing one still
+  // finishes and answers its callers; nothing else of it runs.
   void RemoveModel(const std::string& model_id);
 
   // Answers at once (cached outcome, ALREADY_EXISTS, NOT_FOUND, the Stop
@@ -151,7 +174,15 @@ class Sequencer {
   };
   struct ModelQueue {
     std::string model_id;
+    // Set when the model was removed: its dispatched work runs nothing.
+    bool removed = false;
+    // Set by ImportState until the restored next_seq_id arrives.
+    bool restored = false;
     uint64_t next_seq_id = 1;
+    // The first seq_id of the current and of the previous window.
+    uint64_t window_start = 1;
+    uint64_t previous_window_start = 1;
+    size_t cached_bytes = 0;  // of the responses in `outcomes`
     // pending[next_seq_id] has been handed to dispatch and not finished.
     bool dispatched = false;
     std::map<uint64_t, Waiting> pending;  // seq_id >= next_seq_id
@@ -165,6 +196,17 @@ class Sequencer {
   void Advance(const std::shared_ptr<ModelQueue>& queue, Replies& replies)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseGap(ModelQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers every waiting caller of `queue` with `status` and forgets them,
+  // except the dispatched seq_id's, whose RunNext answers them.
+  static void AnswerWaiting(ModelQueue& queue, const absl::Status& status,
+                            Replies& replies);
+  // Records an executed seq_id's outcome and drops what retention allows.
+  void Remember(ModelQueue& queue, SequencerState::Outcome outcome,
+                bool closes_window) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Prune(ModelQueue& queue) const;
+  // The ABORTED answer of a request that waited too long for `missing`.
+  absl::Status GapTimedOut(const ModelQueue& queue, uint64_t seq_id,
+                           uint64_t missing) const;
   // NOT_FOUND naming the model when it has no queue.
   absl::StatusOr<ModelQueue*> FindQueue(const std::string& model_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -218,6 +218,15 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
     return absl::InvalidArgumentError(
         "--checkpoint-on-exit needs --checkpoint-dir");
   }
+  if (options.shutdown_drain_secs > 0 &&
+      options.shutdown_drain_secs >= options.exit_timeout_secs) {
+    // The drain would use up the whole exit budget: every shutdown would
+    // end in the watchdog's exit 1, without the exit checkpoint.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shutdown-drain-secs (", options.shutdown_drain_secs,
+        ") must be less than --exit-timeout-secs (", options.exit_timeout_secs,
+        "), which bounds the whole shutdown, drain included"));
+  }
   TrainerServiceOptions service_options;
   if (!options.checkpoint_root.empty()) {
     std::error_code error;
@@ -348,6 +357,10 @@ void TallyServer::OnRankFailure(const absl::Status& failure) {
   server_->GetHealthCheckService()->SetServingStatus(false);
 }
 
+// How long gRPC's shutdown may wait for clients to go once every request
+// was answered.
+constexpr absl::Duration kConnectionGrace = absl::Milliseconds(500);
+
 absl::Status TallyServer::Shutdown() {
   if (shut_down_) return failure();
   shut_down_ = true;
@@ -364,11 +377,14 @@ absl::Status TallyServer::Shutdown() {
     Log(LogLevel::kInfo,
         "shutting down: finishing executing requests, refusing the rest");
     service_->StopExecuting();
-    // Returns once every RPC finished: the executor answers the queued ones
-    // UNAVAILABLE and completes the executing one. main's watchdog bounds
-    // the whole shutdown by --exit-timeout-secs.
-    server_->Shutdown(absl::ToChronoTime(
-        absl::Now() + absl::Seconds(options_.exit_timeout_secs)));
+    // The executor completes the executing request and answers the queued
+    // ones UNAVAILABLE, so every RPC of the service has its answer when it
+    // stops; main's watchdog bounds that by --exit-timeout-secs.
+    if (executor_) executor_->Stop();
+    // Nothing is left to wait for but the answers' delivery and connections:
+    // clients that stay connected (idle channels, health watches) are cut
+    // after a short grace instead of holding the exit back.
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + kConnectionGrace));
   }
   if (executor_) executor_->Stop();
   // After a rank failure the groups are unusable; the other ranks exit on

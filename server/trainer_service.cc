@@ -9,6 +9,7 @@
 #include <memory>
 #include <system_error>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/checkpoint.h"
 #include "runtime/log.h"
@@ -64,23 +65,28 @@ TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
       executor_(executor),
       metrics_(metrics),
       options_(std::move(options)),
-      budget_(options_.max_queued_requests,
-              options_.max_queued_requests_per_model),
-      sequencer_(options_.sequencing,
-                 SequencerHooks{[executor](std::function<void()> work) {
-                                  return executor->Submit(std::move(work));
-                                },
-                                [this](const std::string& model_id) {
-                                  PoisonForGap(model_id);
-                                },
-                                [metrics](const std::string& model_id) {
-                                  metrics->RecordDuplicate(model_id);
-                                },
-                                [metrics](double seconds) {
-                                  metrics->RecordSeqGapWait(seconds);
-                                }}) {
+      scheduler_(
+          RequestSchedulerOptions{options_.sequencing,
+                                  options_.max_queued_requests,
+                                  options_.max_queued_requests_per_model},
+          executor,
+          RequestSchedulerHooks{
+              [metrics](size_t held) { metrics->SetQueueDepth(held); },
+              [this](const std::string& model_id, const std::string& what) {
+                PoisonNow(model_id,
+                          absl::StrCat("a request of the window failed with "
+                                       "an internal error (",
+                                       what, ")"));
+              },
+              [this](const std::string& model_id) { PoisonForGap(model_id); },
+              [metrics](const std::string& model_id) {
+                metrics->RecordDuplicate(model_id);
+              },
+              [metrics](double seconds) {
+                metrics->RecordSeqGapWait(seconds);
+              }}) {
   for (const ModelSummary& model : engine_->ListModels()) {
-    sequencer_.AddModel(model.model_id);
+    scheduler_.sequencer().AddModel(model.model_id);
   }
   if (options_.checkpointer != nullptr) {
     options_.checkpointer->set_server_state_source(
@@ -96,11 +102,12 @@ absl::Status TrainerService::RestoreSequencing(const std::string& model_id,
   if (server_state.empty()) return absl::OkStatus();
   TALLY_ASSIGN_OR_RETURN(SequencerState state,
                          SequencerState::Parse(server_state));
-  return sequencer_.ImportState(model_id, std::move(state));
+  return scheduler_.sequencer().ImportState(model_id, std::move(state));
 }
 
 std::string TrainerService::SequencingState(const std::string& model_id) const {
-  absl::StatusOr<SequencerState> state = sequencer_.ExportState(model_id);
+  absl::StatusOr<SequencerState> state =
+      scheduler_.sequencer().ExportState(model_id);
   if (!state.ok()) return "";
   // The sequencer records an executing request's outcome only after it
   // finished; a server restored from this checkpoint must not run it again.
@@ -112,7 +119,7 @@ std::string TrainerService::SequencingState(const std::string& model_id) const {
 
 void TrainerService::StopExecuting() {
   stopped_ = true;
-  sequencer_.Stop(absl::UnavailableError(
+  scheduler_.sequencer().Stop(absl::UnavailableError(
       "the server is shutting down before this request ran; retry it on the "
       "restarted server"));
 }
@@ -167,7 +174,7 @@ void TrainerService::OnRankFailure(const absl::Status& failure) {
                    "UNAVAILABLE and exiting: ",
                    failure.ToString()));
   metrics_->RecordRankFailure();
-  sequencer_.Stop(Accepting());
+  scheduler_.sequencer().Stop(Accepting());
   if (options_.on_rank_failure) options_.on_rank_failure(failure);
 }
 
@@ -184,29 +191,34 @@ absl::Status TrainerService::CountingPoison(
 void TrainerService::PoisonForGap(const std::string& model_id) {
   // Queued before the waiting requests are answered, so an OptimStep sent
   // after their ABORTED runs after it.
-  executor_->Submit([this, model_id] {
-    if (!Accepting().ok()) return;
-    absl::Status poisoned = RunCommand([&]() -> absl::Status {
-      v1::GetModelRequest request;
-      request.set_model_id(model_id);
-      v1::ModelInfo model;
-      TALLY_RETURN_IF_ERROR(ReplicateCommand(engine_->control(),
-                                             Command::kPoisonWindow, request));
-      return CountingPoison(model_id, [&] {
-        return ExecutePoisonWindow(*engine_, request, &model, kGapPoisonReason);
-      });
+  executor_->Submit(
+      [this, model_id] { PoisonNow(model_id, kGapPoisonReason); });
+}
+
+void TrainerService::PoisonNow(const std::string& model_id,
+                               const std::string& reason) {
+  if (model_id.empty() || !Accepting().ok()) return;
+  absl::Status poisoned = RunCommand([&]() -> absl::Status {
+    v1::GetModelRequest request;
+    request.set_model_id(model_id);
+    v1::ModelInfo model;
+    TALLY_RETURN_IF_ERROR(
+        ReplicateCommand(engine_->control(), Command::kPoisonWindow, request));
+    return CountingPoison(model_id, [&] {
+      return ExecutePoisonWindow(*engine_, request, &model, reason);
     });
-    if (!poisoned.ok()) {
-      // The model was deleted meanwhile, or the server is failing.
-      Log(LogLevel::kDebug,
-          absl::StrCat("poisoning '", model_id, "': ", poisoned.ToString()));
-    }
   });
+  if (!poisoned.ok()) {
+    // The model was deleted meanwhile, or the server is failing.
+    Log(LogLevel::kDebug,
+        absl::StrCat("poisoning '", model_id, "': ", poisoned.ToString()));
+  }
 }
 
 void TrainerService::FillNextSeqId(const std::string& engine_id,
                                    v1::ModelInfo* info) const {
-  info->set_next_seq_id(sequencer_.NextSeqId(engine_id).value_or(1));
+  info->set_next_seq_id(
+      scheduler_.sequencer().NextSeqId(engine_id).value_or(1));
 }
 
 absl::StatusOr<std::string> TrainerService::Authenticate(
@@ -262,53 +274,42 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
   const std::string model_id =
       call.model_id == nullptr ? std::string() : *call.model_id;
   if (validation.ok()) validation = Accepting();
-  if (validation.ok()) validation = budget_.Acquire(model_id);
   if (!validation.ok()) {
     Finish(call.method, reactor, validation);
     return reactor;
   }
-  metrics_->SetQueueDepth(budget_.held());
-  auto finish = [this, method = call.method, reactor,
-                 model_id](const absl::Status& status) {
-    budget_.Release(model_id);
-    metrics_->SetQueueDepth(budget_.held());
+  ScheduledRequest scheduled;
+  scheduled.model_id = model_id;
+  scheduled.seq_id = call.seq_id;
+  scheduled.closes_window = call.closes_window;
+  scheduled.precheck = [this, context] { return Precheck(context); };
+  scheduled.reply = [this, method = call.method,
+                     reactor](const absl::Status& status) {
     Finish(method, reactor, status);
   };
   if (call.seq_id == 0) {
-    const bool queued = executor_->Submit([this, context, command, finish] {
-      absl::Status status = Precheck(context);
-      if (status.ok()) status = RunCommand(command);
-      finish(status);
-    });
-    if (!queued) finish(absl::UnavailableError("the server is shutting down"));
+    scheduled.run = [this, command] { return RunCommand(command); };
+    scheduler_.Schedule(std::move(scheduled));
     return reactor;
   }
   google::protobuf::Message* response = call.response;
-  SequencedRequest sequenced;
-  sequenced.seq_id = call.seq_id;
-  sequenced.fingerprint = RequestFingerprint(*call.request);
-  sequenced.precheck = [this, context] { return Precheck(context); };
-  sequenced.execute = [this, command, response, model_id,
-                       seq_id = call.seq_id] {
+  scheduled.fingerprint = RequestFingerprint(*call.request);
+  scheduled.run = [this, command, model_id, seq_id = call.seq_id] {
     executing_model_id_ = model_id;
     executing_seq_id_ = seq_id;
-    SequencedOutcome outcome;
-    outcome.status = RunCommand(command);
-    executing_seq_id_ = 0;
-    executing_model_id_.clear();
-    if (outcome.status.ok()) {
-      outcome.response = SerializeDeterministically(*response);
-    }
-    return outcome;
+    absl::Cleanup done = [this] {
+      executing_seq_id_ = 0;
+      executing_model_id_.clear();
+    };
+    return RunCommand(command);
   };
-  sequenced.reply = [response, finish](const SequencedOutcome& outcome) {
-    if (outcome.status.ok() && !response->ParseFromString(outcome.response)) {
-      finish(absl::InternalError("cannot parse the cached response"));
-      return;
-    }
-    finish(outcome.status);
+  scheduled.save_response = [response] {
+    return SerializeDeterministically(*response);
   };
-  sequencer_.Submit(model_id, std::move(sequenced));
+  scheduled.load_response = [response](const std::string& bytes) {
+    return response->ParseFromString(bytes);
+  };
+  scheduler_.Schedule(std::move(scheduled));
   return reactor;
 }
 
@@ -334,7 +335,7 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
         if (engine_id.empty() || engine_id.back() == '/') {
           engine_id += response->model_id();
         }
-        sequencer_.AddModel(engine_id);
+        scheduler_.sequencer().AddModel(engine_id);
         FillNextSeqId(engine_id, response);
         metrics_->SetModelCount(engine_->num_models());
         metrics_->SetPendingTokens(engine_id, 0);
@@ -385,7 +386,7 @@ grpc::ServerUnaryReactor* TrainerService::DeleteModel(
             engine_->control(), Command::kDeleteModel, *request));
         TALLY_RETURN_IF_ERROR(ExecuteDeleteModel(*engine_, *request, response));
         FillNextSeqId(request->model_id(), response->mutable_model());
-        sequencer_.RemoveModel(request->model_id());
+        scheduler_.sequencer().RemoveModel(request->model_id());
         metrics_->RemoveModel(request->model_id());
         metrics_->SetModelCount(engine_->num_models());
         return absl::OkStatus();
@@ -420,7 +421,7 @@ grpc::ServerUnaryReactor* TrainerService::OptimStep(
     v1::OptimStepResponse* response) {
   return Execute(
       {"OptimStep", context, Mutable(request)->mutable_model_id(),
-       request->seq_id(), request, response},
+       request->seq_id(), request, response, /*closes_window=*/true},
       FirstError(ValidateModelId(request->model_id()),
                  ParseOptimStep(*request).status()),
       [this, request, response]() -> absl::Status {
@@ -445,7 +446,7 @@ grpc::ServerUnaryReactor* TrainerService::AbortAccumulation(
     v1::AbortAccumulationResponse* response) {
   return Execute(
       {"AbortAccumulation", context, Mutable(request)->mutable_model_id(),
-       request->seq_id(), request, response},
+       request->seq_id(), request, response, /*closes_window=*/true},
       ValidateModelId(request->model_id()),
       [this, request, response]() -> absl::Status {
         TALLY_RETURN_IF_ERROR(ReplicateCommand(
@@ -493,7 +494,7 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
   }
   return Execute(
       {"LoadCheckpoint", context, Mutable(request)->mutable_model_id(),
-       request->seq_id(), request, response},
+       request->seq_id(), request, response, /*closes_window=*/true},
       validation, [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
         LoadResult loaded;

@@ -3,12 +3,14 @@
 // A handler authenticates the caller (bearer token, when configured),
 // validates its request's proto-level fields on the gRPC thread, scopes the
 // model id to the caller's tenant ("<tenant>/<id>", the engine id), takes a
-// slot of the request budget (RESOURCE_EXHAUSTED when full), then
-// queues the command on the CommandExecutor — directly when unsequenced
-// (seq_id 0), through the Sequencer (exactly once, in seq_id order) when
-// sequenced. The executor replicates it to the other ranks (commands.h), runs
-// it on the engine and finishes the RPC. A request whose client cancelled it
-// or whose deadline passed before it ran is not executed.
+// and hands the command to the RequestScheduler: a slot of the request
+// budget (RESOURCE_EXHAUSTED when full), the CommandExecutor — directly when
+// unsequenced (seq_id 0), through the Sequencer (exactly once, in seq_id
+// order) when sequenced —, and exactly one reply. The executor replicates the
+// command to the other ranks (commands.h), runs it on the engine and
+// finishes the RPC. A request whose client cancelled it or whose deadline
+// passed before it ran is not executed; a command that throws is answered
+// INTERNAL with its model's window poisoned.
 //
 // Checkpoints carry each model's sequencing state (next seq_id, cached
 // outcomes) in their server_state, so a resumed server continues the seq_ids.
@@ -46,7 +48,7 @@
 #include "server/checkpointer.h"
 #include "server/executor.h"
 #include "server/metrics.h"
-#include "server/request_budget.h"
+#include "server/request_scheduler.h"
 #include "server/sequencer.h"
 #include "tally/v1/trainer.grpc.pb.h"
 
@@ -134,6 +136,8 @@ class TrainerService final : public v1::Trainer::CallbackService {
     uint64_t seq_id = 0;  // 0: unsequenced
     const google::protobuf::Message* request = nullptr;
     google::protobuf::Message* response = nullptr;
+    // An OK run ends the model's accumulation window.
+    bool closes_window = false;
   };
 
   // Finishes the RPC with UNAUTHENTICATED for bad credentials, with
@@ -152,6 +156,9 @@ class TrainerService final : public v1::Trainer::CallbackService {
   absl::Status CountingPoison(const std::string& model_id,
                               const std::function<absl::Status()>& command);
   void PoisonForGap(const std::string& model_id);
+  // On the executor thread: poisons `model_id`'s window on every rank for
+  // `reason`; failures are logged (the model may be gone).
+  void PoisonNow(const std::string& model_id, const std::string& reason);
   void OnRankFailure(const absl::Status& failure);
   // `engine_id`: the model's id in the engine (info holds the client's).
   void FillNextSeqId(const std::string& engine_id, v1::ModelInfo* info) const;
@@ -173,8 +180,7 @@ class TrainerService final : public v1::Trainer::CallbackService {
   CommandExecutor* executor_;
   ServerMetrics* metrics_;
   const TrainerServiceOptions options_;
-  RequestBudget budget_;
-  Sequencer sequencer_;
+  RequestScheduler scheduler_;
   // The sequenced request executing now (executor thread only).
   std::string executing_model_id_;
   uint64_t executing_seq_id_ = 0;

@@ -437,6 +437,35 @@ TEST_F(ReliabilityE2eTest, SigtermDrainsWhileNotServingThenExitsZero) {
   EXPECT_GE(absl::Now() - sent, absl::Seconds(2));
 }
 
+// A drain that would use up the whole exit budget is refused at start,
+// naming both flags: it could only ever end in the watchdog's exit 1.
+TEST_F(ReliabilityE2eTest, ADrainAsLongAsTheExitTimeoutIsRefusedAtStart) {
+  const absl::StatusOr<std::unique_ptr<ServerProcess>> refused =
+      ServerProcess::Start(
+          testing::ServerBinaryFromEnv(),
+          {"--shutdown-drain-secs", "5", "--exit-timeout-secs", "5"});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("--shutdown-drain-secs (5) must be less than "
+                        "--exit-timeout-secs (5)"));
+}
+
+// A client that stays connected (an idle channel that has sent requests)
+// does not hold gRPC's shutdown back past the exit timeout.
+TEST_F(ReliabilityE2eTest, AnIdleConnectedClientDoesNotHoldTheExitBack) {
+  Stub* stub =
+      Start({"--shutdown-drain-secs", "1", "--exit-timeout-secs", "4"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "m");
+  ASSERT_TRUE(Send(&Stub::GetModel, *stub, Get("m")).ok());
+  const absl::Time sent = absl::Now();
+  // The stub and its channel stay open through the shutdown.
+  const absl::StatusOr<int> exit_code = server_->Stop(kShutdownTimeout);
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << server_->ReadLog();
+  EXPECT_LT(absl::Now() - sent, absl::Seconds(4));
+}
+
 TEST_F(ReliabilityE2eTest, SigtermFinishesTheExecutingCallAndRefusesQueued) {
   Stub* stub = Start({});
   ASSERT_NE(stub, nullptr);
@@ -585,6 +614,40 @@ TEST_F(ReliabilityE2eTest, HostileClientsLeaveTheModelWhereACleanRunDoes) {
              .status();
        },
        {absl::StatusCode::kNotFound}},
+      // Each thread churns a model of its own: created, sent pipelined
+      // sequenced calls and deleted while they wait behind each other, then
+      // re-created. Calls of a deleted incarnation are answered once
+      // (NOT_FOUND) and never run on the next one.
+      {"churn: create, pipelined calls, delete",
+       [](Stub& s) {
+         static std::atomic<int> churners{0};
+         thread_local const std::string own_id =
+             absl::StrCat("churn-", churners++);
+         const std::string id = own_id;  // for the call threads too
+         v1::CreateModelRequest create;
+         create.set_model_id(id);
+         *create.mutable_config() = testing::TinyModelConfig();
+         create.set_dtype(v1::DTYPE_FLOAT64);
+         absl::Status status = Send(&Stub::CreateModel, s, create).status();
+         if (!status.ok() && !absl::IsAlreadyExists(status)) return status;
+         std::vector<std::future<absl::Status>> calls;
+         for (uint64_t seq_id = 1; seq_id <= 3; ++seq_id) {
+           calls.push_back(std::async(std::launch::async, [&s, id, seq_id] {
+             return Send(&Stub::ForwardBackward, s,
+                         Fb(id, seq_id, Samples(seq_id)))
+                 .status();
+           }));
+         }
+         v1::DeleteModelRequest remove;
+         remove.set_model_id(id);
+         status = Send(&Stub::DeleteModel, s, remove).status();
+         for (auto& call : calls) {
+           const absl::Status answered = call.get();
+           if (!answered.ok() && status.ok()) status = answered;
+         }
+         return status;
+       },
+       {absl::StatusCode::kOk, absl::StatusCode::kNotFound}},
   };
 
   // Each thread sends its share of the valid stream in ascending seq_id

@@ -1,9 +1,13 @@
 // Window poisoning: a ForwardBackward that fails after it may have added
 // gradients, or a window the server reports incomplete, makes the next
 // OptimStep ABORTED with nothing changed until AbortAccumulation; requests
-// rejected by validation poison nothing.
+// rejected by validation poison nothing. An OptimStep that fails after it may
+// have updated some parameters damages the model until a LoadCheckpoint.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
 
 #include "runtime/engine.h"
 #include "tests/testing/test_util.h"
@@ -109,6 +113,60 @@ TEST_F(EnginePoisonTest, PoisonWindowAbortsTheNextStepWithItsReason) {
             absl::StatusCode::kNotFound);
   EXPECT_EQ(engine_->WindowPoisoned("nope").status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// An optimizer step that fails partway (here: one AdamW moment of the wrong
+// shape, so that parameter fails after others took their update) leaves the
+// model refusing to train or be saved until a LoadCheckpoint; an
+// AbortAccumulation does not repair parameters.
+TEST_F(EnginePoisonTest, AnOptimStepFailingPartwayDamagesTheModelUntilLoad) {
+  std::string dir =
+      (std::filesystem::path(::testing::TempDir()) / "damage_XXXXXX").string();
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  ASSERT_TRUE(Train(1).ok());
+  ASSERT_TRUE(engine_->OptimStep("m", {}).ok());  // the moments exist now
+  const std::string saved = dir + "/step1";
+  ASSERT_TRUE(engine_->SaveCheckpoint("m", saved).ok());
+  const std::vector<torch::Tensor> at_step1 = ParameterValues(model());
+
+  ASSERT_TRUE(Train(2).ok());
+  // The last parameter's first moment, misshaped in place (StateTensors
+  // alias the live state): the fused update of the others runs first.
+  const auto moments = engine_->optimizer("m").value()->StateTensors();
+  ASSERT_FALSE(moments.empty());
+  torch::Tensor last_moment = moments[moments.size() - 2].second;
+  last_moment.resize_({1});
+  const absl::Status failed = engine_->OptimStep("m", {}).status();
+  ASSERT_FALSE(failed.ok());
+  EXPECT_THAT(std::string(failed.message()), HasSubstr("partly updated"));
+  const std::vector<torch::Tensor> after = ParameterValues(model());
+  bool some_changed = false;
+  for (size_t i = 0; i < after.size(); ++i) {
+    some_changed |= !torch::equal(after[i], at_step1[i]);
+  }
+  EXPECT_TRUE(some_changed) << "the failure must be partway for this test";
+  EXPECT_THAT(engine_->GetModel("m")->damage, HasSubstr("OptimStep failed"));
+
+  for (const absl::Status& refused :
+       {Train(3), engine_->OptimStep("m", {}).status(),
+        engine_->SaveCheckpoint("m", dir + "/damaged").status()}) {
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("LoadCheckpoint"));
+  }
+  ASSERT_TRUE(engine_->AbortAccumulation("m").ok());
+  EXPECT_EQ(Train(3).code(), absl::StatusCode::kFailedPrecondition);
+
+  ASSERT_TRUE(
+      engine_->LoadCheckpoint("m", saved, /*load_optimizer=*/true).ok());
+  EXPECT_EQ(engine_->GetModel("m")->damage, "");
+  const std::vector<torch::Tensor> reloaded = ParameterValues(model());
+  for (size_t i = 0; i < reloaded.size(); ++i) {
+    EXPECT_TRUE(torch::equal(reloaded[i], at_step1[i])) << "parameter " << i;
+  }
+  ASSERT_TRUE(Train(3).ok());
+  ASSERT_TRUE(engine_->OptimStep("m", {}).ok());
+  EXPECT_EQ(engine_->GetModel("m")->step, 2);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -52,6 +52,17 @@ class ManualDispatch {
       work();
     }
   }
+  // Runs the oldest queued work alone.
+  void RunOne() {
+    std::function<void()> work;
+    {
+      absl::MutexLock lock(&mu_);
+      ASSERT_FALSE(queue_.empty());
+      work = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    work();
+  }
   size_t queued() const {
     absl::MutexLock lock(&mu_);
     return queue_.size();
@@ -82,9 +93,25 @@ class Recorder {
     };
     request.reply = [this, tag](const SequencedOutcome& outcome) {
       absl::MutexLock lock(&mu_);
-      replies_.emplace(tag, outcome);
+      // A second reply to one caller is a bug the tests must see.
+      if (!replies_.emplace(tag, outcome).second) ++extra_replies_;
     };
     return request;
+  }
+  // Like Request, for a request that ends its window (an OptimStep).
+  SequencedRequest WindowEnd(uint64_t seq_id, const std::string& tag) {
+    SequencedRequest request = Request(seq_id, seq_id, tag);
+    request.execute = [this, seq_id, tag] {
+      absl::MutexLock lock(&mu_);
+      executed_.push_back(seq_id);
+      return SequencedOutcome{absl::OkStatus(), "response " + tag,
+                              /*closes_window=*/true};
+    };
+    return request;
+  }
+  int extra_replies() const {
+    absl::MutexLock lock(&mu_);
+    return extra_replies_;
   }
 
   std::vector<uint64_t> executed() const {
@@ -120,17 +147,21 @@ class Recorder {
   mutable absl::Mutex mu_;
   std::vector<uint64_t> executed_;
   std::map<std::string, SequencedOutcome> replies_;
+  int extra_replies_ = 0;
 };
 
 class SequencerTest : public ::testing::Test {
  protected:
   void SetUp() override { Make(absl::Seconds(60), 64); }
+  void TearDown() override { EXPECT_EQ(recorder_.extra_replies(), 0); }
 
-  void Make(absl::Duration gap_timeout, size_t cache_size) {
+  void Make(absl::Duration gap_timeout, size_t cache_size,
+            absl::Duration restored_gap_timeout = absl::Seconds(60)) {
     sequencer_.reset();
     SequencerOptions options;
     options.gap_timeout = gap_timeout;
     options.cache_size = cache_size;
+    options.restored_gap_timeout = restored_gap_timeout;
     SequencerHooks hooks;
     hooks.dispatch = [this](std::function<void()> work) {
       return dispatch_.Dispatch(std::move(work));
@@ -319,23 +350,55 @@ TEST_F(SequencerTest, WaitingBehindAnExecutingPredecessorIsNoGap) {
   EXPECT_THAT(events(), ::testing::IsEmpty());
 }
 
-TEST_F(SequencerTest, KeepsTheLastCacheSizeOutcomes) {
-  Make(absl::Seconds(60), 3);
-  for (uint64_t seq_id = 1; seq_id <= 5; ++seq_id) {
+// Retries stay answerable for every seq_id of the current and the previous
+// window, however long; older ones only within the last `cache_size`.
+TEST_F(SequencerTest, KeepsTheCurrentAndPreviousWindowsOutcomes) {
+  Make(absl::Seconds(60), 2);
+  // Window 1: seq 1-4 closed by 5; window 2: 6-8 closed by 9; window 3: 10.
+  for (uint64_t seq_id = 1; seq_id <= 10; ++seq_id) {
+    const std::string tag = absl::StrCat(seq_id);
+    Submit(seq_id % 4 == 1 && seq_id > 1
+               ? recorder_.WindowEnd(seq_id, tag)
+               : recorder_.Request(seq_id, seq_id, tag));
+  }
+  dispatch_.RunAll();
+  for (uint64_t seq_id = 6; seq_id <= 10; ++seq_id) {
+    const std::string tag = absl::StrCat("retry ", seq_id);
+    Submit(recorder_.Request(seq_id, seq_id, tag));
+    EXPECT_EQ(recorder_.reply(tag).response, absl::StrCat("response ", seq_id))
+        << tag;
+  }
+  Submit(recorder_.Request(5, 5, "retry 5"));
+  EXPECT_EQ(recorder_.reply("retry 5").status.code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(recorder_.reply("retry 5").status.message(),
+              HasSubstr("no longer cached"));
+  EXPECT_EQ(recorder_.executed().size(), 10u);
+}
+
+// Without window ends, the last `cache_size` are kept once the responses
+// pass `cache_bytes`.
+TEST_F(SequencerTest, CachedResponsesAreBoundedByBytes) {
+  sequencer_.reset();
+  SequencerOptions options;
+  options.cache_size = 2;
+  options.cache_bytes = 30;  // "response N" is 10 bytes: three fit
+  SequencerHooks hooks;
+  hooks.dispatch = [this](std::function<void()> work) {
+    return dispatch_.Dispatch(std::move(work));
+  };
+  sequencer_ = std::make_unique<Sequencer>(options, hooks);
+  sequencer_->AddModel(kModel);
+  for (uint64_t seq_id = 1; seq_id <= 6; ++seq_id) {
     Submit(recorder_.Request(seq_id, seq_id, absl::StrCat(seq_id)));
   }
   dispatch_.RunAll();
-  for (uint64_t seq_id : {3, 4, 5}) {
-    const std::string tag = absl::StrCat("retry ", seq_id);
-    Submit(recorder_.Request(seq_id, seq_id, tag));
-    EXPECT_EQ(recorder_.reply(tag).response, absl::StrCat("response ", seq_id));
+  const SequencerState state = sequencer_->ExportState(kModel).value();
+  std::vector<uint64_t> kept;
+  for (const SequencerState::Outcome& outcome : state.outcomes) {
+    kept.push_back(outcome.seq_id);
   }
-  Submit(recorder_.Request(2, 2, "retry 2"));
-  EXPECT_EQ(recorder_.reply("retry 2").status.code(),
-            absl::StatusCode::kAlreadyExists);
-  EXPECT_THAT(recorder_.reply("retry 2").status.message(),
-              HasSubstr("no longer cached"));
-  EXPECT_EQ(recorder_.executed().size(), 5u);
+  EXPECT_THAT(kept, ElementsAre(4, 5, 6));
 }
 
 TEST_F(SequencerTest, UnknownAndDeletedModelsAreNotFound) {
@@ -351,6 +414,106 @@ TEST_F(SequencerTest, UnknownAndDeletedModelsAreNotFound) {
   // Re-created, it starts over.
   sequencer_->AddModel(kModel);
   EXPECT_EQ(NextSeqId(), 1u);
+}
+
+// DeleteModel while requests wait behind an executing one: each waiting
+// caller is answered NOT_FOUND once and forgotten; what was already handed
+// to the executor for the deleted model runs nothing.
+TEST_F(SequencerTest, RemovingAModelAnswersEachWaiterOnceAndRunsNothingMore) {
+  Submit(recorder_.Request(1, 1, "1"));
+  Submit(recorder_.Request(2, 2, "2"));
+  Submit(recorder_.Request(3, 3, "3"));
+  Submit(recorder_.Request(3, 3, "3 retry"));
+  dispatch_.RunOne();  // seq 1 runs and hands seq 2 to the executor
+  ASSERT_EQ(dispatch_.queued(), 1u);
+  sequencer_->RemoveModel(kModel);
+  for (const char* tag : {"3", "3 retry"}) {
+    EXPECT_EQ(recorder_.reply(tag).status.code(), absl::StatusCode::kNotFound)
+        << tag;
+  }
+  dispatch_.RunAll();
+  EXPECT_EQ(recorder_.reply("2").status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(recorder_.reply("2").status.message(), HasSubstr("deleted"));
+  EXPECT_TRUE(recorder_.reply("1").status.ok());
+  EXPECT_THAT(recorder_.executed(), ElementsAre(1));
+  EXPECT_EQ(recorder_.num_replies(), 4u);
+}
+
+// The model deleted by the request executing now (as DeleteModel does on
+// the executor): the executing one is answered with its outcome, the rest
+// NOT_FOUND, each once.
+TEST_F(SequencerTest, RemovingTheModelWhileARequestExecutes) {
+  SequencedRequest deleting = recorder_.Request(1, 1, "1");
+  deleting.execute = [this, execute = deleting.execute] {
+    sequencer_->RemoveModel(kModel);
+    return execute();
+  };
+  Submit(std::move(deleting));
+  Submit(recorder_.Request(2, 2, "2"));
+  dispatch_.RunAll();
+  EXPECT_TRUE(recorder_.reply("1").status.ok());
+  EXPECT_EQ(recorder_.reply("2").status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(recorder_.executed(), ElementsAre(1));
+  EXPECT_EQ(dispatch_.queued(), 0u);
+}
+
+// Deleted and re-created under the same id while seq 2 waits: seq 2 never
+// runs on the new model, which starts its own sequence at 1.
+TEST_F(SequencerTest, AReCreatedModelRunsNothingQueuedForTheOldOne) {
+  Submit(recorder_.Request(1, 1, "old 1"));
+  Submit(recorder_.Request(2, 2, "old 2"));
+  dispatch_.RunOne();  // old seq 1 runs; old seq 2 is handed over
+  sequencer_->RemoveModel(kModel);
+  sequencer_->AddModel(kModel);
+  Submit(recorder_.Request(1, 10, "new 1"));
+  Submit(recorder_.Request(2, 20, "new 2"));
+  dispatch_.RunAll();
+  EXPECT_EQ(recorder_.reply("old 2").status.code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(recorder_.reply("new 1").response, "response new 1");
+  EXPECT_EQ(recorder_.reply("new 2").response, "response new 2");
+  EXPECT_THAT(recorder_.executed(), ElementsAre(1, 1, 2));
+  EXPECT_EQ(NextSeqId(), 3u);
+}
+
+// AddModel over a live id replaces its incarnation the same way.
+TEST_F(SequencerTest, AddingAnExistingIdStartsANewIncarnation) {
+  Submit(recorder_.Request(2, 2, "old 2"));  // waits for seq 1
+  sequencer_->AddModel(kModel);
+  EXPECT_EQ(recorder_.reply("old 2").status.code(),
+            absl::StatusCode::kNotFound);
+  Submit(recorder_.Request(1, 1, "new 1"));
+  dispatch_.RunAll();
+  EXPECT_THAT(recorder_.executed(), ElementsAre(1));
+}
+
+// After a restore (ImportState), a request ahead of the restored
+// next_seq_id is told soon, without poisoning anything: its predecessors
+// were lost with the previous process. Once the restored seq_id ran, gaps
+// wait the full timeout again.
+TEST_F(SequencerTest, ARequestAheadOfARestoredSequenceIsAnsweredSoon) {
+  Make(absl::Seconds(60), 64, absl::Milliseconds(50));
+  SequencerState restored;
+  restored.next_seq_id = 5;
+  ASSERT_TRUE(sequencer_->ImportState(kModel, restored).ok());
+  Submit(recorder_.Request(7, 7, "7"));
+  ASSERT_TRUE(recorder_.AwaitReplies(1, absl::Seconds(20)));
+  const absl::Status ahead = recorder_.reply("7").status;
+  EXPECT_EQ(ahead.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(ahead.message(), HasSubstr("restored"));
+  EXPECT_THAT(ahead.message(), HasSubstr("resend the window from seq_id 5"));
+  EXPECT_THAT(events(), ::testing::IsEmpty());  // nothing poisoned
+  EXPECT_EQ(NextSeqId(), 5u);
+
+  Submit(recorder_.Request(5, 5, "5"));
+  dispatch_.RunAll();
+  EXPECT_TRUE(recorder_.reply("5").status.ok());
+  Submit(recorder_.Request(7, 7, "7 again"));  // seq 6 is missing: a gap
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(recorder_.replied("7 again"));
+  sequencer_->RemoveModel(kModel);
+  EXPECT_EQ(recorder_.reply("7 again").status.code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST_F(SequencerTest, StopAnswersWaitingAndLaterRequests) {

@@ -1,0 +1,119 @@
+#include "server/request_scheduler.h"
+
+#include <exception>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/log.h"
+
+namespace tally {
+
+RequestScheduler::RequestScheduler(RequestSchedulerOptions options,
+                                   CommandExecutor* executor,
+                                   RequestSchedulerHooks hooks)
+    : executor_(executor),
+      hooks_(std::move(hooks)),
+      budget_(options.max_queued_requests,
+              options.max_queued_requests_per_model),
+      sequencer_(options.sequencing,
+                 SequencerHooks{[executor](std::function<void()> work) {
+                                  return executor->Submit(std::move(work));
+                                },
+                                hooks_.on_gap_timeout, hooks_.on_duplicate,
+                                hooks_.on_gap_closed}) {}
+
+std::function<void(const absl::Status&)> RequestScheduler::ReplyOnce(
+    std::string model_id, std::function<void(const absl::Status&)> reply) {
+  auto replied = std::make_shared<std::atomic<bool>>(false);
+  return [this, replied, model_id = std::move(model_id),
+          reply = std::move(reply)](const absl::Status& status) {
+    if (replied->exchange(true)) {
+      ++extra_replies_;
+      Log(LogLevel::kError,
+          absl::StrCat("a request of model '", model_id,
+                       "' was answered twice; the second answer (",
+                       status.ToString(), ") is dropped"));
+      return;
+    }
+    budget_.Release(model_id);
+    if (hooks_.on_held) hooks_.on_held(budget_.held());
+    reply(status);
+  };
+}
+
+absl::Status RequestScheduler::RunGuarded(const ScheduledRequest& request) {
+  std::string what;
+  try {
+    return request.run();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    what = "an exception that is not a std::exception";
+  }
+  // c10::Error's what() carries a backtrace after the first line.
+  if (auto eol = what.find('\n'); eol != std::string::npos) what.resize(eol);
+  Log(LogLevel::kError, absl::StrCat("a command of model '", request.model_id,
+                                     "' threw: ", what));
+  if (hooks_.on_command_exception) {
+    hooks_.on_command_exception(request.model_id, what);
+  }
+  return absl::InternalError(
+      absl::StrCat("the server failed while executing this request (", what,
+                   "); its accumulation window is poisoned"));
+}
+
+void RequestScheduler::Schedule(ScheduledRequest request) {
+  if (absl::Status admitted = budget_.Acquire(request.model_id);
+      !admitted.ok()) {
+    request.reply(admitted);
+    return;
+  }
+  if (hooks_.on_held) hooks_.on_held(budget_.held());
+  request.reply = ReplyOnce(request.model_id, std::move(request.reply));
+  if (request.seq_id == 0) {
+    ScheduleUnsequenced(std::move(request));
+  } else {
+    ScheduleSequenced(std::move(request));
+  }
+}
+
+void RequestScheduler::ScheduleUnsequenced(ScheduledRequest request) {
+  auto shared = std::make_shared<ScheduledRequest>(std::move(request));
+  const bool queued = executor_->Submit([this, shared] {
+    absl::Status status = shared->precheck();
+    if (status.ok()) status = RunGuarded(*shared);
+    shared->reply(status);
+  });
+  if (!queued) {
+    shared->reply(absl::UnavailableError("the server is shutting down"));
+  }
+}
+
+void RequestScheduler::ScheduleSequenced(ScheduledRequest request) {
+  auto shared = std::make_shared<ScheduledRequest>(std::move(request));
+  SequencedRequest sequenced;
+  sequenced.seq_id = shared->seq_id;
+  sequenced.fingerprint = shared->fingerprint;
+  sequenced.precheck = [shared] { return shared->precheck(); };
+  sequenced.execute = [this, shared] {
+    SequencedOutcome outcome;
+    outcome.status = RunGuarded(*shared);
+    if (outcome.status.ok()) {
+      outcome.response = shared->save_response();
+      outcome.closes_window = shared->closes_window;
+    }
+    return outcome;
+  };
+  sequenced.reply = [shared](const SequencedOutcome& outcome) {
+    if (outcome.status.ok() && !shared->load_response(outcome.response)) {
+      shared->reply(absl::InternalError("cannot parse the cached response"));
+      return;
+    }
+    shared->reply(outcome.status);
+  };
+  const std::string model_id = shared->model_id;
+  sequencer_.Submit(model_id, std::move(sequenced));
+}
+
+}  // namespace tally
