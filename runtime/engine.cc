@@ -2,13 +2,16 @@
 
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/call_plan.h"
+#include "runtime/call_results.h"
 #include "runtime/checkpoint.h"
-#include "runtime/context_parallel.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/loss.h"
 #include "runtime/pipeline.h"
+#include "runtime/pipeline_executor.h"
 #include "runtime/status.h"
 
 namespace tally {
@@ -50,6 +53,83 @@ void KeepLocalShards(LlamaModel& model, bool staged,
 
 bool Staged(const LlamaModel& model, const EngineGroups& groups) {
   return model.sharded() || groups.pp->size() > 1;
+}
+
+// A last-stage micro-batch's per-sample results: loss sums and valid
+// tokens, and (return_logprobs) each token's log-probability, put back in
+// sample order (a cp rank holds two chunks of each sample).
+void RecordSamples(const torch::Tensor& logprobs, const PackedBatch& batch,
+                   const AttentionLayout& layout, const LossTerms& terms,
+                   bool return_logprobs, CallResults& results) {
+  auto loss_sums = terms.sample_loss_sums.accessor<double, 1>();
+  auto valid = terms.sample_valid_tokens.accessor<int64_t, 1>();
+  torch::Tensor rows, positions;
+  if (return_logprobs) {
+    rows = logprobs.detach()
+               .masked_fill(~batch.has_target, 0.0)
+               .to(torch::kFloat64)
+               .contiguous();
+    positions = layout.positions.contiguous();
+  }
+  for (size_t r = 0; r < batch.sample_index.size(); ++r) {
+    const int i = batch.sample_index[r];
+    results.SetSample(i, loss_sums[r], valid[r]);
+    if (return_logprobs) {
+      results.SetLogprobs(i, rows[r].data_ptr<double>(),
+                          positions[r].data_ptr<int64_t>(), batch.lengths[r]);
+    }
+  }
+}
+
+// This stage's forward of micro-batch b. Between stages flow the hidden
+// states [B, T, H] and, for a MoE model, one more channel: the
+// load-balancing term of the layers so far, which joins each token's loss on
+// the last stage, so it is weighted and normalized exactly like the token's
+// cross-entropy. Returns what the next stage receives or, on the last stage,
+// the raw loss to backpropagate.
+torch::Tensor ForwardMicroBatch(LlamaModel& model, const CallPlan& plan,
+                                size_t b, const torch::Tensor& received,
+                                bool last, const ForwardBackwardArgs& args,
+                                CallResults& results) {
+  const LlamaConfig& config = model.config();
+  const PackedBatch& batch = plan.packed[b];
+  RouterStats router;
+  if (config.is_moe()) {
+    router.real_tokens = torch::arange(batch.inputs.size(1)).unsqueeze(0) <
+                         torch::tensor(batch.lengths).unsqueeze(1);
+    if (!plan.real(b)) router.real_tokens.fill_(false);
+  }
+  torch::Tensor input = batch.inputs;
+  if (received.defined()) {
+    input = received;
+    if (config.is_moe()) {
+      router.aux = input.select(-1, config.hidden_size);
+      input = input.narrow(-1, 0, config.hidden_size);
+    }
+  }
+  torch::Tensor output =
+      model.StageForward(input, batch.targets, plan.layouts[b],
+                         config.is_moe() ? &router : nullptr);
+  if (config.is_moe()) {
+    results.expert_tokens().add_(router.expert_tokens.flatten());
+  }
+  if (!last) {
+    if (config.is_moe()) {
+      output = torch::cat({output, router.aux.unsqueeze(-1)}, -1);
+    }
+    return output;
+  }
+  torch::Tensor loss_logprobs = output;
+  if (config.router_aux_loss_coef > 0) {
+    loss_logprobs = output - config.router_aux_loss_coef * router.aux;
+  }
+  const LossTerms terms =
+      ComputeLoss(loss_logprobs, batch, args.reduction, plan.RowTokens(b));
+  if (plan.real(b)) {
+    RecordSamples(output, batch, plan.layouts[b], terms, args.return_logprobs,
+                  results);
+  }
+  return terms.raw_loss;
 }
 
 absl::Status NotFound(const std::string& model_id) {
@@ -259,328 +339,81 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     ModelState& state, const ForwardBackwardArgs& args) {
   const auto start = std::chrono::steady_clock::now();
   LlamaModel& model = *state.model;
-  std::vector<Parameter>& params = model.parameters();
-  const std::vector<Sample>& samples = args.samples;
-  const int num_samples = static_cast<int>(samples.size());
+  const LlamaConfig& config = model.config();
+  CallPlanOptions plan_options;
+  plan_options.reduction = args.reduction;
+  plan_options.dtype = model.scalar_type();
+  plan_options.pipeline_parts = options_.pp_microbatches > 0
+                                    ? options_.pp_microbatches
+                                    : groups_.pp->size();
+  plan_options.max_batch_tokens = options_.max_batch_tokens;
+  TALLY_ASSIGN_OR_RETURN(
+      const CallPlan plan,
+      PlanCall(args.samples, plan_options, *groups_.data, *groups_.cp));
 
-  // Samples are split over the ranks that hold distinct data; tp, cp and
-  // pp peers see the same ones (cp peers each take a part of every sample's
-  // tokens). Each data rank's share is cut into pp_microbatches parts, each
-  // batched by max_batch_tokens. Every data rank runs as many micro-batches
-  // as the busiest one, padding with empty batches, because the forward
-  // pass gathers dp_shard parameters collectively.
-  const int stages = groups_.pp->size(), stage = groups_.pp->rank();
-  const int parts =
-      options_.pp_microbatches > 0 ? options_.pp_microbatches : stages;
-  const std::vector<std::vector<int>> assignment =
-      PartitionSamples(samples, groups_.data->size());
-  std::vector<std::vector<int>> batches;
-  size_t num_batches = 0;
-  for (int r = 0; r < groups_.data->size(); ++r) {
-    std::vector<std::vector<int>> plan;
-    for (const std::vector<int>& part : SplitContiguous(assignment[r], parts)) {
-      for (std::vector<int>& batch :
-           PlanBatches(samples, part, options_.max_batch_tokens)) {
-        plan.push_back(std::move(batch));
-      }
-    }
-    num_batches = std::max(num_batches, plan.size());
-    if (r == groups_.data->rank()) batches = std::move(plan);
-  }
-  static const std::vector<Sample> kEmpty = {Sample{{0}, {kIgnoreIndex}, {}}};
-
+  // This call's gradients are summed over the replicas on their own (EAGER,
+  // or a DEFERRED window already summed): the earlier calls' are set aside
+  // meanwhile, and the sum may start during the last backward.
   const bool sync_call =
       !args.forward_only && NeedsGradientSync(model) &&
       (state.spec.grad_sync == GradSync::kEager || state.replicas_summed);
   std::vector<torch::Tensor> earlier;
+  std::unique_ptr<OverlappedGradientSum> overlapped;
   if (sync_call) {
-    for (Parameter& p : params) {
+    for (Parameter& p : model.parameters()) {
       earlier.push_back(p.tensor.grad());
       p.tensor.mutable_grad() = torch::Tensor();
     }
-  }
-  std::unique_ptr<OverlappedGradientSum> overlapped;
-  if (sync_call && options_.overlap_grad_sync) {
-    std::vector<GradientSet> replica_sets = ReplicaGradientSets(params);
+    std::vector<GradientSet> replica_sets =
+        ReplicaGradientSets(model.parameters());
     // Nothing to overlap when only a tied embedding needs its stages' sum.
-    if (!replica_sets.empty()) {
+    if (options_.overlap_grad_sync && !replica_sets.empty()) {
       TALLY_ASSIGN_OR_RETURN(
           overlapped, OverlappedGradientSum::Create(std::move(replica_sets),
                                                     options_.bucket_mb << 20));
     }
   }
 
-  // Every micro-batch is packed (and split over cp) up front: under cp,
-  // SAMPLE_MEAN needs each sample's T_b before the first backward.
-  const int cp = groups_.cp->size();
-  const bool split_samples =
-      cp > 1 && args.reduction == LossReduction::kSampleMean;
-  std::vector<PackedBatch> packed;
-  std::vector<AttentionLayout> layouts;
-  torch::Tensor sample_tokens = torch::zeros({num_samples}, torch::kFloat64);
-  TALLY_RETURN_IF_ERROR(CatchTorch("pack micro-batches", [&] {
-    for (size_t b = 0; b < num_batches; ++b) {
-      PackedBatch batch =
-          b < batches.size()
-              ? PackRows(samples, batches[b], model.scalar_type())
-              : PackRows(kEmpty, {0}, model.scalar_type());
-      if (cp > 1) {
-        ContextParallelBatch split =
-            SplitForContextParallel(batch, groups_.cp->rank(), cp);
-        batch = std::move(split.local);
-        layouts.push_back(std::move(split.layout));
-      } else {
-        layouts.push_back(
-            AttentionLayout::RightPadded(batch.lengths, batch.inputs.size(1)));
-      }
-      if (split_samples && b < batches.size()) {
-        sample_tokens.index_put_(
-            {torch::tensor(batch.sample_index, torch::kInt64)},
-            batch.valid.sum(1).to(torch::kFloat64));
-      }
-      packed.push_back(std::move(batch));
-    }
-  }));
-  // A cp rank holds only a part of each sample: T_b is the sum of the parts,
-  // one collective for the whole call.
-  if (split_samples) {
-    TALLY_RETURN_IF_ERROR(groups_.cp->AllReduce(sample_tokens, ReduceOp::kSum));
-  }
-
-  // Per sample: [loss_sum, valid_tokens], then (with return_logprobs) every
-  // sample's logprobs; filled by the sample's owners (each cp rank its own
-  // tokens), summed over the ranks holding distinct tokens.
-  std::vector<int64_t> logprob_offset(num_samples, 0);
-  int64_t size = 2 * num_samples;
-  if (args.return_logprobs) {
-    for (int i = 0; i < num_samples; ++i) {
-      logprob_offset[i] = size;
-      size += static_cast<int64_t>(samples[i].input_tokens.size());
-    }
-  }
-  // Then, for a MoE model, the real tokens routed to each expert.
-  const LlamaConfig& config = model.config();
-  const int64_t load_offset = size;
-  const int64_t load_slots =
-      config.num_hidden_layers * config.num_local_experts;
-  size += load_slots;
-  torch::Tensor gathered = torch::zeros({size}, torch::kFloat64);
-  int64_t padded_tokens = 0;
-  // The micro-batches flow through the stages in 1F1B order (a single stage
-  // alternates forward and backward). Every stage packed the same batches,
-  // so each knows the shape of what it receives. A send is fused with the
-  // receive from the same peer that the next step needs, as Megatron does,
-  // so that two neighbours exchanging never wait on each other's send.
-  const bool first = stage == 0, last = stage == stages - 1;
-  std::vector<PipelineStep> steps;
-  if (args.forward_only) {
-    for (size_t b = 0; b < num_batches; ++b) {
-      steps.push_back({true, static_cast<int>(b)});
-    }
-  } else {
-    steps = OneForwardOneBackward(stage, stages, num_batches);
-  }
-  absl::Status computed = CatchTorch("forward_backward", [&] {
-    std::optional<torch::NoGradGuard> no_grad;
-    if (args.forward_only) no_grad.emplace();
-    double* out = gathered.data_ptr<double>();
-    // Between stages flow the hidden states [B, T, H] and, for a MoE
-    // model, one more channel: the load-balancing term of the layers so far,
-    // which joins the loss on the last stage.
-    const int64_t hidden = config.hidden_size;
-    const bool carries_aux = config.is_moe();
-    auto stage_input_like = [&](size_t b) {
-      const torch::Tensor& ids = packed[b].inputs;
-      return torch::empty({ids.size(0), ids.size(1), hidden + carries_aux},
-                          torch::TensorOptions().dtype(model.scalar_type()));
-    };
-    // Per micro-batch: the received input, the stage's output (the raw loss
-    // on the last stage) and, before its backward, the output's gradient.
-    std::vector<torch::Tensor> stage_inputs(num_batches),
-        stage_outputs(num_batches), output_grads(num_batches);
-    auto check = [](absl::Status status) {
-      TORCH_CHECK(status.ok(), status.ToString());
-    };
-    for (size_t i = 0; i < steps.size(); ++i) {
-      const PipelineStep& step = steps[i];
-      const size_t b = static_cast<size_t>(step.micro_batch);
-      const PipelineStep* next = i + 1 < steps.size() ? &steps[i + 1] : nullptr;
-      if (!step.forward) {
-        // Backwards run in micro-batch order: the earlier ones only
-        // accumulate into what the call's last one sums.
-        if (overlapped && b + 1 == num_batches) overlapped->Arm();
-        if (last) {
-          stage_outputs[b].backward();
-        } else {
-          if (!output_grads[b].defined()) {
-            output_grads[b] = stage_input_like(b);
-            check(groups_.pp->Recv(output_grads[b], stage + 1));
-          }
-          stage_outputs[b].backward(output_grads[b]);
-        }
-        if (!first) {
-          const torch::Tensor grad = stage_inputs[b].grad();
-          if (next != nullptr && next->forward) {
-            const size_t n = next->micro_batch;
-            stage_inputs[n] = stage_input_like(n);
-            check(groups_.pp->SendRecv(grad, stage - 1, stage_inputs[n],
-                                       stage - 1));
-          } else {
-            check(groups_.pp->Send(grad, stage - 1));
-          }
-        }
-        stage_inputs[b] = stage_outputs[b] = output_grads[b] = torch::Tensor();
-        continue;
-      }
-      const PackedBatch& batch = packed[b];
-      const AttentionLayout& layout = layouts[b];
-      const bool real = b < batches.size();
-      if (real) padded_tokens += batch.inputs.numel();
-      RouterStats router;
-      if (config.is_moe()) {
-        router.real_tokens = torch::arange(batch.inputs.size(1)).unsqueeze(0) <
-                             torch::tensor(batch.lengths).unsqueeze(1);
-        if (!real) router.real_tokens.fill_(false);
-      }
-      torch::Tensor input = batch.inputs;
-      if (!first) {
-        if (!stage_inputs[b].defined()) {
-          stage_inputs[b] = stage_input_like(b);
-          check(groups_.pp->Recv(stage_inputs[b], stage - 1));
-        }
-        if (!args.forward_only) stage_inputs[b].requires_grad_(true);
-        input = stage_inputs[b];
-        if (carries_aux) {
-          router.aux = input.select(-1, hidden);
-          input = input.narrow(-1, 0, hidden);
-        }
-      }
-      torch::Tensor output = model.StageForward(
-          input, batch.targets, layout, config.is_moe() ? &router : nullptr);
-      if (config.is_moe()) {
-        gathered.narrow(0, load_offset, load_slots)
-            .add_(router.expert_tokens.flatten());
-      }
-      if (!last) {
-        if (carries_aux)
-          output = torch::cat({output, router.aux.unsqueeze(-1)}, -1);
-        if (next != nullptr && !next->forward) {
-          const size_t n = next->micro_batch;
-          output_grads[n] = stage_input_like(n);
-          check(groups_.pp->SendRecv(output.detach(), stage + 1,
-                                     output_grads[n], stage + 1));
-        } else {
-          check(groups_.pp->Send(output.detach(), stage + 1));
-        }
-        if (!args.forward_only) stage_outputs[b] = output;
-        continue;
-      }
-      const torch::Tensor& logprobs = output;
-      // The load-balancing term joins each token's loss, so it is weighted
-      // and normalized exactly like the token's cross-entropy.
-      torch::Tensor loss_logprobs = logprobs;
-      if (config.router_aux_loss_coef > 0) {
-        loss_logprobs = logprobs - config.router_aux_loss_coef * router.aux;
-      }
-      torch::Tensor row_tokens;
-      if (split_samples && real) {
-        row_tokens =
-            sample_tokens
-                .index({torch::tensor(batch.sample_index, torch::kInt64)})
-                .to(torch::kInt64);
-      }
-      LossTerms terms =
-          ComputeLoss(loss_logprobs, batch, args.reduction, row_tokens);
-      if (!args.forward_only) stage_outputs[b] = terms.raw_loss;
-      if (!real) continue;
-      auto loss_sums = terms.sample_loss_sums.accessor<double, 1>();
-      auto valid = terms.sample_valid_tokens.accessor<int64_t, 1>();
-      torch::Tensor rows, positions;
-      if (args.return_logprobs) {
-        rows = logprobs.detach()
-                   .masked_fill(~batch.has_target, 0.0)
-                   .to(torch::kFloat64)
-                   .contiguous();
-        positions = layout.positions.contiguous();
-      }
-      for (size_t r = 0; r < batch.sample_index.size(); ++r) {
-        const int i = batch.sample_index[r];
-        out[2 * i] = loss_sums[r];
-        out[2 * i + 1] = static_cast<double>(valid[r]);
-        if (args.return_logprobs) {
-          // Back to the sample's token order (cp ranks hold two chunks).
-          const double* row = rows[r].data_ptr<double>();
-          const int64_t* at = positions[r].data_ptr<int64_t>();
-          for (int64_t t = 0; t < batch.lengths[r]; ++t) {
-            out[logprob_offset[i] + at[t]] = row[t];
-          }
-        }
-      }
-    }
-  });
-  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(computed));
-  if (groups_.data_and_cp->size() > 1) {
-    TALLY_RETURN_IF_ERROR(
-        groups_.data_and_cp->AllReduce(gathered, ReduceOp::kSum));
-  }
+  CallResults results(args.samples, args.return_logprobs,
+                      config.num_hidden_layers,
+                      config.is_moe() ? config.num_local_experts : 0);
+  const bool last = groups_.pp->rank() == groups_.pp->size() - 1;
+  StageCallbacks stage;
+  stage.boundary_like = [&](size_t b) {
+    // Hidden states and, for a MoE model, the load-balancing channel.
+    const torch::Tensor& ids = plan.packed[b].inputs;
+    return torch::empty(
+        {ids.size(0), ids.size(1), config.hidden_size + config.is_moe()},
+        torch::TensorOptions().dtype(model.scalar_type()));
+  };
+  stage.forward = [&](size_t b, const torch::Tensor& received) {
+    return ForwardMicroBatch(model, plan, b, received, last, args, results);
+  };
+  stage.before_backward = [&](size_t b) {
+    // Earlier backwards only accumulate into what the last one sums.
+    if (overlapped && b + 1 == plan.num_batches()) overlapped->Arm();
+  };
+  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(RunStageSchedule(
+      *groups_.pp, plan.num_batches(), !args.forward_only, stage)));
+  TALLY_RETURN_IF_ERROR(results.SumOver(*groups_.data_and_cp));
   // Only the last stage computed the results (zeros elsewhere): every rank,
   // rank 0 on stage 0 included, gets the same numbers and normalizer.
-  if (stages > 1) {
-    TALLY_RETURN_IF_ERROR(groups_.pp->AllReduce(gathered, ReduceOp::kSum));
-  }
+  TALLY_RETURN_IF_ERROR(results.SumOver(*groups_.pp));
   if (sync_call) {
     TALLY_RETURN_IF_ERROR(
         SyncCallGradients(model, std::move(earlier), overlapped.get()));
   }
 
-  ForwardBackwardResult result;
-  result.samples.resize(num_samples);
-  const double* in = gathered.data_ptr<double>();
-  double sample_mean_sum = 0.0;
-  for (int i = 0; i < num_samples; ++i) {
-    SampleResult& out = result.samples[i];
-    out.loss_sum = in[2 * i];
-    out.valid_tokens = static_cast<int64_t>(in[2 * i + 1]);
-    result.loss_sum += out.loss_sum;
-    result.valid_tokens += out.valid_tokens;
-    if (out.valid_tokens > 0) {
-      ++result.num_samples;
-      sample_mean_sum += out.loss_sum / out.valid_tokens;
-    }
-    if (args.return_logprobs) {
-      const double* row = in + logprob_offset[i];
-      out.logprobs.assign(row, row + samples[i].input_tokens.size());
-    }
-  }
-  if (args.reduction == LossReduction::kSampleMean) {
-    result.loss_mean =
-        result.num_samples > 0 ? sample_mean_sum / result.num_samples : 0.0;
-  } else {
-    result.loss_mean =
-        result.valid_tokens > 0 ? result.loss_sum / result.valid_tokens : 0.0;
-  }
+  ForwardBackwardResult result = results.Unpack(args.reduction);
   if (!args.forward_only) {
     state.window.Add(args.reduction, result.valid_tokens, result.num_samples);
   }
   result.window = state.window.counts();
-  if (config.is_moe()) {
-    // Expert load: token assignments per expert (summed over layers), and
-    // the least and most loaded expert of any layer as a fraction of that
-    // layer's assignments (1 / E when balanced).
-    torch::Tensor load =
-        gathered.narrow(0, load_offset, load_slots)
-            .view({config.num_hidden_layers, config.num_local_experts});
-    torch::Tensor per_expert = load.sum(0);
-    for (int64_t e = 0; e < config.num_local_experts; ++e) {
-      result.metrics[absl::StrCat("expert_tokens_", e)] =
-          per_expert[e].item<double>();
-    }
-    torch::Tensor fraction =
-        load / load.sum(1, /*keepdim=*/true).clamp_min(1.0);
-    result.metrics["expert_load_min_fraction"] = fraction.min().item<double>();
-    result.metrics["expert_load_max_fraction"] = fraction.max().item<double>();
+  int64_t padded_tokens = 0;
+  for (size_t b = 0; b < plan.real_batches; ++b) {
+    padded_tokens += plan.packed[b].inputs.numel();
   }
-  result.metrics["micro_batches"] = static_cast<double>(num_batches);
+  result.metrics["micro_batches"] = static_cast<double>(plan.num_batches());
   result.metrics["padded_tokens"] = static_cast<double>(padded_tokens);
   result.metrics["seconds"] = SecondsSince(start);
   return result;
