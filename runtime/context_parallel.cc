@@ -57,6 +57,9 @@ ContextParallelBatch SplitForContextParallel(const PackedBatch& batch,
   local.has_target = batch.has_target.gather(1, index) & here;
   local.weights = batch.weights.gather(1, index).masked_fill(~here, 0);
   local.valid = batch.valid.gather(1, index) & here;
+  for (const auto& [name, values] : batch.token_inputs) {
+    local.token_inputs[name] = values.gather(1, index).masked_fill(~here, 0);
+  }
 
   split.layout.positions = where[cp_rank];
   split.layout.key_positions =

@@ -13,6 +13,7 @@
 #include "runtime/pipeline.h"
 #include "runtime/pipeline_executor.h"
 #include "runtime/status.h"
+#include "runtime/token_loss.h"
 
 namespace tally {
 namespace {
@@ -124,7 +125,8 @@ torch::Tensor ForwardMicroBatch(LlamaModel& model, const CallPlan& plan,
     loss_logprobs = output - config.router_aux_loss_coef * router.aux;
   }
   const LossTerms terms =
-      ComputeLoss(loss_logprobs, batch, args.reduction, plan.RowTokens(b));
+      ComputeLoss(args.loss ? *args.loss : DefaultTokenLoss(), loss_logprobs,
+                  batch, args.reduction, plan.RowTokens(b));
   if (plan.real(b)) {
     RecordSamples(output, batch, plan.layouts[b], terms, args.return_logprobs,
                   results);
@@ -320,6 +322,8 @@ absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   TALLY_RETURN_IF_ERROR(CheckIntact(*state));
   TALLY_RETURN_IF_ERROR(ValidateSamples(state->spec.config, args.samples));
+  TALLY_RETURN_IF_ERROR(ValidateLossInputs(
+      args.loss ? *args.loss : DefaultTokenLoss(), args.samples));
   if (!args.forward_only) {
     TALLY_RETURN_IF_ERROR(state->window.CheckReduction(args.reduction));
   }

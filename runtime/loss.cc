@@ -30,6 +30,20 @@ absl::Status ValidateSamples(const LlamaConfig& config,
           field, ".weights has ", s.weights.size(),
           " entries but input_tokens has ", s.input_tokens.size()));
     }
+    for (const auto& [name, values] : s.token_inputs) {
+      if (values.size() != s.input_tokens.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".token_inputs[\"", name, "\"] has ", values.size(),
+            " entries but input_tokens has ", s.input_tokens.size()));
+      }
+      for (size_t t = 0; t < values.size(); ++t) {
+        if (!std::isfinite(values[t])) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ".token_inputs[\"", name, "\"][", t,
+                           "] = ", values[t], " must be finite"));
+        }
+      }
+    }
     if (static_cast<int64_t>(s.input_tokens.size()) >
         config.max_position_embeddings) {
       return absl::InvalidArgumentError(
@@ -97,6 +111,16 @@ PackedBatch PackRows(const std::vector<Sample>& samples,
     }
   }
   batch.weights = weights.to(dtype);
+  for (int64_t b = 0; b < n; ++b) {
+    for (const auto& [name, values] : samples[rows[b]].token_inputs) {
+      torch::Tensor& packed = batch.token_inputs[name];
+      if (!packed.defined()) packed = torch::zeros({n, seq}, torch::kFloat64);
+      packed[b]
+          .narrow(0, 0, static_cast<int64_t>(values.size()))
+          .copy_(torch::tensor(values, torch::kFloat64));
+    }
+  }
+  for (auto& [name, packed] : batch.token_inputs) packed = packed.to(dtype);
   return batch;
 }
 
@@ -156,12 +180,17 @@ std::vector<std::vector<int>> PartitionSamples(
 LossTerms ComputeLoss(const torch::Tensor& target_logprobs,
                       const PackedBatch& batch, LossReduction reduction,
                       const torch::Tensor& sample_tokens) {
+  return ComputeLoss(DefaultTokenLoss(), target_logprobs, batch, reduction,
+                     sample_tokens);
+}
+
+LossTerms ComputeLoss(const TokenLoss& loss,
+                      const torch::Tensor& target_logprobs,
+                      const PackedBatch& batch, LossReduction reduction,
+                      const torch::Tensor& sample_tokens) {
   LossTerms terms;
-  // Padding and ignored positions carry weight 0; masked_fill also stops a
-  // non-finite logprob there from leaking NaN into the sum (0 * inf = NaN).
-  torch::Tensor token_loss =
-      (-target_logprobs).masked_fill(~batch.valid, 0.0) * batch.weights;
-  torch::Tensor per_sample = token_loss.sum(1);  // [B]
+  torch::Tensor per_sample =
+      loss.TokenLosses(target_logprobs, batch).sum(1);  // [B]
   terms.sample_valid_tokens = batch.valid.sum(1);
   terms.sample_loss_sums = per_sample.detach().to(torch::kFloat64);
   terms.valid_tokens = terms.sample_valid_tokens.sum().item<int64_t>();

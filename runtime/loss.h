@@ -22,10 +22,13 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "runtime/llama_config.h"
+#include "runtime/token_loss.h"
 #include "runtime/types.h"
 
 namespace tally {
@@ -46,6 +49,9 @@ struct PackedBatch {
   torch::Tensor has_target;       // [B, T] bool: a real target, not -100
   torch::Tensor weights;          // [B, T] model dtype, 0 where not valid
   torch::Tensor valid;            // [B, T] bool: has_target and weight > 0
+  // Sample::token_inputs by name, [B, T] model dtype, 0 at padding; each
+  // present when any of the rows' samples has it.
+  std::map<std::string, torch::Tensor> token_inputs;
 };
 
 // Groups the samples `indices` of `samples` into batches of
@@ -78,6 +84,11 @@ struct LossTerms {
 // sample, which SAMPLE_MEAN divides by. Leave it undefined when the rows hold
 // whole samples (their own counts are T_b); under context parallelism a row
 // holds a part of its sample and T_b comes from the whole cp group.
+// `loss` gives each token's term; the default is cross-entropy.
+LossTerms ComputeLoss(const TokenLoss& loss,
+                      const torch::Tensor& target_logprobs,
+                      const PackedBatch& batch, LossReduction reduction,
+                      const torch::Tensor& sample_tokens = {});
 LossTerms ComputeLoss(const torch::Tensor& target_logprobs,
                       const PackedBatch& batch, LossReduction reduction,
                       const torch::Tensor& sample_tokens = {});

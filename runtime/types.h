@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -67,13 +68,20 @@ struct Sample {
   std::vector<int32_t> input_tokens;
   std::vector<int32_t> target_tokens;
   std::vector<float> weights;  // empty: all 1
+  // Further per-token inputs of the loss by name (TokenLoss::
+  // required_inputs), each as long as input_tokens.
+  std::map<std::string, std::vector<float>> token_inputs;
 };
+
+class TokenLoss;  // token_loss.h
 
 struct ForwardBackwardArgs {
   std::vector<Sample> samples;
   LossReduction reduction = LossReduction::kTokenMean;
   bool forward_only = false;
   bool return_logprobs = false;
+  // The per-token objective; null: cross-entropy (DefaultTokenLoss).
+  std::shared_ptr<const TokenLoss> loss;
 };
 
 struct SampleResult {

@@ -1,0 +1,65 @@
+// TokenLoss: the objective a ForwardBackward backpropagates, one term per
+// token.
+//
+// A loss turns the target log-probabilities of a packed micro-batch — with
+// the per-token inputs packed alongside: the weights, and named extra inputs
+// a loss may need (an RL loss's advantages or the sampler's
+// log-probabilities, Sample::token_inputs) — into each token's loss.
+// ComputeLoss (loss.h) masks it to the valid tokens and reduces it to the
+// raw, un-normalized sums the accumulation window normalizes once at
+// OptimStep, so every loss obeys the window rule in the same way, on every
+// mesh. A new loss is a new file with a TokenLoss subclass.
+//
+//   const tally::CrossEntropyLoss cross_entropy;
+//   tally::LossTerms terms =
+//       tally::ComputeLoss(cross_entropy, logprobs, batch, reduction);
+//   terms.raw_loss.backward();
+#ifndef TALLY_RUNTIME_TOKEN_LOSS_H_
+#define TALLY_RUNTIME_TOKEN_LOSS_H_
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "runtime/types.h"
+
+namespace tally {
+
+struct PackedBatch;
+
+class TokenLoss {
+ public:
+  virtual ~TokenLoss() = default;
+  // For messages and metrics, e.g. "cross_entropy".
+  virtual std::string name() const = 0;
+  // The Sample::token_inputs it reads; every sample of a call must carry
+  // each of them (ValidateLossInputs).
+  virtual std::vector<std::string> required_inputs() const { return {}; }
+  // [B, T] per-token losses of `batch` (rows of PackedBatch), differentiable
+  // through `target_logprobs`; 0 wherever !batch.valid, even where a
+  // log-probability there is not finite.
+  virtual torch::Tensor TokenLosses(const torch::Tensor& target_logprobs,
+                                    const PackedBatch& batch) const = 0;
+};
+
+// Supervised fine-tuning's weighted cross-entropy: -w_t * log p(target_t).
+class CrossEntropyLoss final : public TokenLoss {
+ public:
+  std::string name() const override { return "cross_entropy"; }
+  torch::Tensor TokenLosses(const torch::Tensor& target_logprobs,
+                            const PackedBatch& batch) const override;
+};
+
+// The loss of a call that names none: cross-entropy.
+const TokenLoss& DefaultTokenLoss();
+
+// INVALID_ARGUMENT naming `samples[i].token_inputs["<name>"]` when a sample
+// lacks an input `loss` requires.
+absl::Status ValidateLossInputs(const TokenLoss& loss,
+                                const std::vector<Sample>& samples);
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_TOKEN_LOSS_H_
