@@ -272,6 +272,27 @@ void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_damage(s.damage);
 }
 
+int64_t ForwardBackwardResponseBound(const v1::ForwardBackwardRequest& request,
+                                     int64_t num_experts) {
+  // Wire sizes: a tag is 1 byte here, a varint at most 10, a double 8, a
+  // length prefix at most 5.
+  constexpr int64_t kScalar = 1 + 10;
+  constexpr int64_t kNested = 1 + 5;
+  // Metrics: the engine's micro_batches, padded_tokens and seconds, and
+  // per MoE model the tokens of each expert and the load min and max; each
+  // entry a map message of a key of at most 32 bytes and a double.
+  constexpr int64_t kMetricEntry = kNested + (1 + 1 + 32) + (1 + 8);
+  const int64_t metrics = 3 + (num_experts > 0 ? num_experts + 2 : 0);
+  int64_t bound = 8 * kScalar + metrics * kMetricEntry;
+  for (const v1::Sample& sample : request.samples()) {
+    bound += kNested + 2 * kScalar;
+    if (request.return_logprobs()) {
+      bound += kNested + 8 * static_cast<int64_t>(sample.input_tokens_size());
+    }
+  }
+  return bound;
+}
+
 void ToProto(const ForwardBackwardResult& r, v1::ForwardBackwardResponse* out) {
   out->set_loss_sum(r.loss_sum);
   out->set_loss_mean(r.loss_mean);

@@ -48,6 +48,13 @@ absl::StatusOr<OptimStepArgs> ParseOptimStep(
 // Non-empty path with no NUL byte.
 absl::Status ValidateCheckpointPath(const std::string& path);
 
+// An upper bound of the serialized ForwardBackwardResponse to `request`
+// for a model with `num_experts` experts per layer (0: dense): known before
+// the call runs, so a response over the message limit is refused before it
+// changes anything.
+int64_t ForwardBackwardResponseBound(const v1::ForwardBackwardRequest& request,
+                                     int64_t num_experts);
+
 // model_id is the client's (ClientModelId).
 void ToProto(const ModelSummary& summary, v1::ModelInfo* out);
 void ToProto(const ForwardBackwardResult& result,

@@ -228,6 +228,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
         "), which bounds the whole shutdown, drain included"));
   }
   TrainerServiceOptions service_options;
+  service_options.max_message_bytes = options.max_message_bytes;
   if (!options.checkpoint_root.empty()) {
     std::error_code error;
     if (!std::filesystem::is_directory(options.checkpoint_root, error)) {

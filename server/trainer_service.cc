@@ -215,6 +215,29 @@ void TrainerService::PoisonNow(const std::string& model_id,
   }
 }
 
+absl::Status TrainerService::CheckResponseFits(
+    const v1::ForwardBackwardRequest& request) const {
+  if (options_.max_message_bytes <= 0) return absl::OkStatus();
+  TALLY_ASSIGN_OR_RETURN(const ModelSummary model,
+                         engine_->GetModel(request.model_id()));
+  const int64_t experts =
+      model.config.is_moe() ? model.config.num_local_experts : 0;
+  const int64_t bound = ForwardBackwardResponseBound(request, experts);
+  if (bound <= options_.max_message_bytes) return absl::OkStatus();
+  int64_t tokens = 0;
+  for (const v1::Sample& sample : request.samples()) {
+    tokens += sample.input_tokens_size();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the response could take ", bound, " bytes (", request.samples_size(),
+      " samples, ", tokens, " tokens",
+      request.return_logprobs() ? ", return_logprobs" : "",
+      "), more than --max-message-bytes (", options_.max_message_bytes,
+      "); nothing was executed: send fewer tokens per call",
+      request.return_logprobs() ? " or no return_logprobs" : "",
+      ", or raise the limit"));
+}
+
 void TrainerService::FillNextSeqId(const std::string& engine_id,
                                    v1::ModelInfo* info) const {
   info->set_next_seq_id(
@@ -404,6 +427,7 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
                  ParseForwardBackward(*request).status()),
       [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
+        TALLY_RETURN_IF_ERROR(CheckResponseFits(*request));
         TALLY_RETURN_IF_ERROR(ReplicateCommand(
             engine_->control(), Command::kForwardBackward, *request));
         TALLY_RETURN_IF_ERROR(CountingPoison(request->model_id(), [&] {

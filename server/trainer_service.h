@@ -70,6 +70,9 @@ struct TrainerServiceOptions {
   std::string checkpoint_root;
   // Periodic checkpoints after OptimStep. Null: none.
   Checkpointer* checkpointer = nullptr;
+  // The largest message gRPC sends (--max-message-bytes): a request whose
+  // response could exceed it is refused before it runs. 0: no bound.
+  int64_t max_message_bytes = 0;
 };
 
 class TrainerService final : public v1::Trainer::CallbackService {
@@ -152,6 +155,11 @@ class TrainerService final : public v1::Trainer::CallbackService {
   absl::Status Precheck(grpc::CallbackServerContext* context) const;
   // Runs `command`, turning a collective failure into UNAVAILABLE.
   absl::Status RunCommand(const std::function<absl::Status()>& command);
+  // INVALID_ARGUMENT when the response to `request` could exceed
+  // --max-message-bytes: refused before anything changes, since a response
+  // that fails after the call ran invites a retry that applies it twice.
+  absl::Status CheckResponseFits(
+      const v1::ForwardBackwardRequest& request) const;
   // Runs a command that may poison `model_id`'s window, counting it if so.
   absl::Status CountingPoison(const std::string& model_id,
                               const std::function<absl::Status()>& command);

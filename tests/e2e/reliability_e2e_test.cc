@@ -437,6 +437,32 @@ TEST_F(ReliabilityE2eTest, SigtermDrainsWhileNotServingThenExitsZero) {
   EXPECT_GE(absl::Now() - sent, absl::Seconds(2));
 }
 
+// A call whose response could exceed --max-message-bytes is refused before
+// it runs: the window is unchanged, so the client's retry (or the same call
+// without logprobs) applies it exactly once. Before, the call ran and then
+// failed on its response, and an unsequenced retry added its gradients twice.
+TEST_F(ReliabilityE2eTest, AResponseOverTheMessageLimitIsRefusedBeforeItRuns) {
+  Stub* stub = Start({"--max-message-bytes", "65536"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "m");
+  // 150 samples of 60 tokens: a 40 KB request, a 72 KB logprob response.
+  v1::ForwardBackwardRequest call = Fb("m", 0, Samples(31, 150, 60));
+  call.set_return_logprobs(true);
+  ASSERT_LT(call.ByteSizeLong(), 65536u);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const auto refused = Send(&Stub::ForwardBackward, *stub, call);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
+        << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()),
+                HasSubstr("--max-message-bytes (65536)"));
+    EXPECT_EQ(Info(*stub, "m").accumulated_calls(), 0) << attempt;
+  }
+  call.set_return_logprobs(false);
+  const auto ran = Send(&Stub::ForwardBackward, *stub, call);
+  ASSERT_TRUE(ran.ok()) << ran.status();
+  EXPECT_EQ(Info(*stub, "m").accumulated_calls(), 1);
+}
+
 // A drain that would use up the whole exit budget is refused at start,
 // naming both flags: it could only ever end in the watchdog's exit 1.
 TEST_F(ReliabilityE2eTest, ADrainAsLongAsTheExitTimeoutIsRefusedAtStart) {

@@ -1,0 +1,84 @@
+// ForwardBackwardResponseBound against real serialization: for requests of
+// many shapes, the largest response the engine can produce (every varint at
+// its longest, every sample and logprob present, the engine's metric names
+// for a dense or MoE model) never exceeds the bound, and the bound stays
+// close to it.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "server/convert.h"
+
+namespace tally {
+namespace {
+
+v1::ForwardBackwardRequest Request(int samples, int length, bool logprobs) {
+  v1::ForwardBackwardRequest request;
+  request.set_model_id("m");
+  request.set_return_logprobs(logprobs);
+  for (int s = 0; s < samples; ++s) {
+    v1::Sample* sample = request.add_samples();
+    for (int t = 0; t < length + s; ++t) {
+      sample->add_input_tokens(t);
+      sample->add_target_tokens(t);
+    }
+  }
+  return request;
+}
+
+// The largest response to `request`: negative int64s take 10 bytes.
+v1::ForwardBackwardResponse LargestResponse(
+    const v1::ForwardBackwardRequest& request, int64_t experts) {
+  ForwardBackwardResult result;
+  result.loss_sum = result.loss_mean = std::numeric_limits<double>::max();
+  result.valid_tokens = result.num_samples = -1;
+  result.window = {-1, -1, -1};
+  for (const v1::Sample& sample : request.samples()) {
+    SampleResult s;
+    s.loss_sum = -1;
+    s.valid_tokens = -1;
+    if (request.return_logprobs()) {
+      s.logprobs.assign(sample.input_tokens_size(), -1.5);
+    }
+    result.samples.push_back(s);
+  }
+  for (const char* name : {"micro_batches", "padded_tokens", "seconds"}) {
+    result.metrics[name] = 1;
+  }
+  if (experts > 0) {
+    for (int64_t e = 0; e < experts; ++e) {
+      result.metrics[absl::StrCat("expert_tokens_", e)] = 1;
+    }
+    result.metrics["expert_load_min_fraction"] = 1;
+    result.metrics["expert_load_max_fraction"] = 1;
+  }
+  v1::ForwardBackwardResponse response;
+  ToProto(result, &response);
+  return response;
+}
+
+TEST(ResponseBoundTest, BoundsTheLargestResponseClosely) {
+  for (int samples : {0, 1, 3, 40}) {
+    for (int length : {1, 17, 300, 5000}) {
+      for (bool logprobs : {false, true}) {
+        for (int64_t experts : {0, 8, 64}) {
+          const v1::ForwardBackwardRequest request =
+              Request(samples, length, logprobs);
+          const int64_t actual = static_cast<int64_t>(
+              LargestResponse(request, experts).ByteSizeLong());
+          const int64_t bound = ForwardBackwardResponseBound(request, experts);
+          const std::string shape =
+              absl::StrCat(samples, " samples of ", length, "+ tokens, ",
+                           logprobs ? "logprobs, " : "", experts, " experts");
+          EXPECT_GE(bound, actual) << shape;
+          EXPECT_LE(bound, actual + actual / 2 + 512) << shape;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tally
