@@ -3,6 +3,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -187,26 +188,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
   return engine;
 }
 
-absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
-    const ServerOptions& options, std::unique_ptr<Engine> engine) {
-  if (options.max_message_bytes < 1024 ||
-      options.max_message_bytes > std::numeric_limits<int>::max()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max-message-bytes must be in [1024, 2^31), got ",
-                     options.max_message_bytes));
-  }
-  std::unique_ptr<TallyServer> s(new TallyServer());
-  s->options_ = options;
-  s->engine_ = std::move(engine);
-  TALLY_ASSIGN_OR_RETURN(
-      const int metrics_port,
-      LocalRankPort(options, options.metrics_port, "--metrics-port"));
-  TALLY_ASSIGN_OR_RETURN(
-      s->metrics_,
-      ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
-                            s->engine_.get()));
-  TALLY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                         ServerCredentials(options));
+namespace {
+
+// The flags that must agree with each other, checked before anything
+// starts: what needs --checkpoint-dir, tenants' confinement, the exit budget.
+// Creates --checkpoint-root if it is missing.
+absl::Status ValidateCheckpointAndShutdownFlags(const ServerOptions& options) {
   if (options.resume && options.checkpoint_dir.empty()) {
     return absl::InvalidArgumentError("--resume needs --checkpoint-dir");
   }
@@ -227,17 +214,74 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
         ") must be less than --exit-timeout-secs (", options.exit_timeout_secs,
         "), which bounds the whole shutdown, drain included"));
   }
+  if (!options.auth_tokens_file.empty() && options.checkpoint_root.empty()) {
+    // Without a root, a tenant's checkpoint path may name another tenant's
+    // checkpoint: read it, or overwrite it.
+    return absl::InvalidArgumentError(
+        "--auth-tokens-file needs --checkpoint-root: tenants' checkpoint "
+        "paths must be confined, each to <root>/<tenant>");
+  }
+  if (options.checkpoint_root.empty()) return absl::OkStatus();
+  std::error_code error;
+  std::filesystem::create_directories(options.checkpoint_root, error);
+  if (!std::filesystem::is_directory(options.checkpoint_root, error)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--checkpoint-root ", options.checkpoint_root,
+                     " is not a directory and cannot be created"));
+  }
+  if (!options.checkpoint_dir.empty()) {
+    // The server's own checkpoints must be out of every client's reach (a
+    // tenant named like their folder would reach all of them), and clients'
+    // ones out of --resume's.
+    auto resolved = [&error](const std::string& path) {
+      std::filesystem::path p = std::filesystem::weakly_canonical(path, error);
+      return p.filename().empty() ? p.parent_path() : p;  // a trailing "/"
+    };
+    const std::filesystem::path root = resolved(options.checkpoint_root);
+    const std::filesystem::path dir = resolved(options.checkpoint_dir);
+    auto within = [](const std::filesystem::path& inner,
+                     const std::filesystem::path& outer) {
+      const auto [end, unused] =
+          std::mismatch(outer.begin(), outer.end(), inner.begin(), inner.end());
+      return end == outer.end();
+    };
+    if (within(dir, root) || within(root, dir)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--checkpoint-dir ", options.checkpoint_dir,
+          " and --checkpoint-root ", options.checkpoint_root,
+          " overlap: the server's own checkpoints must be outside every "
+          "client's reach, and clients' outside --resume's"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
+    const ServerOptions& options, std::unique_ptr<Engine> engine) {
+  if (options.max_message_bytes < 1024 ||
+      options.max_message_bytes > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-message-bytes must be in [1024, 2^31), got ",
+                     options.max_message_bytes));
+  }
+  std::unique_ptr<TallyServer> s(new TallyServer());
+  s->options_ = options;
+  s->engine_ = std::move(engine);
+  TALLY_ASSIGN_OR_RETURN(
+      const int metrics_port,
+      LocalRankPort(options, options.metrics_port, "--metrics-port"));
+  TALLY_ASSIGN_OR_RETURN(
+      s->metrics_,
+      ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
+                            s->engine_.get()));
+  TALLY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                         ServerCredentials(options));
+  TALLY_RETURN_IF_ERROR(ValidateCheckpointAndShutdownFlags(options));
   TrainerServiceOptions service_options;
   service_options.max_message_bytes = options.max_message_bytes;
-  if (!options.checkpoint_root.empty()) {
-    std::error_code error;
-    if (!std::filesystem::is_directory(options.checkpoint_root, error)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--checkpoint-root ", options.checkpoint_root,
-                       " is not an existing directory"));
-    }
-    service_options.checkpoint_root = options.checkpoint_root;
-  }
+  service_options.checkpoint_root = options.checkpoint_root;
   if (!options.auth_tokens_file.empty()) {
     TALLY_ASSIGN_OR_RETURN(s->authenticator_,
                            Authenticator::FromFile(options.auth_tokens_file));

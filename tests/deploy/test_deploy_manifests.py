@@ -175,6 +175,15 @@ class ManifestTest(unittest.TestCase):
                           "--checkpoint-on-exit"):
             if needs_dir in flags:
                 self.assertIn("--checkpoint-dir", flags, needs_dir)
+        # Tenants' paths are confined, and the server's own checkpoints lie
+        # outside every tenant's reach.
+        if "--auth-tokens-file" in flags:
+            self.assertIn("--checkpoint-root", flags)
+        if "--checkpoint-root" in flags and "--checkpoint-dir" in flags:
+            root = flags["--checkpoint-root"].rstrip("/") + "/"
+            periodic = flags["--checkpoint-dir"].rstrip("/") + "/"
+            self.assertFalse(periodic.startswith(root) or root.startswith(periodic),
+                             f"{periodic} and {root} overlap")
 
     def test_pods_listen_beyond_loopback_plaintext_only_without_tls(self):
         # The server's default --host is 127.0.0.1, which no Service reaches.

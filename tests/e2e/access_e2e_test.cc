@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/trainer_client.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/server_process.h"
@@ -252,6 +253,8 @@ TEST_F(AccessE2eTest, ResumedModelsStayTheirTenants) {
                                           dir_ + "/tokens",
                                           "--checkpoint-dir",
                                           checkpoints,
+                                          "--checkpoint-root",
+                                          dir_ + "/clients",
                                           "--checkpoint-every-steps",
                                           "2"};
   constexpr int32_t kVocab = 32;  // TinyModel's
@@ -271,10 +274,11 @@ TEST_F(AccessE2eTest, ResumedModelsStayTheirTenants) {
       testing::Train(*client, id, kVocab, 1, id == alice_model ? 2 : 4);
       v1::SaveCheckpointRequest save;
       save.set_model_id(id);
-      save.set_path(dir_ + "/before-" + id);
-      ASSERT_TRUE(client->SaveCheckpoint(save).ok());
+      save.set_path("before-" + id);  // in the tenant's folder of the root
+      const auto saved = client->SaveCheckpoint(save);
+      ASSERT_TRUE(saved.ok()) << saved.status();
       weights_before[id] =
-          testing::ReadFileBytes(save.path() + "/model.safetensors");
+          testing::ReadFileBytes(saved->path() + "/model.safetensors");
       ASSERT_FALSE(weights_before[id].empty());
     }
   }
@@ -307,14 +311,52 @@ TEST_F(AccessE2eTest, ResumedModelsStayTheirTenants) {
       EXPECT_EQ(listed->models(0).model_id(), id);
       v1::SaveCheckpointRequest save;
       save.set_model_id(id);
-      save.set_path(dir_ + "/after-" + id);
-      ASSERT_TRUE(owner->SaveCheckpoint(save).ok());
+      save.set_path("after-" + id);
+      const auto saved = owner->SaveCheckpoint(save);
+      ASSERT_TRUE(saved.ok()) << saved.status();
       EXPECT_TRUE(weights_before[id] ==
-                  testing::ReadFileBytes(save.path() + "/model.safetensors"))
+                  testing::ReadFileBytes(saved->path() + "/model.safetensors"))
           << "the resumed parameters differ";
     }
   }
   testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
+// With tenants, every client checkpoint path is confined to its tenant's
+// folder, so a server with tokens and no --checkpoint-root refuses to start
+// (before, one tenant could load and overwrite another's checkpoints); and
+// the server's own periodic checkpoints may not lie in any tenant's reach
+// (before, a tenant named "periodic" reached <root>/periodic).
+TEST_F(AccessE2eTest, TenantsNeedAConfinedCheckpointRootApartFromPeriodic) {
+  std::ofstream(dir_ + "/tokens") << kAliceToken << " alice\n";
+  const std::string tokens = dir_ + "/tokens";
+  const std::string root = dir_ + "/root";
+  const struct {
+    std::vector<std::string> flags;
+    std::string refusal;
+  } cases[] = {
+      {{"--auth-tokens-file", tokens},
+       "--auth-tokens-file needs --checkpoint-root"},
+      {{"--auth-tokens-file", tokens, "--checkpoint-root", root,
+        "--checkpoint-dir", root + "/periodic"},
+       "overlap"},
+      {{"--checkpoint-root", root + "/x/", "--checkpoint-dir", root},
+       "overlap"},
+  };
+  for (const auto& c : cases) {
+    const absl::StatusOr<std::unique_ptr<ServerProcess>> refused =
+        ServerProcess::Start(testing::ServerBinaryFromEnv(), c.flags);
+    ASSERT_FALSE(refused.ok()) << c.refusal;
+    EXPECT_THAT(std::string(refused.status().message()),
+                ::testing::HasSubstr(c.refusal));
+  }
+  // Apart, they start; a missing root is created.
+  ServerProcess* server = StartServerOrFail(
+      {"--auth-tokens-file", tokens, "--checkpoint-root", root + "/clients",
+       "--checkpoint-dir", root + "/periodic"},
+      servers_);
+  ASSERT_NE(server, nullptr);
+  EXPECT_TRUE(fs::is_directory(root + "/clients"));
 }
 
 TEST_F(AccessE2eTest, PlaintextOnlyOnLoopbackUnlessAllowed) {
