@@ -183,6 +183,12 @@ const std::vector<FlagSpec>& Flags() {
                [](ServerOptions& o, int64_t v) {
                  o.max_queued_requests_per_model = v;
                })},
+      {"max-queued-requests-per-tenant", "N",
+       "requests held at once for one authenticated tenant",
+       IntFlag("max-queued-requests-per-tenant", 1, 1 << 20,
+               [](ServerOptions& o, int64_t v) {
+                 o.max_queued_requests_per_tenant = v;
+               })},
       {"shutdown-drain-secs", "S",
        "on SIGTERM/SIGINT, keep serving this long while NOT_SERVING",
        SecondsFlag(
@@ -310,6 +316,8 @@ std::string ServerUsage() {
       " --max-queued-requests ", defaults.max_queued_requests,
       " --max-queued-requests-per-model ",
       defaults.max_queued_requests_per_model,
+      " --max-queued-requests-per-tenant ",
+      defaults.max_queued_requests_per_tenant,
       "\n          --shutdown-drain-secs ", defaults.shutdown_drain_secs,
       " --exit-timeout-secs ", defaults.exit_timeout_secs,
       " --collective-timeout-secs ", defaults.collective_timeout_secs,

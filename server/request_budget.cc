@@ -3,34 +3,53 @@
 #include "absl/strings/str_cat.h"
 
 namespace tally {
+namespace {
 
-absl::Status RequestBudget::Acquire(const std::string& model_id) {
+size_t Held(const std::map<std::string, size_t>& counts,
+            const std::string& key) {
+  auto it = counts.find(key);
+  return it == counts.end() ? 0 : it->second;
+}
+
+void Give(std::map<std::string, size_t>& counts, const std::string& key) {
+  auto it = counts.find(key);
+  if (--it->second == 0) counts.erase(it);
+}
+
+}  // namespace
+
+absl::Status RequestBudget::Acquire(const std::string& tenant,
+                                    const std::string& model_id) {
   absl::MutexLock lock(&mu_);
-  if (total_ >= max_total_) {
+  if (total_ >= limits_.total) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the server already holds ", total_,
                      " requests (--max-queued-requests); retry later"));
   }
-  if (!model_id.empty()) {
-    auto it = per_model_.find(model_id);
-    const size_t held = it == per_model_.end() ? 0 : it->second;
-    if (held >= max_per_model_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the server already holds ", held, " requests for model '", model_id,
-          "' (--max-queued-requests-per-model); retry later"));
-    }
-    ++per_model_[model_id];
+  if (!tenant.empty() && Held(per_tenant_, tenant) >= limits_.per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server already holds ", Held(per_tenant_, tenant),
+        " requests of this tenant (--max-queued-requests-per-tenant); retry "
+        "later"));
   }
+  if (!model_id.empty() && Held(per_model_, model_id) >= limits_.per_model) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the server already holds ", Held(per_model_, model_id),
+                     " requests for model '", model_id,
+                     "' (--max-queued-requests-per-model); retry later"));
+  }
+  if (!tenant.empty()) ++per_tenant_[tenant];
+  if (!model_id.empty()) ++per_model_[model_id];
   ++total_;
   return absl::OkStatus();
 }
 
-void RequestBudget::Release(const std::string& model_id) {
+void RequestBudget::Release(const std::string& tenant,
+                            const std::string& model_id) {
   absl::MutexLock lock(&mu_);
   --total_;
-  if (model_id.empty()) return;
-  auto it = per_model_.find(model_id);
-  if (--it->second == 0) per_model_.erase(it);
+  if (!tenant.empty()) Give(per_tenant_, tenant);
+  if (!model_id.empty()) Give(per_model_, model_id);
 }
 
 size_t RequestBudget::held() const {

@@ -1,12 +1,14 @@
 // RequestBudget: bounds how many requests the server holds at once (waiting
-// for their turn, queued or executing), overall and per model, so a flood of
-// requests is refused with RESOURCE_EXHAUSTED at once instead of growing
-// memory without bound.
+// for their turn, queued or executing), overall, per tenant and per model, so
+// a flood of requests is refused with RESOURCE_EXHAUSTED at once instead of
+// growing memory without bound, and one tenant (holding requests behind a
+// seq_id gap, say) cannot take the whole budget from the others.
 //
-//   tally::RequestBudget budget(/*max_total=*/1024, /*max_per_model=*/256);
-//   TALLY_RETURN_IF_ERROR(budget.Acquire("m"));  // RESOURCE_EXHAUSTED if full
+//   tally::RequestBudget budget({/*total=*/1024, /*per_tenant=*/512,
+//                                /*per_model=*/256});
+//   TALLY_RETURN_IF_ERROR(budget.Acquire("alice", "alice/m"));  // or full
 //   ...  // hold the request
-//   budget.Release("m");
+//   budget.Release("alice", "alice/m");
 #ifndef TALLY_SERVER_REQUEST_BUDGET_H_
 #define TALLY_SERVER_REQUEST_BUDGET_H_
 
@@ -19,24 +21,30 @@
 
 namespace tally {
 
+struct RequestBudgetLimits {
+  size_t total = 1024;
+  size_t per_tenant = 512;  // of authenticated tenants only
+  size_t per_model = 256;
+};
+
 class RequestBudget {
  public:
-  RequestBudget(size_t max_total, size_t max_per_model)
-      : max_total_(max_total), max_per_model_(max_per_model) {}
+  explicit RequestBudget(RequestBudgetLimits limits) : limits_(limits) {}
 
-  // Takes a slot for a request of `model_id` ("" for requests of no model,
-  // which count only against the total).
-  absl::Status Acquire(const std::string& model_id);
+  // Takes a slot for a request of `tenant` ("": none, without
+  // authentication) and `model_id` ("" for requests of no model); each
+  // counts against its own limit and the total.
+  absl::Status Acquire(const std::string& tenant, const std::string& model_id);
   // Gives back a slot Acquire granted.
-  void Release(const std::string& model_id);
+  void Release(const std::string& tenant, const std::string& model_id);
   size_t held() const;
 
  private:
-  const size_t max_total_;
-  const size_t max_per_model_;
+  const RequestBudgetLimits limits_;
   mutable absl::Mutex mu_;
   size_t total_ ABSL_GUARDED_BY(mu_) = 0;
-  // Only models holding slots, so unknown ids cannot grow it.
+  // Only tenants and models holding slots, so unknown ids cannot grow them.
+  std::map<std::string, size_t> per_tenant_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, size_t> per_model_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -14,8 +14,7 @@ RequestScheduler::RequestScheduler(RequestSchedulerOptions options,
                                    RequestSchedulerHooks hooks)
     : executor_(executor),
       hooks_(std::move(hooks)),
-      budget_(options.max_queued_requests,
-              options.max_queued_requests_per_model),
+      budget_(options.budget),
       sequencer_(options.sequencing,
                  SequencerHooks{[executor](std::function<void()> work) {
                                   return executor->Submit(std::move(work));
@@ -24,9 +23,11 @@ RequestScheduler::RequestScheduler(RequestSchedulerOptions options,
                                 hooks_.on_gap_closed}) {}
 
 std::function<void(const absl::Status&)> RequestScheduler::ReplyOnce(
-    std::string model_id, std::function<void(const absl::Status&)> reply) {
+    std::string tenant, std::string model_id,
+    std::function<void(const absl::Status&)> reply) {
   auto replied = std::make_shared<std::atomic<bool>>(false);
-  return [this, replied, model_id = std::move(model_id),
+  return [this, replied, tenant = std::move(tenant),
+          model_id = std::move(model_id),
           reply = std::move(reply)](const absl::Status& status) {
     if (replied->exchange(true)) {
       ++extra_replies_;
@@ -36,7 +37,7 @@ std::function<void(const absl::Status&)> RequestScheduler::ReplyOnce(
                        status.ToString(), ") is dropped"));
       return;
     }
-    budget_.Release(model_id);
+    budget_.Release(tenant, model_id);
     if (hooks_.on_held) hooks_.on_held(budget_.held());
     reply(status);
   };
@@ -64,13 +65,14 @@ absl::Status RequestScheduler::RunGuarded(const ScheduledRequest& request) {
 }
 
 void RequestScheduler::Schedule(ScheduledRequest request) {
-  if (absl::Status admitted = budget_.Acquire(request.model_id);
+  if (absl::Status admitted = budget_.Acquire(request.tenant, request.model_id);
       !admitted.ok()) {
     request.reply(admitted);
     return;
   }
   if (hooks_.on_held) hooks_.on_held(budget_.held());
-  request.reply = ReplyOnce(request.model_id, std::move(request.reply));
+  request.reply =
+      ReplyOnce(request.tenant, request.model_id, std::move(request.reply));
   if (request.seq_id == 0) {
     ScheduleUnsequenced(std::move(request));
   } else {

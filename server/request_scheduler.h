@@ -41,6 +41,7 @@
 namespace tally {
 
 struct ScheduledRequest {
+  std::string tenant;    // "" without authentication
   std::string model_id;  // the engine id; "" for a request of no model
   uint64_t seq_id = 0;   // 0: unsequenced
   // Sequenced only: of the request's payload (RequestFingerprint).
@@ -63,10 +64,9 @@ struct ScheduledRequest {
 
 struct RequestSchedulerOptions {
   SequencerOptions sequencing;
-  // Requests held at once (waiting, queued or executing), overall and per
-  // model.
-  size_t max_queued_requests = 1024;
-  size_t max_queued_requests_per_model = 256;
+  // Requests held at once (waiting, queued or executing), overall, per
+  // tenant and per model.
+  RequestBudgetLimits budget;
 };
 
 // Observers; all optional.
@@ -106,7 +106,8 @@ class RequestScheduler {
   // `reply` wrapped to give the budget slot back and to refuse a second
   // call.
   std::function<void(const absl::Status&)> ReplyOnce(
-      std::string model_id, std::function<void(const absl::Status&)> reply);
+      std::string tenant, std::string model_id,
+      std::function<void(const absl::Status&)> reply);
   // `request.run`, with an exception turned into INTERNAL.
   absl::Status RunGuarded(const ScheduledRequest& request);
   void ScheduleUnsequenced(ScheduledRequest request);

@@ -305,9 +305,11 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
       absl::Seconds(options.seq_gap_timeout_secs);
   service_options.sequencing.cache_size =
       static_cast<size_t>(options.seq_cache);
-  service_options.max_queued_requests =
+  service_options.budget.total =
       static_cast<size_t>(options.max_queued_requests);
-  service_options.max_queued_requests_per_model =
+  service_options.budget.per_tenant =
+      static_cast<size_t>(options.max_queued_requests_per_tenant);
+  service_options.budget.per_model =
       static_cast<size_t>(options.max_queued_requests_per_model);
   TallyServer* server = s.get();
   service_options.on_rank_failure = [server](const absl::Status& failure) {

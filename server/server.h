@@ -68,6 +68,9 @@ struct ServerOptions {
   // model; beyond them RESOURCE_EXHAUSTED.
   int64_t max_queued_requests = 1024;
   int64_t max_queued_requests_per_model = 256;
+  // Of one authenticated tenant: below the total, so that one tenant (its
+  // requests held behind a seq_id gap, say) cannot refuse the others.
+  int64_t max_queued_requests_per_tenant = 512;
   // After SIGTERM: how long the server keeps serving while NOT_SERVING, for
   // load balancers to notice.
   double shutdown_drain_secs = 0;

@@ -66,9 +66,7 @@ TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
       metrics_(metrics),
       options_(std::move(options)),
       scheduler_(
-          RequestSchedulerOptions{options_.sequencing,
-                                  options_.max_queued_requests,
-                                  options_.max_queued_requests_per_model},
+          RequestSchedulerOptions{options_.sequencing, options_.budget},
           executor,
           RequestSchedulerHooks{
               [metrics](size_t held) { metrics->SetQueueDepth(held); },
@@ -302,6 +300,7 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
     return reactor;
   }
   ScheduledRequest scheduled;
+  scheduled.tenant = *tenant;
   scheduled.model_id = model_id;
   scheduled.seq_id = call.seq_id;
   scheduled.closes_window = call.closes_window;

@@ -58,8 +58,7 @@ namespace tally {
 // to off.
 struct TrainerServiceOptions {
   SequencerOptions sequencing;
-  size_t max_queued_requests = 1024;
-  size_t max_queued_requests_per_model = 256;
+  RequestBudgetLimits budget;
   // Called once, on the executor thread, when a collective failed.
   std::function<void(const absl::Status& failure)> on_rank_failure;
   // Bearer tokens → tenants; a tenant's model ids are scoped to it (see

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -95,7 +96,7 @@ class AccessE2eTest : public ::testing::Test {
   // A client over TLS to `server`; with the client certificate unless
   // `with_certificate` is false, sending `token` when not empty.
   TrainerClient Client(const ServerProcess& server, bool with_certificate,
-                       const std::string& token) {
+                       const std::string& token, RetryPolicy retry = {}) {
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = testing::ReadFileBytes(dir_ + "/ca.pem");
     if (with_certificate) {
@@ -111,7 +112,7 @@ class AccessE2eTest : public ::testing::Test {
     return TrainerClient(
         grpc::CreateChannel(absl::StrCat("localhost:", server.grpc_port()),
                             credentials),
-        absl::Seconds(20));
+        absl::Seconds(20), retry);
   }
 
   std::string dir_;
@@ -357,6 +358,60 @@ TEST_F(AccessE2eTest, TenantsNeedAConfinedCheckpointRootApartFromPeriodic) {
       servers_);
   ASSERT_NE(server, nullptr);
   EXPECT_TRUE(fs::is_directory(root + "/clients"));
+}
+
+// A tenant whose sequenced requests wait behind a missing seq_id fills its
+// own share of the request budget, not the server's: another tenant is
+// still served.
+TEST_F(AccessE2eTest, OneTenantCannotTakeTheWholeRequestBudget) {
+  if (std::system("command -v openssl > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl is not installed; it makes the test certificates";
+  }
+  MakeCertificates();
+  std::ofstream(dir_ + "/tokens") << kAliceToken << " alice\n"
+                                  << kBobToken << " bob\n";
+  ServerProcess* server = StartServerOrFail(
+      {"--tls-cert", dir_ + "/server.pem", "--tls-key", dir_ + "/server.key",
+       "--auth-tokens-file", dir_ + "/tokens", "--checkpoint-root",
+       dir_ + "/root", "--max-queued-requests", "6",
+       "--max-queued-requests-per-tenant", "3", "--seq-gap-timeout-secs", "3"},
+      servers_);
+  ASSERT_NE(server, nullptr);
+  RetryPolicy once;
+  once.max_attempts = 1;
+  TrainerClient alice = Client(*server, false, kAliceToken, once);
+  TrainerClient bob = Client(*server, false, kBobToken, once);
+  ASSERT_TRUE(alice.CreateModel(TinyModel("a")).ok());
+  ASSERT_TRUE(bob.CreateModel(TinyModel("b")).ok());
+  // Alice sends seq_ids 2..7; seq_id 1 never comes, so they wait.
+  std::vector<std::future<absl::Status>> waiting;
+  for (uint64_t seq_id = 2; seq_id <= 7; ++seq_id) {
+    waiting.push_back(std::async(std::launch::async, [&alice, seq_id] {
+      v1::ForwardBackwardRequest call;
+      call.set_model_id("a");
+      call.set_seq_id(seq_id);
+      std::mt19937 rng(static_cast<uint32_t>(seq_id));
+      *call.add_samples() = testing::MakeSample(rng, 32, 6, 0);
+      return alice.ForwardBackward(call).status();
+    }));
+  }
+  // Until Alice's budget is full (hers, or the whole server's before).
+  bool full = false;
+  for (int poll = 0; poll < 200 && !full; ++poll) {
+    full = absl::IsResourceExhausted(alice.GetModel(Get("a")).status());
+    if (!full) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(full);
+  const absl::StatusOr<v1::ModelInfo> served = bob.GetModel(Get("b"));
+  EXPECT_TRUE(served.ok()) << served.status();
+  int refused = 0;
+  for (auto& call : waiting) {
+    const absl::Status status = call.get();
+    EXPECT_TRUE(absl::IsResourceExhausted(status) || absl::IsAborted(status))
+        << status;
+    refused += absl::IsResourceExhausted(status);
+  }
+  EXPECT_EQ(refused, 3);
 }
 
 TEST_F(AccessE2eTest, PlaintextOnlyOnLoopbackUnlessAllowed) {

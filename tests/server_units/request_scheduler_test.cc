@@ -76,8 +76,7 @@ RequestSchedulerOptions Options() {
   options.sequencing.restored_gap_timeout = absl::Milliseconds(5);
   // Room for every request of the stress test: none is refused, so what
   // runs does not depend on timing.
-  options.max_queued_requests = 4096;
-  options.max_queued_requests_per_model = 4096;
+  options.budget = {/*total=*/4096, /*per_tenant=*/4096, /*per_model=*/4096};
   return options;
 }
 

@@ -679,26 +679,35 @@ TEST(SequencerConcurrencyTest, ShuffledRetriesFromManyThreadsRunOnceInOrder) {
   }
 }
 
-TEST(RequestBudgetTest, BoundsTheTotalAndEachModel) {
-  RequestBudget budget(/*max_total=*/3, /*max_per_model=*/2);
-  EXPECT_TRUE(budget.Acquire("a").ok());
-  EXPECT_TRUE(budget.Acquire("a").ok());
-  const absl::Status third_a = budget.Acquire("a");
+TEST(RequestBudgetTest, BoundsTheTotalEachTenantAndEachModel) {
+  RequestBudget budget({/*total=*/4, /*per_tenant=*/3, /*per_model=*/2});
+  EXPECT_TRUE(budget.Acquire("", "a").ok());
+  EXPECT_TRUE(budget.Acquire("", "a").ok());
+  const absl::Status third_a = budget.Acquire("", "a");
   EXPECT_EQ(third_a.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(third_a.message(), HasSubstr("--max-queued-requests-per-model"));
-  EXPECT_TRUE(budget.Acquire("").ok());  // no model: only the total
-  const absl::Status fourth = budget.Acquire("b");
-  EXPECT_EQ(fourth.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(fourth.message(), HasSubstr("--max-queued-requests)"));
-  EXPECT_EQ(budget.held(), 3u);
-  budget.Release("a");
-  EXPECT_TRUE(budget.Acquire("b").ok());
-  budget.Release("a");
-  budget.Release("b");
-  budget.Release("");
+  EXPECT_TRUE(budget.Acquire("", "").ok());  // no model: only the total
+  budget.Release("", "a");
+  budget.Release("", "a");
+  budget.Release("", "");
   EXPECT_EQ(budget.held(), 0u);
-  EXPECT_TRUE(budget.Acquire("a").ok());
-  EXPECT_TRUE(budget.Acquire("a").ok());
+
+  // One tenant fills its share (behind a gap, say); another still gets in.
+  EXPECT_TRUE(budget.Acquire("alice", "alice/m").ok());
+  EXPECT_TRUE(budget.Acquire("alice", "alice/n").ok());
+  EXPECT_TRUE(budget.Acquire("alice", "").ok());
+  const absl::Status alice = budget.Acquire("alice", "alice/o");
+  EXPECT_EQ(alice.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(alice.message(), HasSubstr("--max-queued-requests-per-tenant"));
+  EXPECT_TRUE(budget.Acquire("bob", "bob/m").ok());
+  const absl::Status full = budget.Acquire("carol", "");
+  EXPECT_THAT(full.message(), HasSubstr("--max-queued-requests)"));
+  budget.Release("alice", "alice/m");
+  budget.Release("alice", "alice/n");
+  budget.Release("alice", "");
+  budget.Release("bob", "bob/m");
+  EXPECT_EQ(budget.held(), 0u);
+  EXPECT_TRUE(budget.Acquire("alice", "alice/m").ok());
 }
 
 }  // namespace
