@@ -8,11 +8,11 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "absl/status/status.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "runtime/address.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
 
@@ -66,10 +66,6 @@ std::string DimsName(const std::vector<MeshDim>& dims) {
 std::chrono::milliseconds ToChrono(absl::Duration duration) {
   return std::chrono::milliseconds(
       std::max<int64_t>(1, absl::ToInt64Milliseconds(duration)));
-}
-
-bool IsLoopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
 }
 
 constexpr absl::Duration kFirstBackoff = absl::Milliseconds(100);
@@ -146,7 +142,7 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> MakeGlooDevice(
           return c10d::ProcessGroupGloo::createDeviceForInterface(
               env.gloo_interface);
         }
-        if (IsLoopback(env.master_addr)) {
+        if (IsLoopbackHost(env.master_addr)) {
           return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
         }
         return c10d::ProcessGroupGloo::createDefaultDevice();

@@ -12,8 +12,8 @@
 #include <sstream>
 #include <system_error>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "runtime/address.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
 #include "server/commands.h"
@@ -88,11 +88,6 @@ absl::Status CheckSameOnEveryRank(Communicator& world,
   return absl::OkStatus();
 }
 
-bool IsLoopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host == "[::1]" ||
-         absl::StartsWith(host, "127.");
-}
-
 absl::StatusOr<std::string> ReadPem(const char* flag, const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::ostringstream text;
@@ -116,7 +111,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
       return absl::InvalidArgumentError(
           "--tls-client-ca needs --tls-cert and --tls-key");
     }
-    if (!IsLoopback(options.host) && !options.allow_insecure_remote) {
+    if (!IsLoopbackHost(options.host) && !options.allow_insecure_remote) {
       return absl::FailedPreconditionError(absl::StrCat(
           "refusing to serve plaintext on non-loopback --host ", options.host,
           "; give --tls-cert and --tls-key, or --allow-insecure-remote"));
