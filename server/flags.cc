@@ -133,6 +133,22 @@ const std::vector<FlagSpec>& Flags() {
       {"max-message-bytes", "N", "largest gRPC message accepted or sent",
        IntFlag("max-message-bytes", 1024, (int64_t{1} << 31) - 1,
                [](ServerOptions& o, int64_t v) { o.max_message_bytes = v; })},
+      {"max-memory-bytes", "N",
+       "memory admission: bytes this rank's models and a call's activations "
+       "may take, by estimate (0: 80% of the machine's or cgroup's memory / "
+       "local ranks)",
+       IntFlag("max-memory-bytes", 0, int64_t{1} << 50,
+               [](ServerOptions& o, int64_t v) { o.max_memory_bytes = v; })},
+      {"max-memory-bytes-per-tenant", "N",
+       "memory admission per authenticated tenant (0: no quota)",
+       IntFlag("max-memory-bytes-per-tenant", 0, int64_t{1} << 50,
+               [](ServerOptions& o, int64_t v) {
+                 o.max_memory_bytes_per_tenant = v;
+               })},
+      {"max-tokens-per-call", "N",
+       "tokens of one ForwardBackward, all samples together",
+       IntFlag("max-tokens-per-call", 1, int64_t{1} << 34,
+               [](ServerOptions& o, int64_t v) { o.max_tokens_per_call = v; })},
       {"log-level", "LEVEL", "debug, info, warning or error",
        [](ServerOptions& o, const std::string& v) -> absl::Status {
          if (!ParseLogLevel(v).ok()) {

@@ -12,10 +12,12 @@
 #include <sstream>
 #include <system_error>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/address.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
+#include "server/admission.h"
 #include "server/commands.h"
 
 namespace tally {
@@ -25,6 +27,15 @@ std::optional<std::string> GetEnv(const char* name) {
   const char* value = std::getenv(name);
   if (value == nullptr) return std::nullopt;
   return std::string(value);
+}
+
+// The ranks on this host (LOCAL_WORLD_SIZE, set by the local launcher and
+// torchrun), which share its memory.
+int LocalRanks() {
+  const std::optional<std::string> value = GetEnv("LOCAL_WORLD_SIZE");
+  int ranks = 1;
+  if (!value || !absl::SimpleAtoi(*value, &ranks) || ranks < 1) return 1;
+  return ranks;
 }
 
 // Ranks sharing a host (the local launcher, torchrun) get distinct ports:
@@ -276,6 +287,13 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   TALLY_RETURN_IF_ERROR(ValidateCheckpointAndShutdownFlags(options));
   TrainerServiceOptions service_options;
   service_options.max_message_bytes = options.max_message_bytes;
+  service_options.max_batch_tokens = options.max_batch_tokens;
+  service_options.max_tokens_per_call = options.max_tokens_per_call;
+  service_options.memory.per_tenant_bytes =
+      static_cast<double>(options.max_memory_bytes_per_tenant);
+  service_options.memory.limit_bytes = static_cast<double>(
+      options.max_memory_bytes > 0 ? options.max_memory_bytes
+                                   : DefaultMemoryLimitBytes(LocalRanks()));
   service_options.checkpoint_root = options.checkpoint_root;
   if (!options.auth_tokens_file.empty()) {
     TALLY_ASSIGN_OR_RETURN(s->authenticator_,

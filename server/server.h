@@ -46,6 +46,13 @@ struct ServerOptions {
   int grpc_port = 50051;
   int metrics_port = 9090;
   int64_t max_message_bytes = int64_t{256} << 20;
+  // Memory admission (docs/reliability.md): what this rank's models and a
+  // call's activations may take, by estimate; 0: 80% of the machine's (or
+  // the cgroup's) memory shared by the local ranks. Per tenant: 0, none.
+  int64_t max_memory_bytes = 0;
+  int64_t max_memory_bytes_per_tenant = 0;
+  // Tokens of one ForwardBackward, all samples together.
+  int64_t max_tokens_per_call = int64_t{1} << 20;
   std::string log_level = "info";
   // Create model "demo" (the embedded default config) at start.
   bool demo_model = false;

@@ -6,13 +6,16 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <system_error>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/checkpoint.h"
 #include "runtime/log.h"
+#include "runtime/memory_estimate.h"
 #include "runtime/status.h"
 #include "server/commands.h"
 #include "server/convert.h"
@@ -82,9 +85,14 @@ TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
               },
               [metrics](double seconds) {
                 metrics->RecordSeqGapWait(seconds);
-              }}) {
+              }}),
+      admission_(options_.memory) {
   for (const ModelSummary& model : engine_->ListModels()) {
     scheduler_.sequencer().AddModel(model.model_id);
+    admission_.Add(
+        model.model_id, TenantOf(model.model_id),
+        ModelResidentBytes(model.config, model.dtype, model.optimizer,
+                           engine_->mesh().shape().dp_shard));
   }
   if (options_.checkpointer != nullptr) {
     options_.checkpointer->set_server_state_source(
@@ -213,27 +221,75 @@ void TrainerService::PoisonNow(const std::string& model_id,
   }
 }
 
-absl::Status TrainerService::CheckResponseFits(
+namespace {
+
+int64_t Tokens(const v1::ForwardBackwardRequest& request) {
+  int64_t tokens = 0;
+  for (const v1::Sample& sample : request.samples()) {
+    tokens += sample.input_tokens_size();
+  }
+  return tokens;
+}
+
+}  // namespace
+
+absl::Status TrainerService::CheckCallFits(
     const v1::ForwardBackwardRequest& request) const {
-  if (options_.max_message_bytes <= 0) return absl::OkStatus();
   TALLY_ASSIGN_OR_RETURN(const ModelSummary model,
                          engine_->GetModel(request.model_id()));
   const int64_t experts =
       model.config.is_moe() ? model.config.num_local_experts : 0;
   const int64_t bound = ForwardBackwardResponseBound(request, experts);
-  if (bound <= options_.max_message_bytes) return absl::OkStatus();
-  int64_t tokens = 0;
+  if (options_.max_message_bytes > 0 && bound > options_.max_message_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the response could take ", bound, " bytes (", request.samples_size(),
+        " samples, ", Tokens(request), " tokens",
+        request.return_logprobs() ? ", return_logprobs" : "",
+        "), more than --max-message-bytes (", options_.max_message_bytes,
+        "); nothing was executed: send fewer tokens per call",
+        request.return_logprobs() ? " or no return_logprobs" : "",
+        ", or raise the limit"));
+  }
+  std::vector<int64_t> lengths;
   for (const v1::Sample& sample : request.samples()) {
-    tokens += sample.input_tokens_size();
+    lengths.push_back(sample.input_tokens_size());
+  }
+  return admission_.CheckCall(CallActivationBytes(
+      model.config, model.dtype, lengths, options_.max_batch_tokens));
+}
+
+absl::Status TrainerService::CheckTokensPerCall(
+    const v1::ForwardBackwardRequest& request) const {
+  const int64_t tokens = Tokens(request);
+  if (options_.max_tokens_per_call <= 0 ||
+      tokens <= options_.max_tokens_per_call) {
+    return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "the response could take ", bound, " bytes (", request.samples_size(),
-      " samples, ", tokens, " tokens",
-      request.return_logprobs() ? ", return_logprobs" : "",
-      "), more than --max-message-bytes (", options_.max_message_bytes,
-      "); nothing was executed: send fewer tokens per call",
-      request.return_logprobs() ? " or no return_logprobs" : "",
-      ", or raise the limit"));
+      "samples hold ", tokens, " tokens, more than --max-tokens-per-call (",
+      options_.max_tokens_per_call, "); split the call"));
+}
+
+double TrainerService::CreatedModelBytes(
+    const v1::CreateModelRequest& request) const {
+  absl::StatusOr<ModelSpec> spec = ParseCreateModel(request);
+  if (!spec.ok()) return 0;
+  LlamaConfig config = spec->config;
+  if (config.vocab_size == 0 && !spec->init_checkpoint.empty()) {
+    std::ifstream in(spec->init_checkpoint + "/config.json");
+    std::ostringstream text;
+    text << in.rdbuf();
+    absl::StatusOr<LlamaConfig> read = LlamaConfig::FromHfJson(text.str());
+    if (!read.ok()) return 0;
+    config = *read;
+  }
+  return ModelResidentBytes(config.WithDefaults(), spec->dtype, spec->optimizer,
+                            engine_->mesh().shape().dp_shard);
+}
+
+std::string TrainerService::TenantOf(const std::string& engine_id) const {
+  if (options_.authenticator == nullptr) return "";
+  return engine_id.substr(0, engine_id.find('/'));
 }
 
 void TrainerService::FillNextSeqId(const std::string& engine_id,
@@ -349,6 +405,10 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
   return Execute(
       {"CreateModel", context, Mutable(request)->mutable_model_id()},
       validation, [this, request, response]() -> absl::Status {
+        // Before anything is allocated, on any rank.
+        const double bytes = CreatedModelBytes(*request);
+        const std::string tenant = TenantOf(request->model_id());
+        TALLY_RETURN_IF_ERROR(admission_.CheckModel(tenant, bytes));
         TALLY_RETURN_IF_ERROR(ReplicateCommand(
             engine_->control(), Command::kCreateModel, *request));
         TALLY_RETURN_IF_ERROR(ExecuteCreateModel(*engine_, *request, response));
@@ -357,6 +417,7 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
         if (engine_id.empty() || engine_id.back() == '/') {
           engine_id += response->model_id();
         }
+        admission_.Add(engine_id, tenant, bytes);
         scheduler_.sequencer().AddModel(engine_id);
         FillNextSeqId(engine_id, response);
         metrics_->SetModelCount(engine_->num_models());
@@ -409,6 +470,7 @@ grpc::ServerUnaryReactor* TrainerService::DeleteModel(
         TALLY_RETURN_IF_ERROR(ExecuteDeleteModel(*engine_, *request, response));
         FillNextSeqId(request->model_id(), response->mutable_model());
         scheduler_.sequencer().RemoveModel(request->model_id());
+        admission_.Remove(request->model_id());
         metrics_->RemoveModel(request->model_id());
         metrics_->SetModelCount(engine_->num_models());
         return absl::OkStatus();
@@ -422,11 +484,12 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
   return Execute(
       {"ForwardBackward", context, Mutable(request)->mutable_model_id(),
        request->seq_id(), request, response},
-      FirstError(ValidateModelId(request->model_id()),
-                 ParseForwardBackward(*request).status()),
+      FirstError(FirstError(ValidateModelId(request->model_id()),
+                            ParseForwardBackward(*request).status()),
+                 CheckTokensPerCall(*request)),
       [this, request, response]() -> absl::Status {
         const auto start = std::chrono::steady_clock::now();
-        TALLY_RETURN_IF_ERROR(CheckResponseFits(*request));
+        TALLY_RETURN_IF_ERROR(CheckCallFits(*request));
         TALLY_RETURN_IF_ERROR(ReplicateCommand(
             engine_->control(), Command::kForwardBackward, *request));
         TALLY_RETURN_IF_ERROR(CountingPoison(request->model_id(), [&] {

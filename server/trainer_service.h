@@ -44,6 +44,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "runtime/engine.h"
+#include "server/admission.h"
 #include "server/auth.h"
 #include "server/checkpointer.h"
 #include "server/executor.h"
@@ -72,6 +73,12 @@ struct TrainerServiceOptions {
   // The largest message gRPC sends (--max-message-bytes): a request whose
   // response could exceed it is refused before it runs. 0: no bound.
   int64_t max_message_bytes = 0;
+  // Memory admission (--max-memory-bytes, --max-memory-bytes-per-tenant).
+  MemoryAdmissionOptions memory;
+  // The engine's micro-batch size, which bounds a call's activations.
+  int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
+  // Tokens of one ForwardBackward (all samples); 0: no cap.
+  int64_t max_tokens_per_call = 0;
 };
 
 class TrainerService final : public v1::Trainer::CallbackService {
@@ -154,11 +161,19 @@ class TrainerService final : public v1::Trainer::CallbackService {
   absl::Status Precheck(grpc::CallbackServerContext* context) const;
   // Runs `command`, turning a collective failure into UNAVAILABLE.
   absl::Status RunCommand(const std::function<absl::Status()>& command);
-  // INVALID_ARGUMENT when the response to `request` could exceed
-  // --max-message-bytes: refused before anything changes, since a response
-  // that fails after the call ran invites a retry that applies it twice.
-  absl::Status CheckResponseFits(
+  // Before a ForwardBackward runs: INVALID_ARGUMENT when its response could
+  // exceed --max-message-bytes (a response that fails after the call ran
+  // invites a retry that applies it twice); RESOURCE_EXHAUSTED when its
+  // activations do not fit memory admission.
+  absl::Status CheckCallFits(const v1::ForwardBackwardRequest& request) const;
+  // INVALID_ARGUMENT over --max-tokens-per-call, on the gRPC thread.
+  absl::Status CheckTokensPerCall(
       const v1::ForwardBackwardRequest& request) const;
+  // The resident bytes per rank of the model `request` creates (0 when its
+  // config cannot be read: the engine then refuses it).
+  double CreatedModelBytes(const v1::CreateModelRequest& request) const;
+  // The tenant of an engine id ("" without authentication).
+  std::string TenantOf(const std::string& engine_id) const;
   // Runs a command that may poison `model_id`'s window, counting it if so.
   absl::Status CountingPoison(const std::string& model_id,
                               const std::function<absl::Status()>& command);
@@ -188,6 +203,8 @@ class TrainerService final : public v1::Trainer::CallbackService {
   ServerMetrics* metrics_;
   const TrainerServiceOptions options_;
   RequestScheduler scheduler_;
+  // Executor thread only, like the engine.
+  MemoryAdmission admission_;
   // The sequenced request executing now (executor thread only).
   std::string executing_model_id_;
   uint64_t executing_seq_id_ = 0;

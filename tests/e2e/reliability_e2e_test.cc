@@ -463,6 +463,43 @@ TEST_F(ReliabilityE2eTest, AResponseOverTheMessageLimitIsRefusedBeforeItRuns) {
   EXPECT_EQ(Info(*stub, "m").accumulated_calls(), 1);
 }
 
+// Memory admission: a CreateModel whose config would take more than
+// --max-memory-bytes (here 3.5e13 parameters) is refused at once, before
+// anything is allocated, and a call over --max-tokens-per-call too; a model
+// admitted earlier keeps training. Before, the server tried to allocate it.
+TEST_F(ReliabilityE2eTest, MemoryAdmissionRefusesWhatDoesNotFit) {
+  Stub* stub = Start(
+      {"--max-memory-bytes", "200000000", "--max-tokens-per-call", "4096"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "m");
+  v1::CreateModelRequest huge;
+  huge.set_model_id("huge");
+  *huge.mutable_config() = testing::TinyModelConfig();
+  // Each matrix within the config's own bounds; 3.5e13 parameters in all.
+  huge.mutable_config()->set_hidden_size(int64_t{1} << 15);
+  huge.mutable_config()->set_intermediate_size(int64_t{1} << 16);
+  huge.mutable_config()->set_num_hidden_layers(4096);
+  const absl::Time sent = absl::Now();
+  const auto refused = Send(&Stub::CreateModel, *stub, huge);
+  EXPECT_LT(absl::Now() - sent, absl::Seconds(3));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
+      << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("of --max-memory-bytes are left"));
+  EXPECT_EQ(Send(&Stub::GetModel, *stub, Get("huge")).status().code(),
+            absl::StatusCode::kNotFound);
+
+  const auto long_call =
+      Send(&Stub::ForwardBackward, *stub, Fb("m", 0, Samples(5, 80, 60)));
+  EXPECT_EQ(long_call.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(long_call.status().message()),
+              HasSubstr("--max-tokens-per-call (4096)"));
+
+  ASSERT_TRUE(Send(&Stub::ForwardBackward, *stub, Fb("m", 0, Samples(6))).ok());
+  ASSERT_TRUE(Send(&Stub::OptimStep, *stub, Step("m", 0)).ok());
+  EXPECT_EQ(Info(*stub, "m").step(), 1);
+}
+
 // A drain that would use up the whole exit budget is refused at start,
 // naming both flags: it could only ever end in the watchdog's exit 1.
 TEST_F(ReliabilityE2eTest, ADrainAsLongAsTheExitTimeoutIsRefusedAtStart) {

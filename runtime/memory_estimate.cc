@@ -1,0 +1,59 @@
+#include "runtime/memory_estimate.h"
+
+#include <algorithm>
+
+namespace tally {
+namespace {
+
+double DTypeBytes(DType dtype) { return dtype == DType::kFloat64 ? 8 : 4; }
+
+}  // namespace
+
+double ParameterCount(const LlamaConfig& config) {
+  const double h = config.hidden_size, v = config.vocab_size,
+               i = config.intermediate_size,
+               kv = static_cast<double>(config.num_key_value_heads) *
+                    (config.num_attention_heads > 0
+                         ? h / config.num_attention_heads
+                         : h);
+  const double experts = config.num_local_experts;
+  const double mlp = experts > 0 ? experts * (h + 3 * h * i) : 3 * h * i;
+  const double per_layer = 2 * h * h + 2 * h * kv + mlp + 2 * h;
+  return v * h * (config.tie_word_embeddings ? 1 : 2) +
+         config.num_hidden_layers * per_layer + h;
+}
+
+double ModelResidentBytes(const LlamaConfig& config, DType dtype,
+                          OptimizerKind optimizer, int dp_shard) {
+  const double params = ParameterCount(config) * DTypeBytes(dtype);
+  const double copies = optimizer == OptimizerKind::kAdamW ? 4 : 2;
+  const double shards = std::max(dp_shard, 1);
+  // Sharded state, and the full parameters gathered for a forward.
+  return copies * params / shards + (shards > 1 ? params : 0);
+}
+
+double CallActivationBytes(const LlamaConfig& config, DType dtype,
+                           const std::vector<int64_t>& sample_lengths,
+                           int64_t max_batch_tokens) {
+  if (sample_lengths.empty()) return 0;
+  const double longest = static_cast<double>(
+      *std::max_element(sample_lengths.begin(), sample_lengths.end()));
+  // The largest micro-batch holds at most max_batch_tokens padded tokens,
+  // or one longer sample, and never more than every sample padded to the
+  // longest.
+  const double tokens = std::max(
+      longest, std::min(static_cast<double>(max_batch_tokens),
+                        static_cast<double>(sample_lengths.size()) * longest));
+  const double routed = config.num_local_experts > 0
+                            ? std::max<int64_t>(config.num_experts_per_tok, 1)
+                            : 1;
+  const double per_token_layer =
+      kHiddenActivationsPerToken * config.hidden_size +
+      kMlpActivationsPerToken * routed * config.intermediate_size +
+      2.0 * config.num_attention_heads * longest;
+  const double per_token =
+      config.num_hidden_layers * per_token_layer + 2.0 * config.vocab_size;
+  return tokens * per_token * DTypeBytes(dtype);
+}
+
+}  // namespace tally

@@ -1,0 +1,54 @@
+// Memory estimates that memory admission decides by, computed from a model's
+// config and a call's shape before anything is allocated (docs/reliability.md,
+// "Memory admission").
+//
+// Both are upper bounds per rank, kept simple on purpose: a model's resident
+// state counts ZeRO-3's dp_shard split and nothing else (tp, pp and ep would
+// divide it further), plus one full gathered copy of the parameters when
+// dp_shard > 1; a call's activations count its largest micro-batch as if one
+// rank ran it whole. Arithmetic is in double, so a hostile config cannot wrap
+// an integer around to a small number.
+//
+//   const double resident = tally::ModelResidentBytes(config, dtype, kind,
+//                                                     mesh.dp_shard);
+//   const double call = tally::CallActivationBytes(config, dtype, lengths,
+//                                                  max_batch_tokens);
+#ifndef TALLY_RUNTIME_MEMORY_ESTIMATE_H_
+#define TALLY_RUNTIME_MEMORY_ESTIMATE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "runtime/llama_config.h"
+#include "runtime/types.h"
+
+namespace tally {
+
+// Saved per token and layer for backward, in units of the dtype: the
+// attention block's inputs, norms, q/k/v, output and residuals (~10 x
+// hidden) and the SwiGLU MLP's gate, up, activation and product (~4 x
+// intermediate, times the experts a token is routed to).
+inline constexpr double kHiddenActivationsPerToken = 10;
+inline constexpr double kMlpActivationsPerToken = 4;
+
+// Parameter count, in double (LlamaConfig::NumParameters is exact but can
+// wrap for absurd configs).
+double ParameterCount(const LlamaConfig& config);
+
+// Parameters, gradients and optimizer state (AdamW: two moments; SGD: none)
+// of one rank, in bytes; `config` with defaults applied.
+double ModelResidentBytes(const LlamaConfig& config, DType dtype,
+                          OptimizerKind optimizer, int dp_shard);
+
+// The activations one ForwardBackward keeps for backward at its peak, in
+// bytes: its largest micro-batch (PlanBatches packs at most
+// max_batch_tokens padded tokens, or one longer sample) times the layers,
+// plus each layer's attention scores and probabilities (heads x T^2 per
+// row) and the logits with their log-softmax (2 x vocab per token).
+double CallActivationBytes(const LlamaConfig& config, DType dtype,
+                           const std::vector<int64_t>& sample_lengths,
+                           int64_t max_batch_tokens);
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_MEMORY_ESTIMATE_H_

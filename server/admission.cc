@@ -1,0 +1,116 @@
+#include "server/admission.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace tally {
+namespace {
+
+std::string Gib(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3g GiB", bytes / (1u << 30));
+  return text;
+}
+
+// /proc/meminfo's MemTotal in bytes; 0 when unreadable.
+double MachineMemoryBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (in >> key >> kib) {
+    if (key == "MemTotal:") return kib * 1024;
+    in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return 0;
+}
+
+// A cgroup memory limit in bytes; 0 when absent or "max".
+double CgroupLimitBytes(const char* path) {
+  std::ifstream in(path);
+  double bytes = 0;
+  return in >> bytes ? bytes : 0;
+}
+
+}  // namespace
+
+absl::Status MemoryAdmission::CheckModel(const std::string& tenant,
+                                         double bytes) const {
+  absl::MutexLock lock(&mu_);
+  if (options_.limit_bytes > 0 && total_ + bytes > options_.limit_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the model needs an estimated ", Gib(bytes),
+                     " per rank (parameters, gradients, optimizer state), and ",
+                     Gib(std::max(0.0, options_.limit_bytes - total_)),
+                     " of the ", Gib(options_.limit_bytes),
+                     " of --max-memory-bytes are left; nothing was allocated"));
+  }
+  if (!tenant.empty() && options_.per_tenant_bytes > 0 &&
+      TenantBytes(tenant) + bytes > options_.per_tenant_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the model needs an estimated ", Gib(bytes), " per rank, and ",
+        Gib(std::max(0.0, options_.per_tenant_bytes - TenantBytes(tenant))),
+        " of this tenant's ", Gib(options_.per_tenant_bytes),
+        " (--max-memory-bytes-per-tenant) are left; nothing was allocated"));
+  }
+  return absl::OkStatus();
+}
+
+void MemoryAdmission::Add(const std::string& model_id,
+                          const std::string& tenant, double bytes) {
+  absl::MutexLock lock(&mu_);
+  Held& held = models_[model_id];
+  total_ += bytes - held.bytes;
+  held = {tenant, bytes};
+}
+
+void MemoryAdmission::Remove(const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model_id);
+  if (it == models_.end()) return;
+  total_ -= it->second.bytes;
+  models_.erase(it);
+}
+
+absl::Status MemoryAdmission::CheckCall(double bytes) const {
+  absl::MutexLock lock(&mu_);
+  if (options_.limit_bytes <= 0 || total_ + bytes <= options_.limit_bytes) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the call's activations need an estimated ", Gib(bytes),
+      " per rank, and the models leave ",
+      Gib(std::max(0.0, options_.limit_bytes - total_)), " of the ",
+      Gib(options_.limit_bytes),
+      " of --max-memory-bytes; nothing was executed: send fewer or shorter "
+      "samples per call"));
+}
+
+double MemoryAdmission::resident_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return total_;
+}
+
+double MemoryAdmission::TenantBytes(const std::string& tenant) const {
+  double bytes = 0;
+  for (const auto& [id, held] : models_) {
+    if (held.tenant == tenant) bytes += held.bytes;
+  }
+  return bytes;
+}
+
+int64_t DefaultMemoryLimitBytes(int local_ranks) {
+  double memory = MachineMemoryBytes();
+  for (double cgroup :
+       {CgroupLimitBytes("/sys/fs/cgroup/memory.max"),
+        CgroupLimitBytes("/sys/fs/cgroup/memory/memory.limit_in_bytes")}) {
+    if (cgroup > 0 && (memory <= 0 || cgroup < memory)) memory = cgroup;
+  }
+  return static_cast<int64_t>(0.8 * memory / std::max(local_ranks, 1));
+}
+
+}  // namespace tally

@@ -1,0 +1,73 @@
+// MemoryAdmission: the server's ledger of the memory its models hold, by the
+// estimates of runtime/memory_estimate.h, so that a model or a call that
+// would not fit is refused with RESOURCE_EXHAUSTED before anything is
+// allocated, instead of the process being OOM-killed with every tenant's
+// state.
+//
+// A model holds its resident bytes (parameters, gradients, optimizer state)
+// from creation to deletion, against --max-memory-bytes and its tenant's
+// --max-memory-bytes-per-tenant; a ForwardBackward's activations must fit in
+// what the resident models leave (calls run one at a time). Used on the
+// executor thread, where creations and deletions are ordered.
+//
+//   tally::MemoryAdmission admission({/*limit=*/8e9, /*per_tenant=*/0});
+//   TALLY_RETURN_IF_ERROR(admission.CheckModel("alice", bytes));
+//   ... create it ...
+//   admission.Add("alice/m", "alice", bytes);
+//   TALLY_RETURN_IF_ERROR(admission.CheckCall(activation_bytes));
+//   admission.Remove("alice/m");  // deleted
+#ifndef TALLY_SERVER_ADMISSION_H_
+#define TALLY_SERVER_ADMISSION_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+
+namespace tally {
+
+struct MemoryAdmissionOptions {
+  double limit_bytes = 0;       // 0: no limit
+  double per_tenant_bytes = 0;  // 0: no quota per tenant
+};
+
+class MemoryAdmission {
+ public:
+  explicit MemoryAdmission(MemoryAdmissionOptions options)
+      : options_(options) {}
+
+  // RESOURCE_EXHAUSTED naming the flag, the estimate and what is left when a
+  // new model of `tenant` ("" without authentication) of `bytes` does not
+  // fit.
+  absl::Status CheckModel(const std::string& tenant, double bytes) const;
+  void Add(const std::string& model_id, const std::string& tenant,
+           double bytes);
+  void Remove(const std::string& model_id);
+  // RESOURCE_EXHAUSTED when a call's activations do not fit beside the
+  // resident models.
+  absl::Status CheckCall(double bytes) const;
+  double resident_bytes() const;
+
+ private:
+  struct Held {
+    std::string tenant;
+    double bytes = 0;
+  };
+  double TenantBytes(const std::string& tenant) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const MemoryAdmissionOptions options_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Held> models_ ABSL_GUARDED_BY(mu_);
+  double total_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The default --max-memory-bytes of one rank: 80% of the machine's memory,
+// or of the cgroup's limit when that is lower, shared by `local_ranks`.
+int64_t DefaultMemoryLimitBytes(int local_ranks);
+
+}  // namespace tally
+
+#endif  // TALLY_SERVER_ADMISSION_H_

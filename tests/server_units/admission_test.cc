@@ -1,0 +1,63 @@
+// MemoryAdmission's ledger: models hold their bytes until removed, against
+// the limit and their tenant's quota; a call must fit beside them. And the
+// estimates scale as they should with a hostile config.
+#include "server/admission.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "runtime/memory_estimate.h"
+
+namespace tally {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(MemoryAdmissionTest, ModelsHoldTheirBytesAgainstTheLimitAndQuota) {
+  MemoryAdmission admission({/*limit_bytes=*/100, /*per_tenant_bytes=*/60});
+  EXPECT_TRUE(admission.CheckModel("alice", 50).ok());
+  admission.Add("alice/a", "alice", 50);
+  const absl::Status quota = admission.CheckModel("alice", 20);
+  EXPECT_EQ(quota.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(quota.message(), HasSubstr("--max-memory-bytes-per-tenant"));
+  EXPECT_TRUE(admission.CheckModel("bob", 45).ok());
+  admission.Add("bob/b", "bob", 45);
+  const absl::Status full = admission.CheckModel("carol", 10);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.message(), HasSubstr("of --max-memory-bytes are left"));
+  EXPECT_TRUE(admission.CheckCall(5).ok());
+  const absl::Status call = admission.CheckCall(6);
+  EXPECT_EQ(call.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(call.message(), HasSubstr("nothing was executed"));
+  admission.Remove("alice/a");
+  EXPECT_EQ(admission.resident_bytes(), 45);
+  EXPECT_TRUE(admission.CheckModel("alice", 55).ok());
+  EXPECT_TRUE(admission.CheckCall(55).ok());
+  // Without a limit nothing is refused.
+  MemoryAdmission unlimited({0, 0});
+  EXPECT_TRUE(unlimited.CheckModel("", 1e30).ok());
+  EXPECT_TRUE(unlimited.CheckCall(1e30).ok());
+}
+
+TEST(MemoryEstimateTest, HostileSizesDoNotWrapAround) {
+  LlamaConfig config = LlamaConfig::EmbeddedDefault().WithDefaults();
+  const double small =
+      ModelResidentBytes(config, DType::kFloat32, OptimizerKind::kAdamW, 1);
+  config.hidden_size = int64_t{1} << 31;
+  config.intermediate_size = int64_t{1} << 33;
+  config.num_hidden_layers = int64_t{1} << 20;
+  const double huge =
+      ModelResidentBytes(config, DType::kFloat32, OptimizerKind::kAdamW, 1);
+  EXPECT_GT(huge, 1e26);  // a uint64 product would have wrapped
+  EXPECT_GT(huge, small);
+  // Activations grow with the micro-batch and quadratically with length.
+  const LlamaConfig demo = LlamaConfig::EmbeddedDefault().WithDefaults();
+  const double one = CallActivationBytes(demo, DType::kFloat32, {100}, 16384);
+  EXPECT_GT(CallActivationBytes(demo, DType::kFloat32, {100, 100}, 16384), one);
+  EXPECT_EQ(CallActivationBytes(demo, DType::kFloat32, {100, 100}, 100), one);
+  EXPECT_GT(CallActivationBytes(demo, DType::kFloat32, {200}, 16384), 2 * one);
+  EXPECT_EQ(CallActivationBytes(demo, DType::kFloat32, {}, 16384), 0);
+}
+
+}  // namespace
+}  // namespace tally

@@ -1,0 +1,64 @@
+// The memory estimates against reality: the closed-form parameter count
+// equals the parameters a built model holds, and a trained model's
+// parameters, gradients and optimizer state take exactly the resident bytes
+// the estimate gives them on one rank.
+#include "runtime/memory_estimate.h"
+
+#include <gtest/gtest.h>
+
+#include "runtime/engine.h"
+#include "tests/testing/test_util.h"
+
+namespace tally {
+namespace {
+
+TEST(MemoryEstimateTest, ParameterCountIsWhatAModelHolds) {
+  std::vector<LlamaConfig> configs = {testing::TinyConfig(),
+                                      LlamaConfig::EmbeddedDefault()};
+  LlamaConfig tied = testing::TinyConfig();
+  tied.tie_word_embeddings = !tied.tie_word_embeddings;
+  configs.push_back(tied);
+  LlamaConfig moe = testing::TinyConfig();
+  moe.num_local_experts = 4;
+  moe.num_experts_per_tok = 2;
+  configs.push_back(moe);
+  for (const LlamaConfig& raw : configs) {
+    const LlamaConfig config = raw.WithDefaults();
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model =
+        LlamaModel::Create(config, DType::kFloat32, 1);
+    ASSERT_TRUE(model.ok()) << model.status();
+    double held = 0;
+    for (const Parameter& p : (*model)->parameters()) held += p.tensor.numel();
+    EXPECT_EQ(ParameterCount(config), held);
+    EXPECT_EQ(ParameterCount(config),
+              static_cast<double>(config.NumParameters()));
+  }
+}
+
+TEST(MemoryEstimateTest, ResidentBytesAreWhatATrainedModelTakes) {
+  auto engine = Engine::CreateSingleRank({}).value();
+  for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+    for (OptimizerKind optimizer :
+         {OptimizerKind::kAdamW, OptimizerKind::kSgd}) {
+      ModelSpec spec = testing::TinySpec("m", dtype, optimizer);
+      ASSERT_TRUE(engine->CreateModel(spec).ok());
+      ASSERT_TRUE(
+          engine
+              ->ForwardBackward("m", {testing::MakeSamples(
+                                         spec.config.vocab_size, {5, 3}, 1)})
+              .ok());
+      const absl::StatusOr<OptimStepResult> step = engine->OptimStep("m", {});
+      ASSERT_TRUE(step.ok()) << step.status();
+      const double taken = step->metrics.at("rank_param_bytes") +
+                           step->metrics.at("rank_grad_bytes") +
+                           step->metrics.at("rank_optimizer_bytes");
+      EXPECT_EQ(
+          ModelResidentBytes(spec.config.WithDefaults(), dtype, optimizer, 1),
+          taken);
+      ASSERT_TRUE(engine->DeleteModel("m").ok());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tally
