@@ -45,6 +45,17 @@ std::string Checkpointer::ModelDir(const std::string& model_id) const {
   return (fs::path(options_.dir) / model_id).string();
 }
 
+void Checkpointer::ForgetModel(const std::string& model_id) {
+  std::error_code error;
+  fs::remove_all(ModelDir(model_id), error);
+  if (error) {
+    Log(LogLevel::kWarning,
+        absl::StrCat("could not remove the checkpoints of deleted model '",
+                     model_id, "' in ", ModelDir(model_id), ": ",
+                     error.message(), "; --resume would bring it back"));
+  }
+}
+
 absl::Status Checkpointer::SaveStep(const std::string& model_id, int64_t step,
                                     bool allow_pending,
                                     v1::SaveCheckpointResponse* saved) {

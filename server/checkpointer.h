@@ -90,6 +90,10 @@ class Checkpointer {
 
   std::string ModelDir(const std::string& model_id) const;
 
+  // After DeleteModel: removes the model's periodic and exit checkpoints,
+  // so that --resume does not bring it back. A failure is logged.
+  void ForgetModel(const std::string& model_id);
+
  private:
   absl::Status ResumeModel(const std::string& model_id, const std::string& path,
                            ResumedModel* resumed);

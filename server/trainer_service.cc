@@ -471,6 +471,9 @@ grpc::ServerUnaryReactor* TrainerService::DeleteModel(
         FillNextSeqId(request->model_id(), response->mutable_model());
         scheduler_.sequencer().RemoveModel(request->model_id());
         admission_.Remove(request->model_id());
+        if (options_.checkpointer != nullptr) {
+          options_.checkpointer->ForgetModel(request->model_id());
+        }
         metrics_->RemoveModel(request->model_id());
         metrics_->SetModelCount(engine_->num_models());
         return absl::OkStatus();

@@ -404,6 +404,37 @@ TEST_F(CheckpointE2eTest, ResumeContinuesTheSeqIds) {
 // over those seq_ids therefore poisons the window: the client resuming at
 // next_seq_id gets ABORTED at its OptimStep instead of a step on a window
 // missing the dropped calls.
+// A deleted model's periodic checkpoints go with it: --resume brings back
+// the models that exist, not the deleted ones.
+TEST_F(CheckpointE2eTest, ResumeDoesNotResurrectADeletedModel) {
+  const std::vector<std::string> periodic = {
+      "--checkpoint-dir", dir_ + "/periodic", "--checkpoint-every-steps", "1"};
+  ServerProcess* first = StartServerOrFail(periodic, killed_);
+  ASSERT_NE(first, nullptr);
+  {
+    std::unique_ptr<TrainerClient> client = ClientOf(*first);
+    for (const char* id : {"kept", "gone"}) {
+      ASSERT_TRUE(client->CreateModel(TinyModel(id, kDtypes[0])).ok());
+      Train(*client, id, 1, 1);
+    }
+    ASSERT_TRUE(fs::is_directory(dir_ + "/periodic/gone"));
+    v1::DeleteModelRequest remove;
+    remove.set_model_id("gone");
+    ASSERT_TRUE(client->DeleteModel(remove).ok());
+    EXPECT_FALSE(fs::exists(dir_ + "/periodic/gone"));
+  }
+  Kill(*first);
+  std::vector<std::string> resume = periodic;
+  resume.push_back("--resume");
+  ServerProcess* second = StartServerOrFail(resume, servers_);
+  ASSERT_NE(second, nullptr);
+  std::unique_ptr<TrainerClient> client = ClientOf(*second);
+  const absl::StatusOr<v1::ModelInfo> kept = Info(*client, "kept");
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->step(), 1);
+  EXPECT_EQ(Info(*client, "gone").status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(CheckpointE2eTest, LoadOfAPendingSavePoisonsTheContinuedWindow) {
   ServerProcess* server = StartServerOrFail({}, servers_);
   ASSERT_NE(server, nullptr);
