@@ -127,11 +127,7 @@ class CheckpointE2eTest : public ::testing::Test {
       ASSERT_TRUE(
           first_client->ForwardBackward(StepWindow(kModelIds[m], 99)[0]).ok());
     }
-    Kill(*first);
-
-    std::vector<std::string> resume = periodic;
-    resume.push_back("--resume");
-    ServerProcess* second = StartServerOrFail(resume, servers_);
+    ServerProcess* second = KillAndResume(*first, periodic);
     ASSERT_NE(second, nullptr);
     std::unique_ptr<TrainerClient> second_client = ClientOf(*second);
     for (int m = 0; m < 2; ++m) {
@@ -256,6 +252,15 @@ class CheckpointE2eTest : public ::testing::Test {
     testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
   }
 
+  // Kills `first` and starts a server with `flags` + --resume on its
+  // checkpoints; null (and a test failure) if it does not start.
+  ServerProcess* KillAndResume(ServerProcess& first,
+                               std::vector<std::string> flags) {
+    Kill(first);
+    flags.push_back("--resume");
+    return StartServerOrFail(flags, servers_);
+  }
+
   // SIGKILL: no shutdown, no final write, like a crashed node.
   static void Kill(ServerProcess& server) {
     ASSERT_EQ(kill(server.pid(), SIGKILL), 0);
@@ -352,11 +357,7 @@ TEST_F(CheckpointE2eTest, ResumeContinuesTheSeqIds) {
   lost.set_seq_id(7);
   ASSERT_TRUE(first_client->ForwardBackward(lost).ok());
   first_client.reset();
-  Kill(*first);
-
-  std::vector<std::string> resume = periodic;
-  resume.push_back("--resume");
-  ServerProcess* second = StartServerOrFail(resume, servers_);
+  ServerProcess* second = KillAndResume(*first, periodic);
   ASSERT_NE(second, nullptr);
   std::unique_ptr<TrainerClient> client = ClientOf(*second);
   absl::StatusOr<v1::ModelInfo> info = Info(*client, id);
@@ -423,10 +424,7 @@ TEST_F(CheckpointE2eTest, ResumeDoesNotResurrectADeletedModel) {
     ASSERT_TRUE(client->DeleteModel(remove).ok());
     EXPECT_FALSE(fs::exists(dir_ + "/periodic/gone"));
   }
-  Kill(*first);
-  std::vector<std::string> resume = periodic;
-  resume.push_back("--resume");
-  ServerProcess* second = StartServerOrFail(resume, servers_);
+  ServerProcess* second = KillAndResume(*first, periodic);
   ASSERT_NE(second, nullptr);
   std::unique_ptr<TrainerClient> client = ClientOf(*second);
   const absl::StatusOr<v1::ModelInfo> kept = Info(*client, "kept");
