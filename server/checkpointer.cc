@@ -45,6 +45,28 @@ std::string Checkpointer::ModelDir(const std::string& model_id) const {
   return (fs::path(options_.dir) / model_id).string();
 }
 
+void Checkpointer::AfterLoad(const std::string& model_id, int64_t step) {
+  const std::string model_dir = ModelDir(model_id);
+  // Step directory names are zero-padded: later steps sort after.
+  const std::string loaded =
+      fs::path(StepCheckpointDir(model_dir, step)).filename().string();
+  for (const std::string& dir : ListStepCheckpoints(model_dir)) {
+    const std::string name = fs::path(dir).filename().string();
+    if (name <= loaded) continue;
+    const fs::path abandoned = fs::path(model_dir) / "abandoned" / name;
+    std::error_code error;
+    fs::create_directories(abandoned.parent_path(), error);
+    fs::remove_all(abandoned, error);
+    fs::rename(dir, abandoned, error);
+    if (error) {
+      Log(LogLevel::kWarning,
+          absl::StrCat("could not set aside ", dir, " after '", model_id,
+                       "' was loaded at step ", step, ": ", error.message(),
+                       "; --resume may pick it"));
+    }
+  }
+}
+
 void Checkpointer::ForgetModel(const std::string& model_id) {
   std::error_code error;
   fs::remove_all(ModelDir(model_id), error);

@@ -90,6 +90,13 @@ class Checkpointer {
 
   std::string ModelDir(const std::string& model_id) const;
 
+  // After a LoadCheckpoint set `model_id` back to `step`: its periodic
+  // checkpoints of later steps belong to the abandoned branch, so they move
+  // to <model dir>/abandoned/, out of --resume's and pruning's way (which
+  // would otherwise keep them over the new branch's saves). A failure is
+  // logged.
+  void AfterLoad(const std::string& model_id, int64_t step);
+
   // After DeleteModel: removes the model's periodic and exit checkpoints,
   // so that --resume does not bring it back. A failure is logged.
   void ForgetModel(const std::string& model_id);

@@ -620,6 +620,10 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
           FillNextSeqId(request->model_id(), response->mutable_model());
         }
         metrics_->SetPendingTokens(request->model_id(), 0);
+        if (options_.checkpointer != nullptr) {
+          options_.checkpointer->AfterLoad(request->model_id(),
+                                           response->model().step());
+        }
         return absl::OkStatus();
       });
 }

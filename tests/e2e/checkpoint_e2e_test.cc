@@ -433,6 +433,45 @@ TEST_F(CheckpointE2eTest, ResumeDoesNotResurrectADeletedModel) {
   EXPECT_EQ(Info(*client, "gone").status().code(), absl::StatusCode::kNotFound);
 }
 
+// A LoadCheckpoint that sets a model back (step 3 to step 1) starts a new
+// branch: its periodic checkpoints of later steps are set aside, so the new
+// branch's saves are not pruned in their favour and --resume continues the
+// new branch. Before, --resume restored the abandoned step 3.
+TEST_F(CheckpointE2eTest, ARewoundModelResumesOnItsNewBranch) {
+  const std::vector<std::string> periodic = {
+      "--checkpoint-dir",         dir_ + "/periodic",
+      "--checkpoint-every-steps", "1",
+      "--checkpoint-keep",        "2"};
+  ServerProcess* first = StartServerOrFail(periodic, killed_);
+  ASSERT_NE(first, nullptr);
+  std::string new_branch;
+  {
+    std::unique_ptr<TrainerClient> client = ClientOf(*first);
+    ASSERT_TRUE(client->CreateModel(TinyModel("m", kDtypes[0])).ok());
+    Train(*client, "m", 1, 1);
+    const std::string at_step1 = Save(*client, "m", "at-step1");
+    Train(*client, "m", 2, 3);
+    v1::LoadCheckpointRequest load;
+    load.set_model_id("m");
+    load.set_path(at_step1);
+    load.set_load_optimizer(true);
+    ASSERT_TRUE(client->LoadCheckpoint(load).ok());
+    Train(*client, "m", 2, 2);  // the new branch: step 2 again
+    new_branch = testing::ReadFileBytes(Save(*client, "m", "new-branch") +
+                                        "/model.safetensors");
+  }
+  EXPECT_TRUE(fs::is_directory(dir_ + "/periodic/m/abandoned"));
+  ServerProcess* second = KillAndResume(*first, periodic);
+  ASSERT_NE(second, nullptr);
+  std::unique_ptr<TrainerClient> client = ClientOf(*second);
+  const absl::StatusOr<v1::ModelInfo> resumed = Info(*client, "m");
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(resumed->step(), 2);
+  EXPECT_TRUE(testing::ReadFileBytes(Save(*client, "m", "resumed") +
+                                     "/model.safetensors") == new_branch)
+      << "--resume did not continue the new branch";
+}
+
 TEST_F(CheckpointE2eTest, LoadOfAPendingSavePoisonsTheContinuedWindow) {
   ServerProcess* server = StartServerOrFail({}, servers_);
   ASSERT_NE(server, nullptr);
