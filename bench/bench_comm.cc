@@ -41,13 +41,13 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
+#include "base/log.h"
+#include "base/status.h"
 #include "runtime/communicator.h"
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
-#include "runtime/log.h"
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
-#include "runtime/status.h"
 #include "server/launcher.h"
 
 namespace tally {

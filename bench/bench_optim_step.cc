@@ -37,13 +37,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/status.h"
 #include "bench/bench_main.h"
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
 #include "runtime/llama_model.h"
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
-#include "runtime/status.h"
 
 namespace tally {
 namespace {

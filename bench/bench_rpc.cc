@@ -24,11 +24,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
+#include "base/status.h"
 #include "bench/bench_main.h"
 #include "client/trainer_client.h"
 #include "runtime/engine.h"
 #include "runtime/llama_config.h"
-#include "runtime/status.h"
 #include "server/server.h"
 
 namespace tally {

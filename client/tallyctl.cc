@@ -25,10 +25,10 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/status.h"
 #include "client/command_line.h"
 #include "client/text_batcher.h"
 #include "client/trainer_client.h"
-#include "runtime/status.h"
 
 namespace tally {
 namespace {

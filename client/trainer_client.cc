@@ -5,22 +5,15 @@
 #include <grpcpp/support/channel_arguments.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/error_reason.h"
+#include "base/grpc_status.h"
 
 namespace tally {
-
-absl::Status ToAbslStatus(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
-}
-
-bool IsTransient(const absl::Status& status) {
-  return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status) ||
-         absl::IsResourceExhausted(status);
-}
 
 TrainerClient::TrainerClient(const TrainerClientOptions& options)
     : TrainerClient(MakeChannel(options), options.deadline, options.retry) {}
@@ -56,18 +49,23 @@ absl::StatusOr<Response> TrainerClient::Invoke(bool retryable, Rpc rpc) {
     grpc::ClientContext context;
     SetDeadline(context, absl::Now() + deadline_);
     Response response;
-    const absl::Status status = ToAbslStatus(rpc(&context, &response));
+    const absl::Status status = FromGrpcStatus(rpc(&context, &response));
     if (status.ok()) return response;
+    const std::optional<ErrorReason> reason = ReasonOf(status);
     if (absl::IsAborted(status)) {
-      return absl::AbortedError(absl::StrCat(
+      absl::Status aborted = absl::AbortedError(absl::StrCat(
           status.message(),
           " (the accumulation window is poisoned: call AbortAccumulation, "
           "then redo the window's ForwardBackward calls)"));
+      return reason ? WithReason(std::move(aborted), *reason) : aborted;
     }
-    if (!retryable || !IsTransient(status) || attempt >= retry_.max_attempts) {
+    if (!retryable || !IsRetryable(status) || attempt >= retry_.max_attempts) {
       return status;
     }
-    absl::SleepFor(backoff);
+    // The server's RetryInfo delay, when it gave one, is a floor.
+    absl::SleepFor(std::max(
+        backoff, reason ? RetryDelay(*reason).value_or(absl::ZeroDuration())
+                        : absl::ZeroDuration()));
     backoff = std::min(backoff * 2, retry_.max_backoff);
   }
 }
@@ -170,7 +168,7 @@ absl::Status TrainerClient::WaitForServing(absl::Duration timeout) {
               ? absl::StrCat(
                     "health status ",
                     HealthCheckResponse::ServingStatus_Name(response.status()))
-              : ToAbslStatus(status).ToString();
+              : FromGrpcStatus(status).ToString();
       return absl::DeadlineExceededError(absl::StrCat(
           "server not SERVING after ", absl::FormatDuration(timeout),
           "; last answer: ", last_answer));

@@ -1,15 +1,19 @@
 // TrainerClient: a blocking C++ client for a tally server (tally.v1.Trainer
 // plus grpc.health.v1), with every gRPC failure turned into an absl::Status
-// carrying the same canonical code and message.
+// carrying the same canonical code, message and ErrorReason
+// (base/grpc_status.h; ReasonOf(status) names the cause).
 //
-// Retries: transient failures (UNAVAILABLE, DEADLINE_EXCEEDED,
-// RESOURCE_EXHAUSTED) are retried with exponential backoff, sending the very
-// same request again, for read-only calls and for mutating calls that carry a
+// Retries: failures that IsRetryable (base/error_reason.h) says a retry can
+// fix (a full queue, a server shutting down or restarting a rank, a transport
+// UNAVAILABLE or DEADLINE_EXCEEDED) are retried with exponential backoff,
+// waiting at least the server's RetryInfo delay and sending the very same
+// request again, for read-only calls and for mutating calls that carry a
 // seq_id (> 0): the server executes a sequenced request once and answers a
 // repeat with the cached response, so a retry is never applied twice. An
-// unsequenced mutating call is never retried (it might have been applied).
-// ABORTED (a poisoned accumulation window) is never retried: the message
-// tells the caller to AbortAccumulation and redo the window.
+// unsequenced mutating call is never retried (it might have been applied);
+// neither is a message too large or a memory limit. ABORTED (a poisoned
+// window, a seq gap) is never retried: the message tells the caller to
+// AbortAccumulation and redo the window.
 //
 //   tally::TrainerClientOptions options;
 //   options.target = "localhost:50051";
@@ -52,9 +56,6 @@ struct RetryPolicy {
   absl::Duration max_backoff = absl::Seconds(5);
 };
 
-// Whether `status` is worth retrying with the same seq_id.
-bool IsTransient(const absl::Status& status);
-
 struct TrainerClientOptions {
   std::string target = "localhost:50051";
   // Applied to every call; absl::InfiniteDuration() sets no deadline.
@@ -64,9 +65,6 @@ struct TrainerClientOptions {
   int max_message_bytes = 256 << 20;
   RetryPolicy retry;
 };
-
-// Same numeric code (gRPC and absl share the canonical codes) and message.
-absl::Status ToAbslStatus(const grpc::Status& status);
 
 class TrainerClient {
  public:

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace tally {
 

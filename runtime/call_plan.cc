@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <utility>
 
+#include "base/status.h"
 #include "runtime/context_parallel.h"
 #include "runtime/pipeline.h"
-#include "runtime/status.h"
 
 namespace tally {
 namespace {

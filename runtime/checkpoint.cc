@@ -29,8 +29,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
-#include "runtime/log.h"
-#include "runtime/status.h"
+#include "base/log.h"
+#include "base/status.h"
 
 namespace tally {
 namespace {
@@ -737,36 +737,6 @@ absl::Status PruneStepCheckpoints(const std::string& model_dir, int keep) {
     }
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ConfineToRoot(const std::string& root,
-                                          const std::string& path) {
-  std::error_code error;
-  const fs::path real_root = fs::canonical(root, error);
-  if (error) {
-    return ErrorCodeStatus(error, absl::StrCat("checkpoint root ", root));
-  }
-  const fs::path requested(path);
-  for (const fs::path& part : requested) {
-    if (part == "..") {
-      return absl::PermissionDeniedError(
-          absl::StrCat("checkpoint path ", path, " may not contain '..'"));
-    }
-  }
-  const fs::path resolved = fs::weakly_canonical(
-      requested.is_absolute() ? requested : real_root / requested, error);
-  if (error) return ErrorCodeStatus(error, absl::StrCat("resolve ", path));
-  // Strictly inside: the root itself is not a checkpoint.
-  const auto [root_end, unused] = std::mismatch(
-      real_root.begin(), real_root.end(), resolved.begin(), resolved.end());
-  if (root_end != real_root.end() ||
-      std::distance(real_root.begin(), real_root.end()) >=
-          std::distance(resolved.begin(), resolved.end())) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "checkpoint path ", path, " resolves to ", resolved.string(),
-        ", outside the checkpoint root ", real_root.string()));
-  }
-  return resolved.string();
 }
 
 namespace {

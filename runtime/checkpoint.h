@@ -38,6 +38,7 @@
 #include "runtime/llama_config.h"
 #include "runtime/llama_model.h"
 #include "runtime/optimizer.h"
+#include "runtime/path_confinement.h"  // ConfineToRoot
 #include "runtime/safetensors.h"
 #include "runtime/types.h"
 
@@ -133,13 +134,6 @@ std::vector<std::string> ListStepCheckpoints(const std::string& model_dir);
 // Deletes all but the newest `keep` step checkpoints of `model_dir`, and any
 // staging directory a crashed save left there.
 absl::Status PruneStepCheckpoints(const std::string& model_dir, int keep);
-
-// `path` as an absolute path inside `root` (a relative `path` is taken
-// relative to `root`): PERMISSION_DENIED when it has a ".." component or
-// resolves, through symlinks of its existing part, outside the real `root`.
-// `root` must exist.
-absl::StatusOr<std::string> ConfineToRoot(const std::string& root,
-                                          const std::string& path);
 
 // Fault injection for tests: WriteCheckpoint calls the hook with the name of
 // each step of its protocol as it reaches it (see kCheckpointWriteStages) and

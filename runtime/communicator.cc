@@ -5,7 +5,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace tally {
 

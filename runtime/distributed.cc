@@ -12,9 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/log.h"
+#include "base/status.h"
 #include "runtime/address.h"
-#include "runtime/log.h"
-#include "runtime/status.h"
 
 namespace tally {
 namespace {

@@ -5,6 +5,8 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "base/error_reason.h"
+#include "base/status.h"
 #include "runtime/call_plan.h"
 #include "runtime/call_results.h"
 #include "runtime/checkpoint.h"
@@ -12,7 +14,6 @@
 #include "runtime/loss.h"
 #include "runtime/pipeline.h"
 #include "runtime/pipeline_executor.h"
-#include "runtime/status.h"
 #include "runtime/token_loss.h"
 
 namespace tally {
@@ -239,8 +240,9 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
     } while (models_.count(spec.model_id));
   }
   if (models_.count(spec.model_id)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("model '", spec.model_id, "' already exists"));
+    return WithReason(absl::AlreadyExistsError(absl::StrCat(
+                          "model '", spec.model_id, "' already exists")),
+                      ErrorReason::kModelExists);
   }
   TALLY_RETURN_IF_ERROR(ValidateAdamParams(spec.default_adam, "default_adam"));
   if (!std::isfinite(spec.default_max_grad_norm) ||
@@ -511,9 +513,11 @@ void Engine::ClearWindow(ModelState& state) {
 
 absl::Status Engine::CheckIntact(const ModelState& state) {
   if (state.damage.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "model '", state.spec.model_id, "' may have partly updated parameters: ",
-      state.damage, "; LoadCheckpoint a checkpoint to restore it"));
+  return WithReason(absl::FailedPreconditionError(absl::StrCat(
+                        "model '", state.spec.model_id,
+                        "' may have partly updated parameters: ", state.damage,
+                        "; LoadCheckpoint a checkpoint to restore it")),
+                    ErrorReason::kModelDamaged);
 }
 
 void Engine::Poison(ModelState& state, std::string reason) {
@@ -545,9 +549,11 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   TALLY_RETURN_IF_ERROR(CheckIntact(*state));
   if (state->poisoned) {
-    return absl::AbortedError(absl::StrCat(
-        "the accumulation window is poisoned (", state->poison_reason,
-        "); call AbortAccumulation and resend the window"));
+    return WithReason(
+        absl::AbortedError(absl::StrCat(
+            "the accumulation window is poisoned (", state->poison_reason,
+            "); call AbortAccumulation and resend the window")),
+        ErrorReason::kWindowPoisoned);
   }
   if (state->spec.optimizer == OptimizerKind::kSgd &&
       (args.adam.beta1 || args.adam.beta2 || args.adam.eps)) {

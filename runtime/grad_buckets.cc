@@ -7,7 +7,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace tally {
 namespace grad_buckets_internal {

@@ -3,8 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "base/status.h"
 #include "kernels/grad_stats.h"
-#include "runtime/status.h"
 
 namespace tally {
 

@@ -93,11 +93,14 @@ absl::Status LlamaConfig::Validate() const {
         router_aux_loss_coef));
   }
   // Keeps a typo from allocating terabytes: the largest matrix must fit.
+  // Divided, not multiplied: config.json sizes can overflow int64.
   constexpr int64_t kMaxMatrixElements = int64_t{1} << 31;
-  if (vocab_size * hidden_size > kMaxMatrixElements ||
-      intermediate_size * hidden_size > kMaxMatrixElements ||
-      hidden_size * hidden_size > kMaxMatrixElements ||
-      num_hidden_layers > 4096 || num_local_experts > 4096) {
+  auto too_large = [&](int64_t rows) {
+    return rows > kMaxMatrixElements / hidden_size;
+  };
+  if (too_large(vocab_size) || too_large(intermediate_size) ||
+      too_large(hidden_size) || num_hidden_layers > 4096 ||
+      num_local_experts > 4096) {
     return absl::InvalidArgumentError(
         "config describes a model too large for this server");
   }
@@ -147,15 +150,22 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromHfJson(const std::string& text) {
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError("config.json is not a JSON object");
   }
+  // A value for an error message: dump() recurses, and a hostile file may
+  // nest arrays deeper than the stack allows.
+  auto describe = [](const nlohmann::json& value) -> std::string {
+    if (value.is_array()) return "an array";
+    if (value.is_object()) return "an object";
+    return value.dump();
+  };
   const bool mixtral = j.contains("model_type") && j["model_type"] == "mixtral";
   if (j.contains("model_type") && j["model_type"] != "llama" && !mixtral) {
     return absl::InvalidArgumentError(
-        absl::StrCat("config.json model_type is ", j["model_type"].dump(),
+        absl::StrCat("config.json model_type is ", describe(j["model_type"]),
                      "; tally loads llama and mixtral models"));
   }
   if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
     return absl::InvalidArgumentError(absl::StrCat("config.json hidden_act is ",
-                                                   j["hidden_act"].dump(),
+                                                   describe(j["hidden_act"]),
                                                    "; tally implements silu"));
   }
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {

@@ -7,9 +7,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "runtime/parallel_ops.h"
 #include "runtime/pipeline.h"
-#include "runtime/status.h"
 
 namespace tally {
 

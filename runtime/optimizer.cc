@@ -3,8 +3,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "kernels/fused_optimizer.h"
-#include "runtime/status.h"
 
 namespace tally {
 

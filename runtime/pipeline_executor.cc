@@ -3,8 +3,8 @@
 #include <optional>
 #include <vector>
 
+#include "base/status.h"
 #include "runtime/pipeline.h"
-#include "runtime/status.h"
 
 namespace tally {
 namespace {

@@ -7,7 +7,8 @@
 // padded with spaces so the data starts 8-byte aligned, then the raw
 // little-endian tensor bytes; data_offsets are relative to the data start and
 // the tensors tile it exactly (no gaps, no overlap), as the reference
-// implementation requires.
+// implementation requires. Parsing and validating the header (untrusted
+// bytes, no LibTorch) is runtime/safetensors_header.h.
 //
 //   tally::NamedTensors tensors = {{"w", torch::ones({2, 3})}};
 //   TALLY_RETURN_IF_ERROR(

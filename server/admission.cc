@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/error_reason.h"
 
 namespace tally {
 namespace {
@@ -36,13 +37,18 @@ double CgroupLimitBytes(const char* path) {
   return in >> bytes ? bytes : 0;
 }
 
+absl::Status MemoryLimit(const std::string& message) {
+  return WithReason(absl::ResourceExhaustedError(message),
+                    ErrorReason::kMemoryLimit);
+}
+
 }  // namespace
 
 absl::Status MemoryAdmission::CheckModel(const std::string& tenant,
                                          double bytes) const {
   absl::MutexLock lock(&mu_);
   if (options_.limit_bytes > 0 && total_ + bytes > options_.limit_bytes) {
-    return absl::ResourceExhaustedError(
+    return MemoryLimit(
         absl::StrCat("the model needs an estimated ", Gib(bytes),
                      " per rank (parameters, gradients, optimizer state), and ",
                      Gib(std::max(0.0, options_.limit_bytes - total_)),
@@ -51,7 +57,7 @@ absl::Status MemoryAdmission::CheckModel(const std::string& tenant,
   }
   if (!tenant.empty() && options_.per_tenant_bytes > 0 &&
       TenantBytes(tenant) + bytes > options_.per_tenant_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return MemoryLimit(absl::StrCat(
         "the model needs an estimated ", Gib(bytes), " per rank, and ",
         Gib(std::max(0.0, options_.per_tenant_bytes - TenantBytes(tenant))),
         " of this tenant's ", Gib(options_.per_tenant_bytes),
@@ -81,7 +87,7 @@ absl::Status MemoryAdmission::CheckCall(double bytes) const {
   if (options_.limit_bytes <= 0 || total_ + bytes <= options_.limit_bytes) {
     return absl::OkStatus();
   }
-  return absl::ResourceExhaustedError(absl::StrCat(
+  return MemoryLimit(absl::StrCat(
       "the call's activations need an estimated ", Gib(bytes),
       " per rank, and the models leave ",
       Gib(std::max(0.0, options_.limit_bytes - total_)), " of the ",

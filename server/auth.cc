@@ -1,5 +1,6 @@
 #include "server/auth.h"
 
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
 
 #include <fstream>
@@ -22,18 +23,55 @@ std::string Sha256(absl::string_view data) {
   return std::string(reinterpret_cast<const char*>(digest), size);
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(
-    const std::string& path) {
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path,
+                                           absl::string_view what) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     return absl::InvalidArgumentError(
-        absl::StrCat("cannot read the tokens file ", path));
+        absl::StrCat("cannot read the ", what, " ", path));
   }
   std::ostringstream text;
   text << in.rdbuf();
-  return FromText(text.str(), path);
+  return text.str();
+}
+
+}  // namespace
+
+absl::StatusOr<BasicCredentials> BasicCredentials::FromFile(
+    const std::string& path) {
+  absl::StatusOr<std::string> text = ReadSecretFile(path, "metrics auth file");
+  if (!text.ok()) return text.status();
+  return FromText(*text, path);
+}
+
+absl::StatusOr<BasicCredentials> BasicCredentials::FromText(
+    absl::string_view text, const std::string& source) {
+  const absl::string_view line = absl::StripAsciiWhitespace(text);
+  const size_t colon = line.find(':');
+  if (line.find('\n') != absl::string_view::npos ||
+      colon == absl::string_view::npos || colon == 0 ||
+      colon + 1 == line.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": expected one line '<user>:<password>', both non-empty"));
+  }
+  return BasicCredentials(Sha256(line));
+}
+
+bool BasicCredentials::Matches(absl::string_view user,
+                               absl::string_view password) const {
+  // HTTP Basic ends the user at the first colon; one that holds a colon
+  // would make "<user>:<password>" ambiguous.
+  if (user.find(':') != absl::string_view::npos) return false;
+  const std::string digest = Sha256(absl::StrCat(user, ":", password));
+  return digest.size() == digest_.size() &&
+         CRYPTO_memcmp(digest.data(), digest_.data(), digest.size()) == 0;
+}
+
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(
+    const std::string& path) {
+  absl::StatusOr<std::string> text = ReadSecretFile(path, "tokens file");
+  if (!text.ok()) return text.status();
+  return FromText(*text, path);
 }
 
 absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(

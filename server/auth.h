@@ -15,11 +15,36 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace tally {
+
+// HTTP Basic credentials for /metrics, which names every tenant's models:
+// --metrics-auth-file holds one line "<user>:<password>" (Prometheus'
+// basic_auth, a PodMonitor's basicAuth secret).
+//
+//   TALLY_ASSIGN_OR_RETURN(BasicCredentials scraper,
+//                          BasicCredentials::FromFile("/etc/tally/metrics"));
+//   if (!scraper.Matches(user, password)) return 401;
+class BasicCredentials {
+ public:
+  // INVALID_ARGUMENT naming `source` for anything but one "<user>:<password>"
+  // line with both parts non-empty (the password is never echoed).
+  static absl::StatusOr<BasicCredentials> FromFile(const std::string& path);
+  static absl::StatusOr<BasicCredentials> FromText(absl::string_view text,
+                                                   const std::string& source);
+
+  // Compares digests in constant time.
+  bool Matches(absl::string_view user, absl::string_view password) const;
+
+ private:
+  explicit BasicCredentials(std::string digest) : digest_(std::move(digest)) {}
+
+  std::string digest_;  // SHA-256 of "<user>:<password>"
+};
 
 class Authenticator {
  public:

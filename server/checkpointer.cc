@@ -6,9 +6,9 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/status.h"
 #include "runtime/checkpoint.h"
-#include "runtime/log.h"
-#include "runtime/status.h"
 #include "server/commands.h"
 #include "server/convert.h"
 
@@ -140,8 +140,8 @@ void Checkpointer::SaveAllOnExit() {
   }
 }
 
-absl::StatusOr<std::vector<ResumedModel>> Checkpointer::Resume() {
-  std::vector<ResumedModel> resumed;
+ResumeReport Checkpointer::Resume() {
+  ResumeReport report;
   // <dir>/<model>/step-N, or <dir>/<tenant>/<model>/step-N. Which one is the
   // server's setting, not a guess from the contents: a tenant's model named
   // like a step directory must not turn its tenant into a model.
@@ -156,7 +156,7 @@ absl::StatusOr<std::vector<ResumedModel>> Checkpointer::Resume() {
     }
   }
   for (const std::string& model_id : model_ids) {
-    bool loaded = false;
+    bool done = false;
     for (const std::string& path : ListStepCheckpoints(ModelDir(model_id))) {
       const auto start = std::chrono::steady_clock::now();
       ResumedModel model;
@@ -167,21 +167,42 @@ absl::StatusOr<std::vector<ResumedModel>> Checkpointer::Resume() {
                                              path, ": ", status.message()));
         continue;
       }
-      TALLY_RETURN_IF_ERROR(status);
+      done = true;
+      if (!status.ok()) {
+        Log(LogLevel::kError,
+            absl::StrCat("model '", model_id, "' not resumed from ", path, ": ",
+                         status.ToString()));
+        DiscardHalfResumed(model_id);
+        report.failed.push_back({model_id, path, status});
+        break;
+      }
       Log(LogLevel::kInfo,
           absl::StrCat("resumed model '", model_id, "' at step ", model.step,
                        " from ", path));
-      resumed.push_back(std::move(model));
-      loaded = true;
+      report.resumed.push_back(std::move(model));
       break;
     }
-    if (!loaded) {
+    if (!done) {
       Log(LogLevel::kWarning,
           absl::StrCat("no valid checkpoint for model '", model_id, "' in ",
                        ModelDir(model_id), "; not resumed"));
     }
   }
-  return resumed;
+  return report;
+}
+
+void Checkpointer::DiscardHalfResumed(const std::string& model_id) {
+  if (!engine_->GetModel(model_id).ok()) return;
+  v1::DeleteModelRequest request;
+  request.set_model_id(model_id);
+  v1::DeleteModelResponse deleted;
+  absl::Status status =
+      ReplicateCommand(*control_, Command::kDeleteModel, request);
+  if (status.ok()) status = ExecuteDeleteModel(*engine_, request, &deleted);
+  if (!status.ok()) {
+    Log(LogLevel::kError, absl::StrCat("deleting the half-resumed model '",
+                                       model_id, "': ", status.ToString()));
+  }
 }
 
 absl::Status Checkpointer::ResumeModel(const std::string& model_id,

@@ -47,6 +47,18 @@ struct ResumedModel {
   std::string server_state;  // what the server stored with the checkpoint
 };
 
+// A model --resume found and could not restore.
+struct UnresumedModel {
+  std::string model_id;  // the engine id
+  std::string path;      // the checkpoint that failed
+  absl::Status error;
+};
+
+struct ResumeReport {
+  std::vector<ResumedModel> resumed;
+  std::vector<UnresumedModel> failed;
+};
+
 class Checkpointer {
  public:
   Checkpointer(CheckpointerOptions options, Engine* engine,
@@ -79,14 +91,18 @@ class Checkpointer {
   // For each model directory in `dir` (sorted by id; with tenant_dirs the
   // engine id is "<tenant>/<model_id>", so the model stays its tenant's),
   // creates the model if it does not exist and loads its newest checkpoint
-  // that passes VerifyCheckpoint, skipping damaged ones with a warning. A
-  // model whose checkpoints are all damaged is skipped; an error loading a
-  // verified one is returned. A checkpoint that dropped a pending window (an
-  // exit checkpoint) comes back with its window poisoned: the client's calls
-  // of that window executed (the sequencing state says so) but their
-  // gradients are gone, so its next OptimStep must fail ABORTED, not step on
-  // a partial window.
-  absl::StatusOr<std::vector<ResumedModel>> Resume();
+  // that passes VerifyCheckpoint, skipping damaged ones (DATA_LOSS) with a
+  // warning. A model whose checkpoints are all damaged is skipped. Any other
+  // failure (an unreadable directory, a config this server refuses, an
+  // allocation) is that model's alone: it is logged, counted as a failed
+  // resume, left out (a half-created model is deleted again) and reported in
+  // `failed`, and the other models still resume — older checkpoints of it
+  // are not tried, so no client silently continues from an older step. A
+  // checkpoint that dropped a pending window (an exit checkpoint) comes back
+  // with its window poisoned: the client's calls of that window executed
+  // (the sequencing state says so) but their gradients are gone, so its next
+  // OptimStep must fail ABORTED, not step on a partial window.
+  ResumeReport Resume();
 
   std::string ModelDir(const std::string& model_id) const;
 
@@ -104,6 +120,8 @@ class Checkpointer {
  private:
   absl::Status ResumeModel(const std::string& model_id, const std::string& path,
                            ResumedModel* resumed);
+  // Deletes `model_id` on every rank if a failed resume created it.
+  void DiscardHalfResumed(const std::string& model_id);
   // Saves `model_id` at `step` into its step directory, then prunes.
   absl::Status SaveStep(const std::string& model_id, int64_t step,
                         bool allow_pending, v1::SaveCheckpointResponse* saved);

@@ -3,8 +3,8 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/log.h"
-#include "runtime/status.h"
+#include "base/log.h"
+#include "base/status.h"
 #include "server/convert.h"
 
 namespace tally {

@@ -4,7 +4,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace tally {
 namespace {

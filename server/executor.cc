@@ -4,7 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/log.h"
+#include "base/log.h"
 
 namespace tally {
 

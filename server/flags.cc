@@ -6,7 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "runtime/log.h"
+#include "base/log.h"
 
 namespace tally {
 namespace {
@@ -253,6 +253,10 @@ const std::vector<FlagSpec>& Flags() {
       {"auth-tokens-file", "PATH",
        "require 'authorization: Bearer <token>'; lines '<token> <tenant>'",
        StringFlag(&ServerOptions::auth_tokens_file)},
+      {"metrics-auth-file", "PATH",
+       "require HTTP Basic auth on /metrics; one line '<user>:<password>' "
+       "(needed with --auth-tokens-file on a non-loopback --host)",
+       StringFlag(&ServerOptions::metrics_auth_file)},
       {"allow-insecure-remote", nullptr,
        "allow a non-loopback --host without TLS",
        BoolFlag("allow-insecure-remote",

@@ -24,8 +24,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
-#include "runtime/log.h"
-#include "runtime/status.h"
+#include "base/log.h"
+#include "base/status.h"
 
 extern char** environ;
 

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "runtime/log.h"
+#include "base/log.h"
 #include "server/flags.h"
 #include "server/launcher.h"
 #include "server/server.h"

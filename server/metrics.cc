@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace tally {
 namespace {
@@ -105,7 +105,8 @@ struct ServerMetrics::CommSeries {
 ServerMetrics::~ServerMetrics() = default;
 
 absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
-    const std::string& address, Engine* engine) {
+    const std::string& address, Engine* engine,
+    std::optional<BasicCredentials> scraper) {
   std::unique_ptr<ServerMetrics> m(new ServerMetrics());
   m->engine_ = engine;
   m->registry_ = std::make_shared<prometheus::Registry>();
@@ -212,6 +213,14 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   TALLY_RETURN_IF_ERROR(CatchTorch("metrics exposer", [&] {
     m->exposer_ = std::make_unique<prometheus::Exposer>(address);
   }));
+  if (scraper.has_value()) {
+    m->exposer_->RegisterAuth(
+        [scraper = *std::move(scraper)](const std::string& user,
+                                        const std::string& password) {
+          return scraper.Matches(user, password);
+        },
+        "tally metrics");
+  }
   m->exposer_->RegisterCollectable(m->registry_);
   std::vector<int> ports = m->exposer_->GetListeningPorts();
   if (ports.empty()) {

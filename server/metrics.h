@@ -27,11 +27,13 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "runtime/engine.h"
+#include "server/auth.h"
 #include "tally/v1/trainer.pb.h"
 
 namespace tally {
@@ -41,12 +43,15 @@ class ServerMetrics {
   // Binds `address` ("host:port", port 0 picks a free one). `engine` (not
   // owned, outlives the metrics, only read) gives the `rank` label and the rank
   // state. The request-flow recorders (RecordRequest, RecordDuplicate,
-  // RecordPoisonedWindow, RecordSeqGapWait, SetQueueDepth, RecordRankFailure)
-  // may run on any thread; every other method runs on the engine's command
-  // thread (the engine is not thread-safe) and refreshes the rank state after
-  // recording.
+  // RecordPoisonedWindow, RecordSeqGapWait, SetQueueDepth, RecordRankFailure,
+  // RecordAuthFailure) may run on any thread; every other method runs on the
+  // engine's command thread (the engine is not thread-safe) and refreshes the
+  // rank state after recording. With `scraper`, /metrics answers 401 to
+  // requests without its HTTP Basic credentials (the series name every tenant's
+  // models).
   static absl::StatusOr<std::unique_ptr<ServerMetrics>> Create(
-      const std::string& address, Engine* engine);
+      const std::string& address, Engine* engine,
+      std::optional<BasicCredentials> scraper = std::nullopt);
 
   ~ServerMetrics();
 

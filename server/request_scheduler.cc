@@ -5,7 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/log.h"
+#include "base/error_reason.h"
+#include "base/log.h"
 
 namespace tally {
 
@@ -88,7 +89,9 @@ void RequestScheduler::ScheduleUnsequenced(ScheduledRequest request) {
     shared->reply(status);
   });
   if (!queued) {
-    shared->reply(absl::UnavailableError("the server is shutting down"));
+    shared->reply(
+        WithReason(absl::UnavailableError("the server is shutting down"),
+                   ErrorReason::kShuttingDown));
   }
 }
 

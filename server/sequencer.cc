@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/status.h"
+#include "base/error_reason.h"
+#include "base/status.h"
 
 namespace tally {
 namespace {
@@ -41,9 +43,11 @@ uint64_t Hash64(absl::string_view bytes) {
   return Mix(hash ^ Mix(tail + 1));
 }
 
-// SequencerState's encoding: "TSQ1", then little-endian u64s and
-// length-prefixed strings.
-constexpr absl::string_view kStateMagic = "TSQ1";
+// SequencerState's encoding: "TSQ2", then little-endian u64s and
+// length-prefixed strings. "TSQ1" (before outcomes kept their ErrorReason)
+// is still read, each outcome without a reason.
+constexpr absl::string_view kStateMagic = "TSQ2";
+constexpr absl::string_view kStateMagicWithoutReasons = "TSQ1";
 
 void PutU64(std::string& out, uint64_t value) {
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>(value >> 8 * i));
@@ -105,7 +109,11 @@ absl::Status ValidateState(const SequencerState& state) {
 }
 
 SequencedOutcome Replay(const SequencerState::Outcome& cached) {
-  return {absl::Status(cached.code, cached.message), cached.response};
+  absl::Status status(cached.code, cached.message);
+  if (std::optional<ErrorReason> reason = ReasonFromName(cached.reason)) {
+    status = WithReason(std::move(status), *reason);
+  }
+  return {std::move(status), cached.response};
 }
 
 }  // namespace
@@ -119,15 +127,18 @@ std::string SequencerState::Serialize() const {
     PutU64(out, outcome.fingerprint);
     PutU64(out, static_cast<uint64_t>(outcome.code));
     PutBytes(out, outcome.message);
+    PutBytes(out, outcome.reason);
     PutBytes(out, outcome.response);
   }
   return out;
 }
 
 absl::StatusOr<SequencerState> SequencerState::Parse(absl::string_view bytes) {
-  if (bytes.substr(0, kStateMagic.size()) != kStateMagic) {
+  const absl::string_view magic = bytes.substr(0, kStateMagic.size());
+  if (magic != kStateMagic && magic != kStateMagicWithoutReasons) {
     return absl::DataLossError("not a sequencer state (bad magic)");
   }
+  const bool with_reasons = magic == kStateMagic;
   StateReader in(bytes.substr(kStateMagic.size()));
   SequencerState state;
   absl::StatusOr<uint64_t> next = in.U64("next_seq_id");
@@ -149,12 +160,16 @@ absl::StatusOr<SequencerState> SequencerState::Parse(absl::string_view bytes) {
     }
     absl::StatusOr<std::string> message = in.Bytes("an outcome message");
     if (!message.ok()) return message.status();
+    absl::StatusOr<std::string> reason =
+        with_reasons ? in.Bytes("an outcome reason") : std::string();
+    if (!reason.ok()) return reason.status();
     absl::StatusOr<std::string> response = in.Bytes("an outcome response");
     if (!response.ok()) return response.status();
     outcome.seq_id = *seq_id;
     outcome.fingerprint = *fingerprint;
     outcome.code = static_cast<absl::StatusCode>(*code);
     outcome.message = *std::move(message);
+    outcome.reason = *std::move(reason);
     outcome.response = *std::move(response);
     state.outcomes.push_back(std::move(outcome));
   }
@@ -184,7 +199,8 @@ Sequencer::Sequencer(SequencerOptions options, SequencerHooks hooks)
       gap_timer_([this] { GapTimerLoop(); }) {}
 
 Sequencer::~Sequencer() {
-  Stop(absl::UnavailableError("the server is shutting down"));
+  Stop(WithReason(absl::UnavailableError("the server is shutting down"),
+                  ErrorReason::kShuttingDown));
   {
     absl::MutexLock lock(&mu_);
     exiting_ = true;
@@ -264,16 +280,20 @@ void Sequencer::Submit(const std::string& model_id, SequencedRequest request) {
     } else if (ModelQueue& queue = *it->second; seq_id < queue.next_seq_id) {
       auto done = queue.outcomes.find(seq_id);
       if (done == queue.outcomes.end()) {
-        answer(absl::AlreadyExistsError(absl::StrCat(
-            "seq_id ", seq_id, " of model '", model_id,
-            "' was executed and its response is no longer cached (the "
-            "server keeps those of the current and the previous window, and "
-            "at least the last ",
-            options_.cache_size, "); next_seq_id is ", queue.next_seq_id)));
+        answer(WithReason(
+            absl::AlreadyExistsError(absl::StrCat(
+                "seq_id ", seq_id, " of model '", model_id,
+                "' was executed and its response is no longer cached (the "
+                "server keeps those of the current and the previous window, "
+                "and at least the last ",
+                options_.cache_size, "); next_seq_id is ", queue.next_seq_id)),
+            ErrorReason::kSeqIdExpired));
       } else if (done->second.fingerprint != request.fingerprint) {
-        answer(absl::AlreadyExistsError(
-            absl::StrCat("seq_id ", seq_id, " of model '", model_id,
-                         "' was already executed with a different payload")));
+        answer(WithReason(absl::AlreadyExistsError(absl::StrCat(
+                              "seq_id ", seq_id, " of model '", model_id,
+                              "' was already executed with a different "
+                              "payload")),
+                          ErrorReason::kSeqIdReused));
       } else {
         if (hooks_.on_duplicate) hooks_.on_duplicate(model_id);
         SequencedOutcome cached = Replay(done->second);
@@ -282,10 +302,11 @@ void Sequencer::Submit(const std::string& model_id, SequencedRequest request) {
     } else {
       auto [slot, inserted] = queue.pending.try_emplace(seq_id);
       if (!inserted && slot->second.fingerprint != request.fingerprint) {
-        answer(absl::AlreadyExistsError(absl::StrCat(
-            "seq_id ", seq_id, " of model '", model_id,
-            "' is already taken by a pending request with a different "
-            "payload")));
+        answer(WithReason(absl::AlreadyExistsError(absl::StrCat(
+                              "seq_id ", seq_id, " of model '", model_id,
+                              "' is already taken by a pending request with "
+                              "a different payload")),
+                          ErrorReason::kSeqIdReused));
       } else {
         if (!inserted && hooks_.on_duplicate) hooks_.on_duplicate(model_id);
         slot->second.fingerprint = request.fingerprint;
@@ -330,7 +351,9 @@ void Sequencer::Advance(const std::shared_ptr<ModelQueue>& queue,
     for (SequencedRequest& caller : waiting.callers) {
       replies.push_back(
           {std::move(caller),
-           {absl::UnavailableError("the server is shutting down"), ""}});
+           {WithReason(absl::UnavailableError("the server is shutting down"),
+                       ErrorReason::kShuttingDown),
+            ""}});
     }
   }
   q.pending.clear();
@@ -396,6 +419,9 @@ void Sequencer::RunNext(const std::shared_ptr<ModelQueue>& queue) {
     cached.fingerprint = fingerprint;
     cached.code = outcome.status.code();
     cached.message = std::string(outcome.status.message());
+    if (std::optional<ErrorReason> reason = ReasonOf(outcome.status)) {
+      cached.reason = std::string(ReasonName(*reason));
+    }
     cached.response = outcome.response;
     Remember(q, std::move(cached), outcome.closes_window);
     q.next_seq_id = seq_id + 1;
@@ -442,20 +468,24 @@ void Sequencer::Prune(ModelQueue& queue) const {
 absl::Status Sequencer::GapTimedOut(const ModelQueue& queue, uint64_t seq_id,
                                     uint64_t missing) const {
   if (queue.restored) {
-    return absl::AbortedError(absl::StrCat(
-        "model '", queue.model_id,
-        "' was restored from a checkpoint to next_seq_id ", missing,
-        ", and seq_id ", seq_id,
-        " is ahead of it: the requests before it were lost with the previous "
-        "server process; resend the window from seq_id ",
-        missing, " (ModelInfo.next_seq_id)"));
+    return WithReason(
+        absl::AbortedError(absl::StrCat(
+            "model '", queue.model_id,
+            "' was restored from a checkpoint to next_seq_id ", missing,
+            ", and seq_id ", seq_id,
+            " is ahead of it: the requests before it were lost with the "
+            "previous server process; resend the window from seq_id ",
+            missing, " (ModelInfo.next_seq_id)")),
+        ErrorReason::kSeqRestored);
   }
-  return absl::AbortedError(absl::StrCat(
-      "seq_id ", seq_id, " of model '", queue.model_id, "' waited ",
-      absl::FormatDuration(options_.gap_timeout), " for seq_id ", missing,
-      ", which never arrived; the accumulation window is poisoned: call "
-      "AbortAccumulation and resend from seq_id ",
-      missing, " (ModelInfo.next_seq_id)"));
+  return WithReason(
+      absl::AbortedError(absl::StrCat(
+          "seq_id ", seq_id, " of model '", queue.model_id, "' waited ",
+          absl::FormatDuration(options_.gap_timeout), " for seq_id ", missing,
+          ", which never arrived; the accumulation window is poisoned: call "
+          "AbortAccumulation and resend from seq_id ",
+          missing, " (ModelInfo.next_seq_id)")),
+      ErrorReason::kSeqGap);
 }
 
 void Sequencer::GapTimerLoop() {

@@ -120,6 +120,8 @@ struct SequencerState {
     uint64_t fingerprint = 0;
     absl::StatusCode code = absl::StatusCode::kOk;
     std::string message;
+    // The status's ErrorReason name (base/error_reason.h), empty for none.
+    std::string reason;
     std::string response;
   };
   uint64_t next_seq_id = 1;

@@ -14,11 +14,12 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/status.h"
 #include "runtime/address.h"
-#include "runtime/log.h"
-#include "runtime/status.h"
 #include "server/admission.h"
 #include "server/commands.h"
+#include "server/token_auth_processor.h"
 
 namespace tally {
 namespace {
@@ -262,6 +263,23 @@ absl::Status ValidateCheckpointAndShutdownFlags(const ServerOptions& options) {
   return absl::OkStatus();
 }
 
+// The credentials /metrics requires, if any. Its series name every tenant's
+// models, so with tenants on a non-loopback address it must require some.
+absl::StatusOr<std::optional<BasicCredentials>> MetricsScraper(
+    const ServerOptions& options) {
+  if (options.metrics_auth_file.empty()) {
+    if (!options.auth_tokens_file.empty() && !IsLoopbackHost(options.host)) {
+      return absl::InvalidArgumentError(
+          "--auth-tokens-file on a non-loopback --host needs "
+          "--metrics-auth-file: /metrics names every tenant's models");
+    }
+    return std::nullopt;
+  }
+  TALLY_ASSIGN_OR_RETURN(BasicCredentials scraper,
+                         BasicCredentials::FromFile(options.metrics_auth_file));
+  return scraper;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
@@ -278,10 +296,12 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   TALLY_ASSIGN_OR_RETURN(
       const int metrics_port,
       LocalRankPort(options, options.metrics_port, "--metrics-port"));
+  TALLY_ASSIGN_OR_RETURN(std::optional<BasicCredentials> scraper,
+                         MetricsScraper(options));
   TALLY_ASSIGN_OR_RETURN(
       s->metrics_,
       ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
-                            s->engine_.get()));
+                            s->engine_.get(), std::move(scraper)));
   TALLY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                          ServerCredentials(options));
   TALLY_RETURN_IF_ERROR(ValidateCheckpointAndShutdownFlags(options));
@@ -299,6 +319,15 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
     TALLY_ASSIGN_OR_RETURN(s->authenticator_,
                            Authenticator::FromFile(options.auth_tokens_file));
     service_options.authenticator = s->authenticator_.get();
+    if (!options.tls_cert.empty()) {
+      // Tokens are checked before a body is parsed (see the processor).
+      ServerMetrics* metrics = s->metrics_.get();
+      credentials->SetAuthMetadataProcessor(
+          std::make_shared<TokenAuthProcessor>(
+              s->authenticator_.get(), [metrics](const std::string& reason) {
+                metrics->RecordAuthFailure(reason);
+              }));
+    }
   }
   s->checkpointer_ = std::make_unique<Checkpointer>(
       CheckpointerOptions{options.checkpoint_dir,
@@ -309,7 +338,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   service_options.checkpointer = s->checkpointer_.get();
   if (options.resume) {
     // Before serving, so no request sees a model half resumed.
-    TALLY_ASSIGN_OR_RETURN(s->resumed_, s->checkpointer_->Resume());
+    s->resume_ = s->checkpointer_->Resume();
   }
   s->metrics_->SetModelCount(s->engine_->num_models());
   s->executor_ = std::make_unique<CommandExecutor>();
@@ -332,10 +361,11 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
       s->engine_.get(), s->executor_.get(), s->metrics_.get(),
       std::move(service_options));
   // The resumed models continue their seq_ids where the checkpoint left them.
-  for (const ResumedModel& resumed : s->resumed_) {
+  for (const ResumedModel& resumed : s->resume_.resumed) {
     TALLY_RETURN_IF_ERROR(
         s->service_->RestoreSequencing(resumed.model_id, resumed.server_state));
   }
+  s->service_->ReportUnresumed(s->resume_.failed);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -373,10 +403,12 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
   TALLY_ASSIGN_OR_RETURN(
       const int grpc_port,
       LocalRankPort(options, options.grpc_port, "--grpc-port"));
+  TALLY_ASSIGN_OR_RETURN(std::optional<BasicCredentials> scraper,
+                         MetricsScraper(options));
   TALLY_ASSIGN_OR_RETURN(
       std::unique_ptr<ServerMetrics> metrics,
       ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
-                            engine.get()));
+                            engine.get(), std::move(scraper)));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound_grpc_port = 0;

@@ -106,6 +106,8 @@ struct ServerOptions {
   std::string tls_key;
   std::string tls_client_ca;     // set: clients must present a certificate
   std::string auth_tokens_file;  // "<token> <tenant>" lines
+  // "<user>:<password>": HTTP Basic auth on every rank's /metrics.
+  std::string metrics_auth_file;
   // Without TLS and tokens the server refuses a non-loopback --host.
   bool allow_insecure_remote = false;
 };
@@ -135,8 +137,8 @@ class TallyServer {
   int grpc_port() const { return grpc_port_; }
   // The periodic checkpoints and --resume (for the server state hooks).
   Checkpointer& checkpointer() { return *checkpointer_; }
-  // What --resume loaded at start.
-  const std::vector<ResumedModel>& resumed() const { return resumed_; }
+  // What --resume loaded at start, and what it could not.
+  const ResumeReport& resume_report() const { return resume_; }
   int metrics_port() const { return metrics_->port(); }
 
   // OK, or the failed collective after which the server must stop (health
@@ -161,7 +163,7 @@ class TallyServer {
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<Authenticator> authenticator_;
   std::unique_ptr<Checkpointer> checkpointer_;
-  std::vector<ResumedModel> resumed_;
+  ResumeReport resume_;
   std::unique_ptr<TrainerService> service_;
   std::unique_ptr<grpc::Server> server_;
   int grpc_port_ = 0;

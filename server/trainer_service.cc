@@ -13,21 +13,17 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "base/error_reason.h"
+#include "base/grpc_status.h"
+#include "base/log.h"
+#include "base/status.h"
 #include "runtime/checkpoint.h"
-#include "runtime/log.h"
 #include "runtime/memory_estimate.h"
-#include "runtime/status.h"
 #include "server/commands.h"
 #include "server/convert.h"
 
 namespace tally {
 namespace {
-
-grpc::Status ToGrpc(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
-}
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
@@ -111,6 +107,16 @@ absl::Status TrainerService::RestoreSequencing(const std::string& model_id,
   return scheduler_.sequencer().ImportState(model_id, std::move(state));
 }
 
+void TrainerService::ReportUnresumed(
+    const std::vector<UnresumedModel>& failed) {
+  for (const UnresumedModel& model : failed) {
+    v1::UnresumedModel& entry = unresumed_[model.model_id];
+    entry.set_model_id(ClientModelId(model.model_id));
+    entry.set_checkpoint(std::filesystem::path(model.path).filename());
+    entry.set_error(model.error.ToString());
+  }
+}
+
 std::string TrainerService::SequencingState(const std::string& model_id) const {
   absl::StatusOr<SequencerState> state =
       scheduler_.sequencer().ExportState(model_id);
@@ -125,24 +131,28 @@ std::string TrainerService::SequencingState(const std::string& model_id) const {
 
 void TrainerService::StopExecuting() {
   stopped_ = true;
-  scheduler_.sequencer().Stop(absl::UnavailableError(
-      "the server is shutting down before this request ran; retry it on the "
-      "restarted server"));
+  scheduler_.sequencer().Stop(WithReason(
+      absl::UnavailableError("the server is shutting down before this "
+                             "request ran; retry it on the restarted server"),
+      ErrorReason::kShuttingDown));
 }
 
 absl::Status TrainerService::Accepting() const {
   {
     absl::MutexLock lock(&failure_mu_);
     if (!rank_failure_.ok()) {
-      return absl::UnavailableError(
-          absl::StrCat("a rank of this server failed and it is restarting (",
-                       rank_failure_.message(), ")"));
+      return WithReason(absl::UnavailableError(absl::StrCat(
+                            "a rank of this server failed and it is "
+                            "restarting (",
+                            rank_failure_.message(), ")")),
+                        ErrorReason::kRankFailed);
     }
   }
   if (stopped_) {
-    return absl::UnavailableError(
-        "the server is shutting down before this request ran; retry it on "
-        "the restarted server");
+    return WithReason(absl::UnavailableError(
+                          "the server is shutting down before this request "
+                          "ran; retry it on the restarted server"),
+                      ErrorReason::kShuttingDown);
   }
   return absl::OkStatus();
 }
@@ -233,6 +243,16 @@ int64_t Tokens(const v1::ForwardBackwardRequest& request) {
 
 }  // namespace
 
+absl::Status TrainerService::ExplainUnresumed(
+    const std::string& engine_id, const absl::Status& not_found) const {
+  auto it = unresumed_.find(engine_id);
+  if (!absl::IsNotFound(not_found) || it == unresumed_.end()) return not_found;
+  return absl::NotFoundError(
+      absl::StrCat(not_found.message(), ": --resume could not restore it from ",
+                   it->second.checkpoint(), " (", it->second.error(),
+                   "); CreateModel (and LoadCheckpoint) brings it back"));
+}
+
 absl::Status TrainerService::CheckCallFits(
     const v1::ForwardBackwardRequest& request) const {
   TALLY_ASSIGN_OR_RETURN(const ModelSummary model,
@@ -241,14 +261,16 @@ absl::Status TrainerService::CheckCallFits(
       model.config.is_moe() ? model.config.num_local_experts : 0;
   const int64_t bound = ForwardBackwardResponseBound(request, experts);
   if (options_.max_message_bytes > 0 && bound > options_.max_message_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the response could take ", bound, " bytes (", request.samples_size(),
-        " samples, ", Tokens(request), " tokens",
-        request.return_logprobs() ? ", return_logprobs" : "",
-        "), more than --max-message-bytes (", options_.max_message_bytes,
-        "); nothing was executed: send fewer tokens per call",
-        request.return_logprobs() ? " or no return_logprobs" : "",
-        ", or raise the limit"));
+    return WithReason(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "the response could take ", bound, " bytes (",
+            request.samples_size(), " samples, ", Tokens(request), " tokens",
+            request.return_logprobs() ? ", return_logprobs" : "",
+            "), more than --max-message-bytes (", options_.max_message_bytes,
+            "); nothing was executed: send fewer tokens per call",
+            request.return_logprobs() ? " or no return_logprobs" : "",
+            ", or raise the limit")),
+        ErrorReason::kMessageTooLarge);
   }
   std::vector<int64_t> lengths;
   for (const v1::Sample& sample : request.samples()) {
@@ -327,7 +349,7 @@ void TrainerService::Finish(const char* method,
                             grpc::ServerUnaryReactor* reactor,
                             const absl::Status& status) {
   metrics_->RecordRequest(method, absl::StatusCodeToString(status.code()));
-  reactor->Finish(ToGrpc(status));
+  reactor->Finish(ToGrpcStatus(status));
 }
 
 grpc::ServerUnaryReactor* TrainerService::Execute(
@@ -418,6 +440,7 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
           engine_id += response->model_id();
         }
         admission_.Add(engine_id, tenant, bytes);
+        unresumed_.erase(engine_id);
         scheduler_.sequencer().AddModel(engine_id);
         FillNextSeqId(engine_id, response);
         metrics_->SetModelCount(engine_->num_models());
@@ -432,10 +455,13 @@ grpc::ServerUnaryReactor* TrainerService::GetModel(
   return Execute({"GetModel", context, Mutable(request)->mutable_model_id()},
                  ValidateModelId(request->model_id()),
                  [this, request, response]() -> absl::Status {
-                   TALLY_ASSIGN_OR_RETURN(
-                       ModelSummary summary,
-                       engine_->GetModel(request->model_id()));
-                   ToProto(summary, response);
+                   absl::StatusOr<ModelSummary> summary =
+                       engine_->GetModel(request->model_id());
+                   if (!summary.ok()) {
+                     return ExplainUnresumed(request->model_id(),
+                                             summary.status());
+                   }
+                   ToProto(*summary, response);
                    FillNextSeqId(request->model_id(), response);
                    return absl::OkStatus();
                  });
@@ -453,6 +479,11 @@ grpc::ServerUnaryReactor* TrainerService::ListModels(
                      v1::ModelInfo* info = response->add_models();
                      ToProto(s, info);
                      FillNextSeqId(s.model_id, info);
+                   }
+                   for (const auto& [engine_id, entry] : unresumed_) {
+                     if (InTenant(engine_id, tenant)) {
+                       *response->add_unresumed() = entry;
+                     }
                    }
                    return absl::OkStatus();
                  });

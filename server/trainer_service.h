@@ -37,7 +37,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -94,6 +96,10 @@ class TrainerService final : public v1::Trainer::CallbackService {
   // DATA_LOSS for damaged bytes.
   absl::Status RestoreSequencing(const std::string& model_id,
                                  absl::string_view server_state);
+
+  // Models --resume could not restore, before serving: ListModels reports
+  // them and GetModel's NOT_FOUND says why, until the id is created again.
+  void ReportUnresumed(const std::vector<UnresumedModel>& failed);
 
   // From now on requests that have not started executing are answered
   // UNAVAILABLE (not executed: a retry on the restarted server runs them);
@@ -184,6 +190,10 @@ class TrainerService final : public v1::Trainer::CallbackService {
   void OnRankFailure(const absl::Status& failure);
   // `engine_id`: the model's id in the engine (info holds the client's).
   void FillNextSeqId(const std::string& engine_id, v1::ModelInfo* info) const;
+  // `not_found` for `engine_id`, saying why when --resume could not restore
+  // that model.
+  absl::Status ExplainUnresumed(const std::string& engine_id,
+                                const absl::Status& not_found) const;
   // The sequencing state a checkpoint of `model_id` saves, taken on the
   // executor thread: a sequenced request executing now (the save itself, or
   // the OptimStep of a periodic checkpoint) counts as executed.
@@ -205,6 +215,9 @@ class TrainerService final : public v1::Trainer::CallbackService {
   RequestScheduler scheduler_;
   // Executor thread only, like the engine.
   MemoryAdmission admission_;
+  // Engine id -> what --resume could not restore (executor thread only,
+  // after construction).
+  std::map<std::string, v1::UnresumedModel> unresumed_;
   // The sequenced request executing now (executor thread only).
   std::string executing_model_id_;
   uint64_t executing_seq_id_ = 0;

@@ -1,4 +1,5 @@
-"""Generates the tally.v1 gRPC stubs from ../../proto at build time.
+"""Generates the tally.v1 gRPC stubs (and google.rpc's error details, as
+tally.rpc) from ../../proto at build time.
 
 protoc and grpc_python_plugin come from Debian's protobuf-compiler and
 protobuf-compiler-grpc (or set PROTOC / GRPC_PYTHON_PLUGIN); the stubs are
@@ -16,6 +17,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROTO_ROOT = os.environ.get("TALLY_PROTO_ROOT",
                             os.path.join(HERE, "..", "..", "proto"))
 PROTOS = ["tally/v1/trainer.proto"]
+# Generated as tally.rpc: a `google` package would shadow protobuf's.
+RPC_PROTOS = ["rpc/status.proto", "rpc/error_details.proto"]
 
 
 def _tool(variable, name):
@@ -38,7 +41,13 @@ class BuildWithStubs(build_py):
              f"--plugin=protoc-gen-grpc_python="
              f"{_tool('GRPC_PYTHON_PLUGIN', 'grpc_python_plugin')}"]
             + [os.path.join(PROTO_ROOT, p) for p in PROTOS], check=True)
-        for package in ("tally", os.path.join("tally", "v1")):
+        google = os.path.join(PROTO_ROOT, "google")
+        subprocess.run(
+            [_tool("PROTOC", "protoc"), f"--proto_path={google}",
+             f"--python_out={os.path.join(out, 'tally')}"]
+            + [os.path.join(google, p) for p in RPC_PROTOS], check=True)
+        for package in ("tally", os.path.join("tally", "v1"),
+                        os.path.join("tally", "rpc")):
             init = os.path.join(out, package, "__init__.py")
             if not os.path.exists(init):
                 open(init, "w", encoding="utf-8").close()

@@ -14,7 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace tally {
 namespace {

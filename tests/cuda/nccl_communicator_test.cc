@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace tally {
 namespace {

@@ -4,10 +4,12 @@
 // certificates are made at test time with the openssl CLI (no key is
 // committed); without openssl the TLS test is skipped.
 #include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/security/credentials.h>
 #include <signal.h>
 #include <stdlib.h>
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -19,7 +21,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "base/error_reason.h"
 #include "client/trainer_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -97,6 +101,14 @@ class AccessE2eTest : public ::testing::Test {
   // `with_certificate` is false, sending `token` when not empty.
   TrainerClient Client(const ServerProcess& server, bool with_certificate,
                        const std::string& token, RetryPolicy retry = {}) {
+    return TrainerClient(Channel(server, with_certificate, token),
+                         absl::Seconds(20), retry);
+  }
+
+  // The channel of such a client.
+  std::shared_ptr<grpc::Channel> Channel(const ServerProcess& server,
+                                         bool with_certificate,
+                                         const std::string& token) {
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = testing::ReadFileBytes(dir_ + "/ca.pem");
     if (with_certificate) {
@@ -109,15 +121,30 @@ class AccessE2eTest : public ::testing::Test {
       credentials = grpc::CompositeChannelCredentials(
           credentials, grpc::AccessTokenCredentials(token));
     }
-    return TrainerClient(
-        grpc::CreateChannel(absl::StrCat("localhost:", server.grpc_port()),
-                            credentials),
-        absl::Seconds(20), retry);
+    return grpc::CreateChannel(absl::StrCat("localhost:", server.grpc_port()),
+                               credentials);
   }
 
   std::string dir_;
   std::vector<std::unique_ptr<ServerProcess>> servers_;
 };
+
+// `body` as the serialized request of CreateModel, over `channel`.
+grpc::Status SendRawBody(const std::shared_ptr<grpc::Channel>& channel,
+                         const std::string& body) {
+  grpc::GenericStub stub(channel);
+  grpc::Slice slice(body);
+  const grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(20));
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/tally.v1.Trainer/CreateModel", grpc::StubOptions(),
+                 &request, &response,
+                 [&done](grpc::Status status) { done.set_value(status); });
+  return done.get_future().get();
+}
 
 TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
   if (std::system("command -v openssl > /dev/null 2>&1") != 0) {
@@ -129,10 +156,12 @@ TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
                                   << kBobToken << " bob\n";
   const std::string root = dir_ + "/root";
   fs::create_directories(root);
+  std::ofstream(dir_ + "/metrics-auth") << "prometheus:scrape-secret\n";
   ServerProcess* server = StartServerOrFail(
       {"--tls-cert", dir_ + "/server.pem", "--tls-key", dir_ + "/server.key",
        "--tls-client-ca", dir_ + "/ca.pem", "--auth-tokens-file",
-       dir_ + "/tokens", "--checkpoint-root", root},
+       dir_ + "/tokens", "--checkpoint-root", root, "--metrics-auth-file",
+       dir_ + "/metrics-auth"},
       servers_);
   ASSERT_NE(server, nullptr);
 
@@ -145,7 +174,16 @@ TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
   // The clients close before the server stops: idle TLS connections would
   // hold its shutdown for their grace period.
   {
-    // Credentials are checked before anything else.
+    // Credentials are checked before anything else, the body included: a
+    // body that is no request at all is refused UNAUTHENTICATED without a
+    // token, and only with one does it reach parsing.
+    const std::string garbage(4096, '\xff');
+    EXPECT_EQ(SendRawBody(Channel(*server, true, ""), garbage).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    const grpc::Status parsed =
+        SendRawBody(Channel(*server, true, kAliceToken), garbage);
+    EXPECT_NE(parsed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_NE(parsed.error_code(), grpc::StatusCode::OK);
     TrainerClient no_token = Client(*server, true, "");
     EXPECT_EQ(no_token.ListModels({}).status().code(),
               absl::StatusCode::kUnauthenticated);
@@ -209,15 +247,30 @@ TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
     EXPECT_EQ(bob.LoadCheckpoint(load).status().code(),
               absl::StatusCode::kPermissionDenied);
 
-    absl::StatusOr<std::string> metrics =
-        HttpGet(server->metrics_port(), "/metrics");
+    // /metrics names the tenants' models: only the scraper may read it.
+    for (const std::string& headers :
+         {std::string(),
+          absl::StrCat("Authorization: Basic ",
+                       absl::Base64Escape("prometheus:guess"), "\r\n")}) {
+      const absl::StatusOr<std::string> refused =
+          HttpGet(server->metrics_port(), "/metrics", headers);
+      ASSERT_FALSE(refused.ok()) << *refused;
+      EXPECT_NE(refused.status().message().find(" 401 "), std::string::npos)
+          << refused.status();
+    }
+    absl::StatusOr<std::string> metrics = HttpGet(
+        server->metrics_port(), "/metrics",
+        absl::StrCat("Authorization: Basic ",
+                     absl::Base64Escape("prometheus:scrape-secret"), "\r\n"));
     ASSERT_TRUE(metrics.ok()) << metrics.status();
-    // Two calls without a token, one with a wrong one (the call without a
-    // client certificate never reached the server).
+    EXPECT_NE(metrics->find("model_id=\"alice/m1\""), std::string::npos);
+    // Three calls without a token (the raw body among them), one with a
+    // wrong one (the call without a client certificate never reached the
+    // server).
     EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
                           {{"reason", "missing_token"}})
                   .value_or(-1),
-              2);
+              3);
     EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
                           {{"reason", "invalid_token"}})
                   .value_or(-1),
@@ -370,48 +423,113 @@ TEST_F(AccessE2eTest, OneTenantCannotTakeTheWholeRequestBudget) {
   MakeCertificates();
   std::ofstream(dir_ + "/tokens") << kAliceToken << " alice\n"
                                   << kBobToken << " bob\n";
+  // The gap never times out during the test: what holds Alice's requests is
+  // the missing seq_id 1 alone, and the shutdown at the end answers them.
   ServerProcess* server = StartServerOrFail(
       {"--tls-cert", dir_ + "/server.pem", "--tls-key", dir_ + "/server.key",
        "--auth-tokens-file", dir_ + "/tokens", "--checkpoint-root",
        dir_ + "/root", "--max-queued-requests", "6",
-       "--max-queued-requests-per-tenant", "3", "--seq-gap-timeout-secs", "3"},
+       "--max-queued-requests-per-tenant", "3", "--seq-gap-timeout-secs",
+       "600"},
       servers_);
   ASSERT_NE(server, nullptr);
   RetryPolicy once;
   once.max_attempts = 1;
-  TrainerClient alice = Client(*server, false, kAliceToken, once);
+  // Alice's held calls outlast any wait below: only the shutdown ends them.
+  TrainerClient alice(Channel(*server, false, kAliceToken), absl::Minutes(5),
+                      once);
   TrainerClient bob = Client(*server, false, kBobToken, once);
   ASSERT_TRUE(alice.CreateModel(TinyModel("a")).ok());
   ASSERT_TRUE(bob.CreateModel(TinyModel("b")).ok());
-  // Alice sends seq_ids 2..7; seq_id 1 never comes, so they wait.
+  auto alice_call = [&alice](uint64_t seq_id) {
+    v1::ForwardBackwardRequest call;
+    call.set_model_id("a");
+    call.set_seq_id(seq_id);
+    std::mt19937 rng(static_cast<uint32_t>(seq_id));
+    *call.add_samples() = testing::MakeSample(rng, 32, 6, 0);
+    return alice.ForwardBackward(call).status();
+  };
+  // Alice sends seq_ids 2..4, her whole budget; seq_id 1 never comes, so
+  // they wait.
   std::vector<std::future<absl::Status>> waiting;
-  for (uint64_t seq_id = 2; seq_id <= 7; ++seq_id) {
-    waiting.push_back(std::async(std::launch::async, [&alice, seq_id] {
-      v1::ForwardBackwardRequest call;
-      call.set_model_id("a");
-      call.set_seq_id(seq_id);
-      std::mt19937 rng(static_cast<uint32_t>(seq_id));
-      *call.add_samples() = testing::MakeSample(rng, 32, 6, 0);
-      return alice.ForwardBackward(call).status();
-    }));
+  for (uint64_t seq_id = 2; seq_id <= 4; ++seq_id) {
+    waiting.push_back(std::async(std::launch::async, alice_call, seq_id));
   }
-  // Until Alice's budget is full (hers, or the whole server's before).
-  bool full = false;
-  for (int poll = 0; poll < 200 && !full; ++poll) {
-    full = absl::IsResourceExhausted(alice.GetModel(Get("a")).status());
-    if (!full) absl::SleepFor(absl::Milliseconds(50));
+  // Until all three are held (the server's own count, read without taking
+  // a place in the budget).
+  double held = 0;
+  for (int poll = 0; poll < 1200 && held < 3; ++poll) {
+    const absl::StatusOr<std::string> metrics =
+        HttpGet(server->metrics_port(), "/metrics");
+    if (metrics.ok()) {
+      held = MetricValue(*metrics, "tally_queue_depth", {}).value_or(0);
+    }
+    if (held < 3) absl::SleepFor(absl::Milliseconds(50));
   }
-  ASSERT_TRUE(full);
+  if (held < 3) {
+    for (auto& call : waiting) {
+      if (call.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+        ADD_FAILURE() << "a held call ended: " << call.get();
+      }
+    }
+    FAIL() << "the server holds " << held << " of Alice's 3 calls; log:\n"
+           << server->ReadLog();
+  }
+  // Her next request is refused; it would be retryable.
+  const absl::Status full = alice.GetModel(Get("a")).status();
+  ASSERT_TRUE(absl::IsResourceExhausted(full)) << full;
+  EXPECT_EQ(ReasonOf(full), ErrorReason::kQueueFull);
+  EXPECT_TRUE(IsRetryable(full));
+  const absl::Status refused = alice_call(5);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_EQ(ReasonOf(refused), ErrorReason::kQueueFull);
+  // Bob is served: the server as a whole still has room.
   const absl::StatusOr<v1::ModelInfo> served = bob.GetModel(Get("b"));
   EXPECT_TRUE(served.ok()) << served.status();
-  int refused = 0;
+  // A shutdown answers each held request once, as not run and retryable.
+  absl::StatusOr<int> exit_code = server->Stop(absl::Seconds(60));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << server->ReadLog();
   for (auto& call : waiting) {
     const absl::Status status = call.get();
-    EXPECT_TRUE(absl::IsResourceExhausted(status) || absl::IsAborted(status))
-        << status;
-    refused += absl::IsResourceExhausted(status);
+    EXPECT_TRUE(absl::IsUnavailable(status)) << status;
+    EXPECT_TRUE(IsRetryable(status)) << status;
   }
-  EXPECT_EQ(refused, 3);
+}
+
+// Tenants on an address others can reach need /metrics protected: its
+// series name every tenant's models. The server refuses to start otherwise,
+// naming the flag.
+TEST_F(AccessE2eTest, TenantsOffLoopbackNeedMetricsCredentials) {
+  if (std::system("command -v openssl > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl is not installed; it makes the test certificates";
+  }
+  MakeCertificates();
+  std::ofstream(dir_ + "/tokens") << kAliceToken << " alice\n";
+  const std::vector<std::string> tenants = {"--host",
+                                            "0.0.0.0",
+                                            "--tls-cert",
+                                            dir_ + "/server.pem",
+                                            "--tls-key",
+                                            dir_ + "/server.key",
+                                            "--auth-tokens-file",
+                                            dir_ + "/tokens",
+                                            "--checkpoint-root",
+                                            dir_ + "/root"};
+  absl::StatusOr<std::unique_ptr<ServerProcess>> refused =
+      ServerProcess::Start(ServerBinaryFromEnv(), tenants);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("needs --metrics-auth-file"),
+            std::string::npos)
+      << refused.status();
+  std::ofstream(dir_ + "/half") << "user-without-password\n";
+  std::vector<std::string> malformed = tenants;
+  malformed.insert(malformed.end(), {"--metrics-auth-file", dir_ + "/half"});
+  refused = ServerProcess::Start(ServerBinaryFromEnv(), malformed);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("'<user>:<password>'"),
+            std::string::npos)
+      << refused.status();
 }
 
 TEST_F(AccessE2eTest, PlaintextOnlyOnLoopbackUnlessAllowed) {

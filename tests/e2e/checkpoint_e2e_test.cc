@@ -433,6 +433,65 @@ TEST_F(CheckpointE2eTest, ResumeDoesNotResurrectADeletedModel) {
   EXPECT_EQ(Info(*client, "gone").status().code(), absl::StatusCode::kNotFound);
 }
 
+// One model whose checkpoint cannot be restored (here its step directory
+// lost tally.json and its checksums: FAILED_PRECONDITION, not a damaged
+// file) no longer stops
+// the server from starting: the other model resumes, ListModels reports the
+// failed one with why, GetModel's NOT_FOUND says so, and creating the id
+// again clears the report. Before, the whole server refused to start.
+TEST_F(CheckpointE2eTest, AModelThatCannotResumeDoesNotStopTheOthers) {
+  const std::vector<std::string> periodic = {
+      "--checkpoint-dir", dir_ + "/periodic", "--checkpoint-every-steps", "1"};
+  ServerProcess* first = StartServerOrFail(periodic, killed_);
+  ASSERT_NE(first, nullptr);
+  {
+    std::unique_ptr<TrainerClient> client = ClientOf(*first);
+    for (const char* id : {"broken", "kept"}) {
+      ASSERT_TRUE(client->CreateModel(TinyModel(id, kDtypes[0])).ok());
+      Train(*client, id, 1, 2);
+    }
+  }
+  // A plain HF directory now, not a tally checkpoint: refused, not damaged.
+  const std::string step = dir_ + "/periodic/broken/step-000000000002";
+  ASSERT_TRUE(fs::remove(step + "/tally.json"));
+  ASSERT_TRUE(fs::remove(step + "/checksums.sha256"));
+  ServerProcess* second = KillAndResume(*first, periodic);
+  ASSERT_NE(second, nullptr) << "one model's failure stopped the server";
+  std::unique_ptr<TrainerClient> client = ClientOf(*second);
+  const absl::StatusOr<v1::ModelInfo> kept = Info(*client, "kept");
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->step(), 2);
+
+  const absl::Status broken = Info(*client, "broken").status();
+  EXPECT_EQ(broken.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(broken.message().find("could not restore it from "
+                                  "step-000000000002"),
+            absl::string_view::npos)
+      << broken;
+  const absl::StatusOr<v1::ListModelsResponse> listed =
+      client->ListModels(v1::ListModelsRequest());
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->models_size(), 1);
+  EXPECT_EQ(listed->models(0).model_id(), "kept");
+  ASSERT_EQ(listed->unresumed_size(), 1);
+  EXPECT_EQ(listed->unresumed(0).model_id(), "broken");
+  EXPECT_EQ(listed->unresumed(0).checkpoint(), "step-000000000002");
+  EXPECT_NE(listed->unresumed(0).error().find("FAILED_PRECONDITION"),
+            std::string::npos)
+      << listed->unresumed(0).error();
+  EXPECT_NE(second->ReadLog().find("model 'broken' not resumed"),
+            std::string::npos);
+
+  ASSERT_TRUE(client->CreateModel(TinyModel("broken", kDtypes[0])).ok());
+  const absl::StatusOr<v1::ListModelsResponse> after =
+      client->ListModels(v1::ListModelsRequest());
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->models_size(), 2);
+  EXPECT_EQ(after->unresumed_size(), 0);
+  client.reset();  // an idle connection would hold the shutdown
+  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
 // A LoadCheckpoint that sets a model back (step 3 to step 1) starts a new
 // branch: its periodic checkpoints of later steps are set aside, so the new
 // branch's saves are not pruned in their favour and --resume continues the

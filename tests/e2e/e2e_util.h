@@ -31,6 +31,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/grpc_status.h"
 #include "client/trainer_client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -164,13 +165,15 @@ CheckHealth(const std::string& target,
   grpc::health::v1::HealthCheckResponse response;
   grpc::Status status =
       stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
-  if (!status.ok()) return ToAbslStatus(status);
+  if (!status.ok()) return FromGrpcStatus(status);
   return response.status();
 }
 
 // The body of `GET path` from 127.0.0.1:port over HTTP/1.0 (the server
 // closes the connection after the response); an error unless it is a 200.
-inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
+// `headers`: extra "Name: value\r\n" lines.
+inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path,
+                                           const std::string& headers = "") {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return absl::ErrnoToStatus(errno, "socket");
   struct Closer {
@@ -188,8 +191,8 @@ inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
               sizeof address) != 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("connect 127.0.0.1:", port));
   }
-  const std::string request =
-      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+  const std::string request = absl::StrCat(
+      "GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n", headers, "\r\n");
   for (size_t sent = 0; sent < request.size();) {
     const ssize_t n =
         send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);

@@ -33,6 +33,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/error_reason.h"
+#include "base/grpc_status.h"
 #include "client/trainer_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -68,7 +70,7 @@ absl::StatusOr<Response> Send(grpc::Status (Stub::*method)(grpc::ClientContext*,
   context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
   Response response;
   const grpc::Status status = (stub.*method)(&context, request, &response);
-  if (!status.ok()) return ToAbslStatus(status);
+  if (!status.ok()) return FromGrpcStatus(status);
   return response;
 }
 
@@ -451,8 +453,11 @@ TEST_F(ReliabilityE2eTest, AResponseOverTheMessageLimitIsRefusedBeforeItRuns) {
   ASSERT_LT(call.ByteSizeLong(), 65536u);
   for (int attempt = 0; attempt < 2; ++attempt) {
     const auto refused = Send(&Stub::ForwardBackward, *stub, call);
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
         << refused.status();
+    // The reason tells every client that a retry cannot help.
+    EXPECT_EQ(ReasonOf(refused.status()), ErrorReason::kMessageTooLarge);
+    EXPECT_FALSE(IsRetryable(refused.status()));
     EXPECT_THAT(std::string(refused.status().message()),
                 HasSubstr("--max-message-bytes (65536)"));
     EXPECT_EQ(Info(*stub, "m").accumulated_calls(), 0) << attempt;
@@ -461,6 +466,18 @@ TEST_F(ReliabilityE2eTest, AResponseOverTheMessageLimitIsRefusedBeforeItRuns) {
   const auto ran = Send(&Stub::ForwardBackward, *stub, call);
   ASSERT_TRUE(ran.ok()) << ran.status();
   EXPECT_EQ(Info(*stub, "m").accumulated_calls(), 1);
+}
+
+// A model "huge" of 3.5e13 parameters, each matrix within the config's own
+// bounds: it fits no machine's --max-memory-bytes.
+v1::CreateModelRequest HugeModel() {
+  v1::CreateModelRequest huge;
+  huge.set_model_id("huge");
+  *huge.mutable_config() = testing::TinyModelConfig();
+  huge.mutable_config()->set_hidden_size(int64_t{1} << 15);
+  huge.mutable_config()->set_intermediate_size(int64_t{1} << 16);
+  huge.mutable_config()->set_num_hidden_layers(4096);
+  return huge;
 }
 
 // Memory admission: a CreateModel whose config would take more than
@@ -472,13 +489,7 @@ TEST_F(ReliabilityE2eTest, MemoryAdmissionRefusesWhatDoesNotFit) {
       {"--max-memory-bytes", "200000000", "--max-tokens-per-call", "4096"});
   ASSERT_NE(stub, nullptr);
   Create(*stub, "m");
-  v1::CreateModelRequest huge;
-  huge.set_model_id("huge");
-  *huge.mutable_config() = testing::TinyModelConfig();
-  // Each matrix within the config's own bounds; 3.5e13 parameters in all.
-  huge.mutable_config()->set_hidden_size(int64_t{1} << 15);
-  huge.mutable_config()->set_intermediate_size(int64_t{1} << 16);
-  huge.mutable_config()->set_num_hidden_layers(4096);
+  const v1::CreateModelRequest huge = HugeModel();
   const absl::Time sent = absl::Now();
   const auto refused = Send(&Stub::CreateModel, *stub, huge);
   EXPECT_LT(absl::Now() - sent, absl::Seconds(3));
@@ -677,6 +688,20 @@ TEST_F(ReliabilityE2eTest, HostileClientsLeaveTheModelWhereACleanRunDoes) {
              .status();
        },
        {absl::StatusCode::kNotFound}},
+      // Unsequenced, on the trained model: refused before it runs, it must
+      // leave "h" exactly where the clean run is.
+      {"response over the message limit",
+       [](Stub& s) {
+         v1::ForwardBackwardRequest call = Fb("h", 0, Samples(31, 150, 60));
+         call.set_return_logprobs(true);
+         return Send(&Stub::ForwardBackward, s, call).status();
+       },
+       {absl::StatusCode::kResourceExhausted}},
+      {"a model over the memory budget",
+       [](Stub& s) {
+         return Send(&Stub::CreateModel, s, HugeModel()).status();
+       },
+       {absl::StatusCode::kResourceExhausted}},
       // Each thread churns a model of its own: created, sent pipelined
       // sequenced calls and deleted while they wait behind each other, then
       // re-created. Calls of a deleted incarnation are answered once

@@ -31,10 +31,10 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/status.h"
 #include "client/trainer_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "runtime/status.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/server_process.h"
 

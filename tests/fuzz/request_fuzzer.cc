@@ -4,7 +4,7 @@
 // message; whatever parses must be validated without crashing, and what
 // validation accepts must satisfy the invariants the engine relies on.
 //
-//   build/tests/fuzz/request_fuzzer-build/request_fuzzer -runs=20000
+//   build/tests/fuzz/fuzzers-build/request_fuzzer -runs=20000
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

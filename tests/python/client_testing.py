@@ -42,15 +42,20 @@ def window(step, calls=3):
 
 
 class ClientServerTestCase(unittest.TestCase):
-    """A 2-rank tally-server (--dp-shard 2) shared by a class's tests, and
-    helpers to train models on it directly or through a FaultProxy."""
+    """A 2-rank tally-server (--dp-shard 2, 1 MiB messages) shared by a
+    class's tests, and helpers to train models on it directly or through a
+    FaultProxy."""
 
     @classmethod
     def setUpClass(cls):
         cls.temp = tempfile.mkdtemp(prefix="tally_client_")
         cls.server = TallyServer(os.path.join(cls.temp, "server"),
                                  extra_args=["--nproc-per-node", "2",
-                                             "--dp-shard", "2"])
+                                             "--dp-shard", "2",
+                                             # Small enough for a test to
+                                             # exceed with one call.
+                                             "--max-message-bytes",
+                                             str(1 << 20)])
         cls.target = f"localhost:{cls.server.grpc_port}"
 
     @classmethod

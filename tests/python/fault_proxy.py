@@ -77,6 +77,11 @@ class FaultProxy(grpc.GenericRpcHandler):
                 response = forward(request, timeout=context.time_remaining(),
                                    metadata=metadata)
             except grpc.RpcError as error:
+                # The server's rich error details (its ErrorInfo reason) go
+                # back to the client unchanged.
+                context.set_trailing_metadata(
+                    [(k, v) for k, v in error.trailing_metadata() or ()
+                     if k == "grpc-status-details-bin"])
                 context.abort(error.code(), error.details())
             if fault == "drop_response":
                 context.abort(grpc.StatusCode.UNAVAILABLE,

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from client_testing import FB, STEP, VOCAB, ClientServerTestCase, window
-from tally_client import TallyError, WindowAbortedError, sample, samples_from_batch
+from tally_client import (PendingWindowError, TallyError, WindowAbortedError,
+                          sample, samples_from_batch)
 
 
 class TrainingClientTest(ClientServerTestCase):
@@ -102,6 +103,41 @@ class TrainingClientTest(ClientServerTestCase):
         self.assertEqual(loaded.model.step, 1)
         # From the checkpoint, the same data gives the same second step.
         self.assertSameTraining(self.train_through(client, 2), after_save)
+
+    def test_a_message_too_large_is_final_and_names_its_reason(self):
+        # The server refuses a call whose response could exceed its
+        # --max-message-bytes before running it; the reason says a retry
+        # cannot help, so the client sends it once.
+        proxy = self.proxy()
+        client = self.new_model("too-large", target=proxy.target)
+        many = [sample([1, 2], [2, 3]) for _ in range(40000)]
+        with self.assertRaises(TallyError) as raised:
+            client.forward_backward(many).result()
+        self.assertEqual(raised.exception.code.name, "RESOURCE_EXHAUSTED")
+        self.assertEqual(raised.exception.reason, "MESSAGE_TOO_LARGE")
+        self.assertEqual(proxy.received[FB], 1, "a too-large call was retried")
+        self.assertEqual(client.get_model().accumulated_calls, 0)
+
+    def test_a_pending_window_it_did_not_send_needs_an_explicit_choice(self):
+        first = self.new_model("shared")
+        for batch in window(0)[:2]:
+            first.forward_backward([sample(x, y) for x, y in batch]).result()
+        second = self.client("shared")
+        self.assertEqual(second.pending_window()[0], 2)
+        with self.assertRaisesRegex(PendingWindowError, "pending_window="):
+            second.forward_backward([sample([1, 2], [2, 3])])
+        self.assertEqual(second.get_model().accumulated_calls, 2,
+                         "a refused attach changed the window")
+        adding = self.client("shared", pending_window="continue")
+        adding.forward_backward([sample([1, 2], [2, 3])]).result()
+        self.assertEqual(adding.get_model().accumulated_calls, 3)
+        fresh = self.client("shared", pending_window="abort")
+        fresh.forward_backward([sample([1, 2], [2, 3])]).result()
+        self.assertEqual(fresh.get_model().accumulated_calls, 1)
+        # A client of a model without a pending window attaches as before.
+        idle = self.new_model("idle")
+        self.assertEqual(idle.pending_window(), (0, 0, 0))
+        idle.forward_backward([sample([1, 2], [2, 3])]).result()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace tally {
 namespace {

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "base/error_reason.h"
 #include "server/executor.h"
 #include "server/request_budget.h"
 #include "tally/v1/trainer.pb.h"
@@ -530,7 +531,11 @@ TEST_F(SequencerTest, StopAnswersWaitingAndLaterRequests) {
 
 TEST_F(SequencerTest, StateRoundTripsAndResumesExactlyOnce) {
   Submit(recorder_.Request(1, 11, "1"));
-  Submit(recorder_.Request(2, 22, "2", absl::FailedPreconditionError("no")));
+  // An outcome's ErrorReason is part of it: the replay after a restart
+  // carries it too.
+  const absl::Status refused = WithReason(absl::FailedPreconditionError("no"),
+                                          ErrorReason::kModelDamaged);
+  Submit(recorder_.Request(2, 22, "2", refused));
   Submit(recorder_.Request(3, 33, "3"));
   dispatch_.RunAll();
   const SequencerState exported = sequencer_->ExportState(kModel).value();
@@ -547,6 +552,7 @@ TEST_F(SequencerTest, StateRoundTripsAndResumesExactlyOnce) {
               exported.outcomes[i].fingerprint);
     EXPECT_EQ(parsed->outcomes[i].code, exported.outcomes[i].code);
     EXPECT_EQ(parsed->outcomes[i].message, exported.outcomes[i].message);
+    EXPECT_EQ(parsed->outcomes[i].reason, exported.outcomes[i].reason);
     EXPECT_EQ(parsed->outcomes[i].response, exported.outcomes[i].response);
   }
 
@@ -559,8 +565,10 @@ TEST_F(SequencerTest, StateRoundTripsAndResumesExactlyOnce) {
   Submit(recorder_.Request(4, 44, "4"));
   dispatch_.RunAll();
   EXPECT_EQ(recorder_.reply("3 after restart").response, "response 3");
-  EXPECT_EQ(recorder_.reply("2 after restart").status,
-            absl::FailedPreconditionError("no"));
+  EXPECT_EQ(exported.outcomes[1].reason, "MODEL_DAMAGED");
+  EXPECT_EQ(recorder_.reply("2 after restart").status, refused);
+  EXPECT_EQ(ReasonOf(recorder_.reply("2 after restart").status),
+            ErrorReason::kModelDamaged);
   EXPECT_EQ(recorder_.reply("4").response, "response 4");
   EXPECT_THAT(recorder_.executed(), ElementsAre(1, 2, 3, 4));
 }
@@ -583,7 +591,7 @@ TEST_F(SequencerTest, DamagedOrInconsistentStateIsRefused) {
 
   SequencerState inconsistent;
   inconsistent.next_seq_id = 2;
-  inconsistent.outcomes.push_back({5, 1, absl::StatusCode::kOk, "", ""});
+  inconsistent.outcomes.push_back({5, 1, absl::StatusCode::kOk, "", "", ""});
   EXPECT_EQ(sequencer_->ImportState(kModel, inconsistent).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SequencerState::Parse(inconsistent.Serialize()).status().code(),

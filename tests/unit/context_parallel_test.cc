@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <set>
 
+#include "base/status.h"
 #include "runtime/accumulation.h"
 #include "runtime/distributed.h"
-#include "runtime/status.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "runtime/status.h"
+#include "base/status.h"
 #include "tests/testing/multirank.h"
 
 namespace tally {

@@ -13,10 +13,10 @@
 #include <utility>
 #include <vector>
 
+#include "base/status.h"
 #include "runtime/communicator.h"
 #include "runtime/distributed.h"
 #include "runtime/mesh.h"
-#include "runtime/status.h"
 #include "tests/testing/multirank.h"
 
 namespace tally {

@@ -16,11 +16,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "runtime/accumulation.h"
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
 #include "runtime/grad_norm.h"
-#include "runtime/status.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 

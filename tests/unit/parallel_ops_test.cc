@@ -18,8 +18,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <vector>
 
+#include "base/status.h"
 #include "runtime/communicator.h"
-#include "runtime/status.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {

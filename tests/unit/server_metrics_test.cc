@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/status.h"
 #include "gtest/gtest.h"
-#include "runtime/status.h"
 #include "server/metrics.h"
 #include "tests/testing/test_util.h"
 

@@ -1,6 +1,6 @@
 // TrainerClient's retries against a fake server that fails on command: which
-// calls are retried, that a retry resends the same seq_id, and that ABORTED
-// tells the caller to abort the window.
+// calls are retried (by ErrorReason), that a retry resends the same seq_id,
+// and that ABORTED tells the caller to abort the window.
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "base/error_reason.h"
+#include "base/grpc_status.h"
 #include "client/trainer_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -24,10 +26,11 @@ using ::testing::HasSubstr;
 // succeeds; records the seq_id of every call it receives.
 class FlakyTrainer : public v1::Trainer::Service {
  public:
-  void FailNext(int failures, grpc::StatusCode code) {
+  // `failure` as the server sends it, ErrorReason included.
+  void FailNext(int failures, absl::Status failure) {
     absl::MutexLock lock(&mu_);
     failures_ = failures;
-    code_ = code;
+    failure_ = ToGrpcStatus(failure);
   }
 
   std::vector<uint64_t> seq_ids() {
@@ -60,12 +63,12 @@ class FlakyTrainer : public v1::Trainer::Service {
     seq_ids_.push_back(seq_id);
     if (failures_ == 0) return grpc::Status::OK;
     --failures_;
-    return grpc::Status(code_, "injected failure");
+    return failure_;
   }
 
   absl::Mutex mu_;
   int failures_ ABSL_GUARDED_BY(mu_) = 0;
-  grpc::StatusCode code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
+  grpc::Status failure_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> seq_ids_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -105,11 +108,15 @@ class TrainerClientRetryTest : public ::testing::Test {
 };
 
 TEST_F(TrainerClientRetryTest, RetriesTransientFailuresWithTheSameSeqId) {
-  for (grpc::StatusCode code :
-       {grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::DEADLINE_EXCEEDED,
-        grpc::StatusCode::RESOURCE_EXHAUSTED}) {
-    SCOPED_TRACE(code);
-    trainer_.FailNext(2, code);
+  for (const absl::Status& failure :
+       {absl::UnavailableError("injected"),
+        absl::DeadlineExceededError("injected"),
+        WithReason(absl::ResourceExhaustedError("injected"),
+                   ErrorReason::kQueueFull),
+        WithReason(absl::UnavailableError("injected"),
+                   ErrorReason::kShuttingDown)}) {
+    SCOPED_TRACE(failure.ToString());
+    trainer_.FailNext(2, failure);
     const size_t before = trainer_.seq_ids().size();
     auto response = Client(5).ForwardBackward(Sequenced(41));
     ASSERT_TRUE(response.ok()) << response.status();
@@ -120,35 +127,57 @@ TEST_F(TrainerClientRetryTest, RetriesTransientFailuresWithTheSameSeqId) {
   }
 }
 
+// RESOURCE_EXHAUSTED is retried only as QUEUE_FULL: a message too large
+// (gRPC's own, without a reason, or the server's refusal of a response that
+// would not fit) or a memory limit fails the same way every time.
+TEST_F(TrainerClientRetryTest, NeverRetriesWhatCannotFit) {
+  for (const absl::Status& failure :
+       {absl::ResourceExhaustedError("injected"),
+        WithReason(absl::ResourceExhaustedError("injected"),
+                   ErrorReason::kMessageTooLarge),
+        WithReason(absl::ResourceExhaustedError("injected"),
+                   ErrorReason::kMemoryLimit)}) {
+    SCOPED_TRACE(failure.ToString());
+    trainer_.FailNext(1, failure);
+    const size_t before = trainer_.seq_ids().size();
+    const absl::Status status =
+        Client(5).ForwardBackward(Sequenced(8)).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(ReasonOf(status), ReasonOf(failure));
+    EXPECT_EQ(trainer_.seq_ids().size(), before + 1);
+  }
+}
+
 TEST_F(TrainerClientRetryTest, GivesUpAfterMaxAttempts) {
-  trainer_.FailNext(100, grpc::StatusCode::UNAVAILABLE);
+  trainer_.FailNext(100, absl::UnavailableError("injected"));
   auto response = Client(3).ForwardBackward(Sequenced(5));
   EXPECT_EQ(response.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(trainer_.seq_ids(), ElementsAre(5, 5, 5));
 }
 
 TEST_F(TrainerClientRetryTest, NeverRetriesAnUnsequencedMutation) {
-  trainer_.FailNext(1, grpc::StatusCode::UNAVAILABLE);
+  trainer_.FailNext(1, absl::UnavailableError("injected"));
   auto response = Client(5).ForwardBackward(Sequenced(0));
   EXPECT_EQ(response.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(trainer_.seq_ids().size(), 1u);
 }
 
 TEST_F(TrainerClientRetryTest, RetriesReadOnlyCalls) {
-  trainer_.FailNext(2, grpc::StatusCode::UNAVAILABLE);
+  trainer_.FailNext(2, absl::UnavailableError("injected"));
   EXPECT_TRUE(Client(5).ListModels(v1::ListModelsRequest()).ok());
   EXPECT_EQ(trainer_.seq_ids().size(), 3u);
 }
 
 TEST_F(TrainerClientRetryTest, DoesNotRetryPermanentErrors) {
-  trainer_.FailNext(1, grpc::StatusCode::INVALID_ARGUMENT);
+  trainer_.FailNext(1, absl::InvalidArgumentError("injected"));
   EXPECT_EQ(Client(5).ForwardBackward(Sequenced(3)).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(trainer_.seq_ids().size(), 1u);
 }
 
 TEST_F(TrainerClientRetryTest, AbortedTellsTheCallerToAbortTheWindow) {
-  trainer_.FailNext(1, grpc::StatusCode::ABORTED);
+  trainer_.FailNext(1, WithReason(absl::AbortedError("injected"),
+                                  ErrorReason::kWindowPoisoned));
   v1::OptimStepRequest request;
   request.set_model_id("m");
   request.set_seq_id(9);
@@ -156,6 +185,7 @@ TEST_F(TrainerClientRetryTest, AbortedTellsTheCallerToAbortTheWindow) {
   EXPECT_EQ(response.status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(std::string(response.status().message()),
               HasSubstr("call AbortAccumulation"));
+  EXPECT_EQ(ReasonOf(response.status()), ErrorReason::kWindowPoisoned);
   EXPECT_THAT(trainer_.seq_ids(), ElementsAre(9));
 }
 

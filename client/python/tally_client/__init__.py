@@ -7,11 +7,15 @@
     print(fb.result().loss_mean, step.result().grad_norm)
 """
 
-from tally_client.client import (TRANSIENT_CODES, RetryPolicy, TallyError,
+from tally_client.client import (PendingWindowError, RetryPolicy, TallyError,
                                  Tls, TrainingClient, WindowAbortedError,
                                  make_channel, wait_for_serving)
+from tally_client.errors import (RETRYABLE_REASONS, TRANSIENT_CODES,
+                                 error_details, is_retryable)
 from tally_client.samples import sample, samples_from_batch, to_samples
 
-__all__ = ["TRANSIENT_CODES", "RetryPolicy", "TallyError", "Tls",
-           "TrainingClient", "WindowAbortedError", "make_channel", "sample",
+__all__ = ["PendingWindowError", "RETRYABLE_REASONS", "TRANSIENT_CODES",
+           "RetryPolicy",
+           "TallyError", "Tls", "TrainingClient", "WindowAbortedError",
+           "error_details", "is_retryable", "make_channel", "sample",
            "samples_from_batch", "to_samples", "wait_for_serving"]

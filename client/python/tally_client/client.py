@@ -2,10 +2,13 @@
 
 Every mutating call gets the next seq_id of the model at the moment it is
 made, and returns a concurrent.futures.Future at once, so ForwardBackward
-calls can be pipelined. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED,
-RESOURCE_EXHAUSTED) are retried with exponential backoff, resending the SAME
-request and seq_id: the server executes a sequenced request once and answers a
-repeat with the cached result, so a retry is never applied twice.
+calls can be pipelined. Failures a retry can fix (the reasons QUEUE_FULL,
+SHUTTING_DOWN, RANK_FAILED, or UNAVAILABLE / DEADLINE_EXCEEDED without a
+reason; see tally_client.errors) are retried with exponential backoff, at
+least the server's RetryInfo delay apart, resending the SAME request and
+seq_id: the server executes a sequenced request once and answers a repeat with
+the cached result, so a retry is never applied twice. A message too large or
+a memory limit is never retried.
 
 Window-closing calls (optim_step, abort_window, save, load) are sent once the
 calls before them have finished, so that no step can overtake the
@@ -35,11 +38,9 @@ import grpc
 from tally.v1 import trainer_pb2 as pb
 from tally.v1 import trainer_pb2_grpc as pb_grpc
 
+from tally_client.errors import error_details, is_retryable
 from tally_client.samples import to_samples
 
-TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
-                             grpc.StatusCode.DEADLINE_EXCEEDED,
-                             grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 # The API revision with exactly-once sequencing (ordered by seq_id, retries
 # answered from a cache) reports where a client resumes.
@@ -53,24 +54,35 @@ _REDUCTIONS = {
 
 
 class TallyError(Exception):
-    """A call failed for good; `code` is its grpc.StatusCode."""
+    """A call failed for good; `code` is its grpc.StatusCode, `reason` the
+    server's ErrorInfo reason (None when it sent none)."""
 
-    def __init__(self, method, code, details):
-        super().__init__(f"{method}: {code.name}: {details}")
+    def __init__(self, method, code, details, reason=None):
+        suffix = f" [{reason}]" if reason else ""
+        super().__init__(f"{method}: {code.name}: {details}{suffix}")
         self.method = method
         self.code = code
         self.details = details
+        self.reason = reason
 
 
 class WindowAbortedError(TallyError):
     """The accumulation window cannot be stepped: call abort_window() and
     redo its forward_backward calls."""
 
-    def __init__(self, method, code, details):
+    def __init__(self, method, code, details, reason=None):
         super().__init__(
             method, code,
             f"{details} -- the accumulation window is poisoned or incomplete: "
-            f"call abort_window() and redo the window's forward_backward calls")
+            f"call abort_window() and redo the window's forward_backward calls",
+            reason)
+
+
+class PendingWindowError(TallyError):
+    """The model has a pending window this client did not send (another
+    client's, or one restored from a checkpoint). Choose explicitly:
+    TrainingClient(..., pending_window="abort") discards it, "continue" adds
+    this client's calls to it; pending_window() shows it."""
 
 
 class RetryPolicy:
@@ -133,20 +145,32 @@ class TrainingClient:
     """A model's training calls. Thread-safe; results come as futures."""
 
     def __init__(self, target, model_id, token=None, tls=None, *,
-                 timeout=600.0, retry=None, channel=None, first_seq_id=None):
+                 timeout=600.0, retry=None, channel=None, first_seq_id=None,
+                 pending_window="refuse"):
         """`token`: sent as "authorization: Bearer <token>". `timeout`: seconds
         per attempt. `channel`: use this channel instead of opening one.
         `first_seq_id`: the seq_id of the first mutating call (default: the
-        model's next_seq_id when the server reports one, else 1)."""
+        model's next_seq_id when the server reports one, else 1).
+        `pending_window`: what the first mutating call does when the model
+        already has a pending window that this client did not send (calls
+        accumulated by another client, or restored by --resume): "refuse"
+        raises PendingWindowError (nothing is sent), "abort" discards it
+        (AbortAccumulation first), "continue" adds to it."""
+        if pending_window not in ("refuse", "abort", "continue"):
+            raise ValueError("pending_window must be 'refuse', 'abort' or "
+                             f"'continue', not {pending_window!r}")
+        self._on_pending_window = pending_window
         self.model_id = model_id
         self._channel = channel or make_channel(target, tls)
         self._owns_channel = channel is None
         self._stub = pb_grpc.TrainerStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = _bearer(token)
         self._timeout = timeout
         self._retry = retry or RetryPolicy()
         self._lock = threading.Lock()
         self._next_seq_id = first_seq_id
+        # Set once the first mutating call took its seq_id.
+        self._attached = first_seq_id is not None
         # Set when a sequenced call ended ABORTED: the server may or may not
         # have used its seq_id (an OptimStep on a poisoned window did; a
         # request aborted by a gap did not), so the next seq_id comes from
@@ -246,18 +270,29 @@ class TrainingClient:
 
     # ---- internals ---------------------------------------------------------
 
+    def pending_window(self):
+        """(calls, tokens, samples) accumulated on the server for this
+        model and not yet stepped, whoever sent them."""
+        info = self.get_model()
+        return (info.accumulated_calls, info.accumulated_tokens,
+                info.accumulated_samples)
+
     def _take_seq_id(self):
         """The next seq_id; the caller holds self._lock."""
         if self._resync_seq_id:
             self._resync_seq_id = False
             self._next_seq_id = None
         if self._next_seq_id is None:
-            self._next_seq_id = self._server_next_seq_id()
+            attaching = not self._attached
+            self._next_seq_id = self._server_next_seq_id(attaching)
+        self._attached = True
         seq_id = self._next_seq_id
         self._next_seq_id += 1
         return seq_id
 
-    def _server_next_seq_id(self):
+    def _server_next_seq_id(self, attaching):
+        """The server's next_seq_id; when `attaching` (this client's first
+        mutating call), first settles a pending window it did not send."""
         try:
             info = self._call("GetModel",
                               pb.GetModelRequest(model_id=self.model_id),
@@ -267,7 +302,23 @@ class TrainingClient:
                 return 1
             raise
         # Servers without exactly-once sequencing do not report it.
-        return max(1, getattr(info, "next_seq_id", 0))
+        next_seq_id = max(1, getattr(info, "next_seq_id", 0))
+        if not attaching or info.accumulated_calls == 0:
+            return next_seq_id
+        if self._on_pending_window == "refuse":
+            raise PendingWindowError(
+                "attach", grpc.StatusCode.FAILED_PRECONDITION,
+                f"model '{self.model_id}' has a pending window this client "
+                f"did not send ({info.accumulated_calls} calls, "
+                f"{info.accumulated_tokens} tokens): pass "
+                f"pending_window='abort' to discard it or 'continue' to add "
+                f"to it")
+        if self._on_pending_window == "abort":
+            self._call("AbortAccumulation", pb.AbortAccumulationRequest(
+                model_id=self.model_id, seq_id=next_seq_id),
+                retryable=True).result()
+            return next_seq_id + 1
+        return next_seq_id
 
     def _close_window(self, method, request):
         """Sends `request` once every call in flight has finished. An
@@ -314,10 +365,12 @@ class TrainingClient:
                     return
                 except grpc.RpcError as error:
                     code, details = error.code(), error.details()
-                if (retryable and code in TRANSIENT_CODES
+                    reason, delay = error_details(error)
+                if (retryable and is_retryable(code, reason)
                         and number < self._retry.max_attempts):
-                    timer = threading.Timer(self._retry.backoff(number),
-                                            attempt, args=(number + 1,))
+                    timer = threading.Timer(
+                        max(self._retry.backoff(number), delay or 0.0),
+                        attempt, args=(number + 1,))
                     timer.daemon = True
                     timer.start()
                     return
@@ -326,7 +379,7 @@ class TrainingClient:
                     self._resync_seq_id = True
                 error_type = (WindowAbortedError
                               if code == grpc.StatusCode.ABORTED else TallyError)
-                result.set_exception(error_type(method, code, details))
+                result.set_exception(error_type(method, code, details, reason))
 
             call.add_done_callback(done)
 
@@ -362,8 +415,15 @@ def _when_all_done(futures, callback):
     one_done(None)
 
 
-def wait_for_serving(target, timeout=60.0, tls=None):
-    """Polls grpc.health.v1 until the server at `target` is SERVING."""
+def _bearer(token):
+    """The call metadata that carries `token` (none for no token)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def wait_for_serving(target, timeout=60.0, tls=None, token=None):
+    """Polls grpc.health.v1 until the server at `target` is SERVING. A TLS
+    server with bearer tokens checks them on every call, health checks
+    included: pass `token` there."""
     # grpc_health is not a Debian package: the health service is called by
     # its method path, with the request and response parsed by hand (an
     # empty request; the response's field 1 is the status enum).
@@ -371,12 +431,13 @@ def wait_for_serving(target, timeout=60.0, tls=None):
     check = channel.unary_unary("/grpc.health.v1.Health/Check",
                                 request_serializer=lambda _: b"",
                                 response_deserializer=lambda b: b)
+    metadata = _bearer(token)
     deadline = time.monotonic() + timeout
     last = None
     try:
         while time.monotonic() < deadline:
             try:
-                answer = check(None, timeout=2)
+                answer = check(None, timeout=2, metadata=metadata)
                 if answer == b"\x08\x01":  # status: SERVING
                     return
                 last = f"health answer {answer!r}"

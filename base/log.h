@@ -1,9 +1,9 @@
-// Minimal leveled logging to stderr, shared by the runtime and the server.
+// Minimal leveled logging to stderr, shared by every tally library.
 //
 //   tally::SetLogLevel(tally::LogLevel::kDebug);
 //   tally::Log(tally::LogLevel::kInfo, absl::StrCat("listening on ", port));
-#ifndef TALLY_RUNTIME_LOG_H_
-#define TALLY_RUNTIME_LOG_H_
+#ifndef TALLY_BASE_LOG_H_
+#define TALLY_BASE_LOG_H_
 
 #include <string>
 
@@ -23,4 +23,4 @@ void Log(LogLevel level, absl::string_view message);
 
 }  // namespace tally
 
-#endif  // TALLY_RUNTIME_LOG_H_
+#endif  // TALLY_BASE_LOG_H_

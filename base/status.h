@@ -1,4 +1,4 @@
-// Status plumbing shared by every tally library.
+// Status plumbing shared by every tally library and client.
 //
 // Abseil 20220623 has no RETURN_IF_ERROR / ASSIGN_OR_RETURN, so tally defines
 // its own, and a boundary helper that turns LibTorch / c10d exceptions into an
@@ -11,8 +11,8 @@
 //     TALLY_RETURN_IF_ERROR(Check(t));
 //     return tally::CatchTorch("matmul", [&] { t.matmul(t); });
 //   }
-#ifndef TALLY_RUNTIME_STATUS_H_
-#define TALLY_RUNTIME_STATUS_H_
+#ifndef TALLY_BASE_STATUS_H_
+#define TALLY_BASE_STATUS_H_
 
 #include <exception>
 #include <string>
@@ -70,4 +70,4 @@ auto CatchTorch(const char* what, Fn&& fn)
 
 }  // namespace tally
 
-#endif  // TALLY_RUNTIME_STATUS_H_
+#endif  // TALLY_BASE_STATUS_H_
