@@ -3,6 +3,8 @@
 # PREFIX to /):
 #   PREFIX/usr/local/bin/tally-server, tallyctl
 #   PREFIX/usr/local/share/tally/python/   the Python client + its stubs
+#   PREFIX/usr/local/share/tally/pride_and_prejudice.txt, linked from
+#       tallyctl's compiled-in default --text path
 #   PREFIX/usr/local/share/tally/runtime-packages.txt
 #       the Debian packages that provide every shared library the binaries
 #       load (ldd + dpkg -S), which the runtime stage apt-installs;
@@ -27,9 +29,19 @@ mkdir -p "$bin_dir" "$share_dir/python"
 
 install -m 0755 "$build_dir/server/tally-server" "$bin_dir/tally-server"
 install -m 0755 "$build_dir/client/tallyctl" "$bin_dir/tallyctl"
-# tallyctl's default corpus path is compiled in; ship the file at a fixed
-# place so `tallyctl train --text` can point at it.
+# The bundled corpus, at a fixed place for `tallyctl train --text`.
 install -m 0644 "$source_dir/data/pride_and_prejudice.txt" "$share_dir/"
+# tallyctl's default --text is the source tree's path, compiled in (the
+# build stage's /src/data/...): a relative link there makes `tallyctl train`
+# work in the image without --text.
+default_text=$("$bin_dir/tallyctl" train --help |
+  sed -n 's/^ *--text STR .*(default: \(.*\))$/\1/p')
+if [ -z "$default_text" ]; then
+  echo "install-runtime: no default --text in 'tallyctl train --help'" >&2
+  exit 1
+fi
+mkdir -p "$prefix$(dirname "$default_text")"
+ln -sfr "$share_dir/pride_and_prejudice.txt" "$prefix$default_text"
 cp -r "$source_dir/client/python/tally_client" "$share_dir/python/"
 cp -r "$build_dir/python_stubs/tally" "$share_dir/python/"
 find "$share_dir/python" -name __pycache__ -prune -exec rm -rf {} +

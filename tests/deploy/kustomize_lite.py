@@ -2,8 +2,9 @@
 
 Uses `kubectl kustomize` when kubectl is installed; otherwise a small
 renderer of the kustomize features deploy/k8s uses (resources, components,
-JSON6902 patches with add/replace, configMapGenerator names, labels on the
-base's own objects), so CI machines without kubectl still check the manifests.
+JSON6902 patches with add/replace/remove, image tags, configMapGenerator
+names, labels on the base's own objects), so CI machines without kubectl
+still check the manifests.
 test_deploy_manifests.py compares the two where kubectl exists.
 
     objects = render("/src/deploy/k8s/overlays/lws")
@@ -58,11 +59,33 @@ def _render_lite(directory):
             obj["metadata"].setdefault("labels", {}).update(label_set["pairs"])
     for component in kustomization.get("components", []):
         component_dir = os.path.join(directory, component)
-        _apply_patches(_load(os.path.join(component_dir,
-                                          "kustomization.yaml"))[0],
-                       component_dir, objects)
-    _apply_patches(kustomization, directory, objects)
+        _apply_transformers(_load(os.path.join(component_dir,
+                                               "kustomization.yaml"))[0],
+                            component_dir, objects)
+    _apply_transformers(kustomization, directory, objects)
     return objects
+
+
+def _apply_transformers(kustomization, directory, objects):
+    _apply_patches(kustomization, directory, objects)
+    for image in kustomization.get("images", []):
+        for container in _containers(objects):
+            name, _, _ = container["image"].partition(":")
+            if name == image["name"]:
+                container["image"] = f"{image.get('newName', name)}:{image['newTag']}"
+
+
+def _containers(node):
+    """Every container and init container anywhere under `node`."""
+    if isinstance(node, list):
+        for item in node:
+            yield from _containers(item)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("containers", "initContainers"):
+                yield from value
+            else:
+                yield from _containers(value)
 
 
 def _apply_patches(kustomization, directory, objects):
@@ -74,19 +97,23 @@ def _apply_patches(kustomization, directory, objects):
         target = patch["target"]
         for obj in objects:
             if (obj["kind"] == target["kind"]
-                    and obj["metadata"]["name"] == target["name"]):
+                    and obj["metadata"]["name"] == target.get(
+                        "name", obj["metadata"]["name"])):
                 for operation in operations:
                     _apply_operation(obj, operation)
 
 
 def _apply_operation(obj, operation):
-    """One JSON6902 operation (add or replace) on `obj`, in place."""
+    """One JSON6902 operation (add, replace or remove) on `obj`, in place."""
     keys = [k.replace("~1", "/").replace("~0", "~")
             for k in operation["path"].split("/")[1:]]
     parent = obj
     for key in keys[:-1]:
         parent = parent[int(key)] if isinstance(parent, list) else parent[key]
     last = keys[-1]
+    if operation["op"] == "remove":
+        del parent[int(last) if isinstance(parent, list) else last]
+        return
     value = copy.deepcopy(operation["value"])
     if operation["op"] == "add" and isinstance(parent, list):
         if last == "-":

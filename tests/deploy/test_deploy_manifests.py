@@ -1,23 +1,30 @@
 """deploy/k8s agrees with the tally-server this tree builds.
 
-Renders every overlay (kubectl kustomize, or kustomize_lite without kubectl)
-and checks: yamllint passes; every flag the pods pass exists in
-`tally-server --help` and the server accepts the whole argument list; the
-named container ports match the port flags and the rendezvous port; probes
-call grpc.health.v1 on the `grpc` port; the Service reaches rank 0 only; the
-PodMonitor scrapes the `metrics` port of every rank; the environment gives
-each pod a distinct rank in [0, world size) with the world size equal to the
-mesh; the grace period covers the drain; the alert rules pass `promtool check
-rules` and `promtool test rules` (tests/deploy/alerts_test.yml); the Grafana
-dashboard only queries metrics docs/metrics.md documents.
-
-The TLS, auth and server-side checkpoint flags live in deploy/k8s/components;
-the overlay using them (lws-production) is validated the same way. The plain
-overlays listen on every interface in plaintext (--host=0.0.0.0
---allow-insecure-remote); lws-production serves TLS instead.
+Renders every overlay in deploy/k8s/overlays (kubectl kustomize, or
+kustomize_lite without kubectl) and checks: yamllint passes; every flag the
+pods pass exists in tally-server (its --help, or server/flags.cc before the
+build) and the server accepts the whole argument list; each flag appears once
+and exactly one transport is chosen (plaintext or TLS); the named container
+ports match the port flags and the rendezvous port; probes call
+grpc.health.v1 on the `grpc` port; no Service takes the name of the
+workload's headless Service (the LWS name, or a StatefulSet's serviceName);
+the client Service reaches rank 0 only; the PodMonitor scrapes the `metrics`
+port of every rank; each pod gets a distinct rank in [0, world size) with the
+world size equal to the mesh; every container meets Pod Security
+"restricted"; the shutdown budget follows docs/deploy.md's formula; the
+PodDisruptionBudget and the NetworkPolicies cover the pods; the checkpoint
+volume can be mounted by every rank; the periodic checkpoint directory lies
+outside the tenants' root; with --auth-tokens-file, /metrics takes HTTP Basic
+auth from a mounted Secret and the PodMonitor scrapes with that Secret's keys
+(and without it, the PodMonitor sends no credentials); the storage knob documented in docs/deploy.md
+renders; the alert rules pass `promtool check rules` and `promtool test
+rules` (tests/deploy/alerts_test.yml) and use metrics server/metrics.cc
+registers and docs/metrics.md quotes verbatim; the Grafana dashboard only
+queries metrics docs/metrics.md documents.
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -28,52 +35,52 @@ import unittest
 import yaml
 
 import kustomize_lite
+import server_flags
+from server_flags import SOURCE_DIR
 
-SOURCE_DIR = os.environ.get("TALLY_SOURCE_DIR") or os.path.abspath(
-    os.path.join(os.path.dirname(__file__), "..", ".."))
 K8S_DIR = os.path.join(SOURCE_DIR, "deploy", "k8s")
-PLAIN_OVERLAYS = ["lws", "statefulset"]
-PRODUCTION_OVERLAY = "lws-production"
+DEPLOY_DOC = os.path.join(SOURCE_DIR, "docs", "deploy.md")
+OVERLAYS = sorted(os.listdir(os.path.join(K8S_DIR, "overlays")))
+WORKLOAD_KINDS = ("LeaderWorkerSet", "StatefulSet")
 MESH_FLAGS = ["--pp", "--dp-replicate", "--dp-shard", "--cp", "--tp"]
-# Flags whose sum bounds how long a pod takes to stop after SIGTERM
-# (--exit-timeout-secs includes the drain; counting both is conservative).
-STOP_FLAGS = ["--shutdown-drain-secs", "--exit-timeout-secs"]
+TLS_AUTH_FLAGS = ["--tls-cert", "--tls-key", "--tls-client-ca",
+                  "--auth-tokens-file"]
+# docs/deploy.md, "Shutdown budget".
+SHUTDOWN_ANNOTATION = "tally/shutdown-"
+EXIT_SLACK_SECS = 10
+GRACE_SLACK_SECS = 10
+# A port Gloo or NCCL might listen on (the Linux ephemeral range).
+EPHEMERAL_PORT = ("", 45000)
 
 
-def server_binary():
-    path = os.environ.get("TALLY_SERVER")
-    if not path:
-        raise RuntimeError("TALLY_SERVER is not set; run through ctest")
-    return path
-
-
-def server_flags():
-    """Every --flag `tally-server --help` lists."""
-    out = subprocess.run([server_binary(), "--help"], check=True,
-                         capture_output=True, text=True).stdout
-    return set(re.findall(r"^\s+(--[a-z0-9-]+)", out, re.M))
-
-
-def parse_args(args):
-    """{--flag: value} of `--flag=value` / bare `--flag` arguments."""
-    parsed = {}
-    for arg in args:
-        name, _, value = arg.partition("=")
-        parsed[name] = value if value else "true"
-    return parsed
-
-
-def pod_spec(workload):
+def pod_template(workload):
     if workload["kind"] == "LeaderWorkerSet":
         return workload["spec"]["leaderWorkerTemplate"]["workerTemplate"]
     return workload["spec"]["template"]
 
 
 def workload_of(objects):
-    found = [o for o in objects if o["kind"] in ("LeaderWorkerSet",
-                                                  "StatefulSet")]
+    found = [o for o in objects if o["kind"] in WORKLOAD_KINDS]
     assert len(found) == 1, f"expected one workload, got {len(found)}"
     return found[0]
+
+
+def world_size(workload):
+    if workload["kind"] == "LeaderWorkerSet":
+        return workload["spec"]["leaderWorkerTemplate"]["size"]
+    return workload["spec"]["replicas"]
+
+
+def headless_service_name(workload):
+    """The Service whose DNS names the ranks rendezvous through: the LWS
+    controller creates one named like the LWS; a StatefulSet names its own."""
+    if workload["kind"] == "LeaderWorkerSet":
+        return workload["metadata"]["name"]
+    return workload["spec"]["serviceName"]
+
+
+def of_kind(objects, kind):
+    return [o for o in objects if o["kind"] == kind]
 
 
 def env_of(container):
@@ -94,9 +101,9 @@ def resolve_pod_env(env, pod_index, workload):
                 f"{name}: unexpected fieldRef {path}")
             values[name] = str(pod_index)
     if workload["kind"] == "LeaderWorkerSet":
-        size = workload["spec"]["leaderWorkerTemplate"]["size"]
-        values.update({"LWS_LEADER_ADDRESS": "tally-0.tally",
-                       "LWS_GROUP_SIZE": str(size),
+        name = workload["metadata"]["name"]
+        values.update({"LWS_LEADER_ADDRESS": f"{name}-0.{name}.default",
+                       "LWS_GROUP_SIZE": str(world_size(workload)),
                        "LWS_WORKER_INDEX": str(pod_index)})
     return values
 
@@ -111,19 +118,111 @@ def rank_and_world(flags, env):
     return int(env["LWS_WORKER_INDEX"]), int(env["LWS_GROUP_SIZE"])
 
 
+def required_exit_timeout(annotations, drain_secs):
+    """docs/deploy.md's formula: drain + the longest command + writing the
+    final checkpoint at the assumed bandwidth + slack."""
+    value = lambda key: int(annotations[SHUTDOWN_ANNOTATION + key])
+    checkpoint_secs = math.ceil(value("checkpoint-bytes")
+                                / value("write-bytes-per-second"))
+    return (drain_secs + value("longest-command-seconds") + checkpoint_secs
+            + EXIT_SLACK_SECS)
+
+
+def effective_security(pod_spec, container):
+    """The container's securityContext over the pod's (Kubernetes' rule)."""
+    merged = dict(pod_spec.get("securityContext", {}))
+    merged.update(container.get("securityContext", {}))
+    return merged
+
+
+def selects(selector, labels):
+    if set(selector) - {"matchLabels"}:
+        raise NotImplementedError(f"selector {selector}")
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def peer_admits(peers, source):
+    """Whether a NetworkPolicy rule's `from` list admits `source`, a dict of
+    the connecting pod's `labels`, `namespace_labels` and `same_namespace`.
+    ipBlock peers are taken to admit every pod (pod IPs may fall in them)."""
+    if not peers:
+        return True
+    for peer in peers:
+        if "ipBlock" in peer:
+            return True
+        if "namespaceSelector" in peer:
+            namespace_ok = selects(peer["namespaceSelector"],
+                                   source["namespace_labels"])
+        else:
+            namespace_ok = source["same_namespace"]
+        if namespace_ok and selects(peer.get("podSelector", {}),
+                                    source["labels"]):
+            return True
+    return False
+
+
+def port_admits(ports, port):
+    """`port` is (name, number); a rule's ports match by name or number."""
+    if not ports:
+        return True
+    name, number = port
+    for entry in ports:
+        if entry.get("protocol", "TCP") != "TCP":
+            continue
+        wanted = entry.get("port")
+        if wanted is None or wanted == name:
+            return True
+        if isinstance(wanted, int) and wanted <= number <= entry.get("endPort",
+                                                                     wanted):
+            return True
+    return False
+
+
+def network_admits(policies, pod_labels, port, source):
+    """NetworkPolicy ingress semantics for a pod labelled `pod_labels`."""
+    selecting = [p for p in policies
+                 if selects(p["spec"]["podSelector"], pod_labels)
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return True
+    return any(port_admits(rule.get("ports"), port)
+               and peer_admits(rule.get("from"), source)
+               for policy in selecting
+               for rule in policy["spec"].get("ingress", []))
+
+
+def kustomization_blocks(markdown):
+    """The ```yaml blocks of `markdown` that are kustomization.yaml files."""
+    return [yaml.safe_load(block) for block in
+            re.findall(r"```yaml\n(.*?)```", markdown, re.S)
+            if "kind: Kustomization" in block]
+
+
 class ManifestTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.help_flags = server_flags()
+        cls.flags = server_flags.load()
         cls.rendered = {name: kustomize_lite.render(
-            os.path.join(K8S_DIR, "overlays", name))
-            for name in PLAIN_OVERLAYS + [PRODUCTION_OVERLAY]}
+            os.path.join(K8S_DIR, "overlays", name)) for name in OVERLAYS}
+
+    def pod_spec(self, overlay):
+        return pod_template(workload_of(self.rendered[overlay]))["spec"]
 
     def container(self, overlay):
-        spec = pod_spec(workload_of(self.rendered[overlay]))["spec"]
-        self.assertEqual(len(spec["containers"]), 1)
-        return spec["containers"][0]
+        containers = self.pod_spec(overlay)["containers"]
+        self.assertEqual(len(containers), 1)
+        return containers[0]
+
+    def parsed_args(self, overlay):
+        return self.flags.parse(self.container(overlay)["args"])
+
+    def uses_tls(self, overlay):
+        return "--tls-cert" in self.parsed_args(overlay)
+
+    def test_every_overlay_is_checked(self):
+        self.assertGreaterEqual(set(OVERLAYS), {"lws", "statefulset",
+                                                "lws-production", "lws-cuda"})
 
     def test_yamllint(self):
         result = subprocess.run(
@@ -136,72 +235,91 @@ class ManifestTest(unittest.TestCase):
     def test_lite_renderer_matches_kubectl(self):
         if shutil.which("kubectl") is None:
             self.skipTest("kubectl not installed: only kustomize_lite renders")
-        for overlay in PLAIN_OVERLAYS + [PRODUCTION_OVERLAY]:
+        key = lambda o: (o["kind"], o["metadata"]["name"])
+        for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
                 directory = os.path.join(K8S_DIR, "overlays", overlay)
-                lite = kustomize_lite.render(directory, use_kubectl=False)
-                real = kustomize_lite.render(directory, use_kubectl=True)
-                key = lambda o: (o["kind"], o["metadata"]["name"])
-                self.assertEqual(sorted(map(key, lite)), sorted(map(key, real)))
-                for kind in ("LeaderWorkerSet", "StatefulSet", "Service"):
-                    for obj in real:
-                        if obj["kind"] == kind:
-                            self.assertEqual(
-                                kustomize_lite.find(lite, kind,
-                                                    obj["metadata"]["name"])["spec"],
-                                obj["spec"])
+                lite = sorted(kustomize_lite.render(directory, use_kubectl=False),
+                              key=key)
+                real = sorted(kustomize_lite.render(directory, use_kubectl=True),
+                              key=key)
+                self.assertEqual([key(o) for o in lite], [key(o) for o in real])
+                for lite_obj, real_obj in zip(lite, real):
+                    if real_obj["kind"] != "ConfigMap":  # lite skips data
+                        self.assertEqual(lite_obj, real_obj)
 
     def test_every_flag_exists_and_the_server_accepts_the_arguments(self):
-        for overlay in PLAIN_OVERLAYS:
+        binary = server_flags.server_binary()
+        for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
                 args = self.container(overlay)["args"]
-                unknown = set(parse_args(args)) - self.help_flags
-                self.assertFalse(unknown, f"flags not in tally-server --help: {unknown}")
+                self.flags.parse(args)  # raises on an unknown flag
+                if binary is None:
+                    continue
                 # Flag values are parsed even with --help: bad ones exit 2.
-                result = subprocess.run([server_binary()] + args + ["--help"],
+                result = subprocess.run([binary] + args + ["--help"],
                                         capture_output=True, text=True, check=False)
                 self.assertEqual(result.returncode, 0, result.stderr)
+        if binary is None:
+            self.skipTest("build/server/tally-server not built: flag names "
+                          "checked against server/flags.cc, values not parsed")
 
-    def test_production_overlay_flags(self):
-        args = self.container(PRODUCTION_OVERLAY)["args"]
-        unknown = set(parse_args(args)) - self.help_flags
-        self.assertFalse(unknown, f"flags not in tally-server --help: {unknown}")
-        result = subprocess.run([server_binary()] + args + ["--help"],
-                                capture_output=True, text=True, check=False)
-        self.assertEqual(result.returncode, 0, result.stderr)
-        # What TallyServer::Start refuses (--help does not get that far).
-        flags = parse_args(args)
-        for needs_dir in ("--resume", "--checkpoint-every-steps",
-                          "--checkpoint-on-exit"):
-            if needs_dir in flags:
-                self.assertIn("--checkpoint-dir", flags, needs_dir)
-        # Tenants' paths are confined, and the server's own checkpoints lie
-        # outside every tenant's reach.
-        if "--auth-tokens-file" in flags:
-            self.assertIn("--checkpoint-root", flags)
-        if "--checkpoint-root" in flags and "--checkpoint-dir" in flags:
-            root = flags["--checkpoint-root"].rstrip("/") + "/"
-            periodic = flags["--checkpoint-dir"].rstrip("/") + "/"
-            self.assertFalse(periodic.startswith(root) or root.startswith(periodic),
-                             f"{periodic} and {root} overlap")
-
-    def test_pods_listen_beyond_loopback_plaintext_only_without_tls(self):
-        # The server's default --host is 127.0.0.1, which no Service reaches.
-        for overlay in PLAIN_OVERLAYS + [PRODUCTION_OVERLAY]:
+    def test_each_flag_once_and_exactly_one_transport(self):
+        tls_overlays = []
+        for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
-                flags = parse_args(self.container(overlay)["args"])
-                self.assertEqual(flags.get("--host"), "0.0.0.0")
-                tls = "--tls-cert" in flags and "--tls-key" in flags
-                self.assertEqual(tls, overlay == PRODUCTION_OVERLAY)
+                names = [a.partition("=")[0] for a in self.container(overlay)["args"]]
+                repeated = {n for n in names if names.count(n) > 1}
+                self.assertFalse(repeated, f"flags given twice: {repeated}")
+                if self.uses_tls(overlay):
+                    tls_overlays.append(overlay)
+                    for flag in TLS_AUTH_FLAGS:
+                        self.assertEqual(names.count(flag), 1, flag)
                 # Plaintext beyond loopback needs the explicit opt-in; TLS
                 # must not carry it.
-                self.assertEqual("--allow-insecure-remote" in flags, not tls)
+                self.assertNotEqual("--allow-insecure-remote" in names,
+                                    self.uses_tls(overlay))
+        self.assertIn("lws-production", tls_overlays)
+
+    def test_pods_listen_beyond_loopback(self):
+        # The server's default --host is 127.0.0.1, which no Service reaches.
+        for overlay in OVERLAYS:
+            with self.subTest(overlay=overlay):
+                self.assertEqual(self.parsed_args(overlay).get("--host"), "0.0.0.0")
+
+    def test_checkpoint_flags(self):
+        for overlay in OVERLAYS:
+            with self.subTest(overlay=overlay):
+                flags = self.parsed_args(overlay)
+                # What TallyServer::Start refuses (--help does not get that far).
+                for needs_dir in ("--resume", "--checkpoint-every-steps",
+                                  "--checkpoint-on-exit"):
+                    if needs_dir in flags:
+                        self.assertIn("--checkpoint-dir", flags, needs_dir)
+                if "--auth-tokens-file" in flags:
+                    self.assertIn("--checkpoint-root", flags)
+                mounts = {m["name"]: m["mountPath"].rstrip("/") + "/"
+                          for m in self.container(overlay)["volumeMounts"]}
+                directories = [flags[f].rstrip("/") + "/" for f in
+                               ("--checkpoint-root", "--checkpoint-dir") if f in flags]
+                for directory in directories:
+                    # On the shared volume, below its mount point.
+                    self.assertTrue(directory.startswith(mounts["checkpoints"]),
+                                    directory)
+                    self.assertNotEqual(directory, mounts["checkpoints"])
+                if len(directories) == 2:
+                    # The server's own checkpoints lie outside every tenant's
+                    # reach, and the root is not inside them either.
+                    root, periodic = directories
+                    self.assertFalse(periodic.startswith(root)
+                                     or root.startswith(periodic),
+                                     f"{periodic} and {root} overlap")
 
     def test_named_ports_match_the_flags(self):
-        for overlay in PLAIN_OVERLAYS + [PRODUCTION_OVERLAY]:
+        for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
                 container = self.container(overlay)
-                flags = parse_args(container["args"])
+                flags = self.parsed_args(overlay)
                 ports = {p["name"]: p["containerPort"] for p in container["ports"]}
                 self.assertEqual(set(ports), {"grpc", "metrics", "rendezvous"})
                 self.assertEqual(ports["grpc"], int(flags["--grpc-port"]))
@@ -209,52 +327,80 @@ class ManifestTest(unittest.TestCase):
                 self.assertEqual(str(ports["rendezvous"]),
                                  env_of(container)["MASTER_PORT"]["value"])
 
-    def test_probes_call_grpc_health_on_the_grpc_port(self):
-        for overlay in PLAIN_OVERLAYS:
+    def test_probes(self):
+        for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
                 container = self.container(overlay)
                 grpc_port = next(p["containerPort"] for p in container["ports"]
                                  if p["name"] == "grpc")
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                     self.assertIn(probe, container)
-                    self.assertEqual(container[probe]["grpc"]["port"], grpc_port,
-                                     probe)
-                    # Service "" is the server's overall health.
-                    self.assertEqual(container[probe]["grpc"].get("service", ""), "")
+                    if self.uses_tls(overlay):
+                        # Kubernetes gRPC probes cannot do TLS: check the port.
+                        self.assertEqual(container[probe]["tcpSocket"]["port"],
+                                         "grpc", probe)
+                    else:
+                        self.assertEqual(container[probe]["grpc"]["port"],
+                                         grpc_port, probe)
+                        # Service "" is the server's overall health.
+                        self.assertEqual(
+                            container[probe]["grpc"].get("service", ""), "")
                 # The startup probe outlasts the rendezvous timeout.
                 startup = container["startupProbe"]
-                flags = parse_args(container["args"])
                 self.assertGreaterEqual(
                     startup["periodSeconds"] * startup["failureThreshold"],
-                    int(flags["--rendezvous-timeout-secs"]))
-        # Kubernetes gRPC probes cannot do TLS: the TLS overlay checks the port.
-        container = self.container(PRODUCTION_OVERLAY)
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            self.assertEqual(container[probe]["tcpSocket"]["port"], "grpc")
+                    int(self.parsed_args(overlay)["--rendezvous-timeout-secs"]))
 
-    def test_grace_period_covers_the_drain(self):
-        for overlay in PLAIN_OVERLAYS + [PRODUCTION_OVERLAY]:
+    def test_shutdown_budget_follows_the_documented_formula(self):
+        for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
-                spec = pod_spec(workload_of(self.rendered[overlay]))["spec"]
-                flags = parse_args(self.container(overlay)["args"])
-                self.assertIn("--exit-timeout-secs", flags)
-                stop = sum(int(flags[f]) for f in STOP_FLAGS if f in flags)
-                self.assertGreaterEqual(spec["terminationGracePeriodSeconds"],
-                                        stop + 10)
+                template = pod_template(workload_of(self.rendered[overlay]))
+                flags = self.parsed_args(overlay)
+                drain = float(flags["--shutdown-drain-secs"])
+                exit_timeout = float(flags["--exit-timeout-secs"])
+                grace = template["spec"]["terminationGracePeriodSeconds"]
+                self.assertGreater(grace, exit_timeout)
+                self.assertGreater(exit_timeout, drain)
+                self.assertGreaterEqual(
+                    exit_timeout,
+                    required_exit_timeout(template["metadata"]["annotations"], drain))
+                self.assertGreaterEqual(grace, exit_timeout + GRACE_SLACK_SECS)
+
+    def test_no_service_takes_the_headless_service_name(self):
+        for overlay in OVERLAYS:
+            with self.subTest(overlay=overlay):
+                objects = self.rendered[overlay]
+                workload = workload_of(objects)
+                headless = headless_service_name(workload)
+                named = [s for s in of_kind(objects, "Service")
+                         if s["metadata"]["name"] == headless]
+                if workload["kind"] == "LeaderWorkerSet":
+                    # The controller creates it only if the name is free.
+                    self.assertEqual(named, [], f"Service {headless} shadows "
+                                     "the LWS controller's headless Service")
+                else:
+                    self.assertEqual(len(named), 1, headless)
+                    self.assertEqual(named[0]["spec"]["clusterIP"], "None")
+                    self.assertTrue(named[0]["spec"]["publishNotReadyAddresses"])
+
+    def test_documented_services_exist(self):
+        with open(DEPLOY_DOC, encoding="utf-8") as f:
+            referenced = set(re.findall(r"svc/([a-z0-9-]+)", f.read()))
+        self.assertTrue(referenced)
+        for overlay in OVERLAYS:
+            names = {s["metadata"]["name"]
+                     for s in of_kind(self.rendered[overlay], "Service")}
+            self.assertLessEqual(referenced, names, overlay)
 
     def test_each_pod_gets_a_distinct_rank_and_rank_0_gets_the_traffic(self):
-        for overlay in PLAIN_OVERLAYS + [PRODUCTION_OVERLAY]:
+        for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
                 objects = self.rendered[overlay]
                 workload = workload_of(objects)
                 container = self.container(overlay)
-                flags = parse_args(container["args"])
-                mesh = 1
-                for flag in MESH_FLAGS:
-                    mesh *= int(flags.get(flag, "1"))
-                pods = (workload["spec"]["leaderWorkerTemplate"]["size"]
-                        if workload["kind"] == "LeaderWorkerSet"
-                        else workload["spec"]["replicas"])
+                flags = self.parsed_args(overlay)
+                mesh = math.prod(int(flags.get(flag, "1")) for flag in MESH_FLAGS)
+                pods = world_size(workload)
                 ranks = []
                 for index in range(pods):
                     env = resolve_pod_env(env_of(container), index, workload)
@@ -266,10 +412,11 @@ class ManifestTest(unittest.TestCase):
                                       "StatefulSet" else "LWS_LEADER_ADDRESS", env)
                 self.assertEqual(sorted(ranks), list(range(pods)))
                 self.assertEqual(mesh, pods, "mesh flags disagree with the pod count")
-                # The Service selects the pod of rank 0 and only it.
-                service = kustomize_lite.find(objects, "Service", "tally")
-                selector = service["spec"]["selector"]
-                pod_labels = dict(pod_spec(workload)["metadata"]["labels"])
+                # The client Service selects the pod of rank 0 and only it.
+                service = kustomize_lite.find(objects, "Service", "tally-api")
+                self.assertNotEqual(service["spec"].get("clusterIP"), "None")
+                selector = dict(service["spec"]["selector"])
+                pod_labels = dict(pod_template(workload)["metadata"]["labels"])
                 index_label = ("leaderworkerset.sigs.k8s.io/worker-index"
                                if workload["kind"] == "LeaderWorkerSet"
                                else "apps.kubernetes.io/pod-index")
@@ -285,66 +432,266 @@ class ManifestTest(unittest.TestCase):
         self.assertNotIn("RANK", env_of(self.container("lws")))
 
     def test_statefulset_rendezvous_through_the_headless_service(self):
-        objects = self.rendered["statefulset"]
-        sts = workload_of(objects)
-        headless = kustomize_lite.find(objects, "Service", sts["spec"]["serviceName"])
-        self.assertEqual(headless["spec"]["clusterIP"], "None")
-        self.assertTrue(headless["spec"]["publishNotReadyAddresses"])
+        sts = workload_of(self.rendered["statefulset"])
         self.assertEqual(sts["spec"]["podManagementPolicy"], "Parallel")
         master = env_of(self.container("statefulset"))["MASTER_ADDR"]["value"]
-        self.assertEqual(master, f"{sts['metadata']['name']}-0.{headless['metadata']['name']}")
+        self.assertEqual(master, f"{sts['metadata']['name']}-0."
+                                 f"{headless_service_name(sts)}")
 
-    def test_podmonitor_scrapes_the_metrics_port_of_every_rank(self):
-        for overlay in PLAIN_OVERLAYS:
+    def test_monitoring_selects_every_rank_and_carries_the_release_label(self):
+        for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
                 objects = self.rendered[overlay]
                 monitor = kustomize_lite.find(objects, "PodMonitor", "tally")
                 endpoints = monitor["spec"]["podMetricsEndpoints"]
                 self.assertEqual([e["port"] for e in endpoints], ["metrics"])
-                pod_labels = pod_spec(workload_of(objects))["metadata"]["labels"]
+                pod_labels = pod_template(workload_of(objects))["metadata"]["labels"]
                 # Every pod (every rank) matches: no rank label in the selector.
                 self.assertLessEqual(
                     monitor["spec"]["selector"]["matchLabels"].items(),
                     pod_labels.items())
+                # kube-prometheus-stack selects both kinds by the same label.
+                rule = kustomize_lite.find(objects, "PrometheusRule", "tally")
+                self.assertEqual(monitor["metadata"]["labels"].get("release"),
+                                 rule["metadata"]["labels"].get("release"))
+        production = self.rendered["lws-production"]
+        self.assertIn("release", kustomize_lite.find(
+            production, "PodMonitor", "tally")["metadata"]["labels"])
 
-    def test_volumes_and_resources(self):
-        for overlay in PLAIN_OVERLAYS + [PRODUCTION_OVERLAY]:
+    def test_pod_security_restricted(self):
+        for overlay in OVERLAYS:
+            spec = self.pod_spec(overlay)
+            containers = spec["containers"] + spec.get("initContainers", [])
+            self.assertFalse(spec.get("hostNetwork") or spec.get("hostPID")
+                             or spec.get("hostIPC"))
+            for volume in spec["volumes"]:
+                self.assertLessEqual(set(volume) - {"name"}, {
+                    "emptyDir", "persistentVolumeClaim", "secret", "configMap",
+                    "projected", "downwardAPI"}, volume["name"])
+            for container in containers:
+                with self.subTest(overlay=overlay, container=container["name"]):
+                    security = effective_security(spec, container)
+                    self.assertIs(security.get("allowPrivilegeEscalation"), False)
+                    self.assertIs(security.get("runAsNonRoot"), True)
+                    self.assertIsInstance(security.get("runAsUser"), int)
+                    self.assertGreater(security["runAsUser"], 0)
+                    self.assertEqual(security.get("capabilities", {}).get("drop"),
+                                     ["ALL"])
+                    self.assertFalse(security["capabilities"].get("add"))
+                    self.assertEqual(security.get("seccompProfile", {}).get("type"),
+                                     "RuntimeDefault")
+                    self.assertIs(security.get("readOnlyRootFilesystem"), True)
+                    self.assertFalse(security.get("privileged"))
+                    for port in container.get("ports", []):
+                        self.assertNotIn("hostPort", port)
+                    # The read-only root leaves /tmp writable.
+                    self.assertIn("/tmp", {m["mountPath"]
+                                           for m in container["volumeMounts"]})
+
+    def test_checkpoint_volume_reaches_every_rank(self):
+        for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
                 objects = self.rendered[overlay]
-                spec = pod_spec(workload_of(objects))["spec"]
-                container = spec["containers"][0]
-                volumes = {v["name"]: v for v in spec["volumes"]}
+                template = pod_template(workload_of(objects))
+                volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+                container = self.container(overlay)
                 for mount in container["volumeMounts"]:
                     self.assertIn(mount["name"], volumes)
                 claim = volumes["checkpoints"]["persistentVolumeClaim"]["claimName"]
                 pvc = kustomize_lite.find(objects, "PersistentVolumeClaim", claim)
-                self.assertIn("ReadWriteMany", pvc["spec"]["accessModes"])
+                self.assert_every_rank_mounts(pvc, template)
                 self.assertIn("cpu", container["resources"]["requests"])
                 self.assertIn("memory", container["resources"]["requests"])
-                self.assertTrue(spec["securityContext"]["runAsNonRoot"])
+
+    def assert_every_rank_mounts(self, pvc, template):
+        """ReadWriteMany, or ReadWriteOnce with every rank required on one
+        node (ReadWriteOncePod would admit a single rank)."""
+        modes = pvc["spec"]["accessModes"]
+        if "ReadWriteMany" in modes:
+            return
+        self.assertEqual(modes, ["ReadWriteOnce"])
+        terms = (template["spec"].get("affinity", {}).get("podAffinity", {})
+                 .get("requiredDuringSchedulingIgnoredDuringExecution", []))
+        self.assertTrue(any(t["topologyKey"] == "kubernetes.io/hostname"
+                            and selects(t["labelSelector"],
+                                        template["metadata"]["labels"])
+                            for t in terms),
+                        "ReadWriteOnce needs every rank on the volume's node")
+
+    def test_documented_storage_knob(self):
+        """docs/deploy.md's example overlay (a directory beside the shipped
+        overlays) renders: ReadWriteMany on the named class, ranks free to
+        spread over nodes."""
+        with open(DEPLOY_DOC, encoding="utf-8") as f:
+            blocks = kustomization_blocks(f.read())
+        knobs = [b for b in blocks if "../../components/shared-storage"
+                 in b.get("components", [])]
+        self.assertEqual(len(knobs), 1, "docs/deploy.md: one overlay using "
+                         "components/shared-storage")
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = os.path.join(tmp, "k8s")
+            shutil.copytree(K8S_DIR, tree)
+            overlay = os.path.join(tree, "overlays", "my-cluster")
+            os.makedirs(overlay)
+            with open(os.path.join(overlay, "kustomization.yaml"), "w",
+                      encoding="utf-8") as f:
+                yaml.safe_dump(knobs[0], f)
+            objects = kustomize_lite.render(overlay)
+        pvc = kustomize_lite.find(objects, "PersistentVolumeClaim",
+                                  "tally-checkpoints")
+        self.assertEqual(pvc["spec"]["accessModes"], ["ReadWriteMany"])
+        self.assertTrue(pvc["spec"].get("storageClassName"))
+        template = pod_template(workload_of(objects))
+        self.assertNotIn("affinity", template["spec"])
+        self.assert_every_rank_mounts(pvc, template)
+
+    def test_disruption_budget_keeps_the_world_whole(self):
+        for overlay in OVERLAYS:
+            with self.subTest(overlay=overlay):
+                objects = self.rendered[overlay]
+                workload = workload_of(objects)
+                labels = pod_template(workload)["metadata"]["labels"]
+                budgets = [b for b in of_kind(objects, "PodDisruptionBudget")
+                           if selects(b["spec"]["selector"], labels)]
+                self.assertEqual(len(budgets), 1)
+                spec = budgets[0]["spec"]
+                self.assertTrue(spec.get("maxUnavailable") == 0
+                                or spec.get("minAvailable") == world_size(workload),
+                                spec)
+
+    def test_network_policy_keeps_rank_ports_to_the_job(self):
+        for overlay in OVERLAYS:
+            with self.subTest(overlay=overlay):
+                objects = self.rendered[overlay]
+                policies = of_kind(objects, "NetworkPolicy")
+                labels = pod_template(workload_of(objects))["metadata"]["labels"]
+                ports = {p["name"]: (p["name"], p["containerPort"])
+                         for p in self.container(overlay)["ports"]}
+                peer = {"labels": labels, "namespace_labels": {},
+                        "same_namespace": True}
+                neighbour = {"labels": {"app": "other"}, "namespace_labels": {},
+                             "same_namespace": True}
+                stranger = {"labels": {"app": "other"},
+                            "namespace_labels": {"name": "elsewhere"},
+                            "same_namespace": False}
+                admits = lambda port, source: network_admits(
+                    policies, labels, port, source)
+                for port in list(ports.values()) + [EPHEMERAL_PORT]:
+                    self.assertTrue(admits(port, peer), port)
+                for source in (neighbour, stranger):
+                    # Clients and Prometheus, under the default knob.
+                    self.assertTrue(admits(ports["grpc"], source))
+                    self.assertTrue(admits(ports["metrics"], source))
+                    # TCPStore, Gloo and NCCL: the job's pods only.
+                    self.assertFalse(admits(ports["rendezvous"], source))
+                    self.assertFalse(admits(EPHEMERAL_PORT, source))
+
+    def test_gpu_pods_get_a_memory_backed_dev_shm(self):
+        gpu_overlays = []
+        for overlay in OVERLAYS:
+            container = self.container(overlay)
+            if "nvidia.com/gpu" not in container["resources"].get("limits", {}):
+                continue
+            gpu_overlays.append(overlay)
+            with self.subTest(overlay=overlay):
+                volumes = {v["name"]: v for v in self.pod_spec(overlay)["volumes"]}
+                shm = [m for m in container["volumeMounts"]
+                       if m["mountPath"] == "/dev/shm"]
+                self.assertEqual(len(shm), 1)
+                empty_dir = volumes[shm[0]["name"]]["emptyDir"]
+                self.assertEqual(empty_dir["medium"], "Memory")
+                self.assertIn("sizeLimit", empty_dir)
+                self.assertTrue(container["image"].endswith("-cuda"))
+        self.assertEqual(gpu_overlays, ["lws-cuda"])
 
     def test_tls_and_auth_secrets_are_wired_to_flags(self):
-        container = self.container(PRODUCTION_OVERLAY)
-        flags = parse_args(container["args"])
-        spec = pod_spec(workload_of(self.rendered[PRODUCTION_OVERLAY]))["spec"]
-        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-        secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"]
-                   if "secret" in v}
-        self.assertEqual(secrets, {"tls": "tally-tls",
-                                   "auth-tokens": "tally-auth-tokens"})
-        for flag, volume, key in [("--tls-cert", "tls", "tls.crt"),
-                                  ("--tls-key", "tls", "tls.key"),
-                                  ("--tls-client-ca", "tls", "ca.crt"),
-                                  ("--auth-tokens-file", "auth-tokens", "tokens")]:
-            self.assertEqual(flags[flag], f"{mounts[volume]}/{key}")
+        for overlay in filter(self.uses_tls, OVERLAYS):
+            with self.subTest(overlay=overlay):
+                container = self.container(overlay)
+                flags = self.parsed_args(overlay)
+                mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+                secrets = {v["name"]: v["secret"]["secretName"]
+                           for v in self.pod_spec(overlay)["volumes"] if "secret" in v}
+                self.assertEqual(secrets, {"tls": "tally-tls",
+                                           "auth-tokens": "tally-auth-tokens",
+                                           "metrics-auth": "tally-metrics-auth"})
+                for flag, volume, key in [("--tls-cert", "tls", "tls.crt"),
+                                          ("--tls-key", "tls", "tls.key"),
+                                          ("--tls-client-ca", "tls", "ca.crt"),
+                                          ("--auth-tokens-file", "auth-tokens",
+                                           "tokens"),
+                                          ("--metrics-auth-file", "metrics-auth",
+                                           "credentials")]:
+                    self.assertEqual(flags[flag], f"{mounts[volume]}/{key}")
 
-    def test_alert_rules_pass_promtool(self):
+    def test_tenant_metrics_need_basic_auth(self):
+        """tally-server refuses --auth-tokens-file on a non-loopback --host
+        without --metrics-auth-file (/metrics labels name every tenant's model
+        ids): the credentials file lies in a mounted Secret, and Prometheus
+        scrapes with the username and password of that same Secret."""
+        tenant_overlays = []
+        for overlay in OVERLAYS:
+            with self.subTest(overlay=overlay):
+                container = self.container(overlay)
+                flags = self.parsed_args(overlay)
+                monitor = kustomize_lite.find(self.rendered[overlay],
+                                              "PodMonitor", "tally")
+                endpoints = monitor["spec"]["podMetricsEndpoints"]
+                if "--auth-tokens-file" not in flags:
+                    for endpoint in endpoints:
+                        self.assertNotIn("basicAuth", endpoint)
+                    continue
+                tenant_overlays.append(overlay)
+                names = [a.partition("=")[0] for a in container["args"]]
+                self.assertEqual(names.count("--metrics-auth-file"), 1)
+                path = flags["--metrics-auth-file"]
+                secrets = {v["name"]: v["secret"]
+                           for v in self.pod_spec(overlay)["volumes"]
+                           if "secret" in v}
+                holders = [m for m in container["volumeMounts"]
+                           if m["name"] in secrets and path.startswith(
+                               m["mountPath"].rstrip("/") + "/")]
+                self.assertEqual(len(holders), 1,
+                                 f"{path} is not in one mounted Secret volume")
+                mount = holders[0]
+                self.assertIs(mount.get("readOnly"), True)
+                secret = secrets[mount["name"]]
+                relative = path[len(mount["mountPath"].rstrip("/")) + 1:]
+                # A key of the Secret: directly, or through `items`.
+                items = {i["path"]: i["key"] for i in secret.get("items", [])}
+                if "items" in secret:
+                    self.assertIn(relative, items, path)
+                else:
+                    self.assertNotIn("/", relative, path)
+                for endpoint in endpoints:
+                    auth = endpoint.get("basicAuth")
+                    self.assertIsNotNone(auth, "PodMonitor scrapes without "
+                                         "basicAuth: every scrape gets 401")
+                    self.assertEqual(set(auth), {"username", "password"})
+                    for part in ("username", "password"):
+                        self.assertEqual(auth[part]["name"],
+                                         secret["secretName"], part)
+                        if "items" in secret:
+                            self.assertIn(auth[part]["key"], items.values(), part)
+                        self.assertTrue(auth[part]["key"], part)
+                    self.assertNotEqual(auth["username"]["key"],
+                                        auth["password"]["key"])
+        self.assertIn("lws-production", tenant_overlays)
+
+
+class AlertRuleTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
         with open(os.path.join(K8S_DIR, "base", "prometheusrule.yaml"),
                   encoding="utf-8") as f:
-            rule = yaml.safe_load(f)
+            cls.rules = yaml.safe_load(f)["spec"]
+        cls.alerts = {r["alert"]: r for g in cls.rules["groups"] for r in g["rules"]}
+
+    def test_alert_rules_pass_promtool(self):
         with tempfile.TemporaryDirectory() as tmp:
             with open(os.path.join(tmp, "rules.yml"), "w", encoding="utf-8") as f:
-                yaml.safe_dump(rule["spec"], f)
+                yaml.safe_dump(self.rules, f)
             shutil.copy(os.path.join(SOURCE_DIR, "tests", "deploy", "alerts_test.yml"),
                         tmp)
             for command in (["promtool", "check", "rules", "rules.yml"],
@@ -353,12 +700,38 @@ class ManifestTest(unittest.TestCase):
                                         text=True, check=False)
                 self.assertEqual(result.returncode, 0,
                                  f"{' '.join(command)}:\n{result.stdout}{result.stderr}")
-        alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
         with open(os.path.join(SOURCE_DIR, "tests", "deploy", "alerts_test.yml"),
                   encoding="utf-8") as f:
             tested = {t["alertname"] for case in yaml.safe_load(f)["tests"]
                       for t in case["alert_rule_test"]}
-        self.assertEqual(alerts, tested, "every alert needs a promtool test")
+        self.assertEqual(set(self.alerts), tested, "every alert needs a promtool test")
+
+    def test_alerts_use_metrics_the_server_registers(self):
+        with open(os.path.join(SOURCE_DIR, "server", "metrics.cc"),
+                  encoding="utf-8") as f:
+            registered = set(re.findall(r'"(tally_[a-z_]+)"', f.read()))
+        for name, rule in self.alerts.items():
+            for metric in re.findall(r"\btally_[a-z_]+", rule["expr"]):
+                self.assertIn(re.sub(r"_(bucket|count|sum)$", "", metric),
+                              registered, name)
+
+    def test_metrics_doc_quotes_every_alert(self):
+        with open(os.path.join(SOURCE_DIR, "docs", "metrics.md"),
+                  encoding="utf-8") as f:
+            doc = f.read()
+        for name, rule in self.alerts.items():
+            self.assertIn(f"# {name}", doc)
+            self.assertIn(rule["expr"].rstrip("\n"), doc,
+                          f"docs/metrics.md: {name}'s expression is stale")
+
+    def test_checkpoint_and_spike_alerts(self):
+        stale = self.alerts["TallyCheckpointStale"]["expr"]
+        # Client saves, periodic and exit checkpoints all count.
+        self.assertIn("tally_checkpoint_last_success_timestamp_seconds", stale)
+        self.assertNotIn("SaveCheckpoint", stale)
+        # A single spiking step is the clipper's business; a sustained one
+        # is an alert.
+        self.assertIn("for", self.alerts["TallyGradNormSpike"])
 
     def test_dashboard_queries_documented_metrics(self):
         with open(os.path.join(K8S_DIR, "base", "grafana-dashboard.json"),

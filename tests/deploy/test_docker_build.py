@@ -18,7 +18,7 @@ import sys
 import tempfile
 import unittest
 
-SOURCE_DIR = os.environ["TALLY_SOURCE_DIR"]
+from server_flags import SOURCE_DIR
 DOCKER_DIR = os.path.join(SOURCE_DIR, "deploy", "docker")
 DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]
 # Where the build stage runs install-runtime.sh (its PREFIX argument).
@@ -159,6 +159,16 @@ class InstallRuntimeTest(unittest.TestCase):
             capture_output=True, text=True, check=False)
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertEqual(result.stdout.split(), ["2", "OptimStepRequest"])
+
+    def test_default_text_exists_in_the_prefix(self):
+        tallyctl = os.path.join(self.prefix, "usr", "local", "bin", "tallyctl")
+        help_text = subprocess.run([tallyctl, "train", "--help"], capture_output=True,
+                                   text=True, check=True).stdout
+        default = re.search(r"--text STR .*\(default: (\S+)\)$", help_text, re.M)
+        self.assertIsNotNone(default, help_text)
+        # The image holds PREFIX at /, so the compiled-in path is PREFIX/path.
+        with open(self.prefix + default.group(1), encoding="utf-8") as f:
+            self.assertIn("PRIDE AND PREJUDICE", f.read(4096).upper())
 
     def test_runtime_stage_copies_paths_the_prefix_has(self):
         for name in DOCKERFILES:
