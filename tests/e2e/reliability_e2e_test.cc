@@ -8,18 +8,23 @@
 // where a clean run puts them.
 #include <google/protobuf/util/message_differencer.h>
 #include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/support/client_interceptor.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <future>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -27,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
@@ -120,6 +126,41 @@ int64_t TokensOf(const std::vector<v1::Sample>& samples) {
   return tokens;
 }
 
+// Adds "authorization: Bearer <token>" to every call of a channel. Call
+// credentials need a secure channel, and these servers are plaintext on
+// loopback.
+class BearerToken : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerToken(std::string token) : token_(std::move(token)) {}
+
+  void Intercept(
+      grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::
+                PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert(
+          {"authorization", absl::StrCat("Bearer ", token_)});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  std::string token_;
+};
+
+class BearerTokenFactory
+    : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerTokenFactory(std::string token) : token_(std::move(token)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo*) override {
+    return new BearerToken(token_);
+  }
+
+ private:
+  std::string token_;
+};
+
 class ReliabilityE2eTest : public ::testing::Test {
  protected:
   void TearDown() override {
@@ -127,21 +168,37 @@ class ReliabilityE2eTest : public ::testing::Test {
     testing::ExpectCleanShutdown(servers_, kShutdownTimeout);
   }
 
-  // Starts a server with `args`; its stub, or nullptr (test failed).
-  Stub* Start(const std::vector<std::string>& args) {
+  // Starts a server with `args`; its stub, or nullptr (test failed). Every
+  // stub of the test sends `token` (none when empty).
+  Stub* Start(const std::vector<std::string>& args,
+              const std::string& token = "") {
     server_ = testing::StartServerOrFail(args, servers_);
     if (server_ == nullptr) return nullptr;
-    TrainerClientOptions options;
-    options.target = server_->grpc_target();
-    stubs_.push_back(v1::Trainer::NewStub(TrainerClient::MakeChannel(options)));
+    token_ = token;
+    stubs_.push_back(NewStub());
     return stubs_.back().get();
   }
 
-  // Another channel to the server, for a concurrent client.
-  std::unique_ptr<Stub> NewStub() {
+  // Another channel to the server, for a concurrent client; it sends
+  // `token`, by default the one given to Start.
+  std::unique_ptr<Stub> NewStub(std::optional<std::string> token = {}) {
     TrainerClientOptions options;
     options.target = server_->grpc_target();
-    return v1::Trainer::NewStub(TrainerClient::MakeChannel(options));
+    const std::string bearer = token.value_or(token_);
+    if (bearer.empty()) {
+      return v1::Trainer::NewStub(TrainerClient::MakeChannel(options));
+    }
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(options.max_message_bytes);
+    args.SetMaxSendMessageSize(options.max_message_bytes);
+    std::vector<
+        std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>>
+        interceptors;
+    interceptors.push_back(std::make_unique<BearerTokenFactory>(bearer));
+    return v1::Trainer::NewStub(
+        grpc::experimental::CreateCustomChannelWithInterceptors(
+            options.target, grpc::InsecureChannelCredentials(), args,
+            std::move(interceptors)));
   }
 
   void Create(Stub& stub, const std::string& model_id, uint64_t seed = 3) {
@@ -206,6 +263,8 @@ class ReliabilityE2eTest : public ::testing::Test {
   std::vector<std::unique_ptr<ServerProcess>> servers_;
   ServerProcess* server_ = nullptr;
   std::vector<std::unique_ptr<Stub>> stubs_;
+  // The bearer token every stub sends (none when empty).
+  std::string token_;
 };
 
 TEST_F(ReliabilityE2eTest, SequencedRequestsRunOnceInOrderAndRetriesReplay) {
@@ -596,13 +655,28 @@ struct Hostile {
 };
 
 // Eight threads send a shuffled, retried, partly cancelled stream of valid
-// sequenced requests for model "h", mixed with malformed, oversized,
-// unknown-model and conflicting requests. Every reply carries a documented
-// code, and "h" ends where one clean client sending only the valid requests
-// puts model "clean".
+// sequenced requests for tenant alice's model "h", mixed with malformed,
+// oversized, unknown-model, conflicting, over-budget and other tenants'
+// requests, and create, call and delete models of their own. Every reply
+// carries a documented code, and "h" ends where one clean client sending only
+// the valid requests puts model "clean".
 TEST_F(ReliabilityE2eTest, HostileClientsLeaveTheModelWhereACleanRunDoes) {
-  Stub* stub = Start({"--max-message-bytes", "65536"});
+  const std::string dir =
+      absl::StrCat(::testing::TempDir(), "/hostile-", getpid());
+  std::filesystem::create_directories(dir + "/root");
+  const absl::Cleanup remove_dir = [&dir] {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  };
+  std::ofstream(dir + "/tokens") << "alice-token alice\nbob-token bob\n";
+  Stub* stub = Start({"--max-message-bytes", "65536", "--auth-tokens-file",
+                      dir + "/tokens", "--checkpoint-root", dir + "/root"},
+                     "alice-token");
   ASSERT_NE(stub, nullptr);
+  // Shared by the threads (stubs are thread-safe): another tenant, and a
+  // client without a token.
+  const std::unique_ptr<Stub> bob = NewStub("bob-token");
+  const std::unique_ptr<Stub> anonymous = NewStub("");
   Create(*stub, "h");
   Create(*stub, "clean");
 
@@ -697,6 +771,30 @@ TEST_F(ReliabilityE2eTest, HostileClientsLeaveTheModelWhereACleanRunDoes) {
          return Send(&Stub::ForwardBackward, s, call).status();
        },
        {absl::StatusCode::kResourceExhausted}},
+      {"another tenant reads it",
+       [&bob](Stub&) { return Send(&Stub::GetModel, *bob, Get("h")).status(); },
+       {absl::StatusCode::kNotFound}},
+      {"another tenant steps it",
+       [&bob](Stub&) {
+         return Send(&Stub::OptimStep, *bob, Step("h", 0)).status();
+       },
+       {absl::StatusCode::kNotFound}},
+      {"no token",
+       [&anonymous](Stub&) {
+         return Send(&Stub::ForwardBackward, *anonymous,
+                     Fb("h", 0, Samples(12)))
+             .status();
+       },
+       {absl::StatusCode::kUnauthenticated}},
+      {"a checkpoint path out of the tenant's root",
+       [](Stub& s) {
+         v1::SaveCheckpointRequest save;
+         save.set_model_id("h");
+         save.set_path("../bob/stolen");
+         save.set_allow_pending(true);
+         return Send(&Stub::SaveCheckpoint, s, save).status();
+       },
+       {absl::StatusCode::kPermissionDenied}},
       {"a model over the memory budget",
        [](Stub& s) {
          return Send(&Stub::CreateModel, s, HugeModel()).status();
