@@ -273,9 +273,10 @@ inline absl::StatusOr<double> MetricValue(
 // with the failure recorded, when it does not come up.
 inline ServerProcess* StartServerOrFail(
     const std::vector<std::string>& args,
-    std::vector<std::unique_ptr<ServerProcess>>& servers) {
-  absl::StatusOr<std::unique_ptr<ServerProcess>> started =
-      ServerProcess::Start(ServerBinaryFromEnv(), args);
+    std::vector<std::unique_ptr<ServerProcess>>& servers,
+    uint64_t address_space_bytes = 0) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> started = ServerProcess::Start(
+      ServerBinaryFromEnv(), args, absl::Seconds(60), address_space_bytes);
   if (!started.ok()) {
     ADD_FAILURE() << started.status();
     return nullptr;

@@ -168,11 +168,12 @@ class ReliabilityE2eTest : public ::testing::Test {
     testing::ExpectCleanShutdown(servers_, kShutdownTimeout);
   }
 
-  // Starts a server with `args`; its stub, or nullptr (test failed). Every
-  // stub of the test sends `token` (none when empty).
+  // Starts a server with `args` (its virtual memory capped at
+  // `address_space_bytes` when > 0); its stub, or nullptr (test failed).
+  // Every stub of the test sends `token` (none when empty).
   Stub* Start(const std::vector<std::string>& args,
-              const std::string& token = "") {
-    server_ = testing::StartServerOrFail(args, servers_);
+              const std::string& token = "", uint64_t address_space_bytes = 0) {
+    server_ = testing::StartServerOrFail(args, servers_, address_space_bytes);
     if (server_ == nullptr) return nullptr;
     token_ = token;
     stubs_.push_back(NewStub());
@@ -540,24 +541,41 @@ v1::CreateModelRequest HugeModel() {
 }
 
 // Memory admission: a CreateModel whose config would take more than
-// --max-memory-bytes (here 3.5e13 parameters) is refused at once, before
+// --max-memory-bytes (3.5e13 parameters, or over a billion in FLOAT64 with
+// the server's address space capped below them) is refused at once, before
 // anything is allocated, and a call over --max-tokens-per-call too; a model
 // admitted earlier keeps training. Before, the server tried to allocate it.
 TEST_F(ReliabilityE2eTest, MemoryAdmissionRefusesWhatDoesNotFit) {
+  // Like `prlimit --as`: 6 GiB of address space (an idle server maps about
+  // 1.5), so a model the server tried to allocate would fail there, not be
+  // refused by admission.
+  constexpr uint64_t kAddressSpace = uint64_t{6} << 30;
   Stub* stub = Start(
-      {"--max-memory-bytes", "200000000", "--max-tokens-per-call", "4096"});
+      {"--max-memory-bytes", "200000000", "--max-tokens-per-call", "4096"},
+      /*token=*/"", kAddressSpace);
   ASSERT_NE(stub, nullptr);
   Create(*stub, "m");
-  const v1::CreateModelRequest huge = HugeModel();
-  const absl::Time sent = absl::Now();
-  const auto refused = Send(&Stub::CreateModel, *stub, huge);
-  EXPECT_LT(absl::Now() - sent, absl::Seconds(3));
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
-      << refused.status();
-  EXPECT_THAT(std::string(refused.status().message()),
-              HasSubstr("of --max-memory-bytes are left"));
-  EXPECT_EQ(Send(&Stub::GetModel, *stub, Get("huge")).status().code(),
-            absl::StatusCode::kNotFound);
+  // Over 10 GB of FLOAT64 parameters alone: more than the address space,
+  // and little enough that this machine would otherwise try.
+  v1::CreateModelRequest big = HugeModel();
+  big.set_model_id("big");
+  big.set_dtype(v1::DTYPE_FLOAT64);
+  big.mutable_config()->set_hidden_size(4096);
+  big.mutable_config()->set_intermediate_size(11008);
+  big.mutable_config()->set_num_hidden_layers(8);
+  for (const v1::CreateModelRequest& request : {HugeModel(), big}) {
+    const absl::Time sent = absl::Now();
+    const auto refused = Send(&Stub::CreateModel, *stub, request);
+    EXPECT_LT(absl::Now() - sent, absl::Seconds(3));
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
+        << refused.status();
+    EXPECT_EQ(ReasonOf(refused.status()), ErrorReason::kMemoryLimit);
+    EXPECT_THAT(std::string(refused.status().message()),
+                HasSubstr("of --max-memory-bytes are left"));
+    EXPECT_EQ(
+        Send(&Stub::GetModel, *stub, Get(request.model_id())).status().code(),
+        absl::StatusCode::kNotFound);
+  }
 
   const auto long_call =
       Send(&Stub::ForwardBackward, *stub, Fb("m", 0, Samples(5, 80, 60)));

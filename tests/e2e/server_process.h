@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -61,9 +62,12 @@ class ServerProcess {
   // file appears (the server writes it once SERVING). FAILED_PRECONDITION with
   // the server's log if it exits first, DEADLINE_EXCEEDED (after SIGKILL) if
   // it is still silent after `startup_timeout`.
+  // `address_space_bytes` > 0 caps the server's virtual memory (RLIMIT_AS,
+  // like `prlimit --as`): an allocation past it fails at once.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
       const std::string& binary, const std::vector<std::string>& extra_args,
-      absl::Duration startup_timeout = absl::Seconds(60)) {
+      absl::Duration startup_timeout = absl::Seconds(60),
+      uint64_t address_space_bytes = 0) {
     if (binary.empty()) {
       return absl::FailedPreconditionError(
           "TALLY_SERVER is not set; it must name the tally-server binary");
@@ -82,7 +86,8 @@ class ServerProcess {
     args.insert(args.end(), {"--grpc-port", "0", "--metrics-port", "0"});
     args.insert(args.end(), {"--port-file", server->port_file_path()});
     args.insert(args.end(), extra_args.begin(), extra_args.end());
-    if (absl::Status spawned = server->Spawn(args); !spawned.ok()) {
+    if (absl::Status spawned = server->Spawn(args, address_space_bytes);
+        !spawned.ok()) {
       return spawned;
     }
     if (absl::Status ready = server->AwaitPortFile(startup_timeout);
@@ -161,7 +166,8 @@ class ServerProcess {
   // that dies (a crash, a ctest timeout) takes its servers along instead of
   // leaving them running. The death signal follows the thread that forks, so
   // Start must run on one that outlives the server (a test's main thread).
-  absl::Status Spawn(const std::vector<std::string>& args) {
+  absl::Status Spawn(const std::vector<std::string>& args,
+                     uint64_t address_space_bytes) {
     // The child may only make async-signal-safe calls, so everything it needs
     // is prepared here.
     std::vector<char*> argv;
@@ -185,7 +191,8 @@ class ServerProcess {
     }
     if (pid_ == 0) {
       close(exec_error[0]);
-      ExecServer(argv.data(), log.c_str(), parent, exec_error[1]);
+      ExecServer(argv.data(), log.c_str(), parent, exec_error[1],
+                 address_space_bytes);
     }
     close(exec_error[1]);
     int child_errno = 0;
@@ -204,8 +211,13 @@ class ServerProcess {
   // The child's side of Spawn: output into `log`, default signal handling,
   // then exec; reports exec's errno on `error_pipe` if it fails.
   [[noreturn]] static void ExecServer(char* const* argv, const char* log,
-                                      pid_t parent, int error_pipe) {
+                                      pid_t parent, int error_pipe,
+                                      uint64_t address_space_bytes) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (address_space_bytes > 0) {
+      const rlimit limit{address_space_bytes, address_space_bytes};
+      if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(126);
+    }
     if (getppid() != parent) _exit(127);  // the parent died before prctl
     const int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd >= 0) {
