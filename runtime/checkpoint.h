@@ -38,7 +38,6 @@
 #include "runtime/llama_config.h"
 #include "runtime/llama_model.h"
 #include "runtime/optimizer.h"
-#include "runtime/path_confinement.h"  // ConfineToRoot
 #include "runtime/safetensors.h"
 #include "runtime/types.h"
 

@@ -21,6 +21,7 @@
 #include "runtime/memory_estimate.h"
 #include "server/commands.h"
 #include "server/convert.h"
+#include "server/path_confinement.h"
 
 namespace tally {
 namespace {

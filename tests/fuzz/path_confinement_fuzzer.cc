@@ -1,5 +1,5 @@
 // libFuzzer target: client checkpoint paths through ConfineToRoot
-// (runtime/path_confinement.h) against a fixed directory tree with symlinks
+// (server/path_confinement.h) against a fixed directory tree with symlinks
 // that stay inside the root, lead out of it, dangle, loop, and a sibling
 // whose name extends the root's. Whatever is accepted must stay inside:
 //   - lexically: an absolute path strictly below the real root, with no "."
@@ -24,7 +24,7 @@
 #include <system_error>
 
 #include "absl/status/statusor.h"
-#include "runtime/path_confinement.h"
+#include "server/path_confinement.h"
 
 namespace tally {
 namespace {

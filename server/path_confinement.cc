@@ -1,4 +1,4 @@
-#include "runtime/path_confinement.h"
+#include "server/path_confinement.h"
 
 #include <algorithm>
 #include <filesystem>

@@ -10,8 +10,8 @@
 //   TALLY_ASSIGN_OR_RETURN(std::string dir,
 //                          tally::ConfineToRoot("/srv/ckpt", "run1/step-3"));
 //   // dir == "/srv/ckpt/run1/step-3" (with /srv/ckpt's symlinks resolved)
-#ifndef TALLY_RUNTIME_PATH_CONFINEMENT_H_
-#define TALLY_RUNTIME_PATH_CONFINEMENT_H_
+#ifndef TALLY_SERVER_PATH_CONFINEMENT_H_
+#define TALLY_SERVER_PATH_CONFINEMENT_H_
 
 #include <string>
 
@@ -29,4 +29,4 @@ absl::StatusOr<std::string> ConfineToRoot(const std::string& root,
 
 }  // namespace tally
 
-#endif  // TALLY_RUNTIME_PATH_CONFINEMENT_H_
+#endif  // TALLY_SERVER_PATH_CONFINEMENT_H_
