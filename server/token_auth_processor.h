@@ -5,10 +5,10 @@
 // the body: without this processor an unauthenticated client can make the
 // server parse a body of up to --max-message-bytes. gRPC runs an
 // AuthMetadataProcessor for calls on a secure (TLS) port, so the server
-// installs one whenever it serves TLS with --auth-tokens-file; then every
-// call on that port, health checks and reflection included, needs a valid
-// token. Plaintext (loopback or --allow-insecure-remote) has no such hook in
-// gRPC: there the service's own check is the only one.
+// installs one whenever it serves TLS with --auth-tokens-file. The health
+// service and server reflection stay open (the call's :path names the
+// method). Plaintext (loopback or --allow-insecure-remote) has no such hook
+// in gRPC: there the service's own check is the only one.
 //
 //   auto credentials = grpc::SslServerCredentials(ssl);
 //   credentials->SetAuthMetadataProcessor(std::make_shared<TokenAuthProcessor>(
@@ -36,8 +36,9 @@ class TokenAuthProcessor : public grpc::AuthMetadataProcessor {
   // Hashing a token does not block: run on the call's own thread.
   bool IsBlocking() const override { return false; }
 
-  // UNAUTHENTICATED unless the "authorization" metadata names a known
-  // token; the metadata stays for the service, which maps it to the tenant.
+  // OK for the health and reflection services; otherwise UNAUTHENTICATED
+  // unless the "authorization" metadata names a known token. The metadata
+  // stays for the service, which maps the token to the tenant.
   grpc::Status Process(const InputMetadata& auth_metadata,
                        grpc::AuthContext* context,
                        OutputMetadata* consumed_auth_metadata,

@@ -185,6 +185,8 @@ TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
     EXPECT_NE(parsed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
     EXPECT_NE(parsed.error_code(), grpc::StatusCode::OK);
     TrainerClient no_token = Client(*server, true, "");
+    // Probes need no token: the health service stays open.
+    EXPECT_TRUE(no_token.WaitForServing(absl::Seconds(20)).ok());
     EXPECT_EQ(no_token.ListModels({}).status().code(),
               absl::StatusCode::kUnauthenticated);
     EXPECT_EQ(no_token.CreateModel(TinyModel("m1")).status().code(),

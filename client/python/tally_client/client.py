@@ -164,7 +164,7 @@ class TrainingClient:
         self._channel = channel or make_channel(target, tls)
         self._owns_channel = channel is None
         self._stub = pb_grpc.TrainerStub(self._channel)
-        self._metadata = _bearer(token)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout
         self._retry = retry or RetryPolicy()
         self._lock = threading.Lock()
@@ -415,15 +415,8 @@ def _when_all_done(futures, callback):
     one_done(None)
 
 
-def _bearer(token):
-    """The call metadata that carries `token` (none for no token)."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def wait_for_serving(target, timeout=60.0, tls=None, token=None):
-    """Polls grpc.health.v1 until the server at `target` is SERVING. A TLS
-    server with bearer tokens checks them on every call, health checks
-    included: pass `token` there."""
+def wait_for_serving(target, timeout=60.0, tls=None):
+    """Polls grpc.health.v1 until the server at `target` is SERVING."""
     # grpc_health is not a Debian package: the health service is called by
     # its method path, with the request and response parsed by hand (an
     # empty request; the response's field 1 is the status enum).
@@ -431,13 +424,12 @@ def wait_for_serving(target, timeout=60.0, tls=None, token=None):
     check = channel.unary_unary("/grpc.health.v1.Health/Check",
                                 request_serializer=lambda _: b"",
                                 response_deserializer=lambda b: b)
-    metadata = _bearer(token)
     deadline = time.monotonic() + timeout
     last = None
     try:
         while time.monotonic() < deadline:
             try:
-                answer = check(None, timeout=2, metadata=metadata)
+                answer = check(None, timeout=2)
                 if answer == b"\x08\x01":  # status: SERVING
                     return
                 last = f"health answer {answer!r}"
