@@ -22,8 +22,8 @@
 #include "absl/status/statusor.h"
 #include "runtime/communicator.h"
 #include "runtime/grad_norm.h"
-#include "runtime/llama_model.h"
 #include "runtime/mesh.h"
+#include "runtime/parameter.h"
 #include "runtime/types.h"
 
 namespace tally {

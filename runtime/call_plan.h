@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "runtime/attention_layout.h"
 #include "runtime/communicator.h"
-#include "runtime/llama_model.h"
 #include "runtime/loss.h"
 #include "runtime/types.h"
 

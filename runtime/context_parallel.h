@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/llama_model.h"
+#include "runtime/attention_layout.h"
 #include "runtime/loss.h"
 
 namespace tally {

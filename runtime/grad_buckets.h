@@ -33,7 +33,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "runtime/communicator.h"
-#include "runtime/llama_model.h"
+#include "runtime/parameter.h"
 
 namespace torch::autograd {
 struct Node;

@@ -19,8 +19,8 @@
 
 #include "absl/status/statusor.h"
 #include "runtime/communicator.h"
-#include "runtime/llama_model.h"
 #include "runtime/mesh.h"
+#include "runtime/parameter.h"
 #include "runtime/types.h"
 
 namespace tally {

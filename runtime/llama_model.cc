@@ -325,16 +325,6 @@ torch::Tensor LlamaModel::RmsNorm(const torch::Tensor& x,
   return w * (x * torch::rsqrt(variance + config_.rms_norm_eps));
 }
 
-AttentionLayout AttentionLayout::RightPadded(
-    const std::vector<int64_t>& lengths, int64_t seq) {
-  const int64_t batch = static_cast<int64_t>(lengths.size());
-  AttentionLayout layout;
-  layout.positions = torch::arange(seq).expand({batch, seq});
-  layout.key_positions = layout.positions;
-  layout.key_valid = layout.positions < torch::tensor(lengths).unsqueeze(1);
-  return layout;
-}
-
 namespace {
 
 // HF's rotate_half: (x1, x2) -> (-x2, x1) over the two halves of head_dim.

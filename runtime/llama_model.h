@@ -35,41 +35,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "runtime/attention_layout.h"
 #include "runtime/communicator.h"
 #include "runtime/llama_config.h"
+#include "runtime/parameter.h"
 #include "runtime/placement.h"
 #include "runtime/safetensors.h"
 #include "runtime/types.h"
 
 namespace tally {
-
-struct Parameter {
-  std::string name;      // HF name, e.g. "model.layers.0.mlp.up_proj.weight"
-  torch::Tensor tensor;  // this rank's local shard; requires_grad
-  Placements placements;
-  bool is_expert = false;
-  std::vector<int64_t> full_shape;  // the HF (unsharded) shape
-  // After the tp split, before the dp_shard split: what the forward pass
-  // gathers the dp_shard shards back into.
-  std::vector<int64_t> tp_local_shape;
-};
-
-// Where each token of a [B, T] batch sits in its sample, and which keys its
-// query may read: key j of row b is visible to query i iff key_valid[b, j]
-// and key_positions[b, j] <= positions[b, i]. Under context parallelism the
-// keys are those of every cp rank (K = cp * T); otherwise they are the row's
-// own tokens (K = T). Padding queries must be placed at or after their
-// sample's last position, so that they see at least one key and stay finite.
-struct AttentionLayout {
-  torch::Tensor positions;      // [B, T] int64
-  torch::Tensor key_positions;  // [B, K] int64
-  torch::Tensor key_valid;      // [B, K] bool
-
-  // Whole samples, right-padded to `seq`: positions 0..seq-1 on every row
-  // and keys valid below each row's length.
-  static AttentionLayout RightPadded(const std::vector<int64_t>& lengths,
-                                     int64_t seq);
-};
 
 // What the routers of a MoE model saw in one TargetLogprobs call.
 struct RouterStats {

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "runtime/llama_model.h"
+#include "runtime/parameter.h"
 #include "runtime/types.h"
 
 namespace tally {
