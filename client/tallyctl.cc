@@ -464,7 +464,8 @@ std::string Overview() {
                     absl::StrFormat("  %-7s %s\n", spec.name, spec.summary));
   }
   absl::StrAppend(&text,
-                  "\nRun 'tallyctl COMMAND --help' for a command's flags.\n");
+                  "\nRun 'tallyctl COMMAND --help' for a command's flags, "
+                  "'tallyctl --version' for the version.\n");
   return text;
 }
 
@@ -472,6 +473,10 @@ int Main(std::vector<std::string> args) {
   if (args.empty()) {
     std::cerr << Overview();
     return kExitUsage;
+  }
+  if (args[0] == "--version") {
+    std::cout << "tallyctl " << TALLY_VERSION << "\n";
+    return 0;
   }
   if (args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
     if (args.size() == 1) {

@@ -276,6 +276,10 @@ absl::StatusOr<ParsedFlags> ParseServerFlags(int argc,
       parsed.help = true;
       continue;
     }
+    if (arg == "--version") {
+      parsed.version = true;
+      continue;
+    }
     if (!absl::StartsWith(arg, "--")) {
       return absl::InvalidArgumentError(
           absl::StrCat("unexpected argument '", arg, "' (see --help)"));
@@ -327,6 +331,7 @@ std::string ServerUsage() {
   }
   absl::StrAppend(
       &usage, "  --help                        this text\n",
+      "  --version                     print the version and exit\n",
       "\nDefaults: --host ", defaults.host, " --grpc-port ", defaults.grpc_port,
       " --metrics-port ", defaults.metrics_port, " --max-message-bytes ",
       defaults.max_message_bytes, " --log-level ", defaults.log_level,

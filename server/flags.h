@@ -17,6 +17,7 @@ namespace tally {
 struct ParsedFlags {
   ServerOptions options;
   bool help = false;
+  bool version = false;  // --version: print "tally-server <version>"
 };
 
 // INVALID_ARGUMENT naming the flag for unknown flags and bad values.

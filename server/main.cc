@@ -23,6 +23,10 @@ int main(int argc, char** argv) {
     std::cout << tally::ServerUsage();
     return 0;
   }
+  if (flags->version) {
+    std::cout << "tally-server " << TALLY_VERSION << "\n";
+    return 0;
+  }
   const tally::ServerOptions& options = flags->options;
   tally::SetLogLevel(*tally::ParseLogLevel(options.log_level));
 

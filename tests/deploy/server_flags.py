@@ -88,7 +88,8 @@ def from_help(text, source):
         names.add(name)
         if value_name:
             valued.add(name)
-    names.discard("--help")
+    # Handled before the flag table (server/flags.cc), so not in it.
+    names.difference_update({"--help", "--version"})
     _, _, defaults_text = text.partition("\nDefaults:")
     defaults = dict(re.findall(r"(--[a-z0-9-]+) (\S+)", defaults_text))
     return ServerFlags(names, valued, defaults, source)

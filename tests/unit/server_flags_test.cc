@@ -33,8 +33,7 @@ TEST(ServerFlagsTest, MeshAndRankFlags) {
   auto flags =
       Parse({"--nproc-per-node", "16", "--dp-replicate=2", "--dp-shard", "2",
              "--cp=2", "--ep=4", "--tp", "2", "--rank", "3", "--world-size",
-             "16",
-             "--master-addr", "tally-0.tally", "--master-port", "29400",
+             "16", "--master-addr", "tally-0.tally", "--master-port", "29400",
              "--rendezvous-timeout-secs", "60"});
   ASSERT_TRUE(flags.ok()) << flags.status();
   const ServerOptions& o = flags->options;
@@ -62,6 +61,15 @@ TEST(ServerFlagsTest, MeshAndRankFlags) {
   EXPECT_EQ(Parse({})->options.pp_microbatches, 0);  // = --pp
   EXPECT_FALSE(Parse({"--pp-microbatches", "0"}).ok());
   EXPECT_FALSE(Parse({"--pp", "0"}).ok());
+}
+
+TEST(ServerFlagsTest, VersionIsAFlagOfItsOwn) {
+  auto flags = Parse({"--version"});
+  ASSERT_TRUE(flags.ok()) << flags.status();
+  EXPECT_TRUE(flags->version);
+  EXPECT_FALSE(flags->help);
+  EXPECT_FALSE(Parse({})->version);
+  EXPECT_NE(ServerUsage().find("--version"), std::string::npos);
 }
 
 TEST(ServerFlagsTest, DefaultsAndHelp) {
