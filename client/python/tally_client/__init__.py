@@ -10,12 +10,10 @@
 from tally_client.client import (PendingWindowError, RetryPolicy, TallyError,
                                  Tls, TrainingClient, WindowAbortedError,
                                  make_channel, wait_for_serving)
-from tally_client.errors import (RETRYABLE_REASONS, TRANSIENT_CODES,
-                                 error_details, is_retryable)
+from tally_client.errors import TRANSIENT_CODES, error_details, is_retryable
 from tally_client.samples import sample, samples_from_batch, to_samples
 
-__all__ = ["PendingWindowError", "RETRYABLE_REASONS", "TRANSIENT_CODES",
-           "RetryPolicy",
-           "TallyError", "Tls", "TrainingClient", "WindowAbortedError",
-           "error_details", "is_retryable", "make_channel", "sample",
-           "samples_from_batch", "to_samples", "wait_for_serving"]
+__all__ = ["PendingWindowError", "RetryPolicy", "TRANSIENT_CODES", "TallyError",
+           "Tls", "TrainingClient", "WindowAbortedError", "error_details",
+           "is_retryable", "make_channel", "sample", "samples_from_batch",
+           "to_samples", "wait_for_serving"]

@@ -366,7 +366,7 @@ class TrainingClient:
                 except grpc.RpcError as error:
                     code, details = error.code(), error.details()
                     reason, delay = error_details(error)
-                if (retryable and is_retryable(code, reason)
+                if (retryable and is_retryable(code, reason, delay)
                         and number < self._retry.max_attempts):
                     timer = threading.Timer(
                         max(self._retry.backoff(number), delay or 0.0),

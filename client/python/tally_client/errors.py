@@ -9,7 +9,7 @@ succeed, a google.rpc.RetryInfo. docs/reliability.md lists the reasons.
         stub.ForwardBackward(request)
     except grpc.RpcError as error:
         reason, delay = error_details(error)
-        if is_retryable(error.code(), reason): ...
+        if is_retryable(error.code(), reason, delay): ...
 """
 
 import grpc
@@ -17,11 +17,6 @@ import grpc
 from tally.rpc import error_details_pb2, status_pb2
 
 ERROR_DOMAIN = "tally.v1"
-
-# Reasons a retry of the very same request (same seq_id) can fix; every other
-# reason is final for that request (a message too large, a memory limit, a
-# poisoned window, a seq_id conflict).
-RETRYABLE_REASONS = frozenset({"QUEUE_FULL", "SHUTTING_DOWN", "RANK_FAILED"})
 
 # Codes retried when the server sent no reason (the transport failed, the
 # deadline passed before an answer).
@@ -56,8 +51,10 @@ def error_details(error):
     return reason, delay
 
 
-def is_retryable(code, reason):
-    """Whether retrying the same request can succeed."""
+def is_retryable(code, reason, retry_delay):
+    """Whether retrying the same request can succeed: for a tally reason, the
+    server says so by sending a RetryInfo (its table in base/error_reason.cc
+    is the only list); without one, for a transient code."""
     if reason is not None:
-        return reason in RETRYABLE_REASONS
+        return retry_delay is not None
     return code in TRANSIENT_CODES
