@@ -12,26 +12,38 @@ namespace {
 // The absl::Status payload that carries the reason name inside the process.
 constexpr absl::string_view kReasonPayload = "tally.v1/error-reason";
 
+using Code = absl::StatusCode;
+
 struct ReasonEntry {
   ErrorReason reason;
   absl::string_view name;
+  Code code;  // the one canonical code of this reason
   // Zero: not retryable.
   absl::Duration retry_delay;
 };
 
+constexpr absl::Duration kFinal = absl::ZeroDuration();
+
 constexpr std::array<ReasonEntry, 12> kReasons = {{
-    {ErrorReason::kQueueFull, "QUEUE_FULL", absl::Milliseconds(500)},
-    {ErrorReason::kMessageTooLarge, "MESSAGE_TOO_LARGE", absl::ZeroDuration()},
-    {ErrorReason::kMemoryLimit, "MEMORY_LIMIT", absl::ZeroDuration()},
-    {ErrorReason::kSeqGap, "SEQ_GAP", absl::ZeroDuration()},
-    {ErrorReason::kSeqRestored, "SEQ_RESTORED", absl::ZeroDuration()},
-    {ErrorReason::kWindowPoisoned, "WINDOW_POISONED", absl::ZeroDuration()},
-    {ErrorReason::kSeqIdReused, "SEQ_ID_REUSED", absl::ZeroDuration()},
-    {ErrorReason::kSeqIdExpired, "SEQ_ID_EXPIRED", absl::ZeroDuration()},
-    {ErrorReason::kModelExists, "MODEL_EXISTS", absl::ZeroDuration()},
-    {ErrorReason::kModelDamaged, "MODEL_DAMAGED", absl::ZeroDuration()},
-    {ErrorReason::kShuttingDown, "SHUTTING_DOWN", absl::Seconds(1)},
-    {ErrorReason::kRankFailed, "RANK_FAILED", absl::Seconds(2)},
+    {ErrorReason::kQueueFull, "QUEUE_FULL", Code::kResourceExhausted,
+     absl::Milliseconds(500)},
+    {ErrorReason::kMessageTooLarge, "MESSAGE_TOO_LARGE",
+     Code::kResourceExhausted, kFinal},
+    {ErrorReason::kMemoryLimit, "MEMORY_LIMIT", Code::kResourceExhausted,
+     kFinal},
+    {ErrorReason::kSeqGap, "SEQ_GAP", Code::kAborted, kFinal},
+    {ErrorReason::kSeqRestored, "SEQ_RESTORED", Code::kAborted, kFinal},
+    {ErrorReason::kWindowPoisoned, "WINDOW_POISONED", Code::kAborted, kFinal},
+    {ErrorReason::kSeqIdReused, "SEQ_ID_REUSED", Code::kAlreadyExists, kFinal},
+    {ErrorReason::kSeqIdExpired, "SEQ_ID_EXPIRED", Code::kAlreadyExists,
+     kFinal},
+    {ErrorReason::kModelExists, "MODEL_EXISTS", Code::kAlreadyExists, kFinal},
+    {ErrorReason::kModelDamaged, "MODEL_DAMAGED", Code::kFailedPrecondition,
+     kFinal},
+    {ErrorReason::kShuttingDown, "SHUTTING_DOWN", Code::kUnavailable,
+     absl::Seconds(1)},
+    {ErrorReason::kRankFailed, "RANK_FAILED", Code::kUnavailable,
+     absl::Seconds(2)},
 }};
 
 const ReasonEntry& EntryOf(ErrorReason reason) {
@@ -52,6 +64,10 @@ std::optional<ErrorReason> ReasonFromName(absl::string_view name) {
     if (entry.name == name) return entry.reason;
   }
   return std::nullopt;
+}
+
+absl::Status ReasonError(ErrorReason reason, absl::string_view message) {
+  return WithReason(absl::Status(EntryOf(reason).code, message), reason);
 }
 
 absl::Status WithReason(absl::Status status, ErrorReason reason) {

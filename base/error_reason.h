@@ -7,8 +7,7 @@
 // google.rpc.ErrorInfo, plus a google.rpc.RetryInfo where a retry of the same
 // request can succeed, and clients decide from the reason whether to retry.
 //
-//   return WithReason(absl::ResourceExhaustedError("the queue is full"),
-//                     ErrorReason::kQueueFull);
+//   return ReasonError(ErrorReason::kQueueFull, "the queue is full");
 //   ...
 //   if (IsRetryable(status)) RetryLater(RetryDelay(status));
 #ifndef TALLY_BASE_ERROR_REASON_H_
@@ -62,7 +61,11 @@ enum class ErrorReason {
 absl::string_view ReasonName(ErrorReason reason);
 std::optional<ErrorReason> ReasonFromName(absl::string_view name);
 
-// `status` marked with `reason` (an OK status stays OK).
+// An error of `reason`'s canonical code (the one named above) and `message`,
+// marked with `reason`.
+absl::Status ReasonError(ErrorReason reason, absl::string_view message);
+// `status` marked with `reason` (an OK status stays OK); for a status whose
+// code comes from elsewhere (the wire, a cache).
 absl::Status WithReason(absl::Status status, ErrorReason reason);
 // The reason `status` was marked with, if any.
 std::optional<ErrorReason> ReasonOf(const absl::Status& status);

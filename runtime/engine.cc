@@ -240,9 +240,9 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
     } while (models_.count(spec.model_id));
   }
   if (models_.count(spec.model_id)) {
-    return WithReason(absl::AlreadyExistsError(absl::StrCat(
-                          "model '", spec.model_id, "' already exists")),
-                      ErrorReason::kModelExists);
+    return ReasonError(
+        ErrorReason::kModelExists,
+        absl::StrCat("model '", spec.model_id, "' already exists"));
   }
   TALLY_RETURN_IF_ERROR(ValidateAdamParams(spec.default_adam, "default_adam"));
   if (!std::isfinite(spec.default_max_grad_norm) ||
@@ -513,11 +513,11 @@ void Engine::ClearWindow(ModelState& state) {
 
 absl::Status Engine::CheckIntact(const ModelState& state) {
   if (state.damage.empty()) return absl::OkStatus();
-  return WithReason(absl::FailedPreconditionError(absl::StrCat(
-                        "model '", state.spec.model_id,
-                        "' may have partly updated parameters: ", state.damage,
-                        "; LoadCheckpoint a checkpoint to restore it")),
-                    ErrorReason::kModelDamaged);
+  return ReasonError(
+      ErrorReason::kModelDamaged,
+      absl::StrCat("model '", state.spec.model_id,
+                   "' may have partly updated parameters: ", state.damage,
+                   "; LoadCheckpoint a checkpoint to restore it"));
 }
 
 void Engine::Poison(ModelState& state, std::string reason) {
@@ -549,11 +549,11 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   TALLY_RETURN_IF_ERROR(CheckIntact(*state));
   if (state->poisoned) {
-    return WithReason(
-        absl::AbortedError(absl::StrCat(
-            "the accumulation window is poisoned (", state->poison_reason,
-            "); call AbortAccumulation and resend the window")),
-        ErrorReason::kWindowPoisoned);
+    return ReasonError(
+        ErrorReason::kWindowPoisoned,
+        absl::StrCat("the accumulation window is poisoned (",
+                     state->poison_reason,
+                     "); call AbortAccumulation and resend the window"));
   }
   if (state->spec.optimizer == OptimizerKind::kSgd &&
       (args.adam.beta1 || args.adam.beta2 || args.adam.eps)) {

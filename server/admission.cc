@@ -37,18 +37,14 @@ double CgroupLimitBytes(const char* path) {
   return in >> bytes ? bytes : 0;
 }
 
-absl::Status MemoryLimit(const std::string& message) {
-  return WithReason(absl::ResourceExhaustedError(message),
-                    ErrorReason::kMemoryLimit);
-}
-
 }  // namespace
 
 absl::Status MemoryAdmission::CheckModel(const std::string& tenant,
                                          double bytes) const {
   absl::MutexLock lock(&mu_);
   if (options_.limit_bytes > 0 && total_ + bytes > options_.limit_bytes) {
-    return MemoryLimit(
+    return ReasonError(
+        ErrorReason::kMemoryLimit,
         absl::StrCat("the model needs an estimated ", Gib(bytes),
                      " per rank (parameters, gradients, optimizer state), and ",
                      Gib(std::max(0.0, options_.limit_bytes - total_)),
@@ -57,11 +53,14 @@ absl::Status MemoryAdmission::CheckModel(const std::string& tenant,
   }
   if (!tenant.empty() && options_.per_tenant_bytes > 0 &&
       TenantBytes(tenant) + bytes > options_.per_tenant_bytes) {
-    return MemoryLimit(absl::StrCat(
-        "the model needs an estimated ", Gib(bytes), " per rank, and ",
-        Gib(std::max(0.0, options_.per_tenant_bytes - TenantBytes(tenant))),
-        " of this tenant's ", Gib(options_.per_tenant_bytes),
-        " (--max-memory-bytes-per-tenant) are left; nothing was allocated"));
+    return ReasonError(
+        ErrorReason::kMemoryLimit,
+        absl::StrCat(
+            "the model needs an estimated ", Gib(bytes), " per rank, and ",
+            Gib(std::max(0.0, options_.per_tenant_bytes - TenantBytes(tenant))),
+            " of this tenant's ", Gib(options_.per_tenant_bytes),
+            " (--max-memory-bytes-per-tenant) are left; nothing was "
+            "allocated"));
   }
   return absl::OkStatus();
 }
@@ -87,13 +86,15 @@ absl::Status MemoryAdmission::CheckCall(double bytes) const {
   if (options_.limit_bytes <= 0 || total_ + bytes <= options_.limit_bytes) {
     return absl::OkStatus();
   }
-  return MemoryLimit(absl::StrCat(
-      "the call's activations need an estimated ", Gib(bytes),
-      " per rank, and the models leave ",
-      Gib(std::max(0.0, options_.limit_bytes - total_)), " of the ",
-      Gib(options_.limit_bytes),
-      " of --max-memory-bytes; nothing was executed: send fewer or shorter "
-      "samples per call"));
+  return ReasonError(
+      ErrorReason::kMemoryLimit,
+      absl::StrCat(
+          "the call's activations need an estimated ", Gib(bytes),
+          " per rank, and the models leave ",
+          Gib(std::max(0.0, options_.limit_bytes - total_)), " of the ",
+          Gib(options_.limit_bytes),
+          " of --max-memory-bytes; nothing was executed: send fewer or shorter "
+          "samples per call"));
 }
 
 double MemoryAdmission::resident_bytes() const {

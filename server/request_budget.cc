@@ -17,29 +17,28 @@ void Give(std::map<std::string, size_t>& counts, const std::string& key) {
   if (--it->second == 0) counts.erase(it);
 }
 
-absl::Status QueueFull(const std::string& message) {
-  return WithReason(absl::ResourceExhaustedError(message),
-                    ErrorReason::kQueueFull);
-}
-
 }  // namespace
 
 absl::Status RequestBudget::Acquire(const std::string& tenant,
                                     const std::string& model_id) {
   absl::MutexLock lock(&mu_);
   if (total_ >= limits_.total) {
-    return QueueFull(
+    return ReasonError(
+        ErrorReason::kQueueFull,
         absl::StrCat("the server already holds ", total_,
                      " requests (--max-queued-requests); retry later"));
   }
   if (!tenant.empty() && Held(per_tenant_, tenant) >= limits_.per_tenant) {
-    return QueueFull(absl::StrCat(
-        "the server already holds ", Held(per_tenant_, tenant),
-        " requests of this tenant (--max-queued-requests-per-tenant); retry "
-        "later"));
+    return ReasonError(
+        ErrorReason::kQueueFull,
+        absl::StrCat("the server already holds ", Held(per_tenant_, tenant),
+                     " requests of this tenant "
+                     "(--max-queued-requests-per-tenant); retry "
+                     "later"));
   }
   if (!model_id.empty() && Held(per_model_, model_id) >= limits_.per_model) {
-    return QueueFull(
+    return ReasonError(
+        ErrorReason::kQueueFull,
         absl::StrCat("the server already holds ", Held(per_model_, model_id),
                      " requests for model '", model_id,
                      "' (--max-queued-requests-per-model); retry later"));

@@ -90,8 +90,7 @@ void RequestScheduler::ScheduleUnsequenced(ScheduledRequest request) {
   });
   if (!queued) {
     shared->reply(
-        WithReason(absl::UnavailableError("the server is shutting down"),
-                   ErrorReason::kShuttingDown));
+        ReasonError(ErrorReason::kShuttingDown, "the server is shutting down"));
   }
 }
 

@@ -199,8 +199,7 @@ Sequencer::Sequencer(SequencerOptions options, SequencerHooks hooks)
       gap_timer_([this] { GapTimerLoop(); }) {}
 
 Sequencer::~Sequencer() {
-  Stop(WithReason(absl::UnavailableError("the server is shutting down"),
-                  ErrorReason::kShuttingDown));
+  Stop(ReasonError(ErrorReason::kShuttingDown, "the server is shutting down"));
   {
     absl::MutexLock lock(&mu_);
     exiting_ = true;
@@ -280,20 +279,20 @@ void Sequencer::Submit(const std::string& model_id, SequencedRequest request) {
     } else if (ModelQueue& queue = *it->second; seq_id < queue.next_seq_id) {
       auto done = queue.outcomes.find(seq_id);
       if (done == queue.outcomes.end()) {
-        answer(WithReason(
-            absl::AlreadyExistsError(absl::StrCat(
+        answer(ReasonError(
+            ErrorReason::kSeqIdExpired,
+            absl::StrCat(
                 "seq_id ", seq_id, " of model '", model_id,
                 "' was executed and its response is no longer cached (the "
                 "server keeps those of the current and the previous window, "
                 "and at least the last ",
-                options_.cache_size, "); next_seq_id is ", queue.next_seq_id)),
-            ErrorReason::kSeqIdExpired));
+                options_.cache_size, "); next_seq_id is ", queue.next_seq_id)));
       } else if (done->second.fingerprint != request.fingerprint) {
-        answer(WithReason(absl::AlreadyExistsError(absl::StrCat(
-                              "seq_id ", seq_id, " of model '", model_id,
-                              "' was already executed with a different "
-                              "payload")),
-                          ErrorReason::kSeqIdReused));
+        answer(
+            ReasonError(ErrorReason::kSeqIdReused,
+                        absl::StrCat("seq_id ", seq_id, " of model '", model_id,
+                                     "' was already executed with a different "
+                                     "payload")));
       } else {
         if (hooks_.on_duplicate) hooks_.on_duplicate(model_id);
         SequencedOutcome cached = Replay(done->second);
@@ -302,11 +301,11 @@ void Sequencer::Submit(const std::string& model_id, SequencedRequest request) {
     } else {
       auto [slot, inserted] = queue.pending.try_emplace(seq_id);
       if (!inserted && slot->second.fingerprint != request.fingerprint) {
-        answer(WithReason(absl::AlreadyExistsError(absl::StrCat(
-                              "seq_id ", seq_id, " of model '", model_id,
-                              "' is already taken by a pending request with "
-                              "a different payload")),
-                          ErrorReason::kSeqIdReused));
+        answer(ReasonError(
+            ErrorReason::kSeqIdReused,
+            absl::StrCat("seq_id ", seq_id, " of model '", model_id,
+                         "' is already taken by a pending request with "
+                         "a different payload")));
       } else {
         if (!inserted && hooks_.on_duplicate) hooks_.on_duplicate(model_id);
         slot->second.fingerprint = request.fingerprint;
@@ -349,11 +348,10 @@ void Sequencer::Advance(const std::shared_ptr<ModelQueue>& queue,
   q.dispatched = false;
   for (auto& [seq_id, waiting] : q.pending) {
     for (SequencedRequest& caller : waiting.callers) {
-      replies.push_back(
-          {std::move(caller),
-           {WithReason(absl::UnavailableError("the server is shutting down"),
-                       ErrorReason::kShuttingDown),
-            ""}});
+      replies.push_back({std::move(caller),
+                         {ReasonError(ErrorReason::kShuttingDown,
+                                      "the server is shutting down"),
+                          ""}});
     }
   }
   q.pending.clear();
@@ -468,24 +466,24 @@ void Sequencer::Prune(ModelQueue& queue) const {
 absl::Status Sequencer::GapTimedOut(const ModelQueue& queue, uint64_t seq_id,
                                     uint64_t missing) const {
   if (queue.restored) {
-    return WithReason(
-        absl::AbortedError(absl::StrCat(
+    return ReasonError(
+        ErrorReason::kSeqRestored,
+        absl::StrCat(
             "model '", queue.model_id,
             "' was restored from a checkpoint to next_seq_id ", missing,
             ", and seq_id ", seq_id,
             " is ahead of it: the requests before it were lost with the "
             "previous server process; resend the window from seq_id ",
-            missing, " (ModelInfo.next_seq_id)")),
-        ErrorReason::kSeqRestored);
+            missing, " (ModelInfo.next_seq_id)"));
   }
-  return WithReason(
-      absl::AbortedError(absl::StrCat(
+  return ReasonError(
+      ErrorReason::kSeqGap,
+      absl::StrCat(
           "seq_id ", seq_id, " of model '", queue.model_id, "' waited ",
           absl::FormatDuration(options_.gap_timeout), " for seq_id ", missing,
           ", which never arrived; the accumulation window is poisoned: call "
           "AbortAccumulation and resend from seq_id ",
-          missing, " (ModelInfo.next_seq_id)")),
-      ErrorReason::kSeqGap);
+          missing, " (ModelInfo.next_seq_id)"));
 }
 
 void Sequencer::GapTimerLoop() {

@@ -43,6 +43,13 @@ std::string SerializeDeterministically(
   return bytes;
 }
 
+// What a request that had not started when the server stopped gets.
+absl::Status StoppedBeforeRunning() {
+  return ReasonError(ErrorReason::kShuttingDown,
+                     "the server is shutting down before this request ran; "
+                     "retry it on the restarted server");
+}
+
 // `first` unless it is OK, then `second`.
 absl::Status FirstError(absl::Status first, const absl::Status& second) {
   first.Update(second);
@@ -132,28 +139,21 @@ std::string TrainerService::SequencingState(const std::string& model_id) const {
 
 void TrainerService::StopExecuting() {
   stopped_ = true;
-  scheduler_.sequencer().Stop(WithReason(
-      absl::UnavailableError("the server is shutting down before this "
-                             "request ran; retry it on the restarted server"),
-      ErrorReason::kShuttingDown));
+  scheduler_.sequencer().Stop(StoppedBeforeRunning());
 }
 
 absl::Status TrainerService::Accepting() const {
   {
     absl::MutexLock lock(&failure_mu_);
     if (!rank_failure_.ok()) {
-      return WithReason(absl::UnavailableError(absl::StrCat(
-                            "a rank of this server failed and it is "
-                            "restarting (",
-                            rank_failure_.message(), ")")),
-                        ErrorReason::kRankFailed);
+      return ReasonError(ErrorReason::kRankFailed,
+                         absl::StrCat("a rank of this server failed and it is "
+                                      "restarting (",
+                                      rank_failure_.message(), ")"));
     }
   }
   if (stopped_) {
-    return WithReason(absl::UnavailableError(
-                          "the server is shutting down before this request "
-                          "ran; retry it on the restarted server"),
-                      ErrorReason::kShuttingDown);
+    return StoppedBeforeRunning();
   }
   return absl::OkStatus();
 }
@@ -262,16 +262,16 @@ absl::Status TrainerService::CheckCallFits(
       model.config.is_moe() ? model.config.num_local_experts : 0;
   const int64_t bound = ForwardBackwardResponseBound(request, experts);
   if (options_.max_message_bytes > 0 && bound > options_.max_message_bytes) {
-    return WithReason(
-        absl::ResourceExhaustedError(absl::StrCat(
+    return ReasonError(
+        ErrorReason::kMessageTooLarge,
+        absl::StrCat(
             "the response could take ", bound, " bytes (",
             request.samples_size(), " samples, ", Tokens(request), " tokens",
             request.return_logprobs() ? ", return_logprobs" : "",
             "), more than --max-message-bytes (", options_.max_message_bytes,
             "); nothing was executed: send fewer tokens per call",
             request.return_logprobs() ? " or no return_logprobs" : "",
-            ", or raise the limit")),
-        ErrorReason::kMessageTooLarge);
+            ", or raise the limit"));
   }
   std::vector<int64_t> lengths;
   for (const v1::Sample& sample : request.samples()) {

@@ -4,6 +4,7 @@
 // details, no details) falls back to the status code alone.
 #include "base/error_reason.h"
 
+#include <iterator>
 #include <set>
 #include <string>
 #include <utility>
@@ -63,6 +64,31 @@ TEST(ErrorReasonTest, EveryReasonRoundTripsThroughRichErrorDetails) {
     EXPECT_EQ(ReasonOf(received), reason);
     EXPECT_EQ(IsRetryable(received), retryable);
     EXPECT_EQ(ReasonFromName(ReasonName(reason)), reason);
+  }
+}
+
+// The code of each reason as docs/reliability.md ("Error reasons") promises
+// it to clients.
+TEST(ErrorReasonTest, ReasonErrorCarriesTheDocumentedCode) {
+  const std::pair<ErrorReason, absl::StatusCode> documented[] = {
+      {ErrorReason::kQueueFull, absl::StatusCode::kResourceExhausted},
+      {ErrorReason::kMessageTooLarge, absl::StatusCode::kResourceExhausted},
+      {ErrorReason::kMemoryLimit, absl::StatusCode::kResourceExhausted},
+      {ErrorReason::kSeqGap, absl::StatusCode::kAborted},
+      {ErrorReason::kSeqRestored, absl::StatusCode::kAborted},
+      {ErrorReason::kWindowPoisoned, absl::StatusCode::kAborted},
+      {ErrorReason::kSeqIdReused, absl::StatusCode::kAlreadyExists},
+      {ErrorReason::kSeqIdExpired, absl::StatusCode::kAlreadyExists},
+      {ErrorReason::kModelExists, absl::StatusCode::kAlreadyExists},
+      {ErrorReason::kModelDamaged, absl::StatusCode::kFailedPrecondition},
+      {ErrorReason::kShuttingDown, absl::StatusCode::kUnavailable},
+      {ErrorReason::kRankFailed, absl::StatusCode::kUnavailable}};
+  ASSERT_EQ(std::size(documented), std::size(kAllReasons));
+  for (const auto& [reason, code] : documented) {
+    const absl::Status status = ReasonError(reason, "why");
+    EXPECT_EQ(status.code(), code) << ReasonName(reason);
+    EXPECT_EQ(status.message(), "why");
+    EXPECT_EQ(ReasonOf(status), reason);
   }
 }
 
