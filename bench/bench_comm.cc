@@ -16,6 +16,10 @@
 // 0 writes its rows as JSON lines to a file the launcher then reads. The
 // launcher turns the counted bytes into per-rank wire bytes and compares
 // them with the theory.
+//
+// Flags (absl; --help lists them): --overlap-only. The launcher gives its
+// ranks --rank-of-mesh=dp_replicate,dp_shard,tp or --rank-of-overlap, with
+// --results=FILE; those are not for users.
 #include <signal.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -32,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
@@ -39,10 +44,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "base/log.h"
 #include "base/status.h"
+#include "bench/bench_main.h"
 #include "runtime/communicator.h"
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
@@ -50,18 +55,35 @@
 #include "runtime/optimizer.h"
 #include "server/launcher.h"
 
+ABSL_FLAG(bool, overlap_only, false,
+          "run just the timed gradient-sync overlap section, not the meshes");
+// A rank's command line, written by the launcher (LaunchRanks below).
+ABSL_FLAG(std::string, rank_of_mesh, "",
+          "internal, set by the launcher: run as a rank of the mesh "
+          "dp_replicate,dp_shard,tp (each >= 1)");
+ABSL_FLAG(bool, rank_of_overlap, false,
+          "internal, set by the launcher: run as a rank of the overlap "
+          "section");
+ABSL_FLAG(std::string, results, "",
+          "internal, set by the launcher: the file rank 0 appends its JSON "
+          "rows to (required with --rank-of-mesh or --rank-of-overlap)");
+
 namespace tally {
 namespace {
 
 using nlohmann::json;
 
-// A rank's command line: the mesh ("dp_replicate,dp_shard,tp") and the file
-// rank 0 appends its JSON rows to.
+constexpr char kUsage[] =
+    "Every mesh's communication volume and model state per rank, then the "
+    "timed gradient-sync overlap section.\n"
+    "usage: bench_comm [--overlap-only]";
+
+// What the launcher passes its ranks (the flags above): the mesh
+// ("dp_replicate,dp_shard,tp") and the file rank 0 appends its JSON rows to,
+// or a rank of the overlap section instead of a mesh.
 constexpr char kMeshFlag[] = "--rank-of-mesh=";
 constexpr char kResultsFlag[] = "--results=";
-// A rank of the overlap section instead.
 constexpr char kOverlapFlag[] = "--rank-of-overlap";
-constexpr char kOverlapOnlyFlag[] = "--overlap-only";
 
 constexpr absl::Duration kRendezvousTimeout = absl::Seconds(60);
 // A rank stuck in a collective dies of SIGALRM after this, and the launcher
@@ -236,7 +258,7 @@ absl::StatusOr<json> MeasureStep(Engine& engine, GradSync sync, int k) {
   TALLY_ASSIGN_OR_RETURN(bool uniform,
                          SameOnEveryRank(engine.world(), counters));
 
-  TALLY_ASSIGN_OR_RETURN(LlamaModel * model, engine.model(id));
+  TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine.model(id));
   const int64_t element_bytes =
       static_cast<int64_t>(torch::elementSize(model->scalar_type()));
   int64_t tp_local_param_bytes = 0;
@@ -361,7 +383,7 @@ absl::Status RunOverlapRank(const std::string& results_path) {
       }
     }
   }
-  TALLY_ASSIGN_OR_RETURN(LlamaModel * model, engine->model("overlap"));
+  TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("overlap"));
   if (env.rank != 0) return absl::OkStatus();
   std::ofstream out(results_path, std::ios::app);
   out << json{{"kind", "overlap"},
@@ -382,11 +404,49 @@ absl::StatusOr<MeshShape> ParseMesh(absl::string_view text) {
   int sizes[3];
   if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &sizes[0]) ||
       !absl::SimpleAtoi(parts[1], &sizes[1]) ||
-      !absl::SimpleAtoi(parts[2], &sizes[2])) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kMeshFlag, " wants dp_replicate,dp_shard,tp; got ", text));
+      !absl::SimpleAtoi(parts[2], &sizes[2]) || sizes[0] < 1 || sizes[1] < 1 ||
+      sizes[2] < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rank-of-mesh wants dp_replicate,dp_shard,tp, each >= 1; got ",
+        text));
   }
   return Shape(sizes[0], sizes[1], sizes[2]);
+}
+
+// The command line: the launcher's (no rank flag) or a rank's.
+struct Options {
+  bool overlap_only = false;
+  std::optional<MeshShape> rank_of_mesh;
+  bool rank_of_overlap = false;
+  std::string results;
+};
+
+// INVALID_ARGUMENT naming the flag when --results and the rank flags do not
+// go together.
+absl::Status CheckOptions(const Options& options) {
+  const bool rank = options.rank_of_mesh || options.rank_of_overlap;
+  if (rank && options.results.empty()) {
+    return absl::InvalidArgumentError(
+        "--results is required with --rank-of-mesh or --rank-of-overlap");
+  }
+  if (!rank && !options.results.empty()) {
+    return absl::InvalidArgumentError(
+        "--results is for a rank (--rank-of-mesh or --rank-of-overlap)");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Options> OptionsFromFlags() {
+  Options options;
+  options.overlap_only = absl::GetFlag(FLAGS_overlap_only);
+  const std::string mesh = absl::GetFlag(FLAGS_rank_of_mesh);
+  if (!mesh.empty()) {
+    TALLY_ASSIGN_OR_RETURN(options.rank_of_mesh, ParseMesh(mesh));
+  }
+  options.rank_of_overlap = absl::GetFlag(FLAGS_rank_of_overlap);
+  options.results = absl::GetFlag(FLAGS_results);
+  TALLY_RETURN_IF_ERROR(CheckOptions(options));
+  return options;
 }
 
 // ---------------------------------------------------------------------------
@@ -775,39 +835,21 @@ int RunBenchmark(const std::string& self, bool overlap_only) {
 }  // namespace tally
 
 int main(int argc, char** argv) {
-  std::optional<std::string> mesh_arg, results_path;
-  bool overlap_only = false, overlap_rank = false;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (absl::ConsumePrefix(&arg, tally::kMeshFlag)) {
-      mesh_arg = std::string(arg);
-    } else if (arg == tally::kOverlapFlag) {
-      overlap_rank = true;
-    } else if (absl::ConsumePrefix(&arg, tally::kResultsFlag)) {
-      results_path = std::string(arg);
-    } else if (arg == tally::kOverlapOnlyFlag) {
-      overlap_only = true;
-    } else {
-      std::cerr << "usage: " << argv[0] << " [" << tally::kOverlapOnlyFlag
-                << "]\n  (runs every mesh, then the timed overlap section)\n";
-      return 2;
-    }
+  const absl::StatusOr<tally::Options> options = tally::ParseBenchOptions(
+      tally::kUsage, argc, argv, tally::OptionsFromFlags);
+  if (!options.ok()) {
+    std::cerr << "bench_comm: " << options.status() << "\n";
+    return 1;
   }
-  if (!mesh_arg && !overlap_rank) {
-    return tally::RunBenchmark(argv[0], overlap_only);
+  if (!options->rank_of_mesh && !options->rank_of_overlap) {
+    return tally::RunBenchmark(argv[0], options->overlap_only);
   }
 
   alarm(tally::kRankDeadlineSeconds);
-  absl::Status status = absl::InvalidArgumentError(
-      absl::StrCat(tally::kResultsFlag, " is required with ", tally::kMeshFlag,
-                   " or ", tally::kOverlapFlag));
-  if (results_path && mesh_arg) {
-    absl::StatusOr<tally::MeshShape> shape = tally::ParseMesh(*mesh_arg);
-    status =
-        shape.ok() ? tally::RunRank(*shape, *results_path) : shape.status();
-  } else if (results_path) {
-    status = tally::RunOverlapRank(*results_path);
-  }
+  const absl::Status status =
+      options->rank_of_mesh
+          ? tally::RunRank(*options->rank_of_mesh, options->results)
+          : tally::RunOverlapRank(options->results);
   if (!status.ok()) {
     std::cerr << "bench_comm rank: " << status << "\n";
     return 1;

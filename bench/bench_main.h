@@ -1,23 +1,90 @@
-// The main() of a bench binary: parse the options, run, and report a failure
-// under the bench's name with exit code 1.
+// The main() of a bench binary: parse its absl flags (ABSL_FLAG definitions
+// in the bench's .cc), turn them into the bench's options, run, and report a
+// failure under the bench's name with exit code 1.
 //
+//   ABSL_FLAG(int, rounds, 5, "timed rounds (>= 1)");
+//   ...
+//   absl::StatusOr<Options> OptionsFromFlags();  // reads and checks them
 //   int main(int argc, char** argv) {
-//     return tally::BenchMain("bench_rpc", tally::ParseOptions(argc, argv),
-//                             tally::Run);
+//     return tally::BenchMain("bench_rpc", tally::kUsage, argc, argv,
+//                             tally::OptionsFromFlags, tally::Run);
 //   }
+//
+// Flags are written `--name=value` or `--name value` (booleans also bare);
+// a name may use '-' for the '_' of its absl name (`--overlap-only` is
+// FLAGS_overlap_only). --help lists the bench's flags. absl itself rejects an
+// unknown flag or a value of the wrong type (it prints the error and exits
+// 1); ranges are the bench's OptionsFromFlags' to check.
 #ifndef TALLY_BENCH_BENCH_MAIN_H_
 #define TALLY_BENCH_BENCH_MAIN_H_
 
 #include <iostream>
+#include <string>
+#include <vector>
 
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace tally {
 
+// `arg` with the '-' of a `--kebab-name[=value]` flag name turned into '_'
+// (the value is left alone); anything else unchanged.
+inline std::string AbslFlagArg(std::string arg) {
+  if (arg.size() < 3 || arg.compare(0, 2, "--") != 0 || arg[2] == '-') {
+    return arg;
+  }
+  for (size_t i = 2; i < arg.size() && arg[i] != '='; ++i) {
+    if (arg[i] == '-') arg[i] = '_';
+  }
+  return arg;
+}
+
+// Sets `usage` as the program's usage message (what --help prints above the
+// flags) and parses argv into the absl flags; once per process.
+// INVALID_ARGUMENT for positional arguments.
+inline absl::Status ParseBenchFlags(const char* usage, int argc, char** argv) {
+  absl::SetProgramUsageMessage(usage);
+  std::vector<std::string> args;
+  bool flags_ended = false;  // after "--" every argument is positional
+  for (int i = 0; i < argc; ++i) {
+    args.push_back(flags_ended ? argv[i] : AbslFlagArg(argv[i]));
+    flags_ended |= args.back() == "--";
+  }
+  std::vector<char*> pointers;
+  for (std::string& arg : args) pointers.push_back(arg.data());
+  pointers.push_back(nullptr);
+  const std::vector<char*> positional =
+      absl::ParseCommandLine(argc, pointers.data());
+  if (positional.size() > 1) {  // positional[0] is the program
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unexpected argument ",
+        absl::StrJoin(positional.begin() + 1, positional.end(), " "),
+        " (see --help)"));
+  }
+  return absl::OkStatus();
+}
+
+// ParseBenchFlags, then the bench's options from its flags (bench_comm,
+// whose main() reports for the launcher and the ranks apart, calls this).
 template <typename Options>
-int BenchMain(const char* name, const absl::StatusOr<Options>& options,
+absl::StatusOr<Options> ParseBenchOptions(
+    const char* usage, int argc, char** argv,
+    absl::StatusOr<Options> (*options_from_flags)()) {
+  const absl::Status parsed = ParseBenchFlags(usage, argc, argv);
+  if (!parsed.ok()) return parsed;
+  return options_from_flags();
+}
+
+template <typename Options>
+int BenchMain(const char* name, const char* usage, int argc, char** argv,
+              absl::StatusOr<Options> (*options_from_flags)(),
               absl::Status (*run)(const Options&)) {
+  const absl::StatusOr<Options> options =
+      ParseBenchOptions(usage, argc, argv, options_from_flags);
   absl::Status status = options.status();
   if (status.ok()) status = run(*options);
   if (!status.ok()) {

@@ -7,6 +7,11 @@
 //   build/bench/bench_optim_step                  # 1M, 10M and 50M params
 //   build/bench/bench_optim_step --sizes=2000000 --repeats=3 --threads=1
 //
+// Flags (absl; --help lists them): --sizes=N,... (parameter counts, each
+// >= 1000; 1000000,10000000,50000000), --repeats=N (timed runs per median,
+// >= 1; 7), --threads=N (>= 1; unset: LibTorch's default), --python=PATH
+// (the interpreter of the PyTorch reference; empty: no reference).
+//
 // The bound is the 8 words per fp32 parameter no OptimStep can avoid (the
 // gradient read for the norm; gradient, parameter and both moments read,
 // parameter and both moments written) divided by the copy bandwidth (bytes
@@ -29,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
@@ -36,7 +42,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "base/status.h"
 #include "bench/bench_main.h"
 #include "runtime/accumulation.h"
@@ -45,8 +50,24 @@
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
 
+ABSL_FLAG(std::vector<std::string>, sizes,
+          std::vector<std::string>({"1000000", "10000000", "50000000"}),
+          "comma-separated parameter counts of the models to time, each "
+          ">= 1000 (a llama of about that many parameters per size)");
+ABSL_FLAG(int, repeats, 7, "timed runs per median (>= 1)");
+ABSL_FLAG(std::optional<int>, threads, std::nullopt,
+          "LibTorch intra-op threads (>= 1); unset: LibTorch's default");
+ABSL_FLAG(std::string, python, TALLY_BENCH_PYTHON,
+          "the python3 that runs bench/pytorch_reference.py; empty: no "
+          "PyTorch reference");
+
 namespace tally {
 namespace {
+
+constexpr char kUsage[] =
+    "OptimStep fused vs composed vs PyTorch vs the memory-traffic bound.\n"
+    "usage: bench_optim_step [--sizes=N,...] [--repeats=N] [--threads=N] "
+    "[--python=PATH (empty: no PyTorch reference)]";
 
 // The window's normalizer and the clip threshold: with N(0, 1) gradients the
 // normalized norm exceeds 1 at every size, so both paths really clip.
@@ -55,11 +76,12 @@ constexpr double kMaxGradNorm = 1.0;
 constexpr double kUnavoidableBytesPerParam = 8 * sizeof(float);
 constexpr int64_t kCopyBufferBytes = int64_t{512} << 20;
 
+// The flags' values.
 struct Options {
-  std::vector<int64_t> sizes = {1'000'000, 10'000'000, 50'000'000};
-  int repeats = 7;
-  int threads = 0;  // 0: LibTorch's default
-  std::string python = TALLY_BENCH_PYTHON;
+  std::vector<int64_t> sizes;
+  int repeats = 0;
+  std::optional<int> threads;  // nullopt: LibTorch's default
+  std::string python;          // empty: no PyTorch reference
   std::string reference_script = TALLY_BENCH_REFERENCE_SCRIPT;
 };
 
@@ -271,7 +293,7 @@ absl::StatusOr<Row> MeasureSize(const Options& options, int64_t target,
 }
 
 absl::Status Run(const Options& options) {
-  if (options.threads > 0) at::set_num_threads(options.threads);
+  if (options.threads) at::set_num_threads(*options.threads);
   const int threads = at::get_num_threads();
   std::vector<Row> rows;
   for (int64_t size : options.sizes) {
@@ -312,37 +334,42 @@ absl::Status Run(const Options& options) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (absl::ConsumePrefix(&arg, "--sizes=")) {
-      options.sizes.clear();
-      for (absl::string_view size : absl::StrSplit(arg, ',')) {
-        int64_t value;
-        if (!absl::SimpleAtoi(size, &value) || value < 1000) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("--sizes: ", size, " is not a count >= 1000"));
-        }
-        options.sizes.push_back(value);
-      }
-    } else if (absl::ConsumePrefix(&arg, "--repeats=")) {
-      if (!absl::SimpleAtoi(arg, &options.repeats) || options.repeats < 1) {
-        return absl::InvalidArgumentError("--repeats must be >= 1");
-      }
-    } else if (absl::ConsumePrefix(&arg, "--threads=")) {
-      if (!absl::SimpleAtoi(arg, &options.threads) || options.threads < 1) {
-        return absl::InvalidArgumentError("--threads must be >= 1");
-      }
-    } else if (absl::ConsumePrefix(&arg, "--python=")) {
-      options.python = std::string(arg);  // empty: skip the reference
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unknown argument ", arg,
-          "; usage: bench_optim_step [--sizes=N,...] [--repeats=N] "
-          "[--threads=N] [--python=PATH (empty: no PyTorch reference)]"));
+// INVALID_ARGUMENT naming the first flag out of range.
+absl::Status CheckOptions(const Options& options) {
+  if (options.sizes.empty()) {
+    return absl::InvalidArgumentError("--sizes: no size given");
+  }
+  for (int64_t size : options.sizes) {
+    if (size < 1000) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--sizes: ", size, " is not a count >= 1000"));
     }
   }
+  if (options.repeats < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--repeats must be >= 1, got ", options.repeats));
+  }
+  if (options.threads && *options.threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--threads must be >= 1, got ", *options.threads));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Options> OptionsFromFlags() {
+  Options options;
+  for (const std::string& size : absl::GetFlag(FLAGS_sizes)) {
+    int64_t value;
+    if (!absl::SimpleAtoi(size, &value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--sizes: ", size, " is not a count >= 1000"));
+    }
+    options.sizes.push_back(value);
+  }
+  options.repeats = absl::GetFlag(FLAGS_repeats);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.python = absl::GetFlag(FLAGS_python);
+  TALLY_RETURN_IF_ERROR(CheckOptions(options));
   return options;
 }
 
@@ -350,6 +377,6 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
 }  // namespace tally
 
 int main(int argc, char** argv) {
-  return tally::BenchMain("bench_optim_step", tally::ParseOptions(argc, argv),
-                          tally::Run);
+  return tally::BenchMain("bench_optim_step", tally::kUsage, argc, argv,
+                          tally::OptionsFromFlags, tally::Run);
 }

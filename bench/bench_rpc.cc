@@ -6,6 +6,9 @@
 //
 //   build/bench/bench_rpc                      # 8 samples x 64 tokens
 //   build/bench/bench_rpc --rounds=5 --calls=4 --samples=4 --tokens=64
+//
+// Flags (absl; each >= 1, --help lists them): --rounds (5), --calls (3),
+// --samples (8), --tokens (64).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -15,14 +18,14 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "base/status.h"
 #include "bench/bench_main.h"
@@ -31,14 +34,27 @@
 #include "runtime/llama_config.h"
 #include "server/server.h"
 
+ABSL_FLAG(int, rounds, 5,
+          "alternating gRPC / in-process timed rounds, the medians' count "
+          "(>= 1)");
+ABSL_FLAG(int, calls, 3, "ForwardBackward calls per round (>= 1)");
+ABSL_FLAG(int, samples, 8, "samples per ForwardBackward call (>= 1)");
+ABSL_FLAG(int, tokens, 64, "tokens per sample (>= 1)");
+
 namespace tally {
 namespace {
 
+constexpr char kUsage[] =
+    "ForwardBackward through gRPC on loopback vs in process.\n"
+    "usage: bench_rpc [--rounds=N] [--calls=N] [--samples=N] [--tokens=N] "
+    "(each >= 1)";
+
+// The flags' values.
 struct Options {
-  int rounds = 5;   // alternating gRPC / in-process rounds
-  int calls = 3;    // ForwardBackward calls per round
-  int samples = 8;  // per call
-  int tokens = 64;  // per sample
+  int rounds = 0;   // alternating gRPC / in-process rounds
+  int calls = 0;    // ForwardBackward calls per round
+  int samples = 0;  // per call
+  int tokens = 0;   // per sample
 };
 
 double Median(std::vector<double> values) {
@@ -166,27 +182,27 @@ absl::Status Run(const Options& options) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    int* target = nullptr;
-    if (absl::ConsumePrefix(&arg, "--rounds=")) {
-      target = &options.rounds;
-    } else if (absl::ConsumePrefix(&arg, "--calls=")) {
-      target = &options.calls;
-    } else if (absl::ConsumePrefix(&arg, "--samples=")) {
-      target = &options.samples;
-    } else if (absl::ConsumePrefix(&arg, "--tokens=")) {
-      target = &options.tokens;
-    }
-    if (target == nullptr || !absl::SimpleAtoi(arg, target) || *target < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "bad argument ", argv[i],
-          "; usage: bench_rpc [--rounds=N] [--calls=N] [--samples=N] "
-          "[--tokens=N] (each >= 1)"));
+// INVALID_ARGUMENT naming the first flag out of range.
+absl::Status CheckOptions(const Options& options) {
+  for (const auto& [flag, value] :
+       {std::pair{"rounds", options.rounds}, std::pair{"calls", options.calls},
+        std::pair{"samples", options.samples},
+        std::pair{"tokens", options.tokens}}) {
+    if (value < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " must be >= 1, got ", value));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Options> OptionsFromFlags() {
+  Options options;
+  options.rounds = absl::GetFlag(FLAGS_rounds);
+  options.calls = absl::GetFlag(FLAGS_calls);
+  options.samples = absl::GetFlag(FLAGS_samples);
+  options.tokens = absl::GetFlag(FLAGS_tokens);
+  TALLY_RETURN_IF_ERROR(CheckOptions(options));
   return options;
 }
 
@@ -194,6 +210,6 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
 }  // namespace tally
 
 int main(int argc, char** argv) {
-  return tally::BenchMain("bench_rpc", tally::ParseOptions(argc, argv),
-                          tally::Run);
+  return tally::BenchMain("bench_rpc", tally::kUsage, argc, argv,
+                          tally::OptionsFromFlags, tally::Run);
 }

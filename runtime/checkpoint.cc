@@ -1,12 +1,6 @@
 #include "runtime/checkpoint.h"
 
-#include <fcntl.h>  // AT_FDCWD
-#include <stdio.h>  // renameat2, RENAME_EXCHANGE
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -26,11 +20,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/mutex.h"
-#include "base/log.h"
 #include "base/status.h"
+#include "runtime/atomic_directory.h"
 
 namespace tally {
 namespace {
@@ -44,7 +36,6 @@ constexpr char kOptimizerFile[] = "optimizer.safetensors";
 constexpr char kManifestFile[] = "tally.json";
 constexpr char kServerStateFile[] = "server_state.bin";
 constexpr char kChecksumFile[] = "checksums.sha256";
-constexpr char kStepPrefix[] = "step-";
 // A derived buffer that transformers < 4.31 saved with Llama weights.
 constexpr char kRotaryBufferSuffix[] = ".rotary_emb.inv_freq";
 
@@ -100,6 +91,7 @@ std::string ManifestToJson(const CheckpointManifest& m) {
   j["unsaved_window"] = {{"calls", m.unsaved_window.calls},
                          {"tokens", m.unsaved_window.tokens},
                          {"samples", m.unsaved_window.samples}};
+  if (m.trainable_only) j["trainable_only"] = true;
   return j.dump(2) + "\n";
 }
 
@@ -206,6 +198,10 @@ absl::StatusOr<CheckpointManifest> ManifestFromJson(const std::string& text,
                  "a non-negative integer");
     }
     *field = v->get<int64_t>();
+  }
+  if (const auto it = j.find("trainable_only"); it != j.end()) {
+    if (!it->is_boolean()) return bad("trainable_only", "a boolean");
+    m.trainable_only = it->get<bool>();
   }
   return m;
 }
@@ -375,143 +371,21 @@ absl::Status CheckSameConfig(const LlamaConfig& file_config,
 
 namespace {
 
-absl::Status ErrorCodeStatus(const std::error_code& error,
-                             absl::string_view what) {
-  return absl::ErrnoToStatus(error.value(), what);
-}
-
-CheckpointTestHooks& TestHooks() {
-  static CheckpointTestHooks* hooks = new CheckpointTestHooks();
-  return *hooks;
-}
-
-absl::Status ReachedStage(absl::string_view stage) {
-  const CheckpointTestHooks& hooks = TestHooks();
-  return hooks.at_stage ? hooks.at_stage(stage) : absl::OkStatus();
-}
-
-// Sibling names of `<parent>/<name>`: hidden, so directory listings and the
-// step-checkpoint scan skip them.
-std::string StagingPrefix(const std::string& name) {
-  return absl::StrCat(".", name, ".staging-");
-}
-std::string PreviousName(const std::string& name) {
-  return absl::StrCat(".", name, ".previous");
-}
-
-// Where `dir`'s checkpoint is: `dir`, or the previous checkpoint a save moved
-// aside when it crashed between its two renames (filesystems without
-// RENAME_EXCHANGE).
-std::string PublishedDir(const std::string& dir) {
-  std::error_code error;
-  if (fs::exists(dir, error)) return dir;
-  fs::path target = fs::path(dir).lexically_normal();
-  if (!target.has_filename()) target = target.parent_path();
-  const fs::path previous =
-      target.parent_path() / PreviousName(target.filename().string());
-  if (fs::is_directory(previous, error)) {
-    Log(LogLevel::kWarning,
-        absl::StrCat(dir,
-                     " is missing but an interrupted save left its "
-                     "previous checkpoint at ",
-                     previous.string(), "; reading that"));
-    return previous.string();
-  }
-  return dir;
-}
-
-// renameat2(RENAME_EXCHANGE): both paths exist before and after, swapped in
-// one step. EINVAL / ENOSYS / ENOTSUP when the filesystem cannot.
-int ExchangePaths(const std::string& a, const std::string& b) {
-  return ::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE);
-}
-
-// Moves the complete `staging` directory to `target`, replacing a checkpoint
-// there. Until the commit point `target` holds the previous checkpoint (or,
-// in the fallback's window between its two renames, nothing, with the
-// previous one at `previous`, where PublishedDir finds it).
-absl::Status Publish(const fs::path& staging, const fs::path& target) {
-  const std::string parent = target.parent_path().string();
-  const fs::path previous =
-      target.parent_path() / PreviousName(target.filename().string());
-  std::error_code error;
-  const bool replacing = fs::exists(target, error);
-  if (replacing && TestHooks().use_rename_exchange &&
-      ExchangePaths(staging.string(), target.string()) == 0) {
-    // `staging` now holds the previous checkpoint.
-    TALLY_RETURN_IF_ERROR(ReachedStage("exchanged"));
-    TALLY_RETURN_IF_ERROR(SyncDirectory(parent));
-    TALLY_RETURN_IF_ERROR(ReachedStage("published"));
-    fs::remove_all(staging, error);
-    if (error) return ErrorCodeStatus(error, "remove previous checkpoint");
-    return ReachedStage("removed previous");
-  }
-  if (replacing) {
-    if (::rename(target.c_str(), previous.c_str()) != 0) {
-      return absl::ErrnoToStatus(
-          errno, absl::StrCat("rename ", target.string(), " aside"));
-    }
-    absl::Status aside = SyncDirectory(parent);
-    if (aside.ok()) aside = ReachedStage("moved previous aside");
-    if (!aside.ok()) {
-      ::rename(previous.c_str(), target.c_str());  // best effort: undo
-      return aside;
-    }
-  }
-  if (::rename(staging.c_str(), target.c_str()) != 0) {
-    const absl::Status status = absl::ErrnoToStatus(
-        errno,
-        absl::StrCat("rename ", staging.string(), " to ", target.string()));
-    if (replacing) ::rename(previous.c_str(), target.c_str());  // undo
-    return status;
-  }
-  TALLY_RETURN_IF_ERROR(SyncDirectory(parent));
-  TALLY_RETURN_IF_ERROR(ReachedStage("published"));
-  // A previous checkpoint moved aside now, or by a save that crashed.
-  fs::remove_all(previous, error);
-  if (error) return ErrorCodeStatus(error, "remove previous checkpoint");
-  return ReachedStage("removed previous");
-}
-
-// Removes what crashed saves of `<parent>/<name>` left: staging directories,
-// and a previous checkpoint moved aside once `name` exists again.
-void RemoveLeftovers(const fs::path& parent, const std::string& name) {
-  std::error_code error;
-  const std::string staging_prefix = StagingPrefix(name);
-  for (fs::directory_iterator it(parent, error), end; !error && it != end;
-       it.increment(error)) {
-    if (absl::StartsWith(it->path().filename().string(), staging_prefix)) {
-      std::error_code ignored;
-      fs::remove_all(it->path(), ignored);
-    }
-  }
-  if (fs::exists(parent / name, error)) {
-    fs::remove_all(parent / PreviousName(name), error);
-  }
-}
-
-}  // namespace
-
-void SetCheckpointTestHooks(CheckpointTestHooks hooks) {
-  TestHooks() = std::move(hooks);
-}
-
-absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
-                                         const LlamaModel& model,
-                                         const Optimizer& optimizer,
-                                         const CheckpointManifest& manifest,
-                                         absl::string_view server_state) {
+// The absolute directory `dir` names, when a checkpoint may be written there:
+// it is missing, empty or an earlier checkpoint (replacing deletes what was
+// there).
+absl::StatusOr<fs::path> CheckpointTarget(const std::string& dir) {
   std::error_code error;
   fs::path target = fs::absolute(dir, error).lexically_normal();
-  if (error) return ErrorCodeStatus(error, absl::StrCat("resolve ", dir));
+  if (error) {
+    return absl::ErrnoToStatus(error.value(), absl::StrCat("resolve ", dir));
+  }
   if (!target.has_filename()) target = target.parent_path();  // "a/b/"
-  const fs::path parent = target.parent_path();
   const std::string name = target.filename().string();
   if (name == "." || name == ".." || target == target.root_path()) {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint path ", dir, " names no directory"));
   }
-  // Replacing deletes what was there: only ever an earlier checkpoint.
   if (fs::exists(target, error) &&
       (!fs::is_directory(target, error) ||
        !(fs::is_empty(target, error) ||
@@ -520,13 +394,17 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
         absl::StrCat(dir, " exists and is not a tally checkpoint (no ",
                      kManifestFile, "); refusing to replace it"));
   }
-  fs::create_directories(parent, error);
-  if (error) {
-    return ErrorCodeStatus(error,
-                           absl::StrCat("create directory ", parent.string()));
-  }
-  RemoveLeftovers(parent, name);
+  return target;
+}
 
+}  // namespace
+
+absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
+                                         const CausalLm& model,
+                                         const Optimizer& optimizer,
+                                         const CheckpointManifest& manifest,
+                                         absl::string_view server_state) {
+  TALLY_ASSIGN_OR_RETURN(const fs::path target, CheckpointTarget(dir));
   CheckpointManifest written = manifest;
   written.dtype = model.dtype();
   written.optimizer = optimizer.kind();
@@ -539,9 +417,10 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
       CatchTorch("checkpoint weights", [&]() -> absl::StatusOr<NamedTensors> {
         NamedTensors out;
         for (const Parameter& p : model.parameters()) {
+          if (manifest.trainable_only && !p.trainable) continue;
           out.emplace_back(p.name, p.tensor.detach().to(model.scalar_type()));
         }
-        return ExpertWeightsToHf(std::move(out));
+        return model.ToHfTensors(std::move(out));
       }));
   TALLY_ASSIGN_OR_RETURN(SerializedSafetensors weights_file,
                          SerializeSafetensors(weights, {{"format", "pt"}}));
@@ -551,50 +430,13 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
       model.config().ToHfJson(DTypeName(model.dtype())) + "\n";
   const std::string manifest_json = ManifestToJson(written);
 
-  static std::atomic<uint64_t> staging_count{0};
-  const fs::path staging =
-      parent / absl::StrCat(StagingPrefix(name), ::getpid(), "-",
-                            staging_count.fetch_add(1));
-  if (!fs::create_directory(staging, error)) {
-    return error ? ErrorCodeStatus(error,
-                                   absl::StrCat("create ", staging.string()))
-                 : absl::AlreadyExistsError(staging.string());
-  }
-  uint64_t bytes = 0;
-  absl::Status status = [&]() -> absl::Status {
-    TALLY_RETURN_IF_ERROR(ReachedStage("created staging directory"));
-    std::string checksums;
-    auto write =
-        [&](const char* file,
-            const std::vector<absl::string_view>& pieces) -> absl::Status {
-      TALLY_ASSIGN_OR_RETURN(
-          std::string digest,
-          WriteFileDurably((staging / file).string(), pieces));
-      for (absl::string_view piece : pieces) bytes += piece.size();
-      absl::StrAppend(&checksums, digest, "  ", file, "\n");
-      return ReachedStage(absl::StrCat("wrote ", file));
-    };
-    TALLY_RETURN_IF_ERROR(write(kConfigFile, {config_json}));
-    TALLY_RETURN_IF_ERROR(write(kModelFile, weights_file.Pieces()));
-    TALLY_RETURN_IF_ERROR(write(kOptimizerFile, optimizer_file.Pieces()));
-    TALLY_RETURN_IF_ERROR(write(kServerStateFile, {server_state}));
-    TALLY_RETURN_IF_ERROR(write(kManifestFile, {manifest_json}));
-    // Last: it covers every file above.
-    TALLY_RETURN_IF_ERROR(
-        WriteFileDurably((staging / kChecksumFile).string(), {checksums})
-            .status());
-    bytes += checksums.size();
-    TALLY_RETURN_IF_ERROR(ReachedStage("wrote checksums.sha256"));
-    TALLY_RETURN_IF_ERROR(SyncDirectory(staging.string()));
-    TALLY_RETURN_IF_ERROR(ReachedStage("synced staging directory"));
-    return Publish(staging, target);
-  }();
-  // Whatever is left at the staging name (new files before publishing, the
-  // previous checkpoint after an exchange) is not needed.
-  std::error_code ignored;
-  fs::remove_all(staging, ignored);
-  if (!status.ok()) return status;
-  return bytes;
+  return PublishDirectory(target.string(),
+                          {{kConfigFile, {config_json}},
+                           {kModelFile, weights_file.Pieces()},
+                           {kOptimizerFile, optimizer_file.Pieces()},
+                           {kServerStateFile, {server_state}},
+                           {kManifestFile, {manifest_json}}},
+                          kChecksumFile);
 }
 
 absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
@@ -647,10 +489,6 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
                                                    " nor ", kShardIndexFile));
   }
 
-  // Mixtral's per-expert weights, stacked as the model holds them.
-  TALLY_ASSIGN_OR_RETURN(contents.weights,
-                         ExpertWeightsFromHf(std::move(contents.weights)));
-
   const std::string optimizer_path = PathIn(dir, kOptimizerFile);
   if (read_optimizer && IsFile(optimizer_path)) {
     TALLY_RETURN_IF_ERROR(sums.Verify(kOptimizerFile));
@@ -696,61 +534,24 @@ absl::StatusOr<CheckpointInfo> VerifyCheckpoint(const std::string& dir_arg) {
   return info;
 }
 
-std::string StepCheckpointDir(const std::string& model_dir, int64_t step) {
-  return (fs::path(model_dir) / absl::StrFormat("%s%012d", kStepPrefix, step))
-      .string();
-}
-
-std::vector<std::string> ListStepCheckpoints(const std::string& model_dir) {
-  std::vector<std::pair<int64_t, std::string>> found;
-  std::error_code error;
-  for (fs::directory_iterator it(model_dir, error), end; !error && it != end;
-       it.increment(error)) {
-    const std::string name = it->path().filename().string();
-    int64_t step;
-    if (absl::StartsWith(name, kStepPrefix) &&
-        absl::SimpleAtoi(name.substr(sizeof(kStepPrefix) - 1), &step) &&
-        step >= 0 && it->is_directory()) {
-      found.emplace_back(step, it->path().string());
-    }
-  }
-  std::sort(found.rbegin(), found.rend());
-  std::vector<std::string> dirs;
-  for (auto& [step, dir] : found) dirs.push_back(std::move(dir));
-  return dirs;
-}
-
-absl::Status PruneStepCheckpoints(const std::string& model_dir, int keep) {
-  const std::vector<std::string> dirs = ListStepCheckpoints(model_dir);
-  for (size_t i = std::max(keep, 0); i < dirs.size(); ++i) {
-    std::error_code error;
-    fs::remove_all(dirs[i], error);
-    if (error) return ErrorCodeStatus(error, absl::StrCat("remove ", dirs[i]));
-  }
-  std::error_code error;
-  for (fs::directory_iterator it(model_dir, error), end; !error && it != end;
-       it.increment(error)) {
-    const std::string name = it->path().filename().string();
-    if (absl::StartsWith(name, absl::StrCat(".", kStepPrefix))) {
-      std::error_code ignored;
-      fs::remove_all(it->path(), ignored);
-    }
-  }
-  return absl::OkStatus();
-}
-
 namespace {
 
 using WeightCopies =
     std::vector<std::pair<torch::Tensor*, const torch::Tensor*>>;
 
-// Every check of LoadWeightsInto, and the copies it would make.
+bool TrainableOnly(const CheckpointContents& contents) {
+  return contents.manifest && contents.manifest->trainable_only;
+}
+
+// Every check of LoadWeightsInto, and the copies it would make from
+// `weights` (under the model's parameter names).
 absl::StatusOr<WeightCopies> PlanWeightCopies(
-    const CheckpointContents& contents, LlamaModel& model) {
-  TALLY_RETURN_IF_ERROR(CheckSameConfig(contents.config, model.config()));
+    const LlamaConfig& config, const NamedTensors& weights,
+    bool trainable_only, CausalLm& model) {
+  TALLY_RETURN_IF_ERROR(CheckSameConfig(config, model.config()));
 
   std::map<std::string, const torch::Tensor*> unclaimed;
-  for (const auto& [name, tensor] : contents.weights) {
+  for (const auto& [name, tensor] : weights) {
     if (!unclaimed.emplace(name, &tensor).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("checkpoint weight ", name, " appears more than once"));
@@ -759,6 +560,7 @@ absl::StatusOr<WeightCopies> PlanWeightCopies(
   WeightCopies copies;
   for (Parameter& p : model.parameters()) {
     const auto it = unclaimed.find(p.name);
+    if (it == unclaimed.end() && trainable_only && !p.trainable) continue;
     if (it == unclaimed.end()) {
       return absl::InvalidArgumentError(
           absl::StrCat("checkpoint weight ", p.name, " is missing"));
@@ -792,16 +594,23 @@ absl::StatusOr<WeightCopies> PlanWeightCopies(
 }  // namespace
 
 absl::Status ValidateWeightsFor(const CheckpointContents& contents,
-                                LlamaModel& model) {
-  return PlanWeightCopies(contents, model).status();
+                                CausalLm& model) {
+  TALLY_ASSIGN_OR_RETURN(NamedTensors weights,
+                         model.FromHfTensors(contents.weights));
+  return PlanWeightCopies(contents.config, weights, TrainableOnly(contents),
+                          model)
+      .status();
 }
 
 absl::Status LoadWeightsInto(const CheckpointContents& contents,
-                             LlamaModel& model) {
+                             CausalLm& model) {
   // Everything is validated before the first copy, so a failure leaves the
   // model as it was.
+  TALLY_ASSIGN_OR_RETURN(NamedTensors weights,
+                         model.FromHfTensors(contents.weights));
   TALLY_ASSIGN_OR_RETURN(WeightCopies copies,
-                         PlanWeightCopies(contents, model));
+                         PlanWeightCopies(contents.config, weights,
+                                          TrainableOnly(contents), model));
   return CatchTorch("load weights", [&] {
     torch::NoGradGuard no_grad;
     for (auto& [target, source] : copies) target->copy_(*source);

@@ -9,10 +9,11 @@
 //   <dir>/tally.json               CheckpointManifest
 //   <dir>/checksums.sha256         `sha256sum` lines for every file above
 //
-// A checkpoint is staged in a hidden sibling directory and published with one
-// rename (an atomic exchange when it replaces an older one), so a crash never
+// A checkpoint is published as a whole (atomic_directory.h), so a crash never
 // leaves a partial checkpoint under `dir`; docs/checkpoints.md lists the crash
-// windows. Reads verify every checksum (DATA_LOSS naming the file).
+// windows. Reads verify every checksum (DATA_LOSS naming the file). Where
+// periodic checkpoints go and how many are kept is the server's
+// (server/checkpoint_retention.h).
 //
 //   CheckpointManifest manifest;
 //   manifest.step = step;
@@ -27,7 +28,6 @@
 #define TALLY_RUNTIME_CHECKPOINT_H_
 
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,8 +35,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "runtime/causal_lm.h"
 #include "runtime/llama_config.h"
-#include "runtime/llama_model.h"
 #include "runtime/optimizer.h"
 #include "runtime/safetensors.h"
 #include "runtime/types.h"
@@ -58,6 +58,9 @@ struct CheckpointManifest {
   // The accumulation window that was pending at save time and is not in the
   // checkpoint (its gradients are never saved); calls = 0 when none was.
   WindowCounts unsaved_window;
+  // Holds the weights (and optimizer state) of the trainable parameters
+  // only: loading it leaves the frozen ones as they are.
+  bool trainable_only = false;
   std::string tally_version;  // of the writer
   int format_version = 2;
 };
@@ -74,10 +77,12 @@ inline constexpr int kCheckpointFormatVersion = 2;
 // step, defaults, seed, grad_sync and unsaved_window; dtype, optimizer and
 // optimizer_step_count are recorded from `model` and `optimizer`, tally_version
 // and format_version from this build, so the manifest cannot contradict the
-// tensors. `server_state` is stored as it is. On failure `dir` is as it was.
+// tensors. `server_state` is stored as it is. With manifest.trainable_only
+// only the trainable parameters' weights are written (a frozen base stays
+// where it came from). On failure `dir` is as it was.
 // Returns the bytes written.
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
-                                         const LlamaModel& model,
+                                         const CausalLm& model,
                                          const Optimizer& optimizer,
                                          const CheckpointManifest& manifest,
                                          absl::string_view server_state = {});
@@ -85,7 +90,8 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
 struct CheckpointContents {
   LlamaConfig config;
   std::optional<CheckpointManifest> manifest;  // absent for an HF directory
-  NamedTensors weights;                        // HF names
+  // HF names (CausalLm::FromHfTensors maps them to the model's parameters).
+  NamedTensors weights;
   NamedTensors optimizer_state;  // empty unless read_optimizer and present
   std::string server_state;      // empty when the checkpoint holds none
 };
@@ -115,38 +121,20 @@ absl::StatusOr<CheckpointInfo> VerifyCheckpoint(const std::string& dir);
 // the model dtype, all or nothing. FAILED_PRECONDITION naming the first
 // config field that differs from model.config(); INVALID_ARGUMENT naming the
 // tensor for a missing, misshaped or unknown weight. A tied model ignores an
-// lm_head.weight in the file, as HF does.
+// lm_head.weight in the file, as HF does. A trainable-only checkpoint may
+// miss frozen parameters, which keep their values.
 absl::Status LoadWeightsInto(const CheckpointContents& contents,
-                             LlamaModel& model);
+                             CausalLm& model);
 
 // The checks of LoadWeightsInto without the copy: OK exactly when
 // LoadWeightsInto(contents, model) would succeed. Lets several ranks agree
 // before any of them changes its model.
 absl::Status ValidateWeightsFor(const CheckpointContents& contents,
-                                LlamaModel& model);
+                                CausalLm& model);
 
-// Periodic checkpoints of one model live in `<model_dir>/step-<12 digits>`.
-std::string StepCheckpointDir(const std::string& model_dir, int64_t step);
-// The step checkpoints in `model_dir`, newest (highest step) first; hidden
-// staging directories are not listed. Empty when `model_dir` is missing.
-std::vector<std::string> ListStepCheckpoints(const std::string& model_dir);
-// Deletes all but the newest `keep` step checkpoints of `model_dir`, and any
-// staging directory a crashed save left there.
-absl::Status PruneStepCheckpoints(const std::string& model_dir, int keep);
-
-// Fault injection for tests: WriteCheckpoint calls the hook with the name of
-// each step of its protocol as it reaches it (see kCheckpointWriteStages) and
-// fails with the hook's error, as if that step had failed; a hook may also
-// end the process there to simulate a crash. `use_rename_exchange = false`
-// takes the path for filesystems without renameat2(RENAME_EXCHANGE).
-struct CheckpointTestHooks {
-  std::function<absl::Status(absl::string_view stage)> at_stage;
-  bool use_rename_exchange = true;
-};
-void SetCheckpointTestHooks(CheckpointTestHooks hooks);
-
-// Every stage WriteCheckpoint reports, in order. "moved previous aside" only
-// occurs without RENAME_EXCHANGE, "exchanged" only with it.
+// Every stage WriteCheckpoint's publishing reports to PublishTestHooks
+// (atomic_directory.h), in order. "moved previous aside" only occurs without
+// RENAME_EXCHANGE, "exchanged" only with it.
 inline constexpr const char* kCheckpointWriteStages[] = {
     "created staging directory",
     "wrote config.json",

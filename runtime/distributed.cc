@@ -41,22 +41,6 @@ absl::Status MissingFromSet(const char* missing, const char* present,
                                                  " sets them together)"));
 }
 
-// The world dims of every group created at start-up, in creation order.
-const std::vector<std::vector<MeshDim>>& GroupDims() {
-  static const auto* dims = new std::vector<std::vector<MeshDim>>{
-      {MeshDim::kPp},
-      {MeshDim::kDpReplicate},
-      {MeshDim::kDpShard},
-      {MeshDim::kCp},
-      {MeshDim::kTp},
-      {MeshDim::kDpReplicate, MeshDim::kDpShard},
-      {MeshDim::kDpReplicate, MeshDim::kDpShard, MeshDim::kCp},
-      {MeshDim::kDpShard, MeshDim::kCp},
-      {MeshDim::kDpReplicate, MeshDim::kCp},
-  };
-  return *dims;
-}
-
 std::string DimsName(const std::vector<MeshDim>& dims) {
   return absl::StrJoin(dims, "+", [](std::string* out, MeshDim dim) {
     out->append(MeshDimName(dim));
@@ -188,6 +172,21 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooGroup(
 }
 
 }  // namespace
+
+const std::vector<std::vector<MeshDim>>& ProcessGroups::CreatedGroupDims() {
+  static const auto* dims = new std::vector<std::vector<MeshDim>>{
+      {MeshDim::kPp},
+      {MeshDim::kDpReplicate},
+      {MeshDim::kDpShard},
+      {MeshDim::kCp},
+      {MeshDim::kTp},
+      {MeshDim::kDpReplicate, MeshDim::kDpShard},
+      {MeshDim::kDpReplicate, MeshDim::kDpShard, MeshDim::kCp},
+      {MeshDim::kDpShard, MeshDim::kCp},
+      {MeshDim::kDpReplicate, MeshDim::kCp},
+  };
+  return *dims;
+}
 
 absl::StatusOr<RankEnv> ResolveRankEnv(const RankEnvOverrides& overrides,
                                        const EnvLookup& lookup) {
@@ -327,7 +326,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
       groups->control_,
       make_group("control", everyone,
                  env.rank == 0 ? op_timeout : kControlTimeout));
-  for (const std::vector<MeshDim>& dims : GroupDims()) {
+  for (const std::vector<MeshDim>& dims : CreatedGroupDims()) {
     const std::vector<int> ranks = mesh.GroupRanks(dims);
     // Named by its members, so the name is unique among all ranks' groups.
     TALLY_ASSIGN_OR_RETURN(
@@ -397,7 +396,7 @@ absl::StatusOr<Communicator*> ProcessGroups::group(std::vector<MeshDim> dims) {
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "no process group was created for {", DimsName(dims), "}; created: ",
-      absl::StrJoin(GroupDims(), ", ",
+      absl::StrJoin(CreatedGroupDims(), ", ",
                     [](std::string* out, const std::vector<MeshDim>& d) {
                       out->append(absl::StrCat("{", DimsName(d), "}"));
                     })));

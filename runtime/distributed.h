@@ -106,11 +106,15 @@ class ProcessGroups {
   // traffic and counters never mix with the training collectives.
   Communicator& control() { return *control_; }
 
+  // The world dims of every group Create forms besides world, control and
+  // the expert groups, in creation order: each single world dim,
+  // {dp_replicate, dp_shard}, {dp_replicate, dp_shard, cp}, {dp_shard, cp}
+  // and {dp_replicate, cp}.
+  static const std::vector<std::vector<MeshDim>>& CreatedGroupDims();
+
   // The group spanning the world dims `dims` (any order) that holds this
-  // rank. Created: each single world dim, {dp_replicate, dp_shard},
-  // {dp_replicate, dp_shard, cp}, {dp_shard, cp} and {dp_replicate, cp};
-  // FAILED_PRECONDITION for
-  // any other combination, INVALID_ARGUMENT for ep or a repeated dim.
+  // rank, one of CreatedGroupDims(); FAILED_PRECONDITION for any other
+  // combination, INVALID_ARGUMENT for ep or a repeated dim.
   absl::StatusOr<Communicator*> group(std::vector<MeshDim> dims);
 
   // Expert parallelism (Mesh::ExpertParallelRanks): the ranks splitting the

@@ -1,10 +1,13 @@
 #include "runtime/engine.h"
 
-#include <chrono>
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/error_reason.h"
 #include "base/status.h"
 #include "runtime/call_plan.h"
@@ -19,23 +22,20 @@
 namespace tally {
 namespace {
 
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-      .count();
-}
-
-// Replaces the full tensors of `contents` by this rank's shards of them and,
-// under pp, drops those of other stages' parameters. Tensors that match no
-// parameter of the model (or not its full shape) are left for
-// LoadWeightsInto / LoadState to report.
-void KeepLocalShards(LlamaModel& model, bool staged,
-                     CheckpointContents& contents) {
-  const int64_t layers = model.config().num_hidden_layers;
+// Renames the HF weights of `contents` to the model's parameters, replaces
+// the full tensors by this rank's shards of them and, under pp, drops those
+// of other stages' parameters. Tensors that match no parameter of the model
+// (or not its full shape) are left for LoadWeightsInto / LoadState to
+// report.
+absl::Status KeepLocalShards(CausalLm& model, bool staged,
+                             CheckpointContents& contents) {
+  TALLY_ASSIGN_OR_RETURN(contents.weights,
+                         model.FromHfTensors(std::move(contents.weights)));
   // Returns false for a tensor of another stage.
   auto localize = [&](const std::string& param_name, torch::Tensor& t) {
     const Parameter* p = model.Find(param_name);
     if (p == nullptr) {
-      return !staged || OwningStage(param_name, layers, /*stages=*/1) < 0;
+      return !staged || model.OwningStage(param_name, /*stages=*/1) < 0;
     }
     if (t.sizes() == c10::IntArrayRef(p->full_shape)) {
       t = model.LocalShard(*p, t);
@@ -51,9 +51,28 @@ void KeepLocalShards(LlamaModel& model, bool staged,
     }
     *tensors = std::move(kept);
   }
+  return absl::OkStatus();
 }
 
-bool Staged(const LlamaModel& model, const EngineGroups& groups) {
+// Freezes what `patterns` match; INVALID_ARGUMENT naming a pattern that
+// matches no parameter of the whole model (this stage may hold none).
+absl::Status FreezeParameters(const std::vector<std::string>& patterns,
+                              CausalLm& model) {
+  const std::vector<std::string> names = model.ParameterNames();
+  for (const std::string& pattern : patterns) {
+    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) {
+          return NameMatches(pattern, n);
+        })) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("frozen: '", pattern,
+                       "' matches no parameter of the model"));
+    }
+    model.Freeze(pattern);
+  }
+  return absl::OkStatus();
+}
+
+bool Staged(const CausalLm& model, const EngineGroups& groups) {
   return model.sharded() || groups.pp->size() > 1;
 }
 
@@ -84,46 +103,49 @@ void RecordSamples(const torch::Tensor& logprobs, const PackedBatch& batch,
 }
 
 // This stage's forward of micro-batch b. Between stages flow the hidden
-// states [B, T, H] and, for a MoE model, one more channel: the
-// load-balancing term of the layers so far, which joins each token's loss on
+// states [B, T, H] and one more channel per auxiliary loss of the model (its
+// per-token sum over the layers so far), which joins each token's loss on
 // the last stage, so it is weighted and normalized exactly like the token's
 // cross-entropy. Returns what the next stage receives or, on the last stage,
 // the raw loss to backpropagate.
-torch::Tensor ForwardMicroBatch(LlamaModel& model, const CallPlan& plan,
+torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan,
                                 size_t b, const torch::Tensor& received,
                                 bool last, const ForwardBackwardArgs& args,
                                 CallResults& results) {
-  const LlamaConfig& config = model.config();
   const PackedBatch& batch = plan.packed[b];
-  RouterStats router;
-  if (config.is_moe()) {
-    router.real_tokens = torch::arange(batch.inputs.size(1)).unsqueeze(0) <
-                         torch::tensor(batch.lengths).unsqueeze(1);
-    if (!plan.real(b)) router.real_tokens.fill_(false);
+  const std::vector<AuxiliaryLoss> auxiliary = model.auxiliary_losses();
+  const int64_t channels = static_cast<int64_t>(auxiliary.size());
+  StageIo io;
+  if (model.routed_experts() > 0) {
+    io.real_tokens = torch::arange(batch.inputs.size(1)).unsqueeze(0) <
+                     torch::tensor(batch.lengths).unsqueeze(1);
+    if (!plan.real(b)) io.real_tokens.fill_(false);
   }
   torch::Tensor input = batch.inputs;
   if (received.defined()) {
-    input = received;
-    if (config.is_moe()) {
-      router.aux = input.select(-1, config.hidden_size);
-      input = input.narrow(-1, 0, config.hidden_size);
+    const int64_t hidden = received.size(-1) - channels;
+    input = received.narrow(-1, 0, hidden);
+    for (int64_t c = 0; c < channels; ++c) {
+      io.auxiliary.push_back(received.select(-1, hidden + c));
     }
   }
   torch::Tensor output =
-      model.StageForward(input, batch.targets, plan.layouts[b],
-                         config.is_moe() ? &router : nullptr);
-  if (config.is_moe()) {
-    results.expert_tokens().add_(router.expert_tokens.flatten());
+      model.StageForward(input, batch.targets, plan.layouts[b], &io);
+  if (io.expert_tokens.defined()) {
+    results.expert_tokens().add_(io.expert_tokens.flatten());
   }
   if (!last) {
-    if (config.is_moe()) {
-      output = torch::cat({output, router.aux.unsqueeze(-1)}, -1);
+    std::vector<torch::Tensor> sent = {output};
+    for (const torch::Tensor& term : io.auxiliary) {
+      sent.push_back(term.unsqueeze(-1));
     }
-    return output;
+    return sent.size() == 1 ? output : torch::cat(sent, -1);
   }
   torch::Tensor loss_logprobs = output;
-  if (config.router_aux_loss_coef > 0) {
-    loss_logprobs = output - config.router_aux_loss_coef * router.aux;
+  for (size_t a = 0; a < io.auxiliary.size(); ++a) {
+    if (auxiliary[a].coefficient > 0) {
+      loss_logprobs = loss_logprobs - auxiliary[a].coefficient * io.auxiliary[a];
+    }
   }
   const LossTerms terms =
       ComputeLoss(args.loss ? *args.loss : DefaultTokenLoss(), loss_logprobs,
@@ -133,6 +155,13 @@ torch::Tensor ForwardMicroBatch(LlamaModel& model, const CallPlan& plan,
                   results);
   }
   return terms.raw_loss;
+}
+
+constexpr char kPoisonedTheWindowPayload[] = "tally.dev/poisoned-the-window";
+
+absl::Status MarkPoisonedTheWindow(absl::Status status) {
+  status.SetPayload(kPoisonedTheWindowPayload, absl::Cord());
+  return status;
 }
 
 absl::Status NotFound(const std::string& model_id) {
@@ -192,6 +221,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::CreateSingleRank(
 
 Engine::~Engine() = default;
 
+bool PoisonedTheWindow(const absl::Status& status) {
+  return status.GetPayload(kPoisonedTheWindowPayload).has_value();
+}
+
 absl::StatusOr<Engine::ModelState*> Engine::Find(const std::string& model_id) {
   auto it = models_.find(model_id);
   if (it == models_.end()) return NotFound(model_id);
@@ -205,7 +238,7 @@ absl::StatusOr<const Engine::ModelState*> Engine::Find(
   return it->second.get();
 }
 
-absl::StatusOr<LlamaModel*> Engine::model(const std::string& model_id) {
+absl::StatusOr<CausalLm*> Engine::model(const std::string& model_id) {
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   return state->model.get();
 }
@@ -245,12 +278,8 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
         absl::StrCat("model '", spec.model_id, "' already exists"));
   }
   TALLY_RETURN_IF_ERROR(ValidateAdamParams(spec.default_adam, "default_adam"));
-  if (!std::isfinite(spec.default_max_grad_norm) ||
-      spec.default_max_grad_norm < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("default_max_grad_norm must be finite and >= 0, got ",
-                     spec.default_max_grad_norm));
-  }
+  TALLY_RETURN_IF_ERROR(ValidateMaxGradNorm(spec.default_max_grad_norm,
+                                            "default_max_grad_norm"));
   // Building can fail on one rank only (an unreadable init_checkpoint, memory):
   // the ranks agree before any of them adds the model.
   absl::StatusOr<std::unique_ptr<ModelState>> built = BuildModel(spec);
@@ -288,10 +317,13 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   sharding.pp_stages = groups_.pp->size();
   TALLY_ASSIGN_OR_RETURN(
       state->model,
-      LlamaModel::Create(spec.config, spec.dtype, spec.seed, sharding));
+      CreateCausalLm(spec.config, spec.dtype, spec.seed, sharding));
+  TALLY_RETURN_IF_ERROR(FreezeParameters(spec.frozen, *state->model));
   if (init) {
-    if (Staged(*state->model, groups_))
-      KeepLocalShards(*state->model, groups_.pp->size() > 1, *init);
+    if (Staged(*state->model, groups_)) {
+      TALLY_RETURN_IF_ERROR(
+          KeepLocalShards(*state->model, groups_.pp->size() > 1, *init));
+    }
     TALLY_RETURN_IF_ERROR(LoadWeightsInto(*init, *state->model));
   }
   state->optimizer =
@@ -333,18 +365,19 @@ absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
       RunForwardBackward(*state, args);
   // Validation passed, so a failure here happened mid-computation, possibly
   // after some micro-batches added their gradients.
-  if (!result.ok() && !args.forward_only) {
-    Poison(*state, absl::StrCat("a ForwardBackward failed after it may have "
-                                "added gradients: ",
-                                result.status().message()));
+  if (!result.ok() && !args.forward_only &&
+      Poison(*state, absl::StrCat("a ForwardBackward failed after it may have "
+                                  "added gradients: ",
+                                  result.status().message()))) {
+    return MarkPoisonedTheWindow(result.status());
   }
   return result;
 }
 
 absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     ModelState& state, const ForwardBackwardArgs& args) {
-  const auto start = std::chrono::steady_clock::now();
-  LlamaModel& model = *state.model;
+  const absl::Time start = absl::Now();
+  CausalLm& model = *state.model;
   const LlamaConfig& config = model.config();
   CallPlanOptions plan_options;
   plan_options.reduction = args.reduction;
@@ -381,16 +414,17 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   }
 
   CallResults results(args.samples, args.return_logprobs,
-                      config.num_hidden_layers,
-                      config.is_moe() ? config.num_local_experts : 0);
+                      config.num_hidden_layers, model.routed_experts());
   const bool last = groups_.pp->rank() == groups_.pp->size() - 1;
   StageCallbacks stage;
   stage.boundary_like = [&](size_t b) {
-    // Hidden states and, for a MoE model, the load-balancing channel.
+    // Hidden states and a channel per auxiliary loss.
     const torch::Tensor& ids = plan.packed[b].inputs;
-    return torch::empty(
-        {ids.size(0), ids.size(1), config.hidden_size + config.is_moe()},
-        torch::TensorOptions().dtype(model.scalar_type()));
+    const int64_t channels =
+        config.hidden_size +
+        static_cast<int64_t>(model.auxiliary_losses().size());
+    return torch::empty({ids.size(0), ids.size(1), channels},
+                        torch::TensorOptions().dtype(model.scalar_type()));
   };
   stage.forward = [&](size_t b, const torch::Tensor& received) {
     return ForwardMicroBatch(model, plan, b, received, last, args, results);
@@ -421,7 +455,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   }
   result.metrics["micro_batches"] = static_cast<double>(plan.num_batches());
   result.metrics["padded_tokens"] = static_cast<double>(padded_tokens);
-  result.metrics["seconds"] = SecondsSince(start);
+  result.metrics["seconds"] = absl::ToDoubleSeconds(absl::Now() - start);
   return result;
 }
 
@@ -437,9 +471,9 @@ absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
   return absl::OkStatus();
 }
 
-bool Engine::NeedsGradientSync(LlamaModel& model) const {
+bool Engine::NeedsGradientSync(CausalLm& model) const {
   return groups_.replicas->size() > 1 ||
-         (model.config().is_moe() && groups_.expert_replicas->size() > 1) ||
+         (model.routed_experts() > 0 && groups_.expert_replicas->size() > 1) ||
          model.SplitTiedEmbedding() != nullptr;
 }
 
@@ -448,6 +482,7 @@ std::vector<GradientSet> Engine::ReplicaGradientSets(
   GradientSet dense{groups_.replicas, {}};
   GradientSet expert{groups_.expert_replicas, {}};
   for (const Parameter& p : params) {
+    if (!p.trainable) continue;  // no gradient to sum
     (p.is_expert ? expert : dense).parameters.push_back(p);
   }
   std::vector<GradientSet> sets;
@@ -459,7 +494,7 @@ std::vector<GradientSet> Engine::ReplicaGradientSets(
   return sets;
 }
 
-absl::Status Engine::SyncGradients(LlamaModel& model,
+absl::Status Engine::SyncGradients(CausalLm& model,
                                    OverlappedGradientSum* overlapped) {
   // Each replica set in flat buckets. Copies of a Parameter share its
   // tensor, so the sums land in the model.
@@ -488,7 +523,7 @@ absl::Status Engine::SyncGradients(LlamaModel& model,
   });
 }
 
-absl::Status Engine::SyncCallGradients(LlamaModel& model,
+absl::Status Engine::SyncCallGradients(CausalLm& model,
                                        std::vector<torch::Tensor> earlier,
                                        OverlappedGradientSum* overlapped) {
   TALLY_RETURN_IF_ERROR(SyncGradients(model, overlapped));
@@ -520,17 +555,17 @@ absl::Status Engine::CheckIntact(const ModelState& state) {
                    "; LoadCheckpoint a checkpoint to restore it"));
 }
 
-void Engine::Poison(ModelState& state, std::string reason) {
-  if (state.poisoned) return;  // the first cause is the one to report
+bool Engine::Poison(ModelState& state, std::string reason) {
+  if (state.poisoned) return false;  // the first cause is the one to report
   state.poisoned = true;
   state.poison_reason = std::move(reason);
+  return true;
 }
 
-absl::Status Engine::PoisonWindow(const std::string& model_id,
-                                  const std::string& reason) {
+absl::StatusOr<bool> Engine::PoisonWindow(const std::string& model_id,
+                                          const std::string& reason) {
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
-  Poison(*state, reason);
-  return absl::OkStatus();
+  return Poison(*state, reason);
 }
 
 absl::StatusOr<bool> Engine::WindowPoisoned(const std::string& model_id) const {
@@ -545,7 +580,7 @@ absl::Status Engine::CollectiveFailure() const {
 
 absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
                                                   const OptimStepArgs& args) {
-  const auto start = std::chrono::steady_clock::now();
+  const absl::Time start = absl::Now();
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   TALLY_RETURN_IF_ERROR(CheckIntact(*state));
   if (state->poisoned) {
@@ -564,10 +599,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   TALLY_RETURN_IF_ERROR(ValidateAdamParams(hp, "adam"));
   const double max_norm =
       args.max_grad_norm.value_or(state->spec.default_max_grad_norm);
-  if (!std::isfinite(max_norm) || max_norm < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_grad_norm must be finite and >= 0, got ", max_norm));
-  }
+  TALLY_RETURN_IF_ERROR(ValidateMaxGradNorm(max_norm, "max_grad_norm"));
   if (state->window.empty()) {
     return absl::FailedPreconditionError(
         "nothing accumulated: call ForwardBackward before OptimStep");
@@ -586,10 +618,12 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     absl::Status summed = SyncGradients(*state->model);
     // A partial sum cannot be undone: the window is no longer trustworthy.
     if (!summed.ok()) {
-      Poison(*state, absl::StrCat("summing the window over replicas failed: ",
-                                  summed.message()));
+      const bool poisoned =
+          Poison(*state, absl::StrCat("summing the window over replicas "
+                                      "failed: ",
+                                      summed.message()));
+      return poisoned ? MarkPoisonedTheWindow(summed) : summed;
     }
-    TALLY_RETURN_IF_ERROR(summed);
     state->replicas_summed = true;
   }
   TALLY_ASSIGN_OR_RETURN(ClipResult clip,
@@ -629,7 +663,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     result.skipped = true;
     result.skip_reason = reason;
     result.step = state->step;
-    result.metrics["seconds"] = SecondsSince(start);
+    result.metrics["seconds"] = absl::ToDoubleSeconds(absl::Now() - start);
     return result;
   }
   absl::Status stepped =
@@ -649,7 +683,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
                      "until a LoadCheckpoint restores it"));
   }
   result.step = ++state->step;
-  result.metrics["seconds"] = SecondsSince(start);
+  result.metrics["seconds"] = absl::ToDoubleSeconds(absl::Now() - start);
   return result;
 }
 
@@ -681,15 +715,16 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   manifest.default_max_grad_norm = state->spec.default_max_grad_norm;
   manifest.grad_sync = state->spec.grad_sync;
   manifest.seed = state->spec.seed;
+  manifest.trainable_only = options.trainable_only;
   manifest.unsaved_window = pending;
-  LlamaModel* model = state->model.get();
+  CausalLm* model = state->model.get();
   Optimizer* optimizer = state->optimizer.get();
   // One writer. A sharded or staged model is consolidated so the checkpoint
   // is one HF directory whatever the mesh: only the writer holds the whole
   // copy; the other ranks help gather it one tensor at a time.
   const bool writer = mesh_.rank() == 0;
   absl::Status ready = absl::OkStatus();
-  std::unique_ptr<LlamaModel> full_model;
+  std::unique_ptr<CausalLm> full_model;
   std::unique_ptr<Optimizer> full_optimizer;
   if (Staged(*model, groups_)) {
     ready = GatherOnWriter(*state, full_model, full_optimizer);
@@ -709,16 +744,19 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
 }
 
 absl::Status Engine::GatherOnWriter(
-    ModelState& state, std::unique_ptr<LlamaModel>& full_model,
+    ModelState& state, std::unique_ptr<CausalLm>& full_model,
     std::unique_ptr<Optimizer>& full_optimizer) {
-  LlamaModel& model = *state.model;
+  CausalLm& model = *state.model;
   const bool writer = mesh_.rank() == 0;
   absl::Status ready = absl::OkStatus();
   if (writer) {
-    absl::StatusOr<std::unique_ptr<LlamaModel>> created =
-        LlamaModel::Create(model.config(), model.dtype(), /*seed=*/0);
+    absl::StatusOr<std::unique_ptr<CausalLm>> created =
+        CreateCausalLm(model.config(), model.dtype(), /*seed=*/0);
     ready = created.status();
-    if (ready.ok()) full_model = *std::move(created);
+    if (ready.ok()) {
+      full_model = *std::move(created);
+      ready = FreezeParameters(state.spec.frozen, *full_model);
+    }
   }
   // Before the gathers, so a writer that could not allocate stops every
   // rank rather than leaving them in a collective.
@@ -727,25 +765,24 @@ absl::Status Engine::GatherOnWriter(
   // Each stage gathers the parameters it owns (the last stage's copy of a
   // tied embedding is stage 0's) over its tp and dp_shard groups, in the
   // model's order, each parameter followed by its optimizer state.
-  const int64_t layers = model.config().num_hidden_layers;
   const int stages = groups_.pp->size(), stage = groups_.pp->rank();
-  const auto state_tensors = state.optimizer->StateTensors();
-  std::vector<std::string> state_suffixes;  // the same for every parameter
+  const std::map<std::string, torch::Tensor> state_tensors = [&] {
+    std::map<std::string, torch::Tensor> by_name;
+    for (auto& [name, t] : state.optimizer->StateTensors()) by_name[name] = t;
+    return by_name;
+  }();
+  // Of every trainable parameter; frozen ones have no state.
+  const std::vector<std::string> state_suffixes =
+      Optimizer::StateSuffixes(state.spec.optimizer);
   std::vector<torch::Tensor> stage_tensors;
   for (const Parameter& p : model.parameters()) {
-    if (OwningStage(p.name, layers, stages) != stage) continue;
-    const bool first_owned = stage_tensors.empty();
+    if (model.OwningStage(p.name, stages) != stage) continue;
     TALLY_ASSIGN_OR_RETURN(torch::Tensor full, model.GatherFull(p, p.tensor));
     stage_tensors.push_back(std::move(full));
-    for (const auto& [name, local] : state_tensors) {
-      if (name.rfind(p.name + ".", 0) != 0 ||
-          name.find('.', p.name.size() + 1) != std::string::npos) {
-        continue;
-      }
-      if (first_owned) {
-        state_suffixes.push_back(name.substr(p.name.size()));
-      }
-      TALLY_ASSIGN_OR_RETURN(full, model.GatherFull(p, local));
+    if (!p.trainable) continue;
+    for (const std::string& suffix : state_suffixes) {
+      TALLY_ASSIGN_OR_RETURN(
+          full, model.GatherFull(p, state_tensors.at(p.name + suffix)));
       stage_tensors.push_back(std::move(full));
     }
   }
@@ -765,8 +802,9 @@ absl::Status Engine::GatherOnWriter(
   size_t own = 0;
   for (int s = 0; s < stages; ++s) {
     for (Parameter& p : full_model->parameters()) {
-      if (OwningStage(p.name, layers, stages) != s) continue;
-      for (size_t k = 0; k <= state_suffixes.size(); ++k) {
+      if (full_model->OwningStage(p.name, stages) != s) continue;
+      const size_t states = p.trainable ? state_suffixes.size() : 0;
+      for (size_t k = 0; k <= states; ++k) {
         torch::Tensor full;
         if (s == 0) {
           full = stage_tensors[own++];
@@ -802,7 +840,8 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   absl::Status staged = [&]() -> absl::Status {
     TALLY_ASSIGN_OR_RETURN(contents, ReadCheckpoint(path, load_optimizer));
     if (Staged(*state->model, groups_)) {
-      KeepLocalShards(*state->model, groups_.pp->size() > 1, contents);
+      TALLY_RETURN_IF_ERROR(
+          KeepLocalShards(*state->model, groups_.pp->size() > 1, contents));
     }
     if (load_optimizer) {
       if (!contents.manifest) {

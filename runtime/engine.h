@@ -23,10 +23,10 @@
 
 #include "absl/status/statusor.h"
 #include "runtime/accumulation.h"
+#include "runtime/causal_lm.h"
 #include "runtime/communicator.h"
 #include "runtime/distributed.h"
 #include "runtime/grad_buckets.h"
-#include "runtime/llama_model.h"
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
 #include "runtime/types.h"
@@ -77,6 +77,11 @@ struct EngineOptions {
   bool overlap_grad_sync = true;
 };
 
+// A failed ForwardBackward or OptimStep that poisoned its model's window
+// says so in its status (a payload the gRPC status does not carry), so a
+// caller counts poisoned windows from the results it already has.
+bool PoisonedTheWindow(const absl::Status& status);
+
 class Engine {
  public:
   // A rank of a multi-rank deployment; `groups` must span `mesh`.
@@ -105,9 +110,10 @@ class Engine {
   // Marks the model's window poisoned, like a ForwardBackward that failed
   // midway: the next OptimStep is ABORTED, quoting `reason`, until
   // AbortAccumulation. The server does it when a sequenced request of the
-  // window never arrived.
-  absl::Status PoisonWindow(const std::string& model_id,
-                            const std::string& reason);
+  // window never arrived. Returns whether this call poisoned it (false when
+  // it already was).
+  absl::StatusOr<bool> PoisonWindow(const std::string& model_id,
+                                    const std::string& reason);
   absl::StatusOr<bool> WindowPoisoned(const std::string& model_id) const;
 
   // FAILED_PRECONDITION while a window is pending (or poisoned) unless
@@ -124,7 +130,7 @@ class Engine {
                                             bool load_optimizer);
 
   // Direct access to a model's parameters, for tests and benchmarks.
-  absl::StatusOr<LlamaModel*> model(const std::string& model_id);
+  absl::StatusOr<CausalLm*> model(const std::string& model_id);
   absl::StatusOr<Optimizer*> optimizer(const std::string& model_id);
   // EngineOptions::overlap_grad_sync from the next call on. Results do not
   // depend on it, so benchmarks may alternate it between calls.
@@ -144,7 +150,7 @@ class Engine {
  private:
   struct ModelState {
     ModelSpec spec;
-    std::unique_ptr<LlamaModel> model;
+    std::unique_ptr<CausalLm> model;
     std::unique_ptr<Optimizer> optimizer;
     AccumulationWindow window;
     int64_t step = 0;
@@ -176,15 +182,15 @@ class Engine {
   // Whether gradients must be summed across ranks before a step: over
   // groups_.replicas (expert ones over groups_.expert_replicas), and between
   // the tied embedding's copies on the first and last pipeline stage.
-  bool NeedsGradientSync(LlamaModel& model) const;
+  bool NeedsGradientSync(CausalLm& model) const;
   // Sums this call's gradients (SyncGradients), leaving earlier calls'
   // (already summed) untouched.
-  absl::Status SyncCallGradients(LlamaModel& model,
+  absl::Status SyncCallGradients(CausalLm& model,
                                  std::vector<torch::Tensor> earlier,
                                  OverlappedGradientSum* overlapped);
   // The replica sums (through `overlapped`, which started during backward,
   // when set), then the tied embedding's.
-  absl::Status SyncGradients(LlamaModel& model,
+  absl::Status SyncGradients(CausalLm& model,
                              OverlappedGradientSum* overlapped = nullptr);
   // Dense gradients over the replicas, expert ones over the expert replicas;
   // only the sets with more than one rank.
@@ -192,7 +198,7 @@ class Engine {
       const std::vector<Parameter>& params) const;
   // Consolidates a sharded or staged model onto rank 0 (nullptrs elsewhere).
   absl::Status GatherOnWriter(ModelState& state,
-                              std::unique_ptr<LlamaModel>& full_model,
+                              std::unique_ptr<CausalLm>& full_model,
                               std::unique_ptr<Optimizer>& full_optimizer);
   // Every rank returns an error if any rank's `local` is one, so no rank
   // applies what another refused.
@@ -201,7 +207,8 @@ class Engine {
   // FAILED_PRECONDITION naming the damage when the parameters may be partly
   // updated.
   static absl::Status CheckIntact(const ModelState& state);
-  static void Poison(ModelState& state, std::string reason);
+  // Whether this poisoned the window (false when it already was).
+  static bool Poison(ModelState& state, std::string reason);
 
   EngineOptions options_;
   Mesh mesh_;

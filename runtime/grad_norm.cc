@@ -14,7 +14,7 @@ absl::StatusOr<GradNorm> ComputeGlobalGradNorm(
   std::vector<torch::Tensor> dense, expert, replicas;
   for (const Parameter& p : parameters) {
     const torch::Tensor& grad = p.tensor.grad();
-    if (!grad.defined()) continue;
+    if (!p.trainable || !grad.defined()) continue;
     if (!p.placements.IsCanonicalReplica(mesh)) {
       replicas.push_back(grad);
     } else {

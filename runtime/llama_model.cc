@@ -1,21 +1,18 @@
 #include "runtime/llama_model.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-
 #include <cmath>
+#include <limits>
 #include <map>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "runtime/moe_block.h"
 #include "runtime/parallel_ops.h"
 #include "runtime/pipeline.h"
 
 namespace tally {
-
-torch::ScalarType ToScalarType(DType dtype) {
-  return dtype == DType::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-}
 
 absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp) {
   for (auto [field, value] :
@@ -33,17 +30,6 @@ absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateExpertParallel(const LlamaConfig& config, int ep) {
-  // A dense model has nothing to split: it runs on an ep mesh unchanged.
-  if (!config.is_moe()) return absl::OkStatus();
-  if (config.num_local_experts % ep != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.num_local_experts (", config.num_local_experts,
-                     ") is not divisible by ep (", ep, ")"));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ValidatePipelineParallel(const LlamaConfig& config, int pp) {
   if (pp > config.num_hidden_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -53,87 +39,29 @@ absl::Status ValidatePipelineParallel(const LlamaConfig& config, int pp) {
   return absl::OkStatus();
 }
 
-namespace {
-
-constexpr char kExpertsInfix[] = ".block_sparse_moe.experts.";
-
-}  // namespace
-
-std::optional<std::pair<std::string, int64_t>> StackedExpertName(
-    const std::string& hf_name) {
-  const size_t at = hf_name.find(kExpertsInfix);
-  if (at == std::string::npos) return std::nullopt;
-  const size_t start = at + sizeof(kExpertsInfix) - 1;
-  const size_t dot = hf_name.find('.', start);
-  int64_t expert = 0;
-  if (dot == std::string::npos ||
-      !absl::SimpleAtoi(hf_name.substr(start, dot - start), &expert) ||
-      expert < 0) {
-    return std::nullopt;
-  }
-  return std::make_pair(hf_name.substr(0, start) + hf_name.substr(dot + 1),
-                        expert);
-}
-
-NamedTensors ExpertWeightsToHf(NamedTensors tensors) {
-  NamedTensors out;
-  for (auto& [name, t] : tensors) {
-    const size_t at = name.find(kExpertsInfix);
-    if (at == std::string::npos) {
-      out.emplace_back(std::move(name), std::move(t));
-      continue;
-    }
-    const size_t start = at + sizeof(kExpertsInfix) - 1;
-    for (int64_t e = 0; e < t.size(0); ++e) {
-      out.emplace_back(
-          absl::StrCat(name.substr(0, start), e, ".", name.substr(start)),
-          t[e].contiguous());
-    }
-  }
-  return out;
-}
-
-absl::StatusOr<NamedTensors> ExpertWeightsFromHf(NamedTensors tensors) {
-  NamedTensors out;
-  // Stacked name -> (index into out, experts by index).
-  std::map<std::string, std::pair<size_t, std::map<int64_t, torch::Tensor>>>
-      stacks;
-  for (auto& [name, t] : tensors) {
-    std::optional<std::pair<std::string, int64_t>> stacked =
-        StackedExpertName(name);
-    if (!stacked) {
-      out.emplace_back(std::move(name), std::move(t));
-      continue;
-    }
-    auto [it, fresh] = stacks.try_emplace(stacked->first);
-    if (fresh) {
-      it->second.first = out.size();
-      out.emplace_back(stacked->first, torch::Tensor());
-    }
-    if (!it->second.second.emplace(stacked->second, std::move(t)).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("checkpoint weight ", name, " appears more than once"));
-    }
-  }
-  for (auto& [stacked_name, stack] : stacks) {
-    std::vector<torch::Tensor> experts;
-    for (auto& [e, t] : stack.second) {
-      if (e != static_cast<int64_t>(experts.size())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("checkpoint weights of ", stacked_name,
-                         " miss expert ", experts.size()));
-      }
-      if (!experts.empty() && t.sizes() != experts[0].sizes()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("checkpoint weights of ", stacked_name, ": expert ", e,
-                         " has shape ", c10::str(t.sizes()), ", expert 0 ",
-                         c10::str(experts[0].sizes())));
-      }
-      experts.push_back(std::move(t));
-    }
-    out[stack.first].second = torch::stack(experts);
-  }
-  return out;
+ShardingPlan LlamaShardingPlan(const LlamaConfig& config) {
+  using S = ParallelStyle;
+  ShardingPlan plan;
+  plan.rules = {
+      {"model.embed_tokens.weight", S::kColumnwise,
+       /*shared_across_stages=*/config.tie_word_embeddings},
+      {"model.layers.*.self_attn.q_proj.weight", S::kColumnwise},
+      {"model.layers.*.self_attn.k_proj.weight", S::kColumnwise},
+      {"model.layers.*.self_attn.v_proj.weight", S::kColumnwise},
+      {"model.layers.*.self_attn.o_proj.weight", S::kRowwise},
+      {"model.layers.*.mlp.gate_proj.weight", S::kColumnwise},
+      {"model.layers.*.mlp.up_proj.weight", S::kColumnwise},
+      {"model.layers.*.mlp.down_proj.weight", S::kRowwise},
+      {"model.layers.*.block_sparse_moe.gate.weight", S::kReplicate},
+      {"model.layers.*.block_sparse_moe.experts.w1.weight", S::kExpert},
+      {"model.layers.*.block_sparse_moe.experts.w2.weight", S::kExpert},
+      {"model.layers.*.block_sparse_moe.experts.w3.weight", S::kExpert},
+      {"model.layers.*.input_layernorm.weight", S::kReplicate},
+      {"model.layers.*.post_attention_layernorm.weight", S::kReplicate},
+      {"model.norm.weight", S::kReplicate},
+      {"lm_head.weight", S::kColumnwise},
+  };
+  return plan;
 }
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
@@ -144,136 +72,151 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
   TALLY_RETURN_IF_ERROR(ValidateExpertParallel(config, sharding.ep_size()));
   TALLY_RETURN_IF_ERROR(ValidatePipelineParallel(config, sharding.pp_stages));
   std::unique_ptr<LlamaModel> model(new LlamaModel(config, dtype, sharding));
-  TALLY_RETURN_IF_ERROR(CatchTorch("model init", [&] {
-    torch::NoGradGuard no_grad;
-    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
-    const auto options = torch::TensorOptions().dtype(ToScalarType(dtype));
-    const int64_t h = config.hidden_size, d = config.head_dim();
-    const bool staged = sharding.pp_stages > 1;
-    const bool first = model->first_stage(), last = model->last_stage();
-    const LayerRange layers = StageLayers(
-        config.num_hidden_layers, sharding.pp_stage, sharding.pp_stages);
-    // tp_dim: the dim split over tp (-1: replicated over tp). Experts are
-    // split over ep instead, and not over tp or dp_shard. Every stage draws
-    // every tensor, so each is the same whatever the stage split; `keep`
-    // says whether this stage holds it (-1 returned otherwise).
-    auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm,
-                   int tp_dim, bool keep = true,
-                   bool is_expert = false) -> int {
-      torch::Tensor full =
-          is_norm ? torch::ones(shape, options) : torch::empty(shape, options);
-      if (!is_norm) full.normal_(0.0, 0.02, generator);
-      if (!keep) return -1;
-      Parameter p;
-      p.name = std::move(name);
-      p.full_shape = shape;
-      p.tp_local_shape = shape;
-      p.is_expert = is_expert;
-      if (is_expert) {
-        p.placements.Set(MeshDim::kEp, Placement::Shard(0));
-      } else if (tp_dim >= 0 && sharding.tp_size() > 1) {
-        p.placements.Set(MeshDim::kTp, Placement::Shard(tp_dim));
-        p.tp_local_shape[tp_dim] /= sharding.tp_size();
-      }
-      if (!is_expert && sharding.dp_shard_size() > 1) {
-        p.placements.Set(MeshDim::kDpShard, Placement::Shard(0));
-      }
-      // A tied embedding stays Replicate: its copies on the first and last
-      // stage are one parameter, counted once (on stage 0).
-      if (staged && !(config.tie_word_embeddings &&
-                      p.name == "model.embed_tokens.weight")) {
-        p.placements.Set(MeshDim::kPp, Placement::Shard(0));
-      }
-      p.tensor = model->LocalShard(p, full).set_requires_grad(true);
-      model->parameters_.push_back(std::move(p));
-      return static_cast<int>(model->parameters_.size()) - 1;
-    };
-    model->embed_ =
-        add("model.embed_tokens.weight", {config.vocab_size, h}, false, 0,
-            first || (last && config.tie_word_embeddings));
-    for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-      const std::string p = absl::StrCat("model.layers.", i, ".");
-      const bool keep = i >= layers.begin && i < layers.end;
-      LayerIndex layer;
-      layer.q = add(p + "self_attn.q_proj.weight",
-                    {config.num_attention_heads * d, h}, false, 0, keep);
-      layer.k = add(p + "self_attn.k_proj.weight",
-                    {config.num_key_value_heads * d, h}, false, 0, keep);
-      layer.v = add(p + "self_attn.v_proj.weight",
-                    {config.num_key_value_heads * d, h}, false, 0, keep);
-      layer.o = add(p + "self_attn.o_proj.weight",
-                    {h, config.num_attention_heads * d}, false, 1, keep);
-      const int64_t inter = config.intermediate_size;
-      if (config.is_moe()) {
-        const int64_t experts = config.num_local_experts;
-        const std::string moe = p + "block_sparse_moe.";
-        layer.router = add(moe + "gate.weight", {experts, h}, false, -1, keep);
-        layer.w1 = add(moe + "experts.w1.weight", {experts, inter, h}, false,
-                       -1, keep, /*is_expert=*/true);
-        layer.w2 = add(moe + "experts.w2.weight", {experts, h, inter}, false,
-                       -1, keep, /*is_expert=*/true);
-        layer.w3 = add(moe + "experts.w3.weight", {experts, inter, h}, false,
-                       -1, keep, /*is_expert=*/true);
-      } else {
-        layer.gate =
-            add(p + "mlp.gate_proj.weight", {inter, h}, false, 0, keep);
-        layer.up = add(p + "mlp.up_proj.weight", {inter, h}, false, 0, keep);
-        layer.down =
-            add(p + "mlp.down_proj.weight", {h, inter}, false, 1, keep);
-      }
-      layer.input_norm = add(p + "input_layernorm.weight", {h}, true, -1, keep);
-      layer.post_norm =
-          add(p + "post_attention_layernorm.weight", {h}, true, -1, keep);
-      if (keep) model->layers_.push_back(layer);
-    }
-    model->first_layer_ = layers.begin;
-    model->final_norm_ = add("model.norm.weight", {h}, true, -1, last);
-    model->lm_head_ =
-        config.tie_word_embeddings
-            ? (last ? model->embed_ : -1)
-            : add("lm_head.weight", {config.vocab_size, h}, false, 0, last);
-    if (!first) model->embed_ = -1;
+  TALLY_RETURN_IF_ERROR(CatchTorch("model init", [&]() -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(
+        std::vector<int> indices,
+        model->InitializeParameters(model->ParameterSpecs(),
+                                    LlamaShardingPlan(config), seed));
+    model->IndexParameters(indices);
+    return absl::OkStatus();
   }));
   return model;
 }
 
-torch::Tensor LlamaModel::LocalShard(const Parameter& p,
-                                     const torch::Tensor& full) const {
-  torch::Tensor local = full;
-  if (p.placements.at(MeshDim::kEp).is_shard()) {
-    local = local.chunk(sharding_.ep_size(), 0)[sharding_.ep_rank()];
+std::vector<ParameterSpec> LlamaModel::ParameterSpecs() const {
+  const LlamaConfig& c = config_;
+  const int64_t h = c.hidden_size, d = c.head_dim();
+  const int64_t inter = c.intermediate_size, experts = c.num_local_experts;
+  const bool first = first_stage(), last = last_stage();
+  const LayerRange held_layers =
+      StageLayers(c.num_hidden_layers, sharding_.pp_stage, sharding_.pp_stages);
+  std::vector<ParameterSpec> specs;
+  specs.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, false,
+                   first || (last && c.tie_word_embeddings)});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    const bool held = i >= held_layers.begin && i < held_layers.end;
+    auto add = [&](std::string name, std::vector<int64_t> shape,
+                   bool ones = false) {
+      specs.push_back({p + name, std::move(shape), ones, held});
+    };
+    add("self_attn.q_proj.weight", {c.num_attention_heads * d, h});
+    add("self_attn.k_proj.weight", {c.num_key_value_heads * d, h});
+    add("self_attn.v_proj.weight", {c.num_key_value_heads * d, h});
+    add("self_attn.o_proj.weight", {h, c.num_attention_heads * d});
+    if (c.is_moe()) {
+      add("block_sparse_moe.gate.weight", {experts, h});
+      add("block_sparse_moe.experts.w1.weight", {experts, inter, h});
+      add("block_sparse_moe.experts.w2.weight", {experts, h, inter});
+      add("block_sparse_moe.experts.w3.weight", {experts, inter, h});
+    } else {
+      add("mlp.gate_proj.weight", {inter, h});
+      add("mlp.up_proj.weight", {inter, h});
+      add("mlp.down_proj.weight", {h, inter});
+    }
+    add("input_layernorm.weight", {h}, /*ones=*/true);
+    add("post_attention_layernorm.weight", {h}, /*ones=*/true);
   }
-  const Placement& tp = p.placements.at(MeshDim::kTp);
-  if (tp.is_shard()) {
-    local =
-        local.chunk(sharding_.tp_size(), tp.shard_dim())[sharding_.tp_rank()];
+  specs.push_back({"model.norm.weight", {h}, true, last});
+  if (!c.tie_word_embeddings) {
+    specs.push_back({"lm_head.weight", {c.vocab_size, h}, false, last});
   }
-  if (p.placements.at(MeshDim::kDpShard).is_shard()) {
-    local =
-        ShardDim0(local, sharding_.dp_shard_rank(), sharding_.dp_shard_size());
-  }
-  return local.contiguous().clone();
+  return specs;
 }
 
-absl::StatusOr<torch::Tensor> LlamaModel::GatherFull(
-    const Parameter& p, const torch::Tensor& local) {
-  torch::Tensor t = local.detach();
-  if (p.placements.at(MeshDim::kEp).is_shard() && sharding_.ep_size() > 1) {
-    TALLY_ASSIGN_OR_RETURN(t, sharding_.ep->AllGather(t.contiguous()));
+void LlamaModel::IndexParameters(const std::vector<int>& spec_indices) {
+  std::map<std::string, int> index;
+  for (int i : spec_indices) {
+    if (i >= 0) index[parameters_[i].name] = i;
   }
-  if (p.placements.at(MeshDim::kDpShard).is_shard()) {
-    TALLY_ASSIGN_OR_RETURN(t, sharding_.dp_shard->AllGather(t));
-    t = t.narrow(0, 0, p.tp_local_shape[0]);
+  auto find = [&](const std::string& name) {
+    auto it = index.find(name);
+    return it == index.end() ? -1 : it->second;
+  };
+  const int embedding = find("model.embed_tokens.weight");
+  embed_ = first_stage() ? embedding : -1;
+  final_norm_ = find("model.norm.weight");
+  lm_head_ = config_.tie_word_embeddings ? (last_stage() ? embedding : -1)
+                                         : find("lm_head.weight");
+  const LayerRange held = StageLayers(config_.num_hidden_layers,
+                                      sharding_.pp_stage, sharding_.pp_stages);
+  first_layer_ = held.begin;
+  for (int64_t i = held.begin; i < held.end; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    LayerIndex layer;
+    layer.q = find(p + "self_attn.q_proj.weight");
+    layer.k = find(p + "self_attn.k_proj.weight");
+    layer.v = find(p + "self_attn.v_proj.weight");
+    layer.o = find(p + "self_attn.o_proj.weight");
+    layer.gate = find(p + "mlp.gate_proj.weight");
+    layer.up = find(p + "mlp.up_proj.weight");
+    layer.down = find(p + "mlp.down_proj.weight");
+    layer.router = find(p + "block_sparse_moe.gate.weight");
+    layer.w1 = find(p + "block_sparse_moe.experts.w1.weight");
+    layer.w2 = find(p + "block_sparse_moe.experts.w2.weight");
+    layer.w3 = find(p + "block_sparse_moe.experts.w3.weight");
+    layer.input_norm = find(p + "input_layernorm.weight");
+    layer.post_norm = find(p + "post_attention_layernorm.weight");
+    layers_.push_back(layer);
   }
-  const Placement& tp = p.placements.at(MeshDim::kTp);
-  if (tp.is_shard()) {
-    // AllGather concatenates along dim 0: move the split dim there and back.
-    const int dim = tp.shard_dim();
-    TALLY_ASSIGN_OR_RETURN(
-        t, sharding_.tp->AllGather(t.transpose(0, dim).contiguous()));
-    t = t.transpose(0, dim);
+}
+
+std::vector<std::string> LlamaModel::ParameterNames() const {
+  std::vector<std::string> names;
+  for (ParameterSpec& spec : ParameterSpecs()) {
+    names.push_back(std::move(spec.name));
   }
-  return t.contiguous();
+  return names;
+}
+
+std::vector<AuxiliaryLoss> LlamaModel::auxiliary_losses() const {
+  if (!config_.is_moe()) return {};
+  return {{kRouterLoadBalancing, config_.router_aux_loss_coef}};
+}
+
+int64_t LlamaModel::routed_experts() const {
+  return config_.num_local_experts;
+}
+
+int LlamaModel::OwningStage(const std::string& name, int stages) const {
+  const int64_t num_layers = config_.num_hidden_layers;
+  if (name == "model.embed_tokens.weight") return 0;
+  if (name == "model.norm.weight" || name == "lm_head.weight") {
+    return stages - 1;
+  }
+  constexpr char kPrefix[] = "model.layers.";
+  if (!absl::StartsWith(name, kPrefix)) return -1;
+  const size_t begin = sizeof(kPrefix) - 1;
+  const size_t end = name.find('.', begin);
+  int64_t layer;
+  if (end == std::string::npos ||
+      !absl::SimpleAtoi(name.substr(begin, end - begin), &layer) || layer < 0 ||
+      layer >= num_layers) {
+    return -1;
+  }
+  for (int s = 0; s < stages; ++s) {
+    if (layer < StageLayers(num_layers, s, stages).end) return s;
+  }
+  return -1;
+}
+
+Parameter* LlamaModel::SplitTiedEmbedding() {
+  if (!config_.tie_word_embeddings || sharding_.pp_stages == 1) return nullptr;
+  Parameter* copy = first_stage()  ? &parameters_[embed_]
+                    : last_stage() ? &parameters_[lm_head_]
+                                   : nullptr;
+  // A frozen embedding has no gradients to sum.
+  return copy != nullptr && copy->trainable ? copy : nullptr;
+}
+
+NamedTensors LlamaModel::ToHfTensors(NamedTensors tensors) const {
+  return config_.is_moe() ? ExpertWeightsToHf(std::move(tensors)) : tensors;
+}
+
+absl::StatusOr<NamedTensors> LlamaModel::FromHfTensors(
+    NamedTensors tensors) const {
+  if (!config_.is_moe()) return tensors;
+  return ExpertWeightsFromHf(std::move(tensors));
 }
 
 torch::Tensor LlamaModel::Weight(int index) {
@@ -295,28 +238,8 @@ torch::Tensor LlamaModel::LeaveTensorParallel(const torch::Tensor& x) {
              : ReduceFromTensorParallelRegion(x, *sharding_.tp);
 }
 
-Parameter* LlamaModel::Find(const std::string& name) {
-  for (Parameter& p : parameters_) {
-    if (p.name == name) return &p;
-  }
-  return nullptr;
-}
-
-Parameter* LlamaModel::SplitTiedEmbedding() {
-  if (!config_.tie_word_embeddings || sharding_.pp_stages == 1) return nullptr;
-  if (first_stage()) return &parameters_[embed_];
-  if (last_stage()) return &parameters_[lm_head_];
-  return nullptr;
-}
-
-uint64_t LlamaModel::NumParameters() const {
-  uint64_t n = 0;
-  for (const Parameter& p : parameters_) {
-    uint64_t numel = 1;
-    for (int64_t size : p.full_shape) numel *= size;
-    n += numel;
-  }
-  return n;
+torch::Tensor LlamaModel::Project(const torch::Tensor& x, int index) {
+  return torch::linear(x, Weight(index));
 }
 
 torch::Tensor LlamaModel::RmsNorm(const torch::Tensor& x,
@@ -348,9 +271,9 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   auto split_heads = [&](const torch::Tensor& t, int64_t n) {
     return t.view({batch, seq, n, d}).transpose(1, 2);
   };
-  torch::Tensor q = split_heads(torch::linear(h, Weight(idx.q)), heads);
-  torch::Tensor k = split_heads(torch::linear(h, Weight(idx.k)), kv_heads);
-  torch::Tensor v = split_heads(torch::linear(h, Weight(idx.v)), kv_heads);
+  torch::Tensor q = split_heads(Project(h, idx.q), heads);
+  torch::Tensor k = split_heads(Project(h, idx.k), kv_heads);
+  torch::Tensor v = split_heads(Project(h, idx.v), kv_heads);
   q = q * cos + RotateHalf(q) * sin;
   k = k * cos + RotateHalf(k) * sin;
   if (sharding_.cp_size() > 1) {
@@ -368,107 +291,61 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   scores = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
   torch::Tensor out = torch::matmul(torch::softmax(scores, -1), v);
   out = out.transpose(1, 2).reshape({batch, seq, heads * d});
-  return LeaveTensorParallel(torch::linear(out, Weight(idx.o)));
+  return LeaveTensorParallel(Project(out, idx.o));
 }
 
 torch::Tensor LlamaModel::Mlp(int layer, const torch::Tensor& h,
-                              int64_t ep_rows, RouterStats* stats) {
+                              int64_t ep_rows, StageIo* io) {
   const LayerIndex& idx = layers_[layer];
-  if (config_.is_moe()) return SparseMoe(layer, h, ep_rows, stats);
+  if (config_.is_moe()) {
+    MoeOptions options;
+    options.num_experts = config_.num_local_experts;
+    options.experts_per_token = config_.num_experts_per_tok;
+    options.layer = first_layer_ + layer;
+    options.num_layers = config_.num_hidden_layers;
+    const MoeWeights weights{Weight(idx.router), Weight(idx.w1),
+                             Weight(idx.w2), Weight(idx.w3)};
+    return SparseMoeForward(options, h, weights, ep_rows, sharding_, io);
+  }
   torch::Tensor x = EnterTensorParallel(h);
-  return LeaveTensorParallel(
-      torch::linear(torch::silu(torch::linear(x, Weight(idx.gate))) *
-                        torch::linear(x, Weight(idx.up)),
-                    Weight(idx.down)));
+  return LeaveTensorParallel(Project(
+      torch::silu(Project(x, idx.gate)) * Project(x, idx.up), idx.down));
 }
 
-torch::Tensor LlamaModel::SparseMoe(int layer, const torch::Tensor& h,
-                                    int64_t ep_rows, RouterStats* stats) {
-  const LayerIndex& idx = layers_[layer];
-  const int64_t hidden = h.size(-1), tokens = h.numel() / hidden;
-  const int64_t experts = config_.num_local_experts;
-  // Replicated over tp: every tp rank computes the whole layer, so it needs
-  // no tp region (the residual stream is identical on the tp ranks).
-  torch::Tensor x = h.reshape({tokens, hidden});
-  torch::Tensor probs =
-      torch::softmax(torch::linear(x, Weight(idx.router)), -1);
-  auto [top_probs, top_experts] =
-      probs.topk(config_.num_experts_per_tok, /*dim=*/-1);
-  torch::Tensor top_sum = top_probs.sum(-1, /*keepdim=*/true);
-  if (stats != nullptr) {
-    const torch::Tensor real = stats->real_tokens.reshape({tokens});
-    stats->expert_tokens[first_layer_ + layer].index_add_(
-        0, top_experts.masked_select(real.unsqueeze(1)),
-        torch::ones({real.sum().item<int64_t>() * top_experts.size(1)},
-                    torch::kFloat64));
-    torch::Tensor aux =
-        (static_cast<double>(experts) / config_.num_hidden_layers) *
-        top_sum.squeeze(1).view(h.sizes().slice(0, 2));
-    stats->aux = stats->aux.defined() ? stats->aux + aux : aux;
-  }
-  top_probs = top_probs / top_sum;
-  // combine[n, e]: token n's weight for expert e, zero outside its top k.
-  torch::Tensor combine =
-      torch::zeros_like(probs).scatter(1, top_experts, top_probs);
-  const int ep = sharding_.ep_size();
-  if (ep > 1) {
-    // Dispatch: every rank's tokens and weights, padded to ep_rows (padding
-    // rows have zero weight for every expert, so no expert computes them).
-    torch::Tensor block = torch::cat({x, combine}, 1);
-    block =
-        torch::cat({block, torch::zeros({ep_rows - tokens, hidden + experts},
-                                        block.options())});
-    torch::Tensor all =
-        GatherShardedParameter(block, ep * ep_rows, *sharding_.ep);
-    x = all.narrow(1, 0, hidden);
-    combine = all.narrow(1, hidden, experts);
-  }
-  const int64_t local_experts = experts / ep;
-  const int64_t first = sharding_.ep_rank() * local_experts;
-  const torch::Tensor w1 = Weight(idx.w1), w2 = Weight(idx.w2),
-                      w3 = Weight(idx.w3);
-  torch::Tensor out = torch::zeros_like(x);
-  for (int64_t e = 0; e < local_experts; ++e) {
-    torch::Tensor weight = combine.select(1, first + e);
-    // An expert without tokens still runs (on zero rows): it contributes
-    // zero, and its weights get a (zero) gradient on every rank alike.
-    torch::Tensor rows = weight.detach().nonzero().squeeze(1);
-    torch::Tensor xe = x.index_select(0, rows);
-    torch::Tensor ye = torch::linear(
-        torch::silu(torch::linear(xe, w1[e])) * torch::linear(xe, w3[e]),
-        w2[e]);
-    out =
-        out.index_add(0, rows, ye * weight.index_select(0, rows).unsqueeze(1));
-  }
-  if (ep > 1) {
-    // Combine: each token's partial outputs summed on its owner.
-    out = ReduceScatterRows(out, *sharding_.ep).narrow(0, 0, tokens);
-  }
-  return out.view(h.sizes());
+torch::Tensor LlamaModel::Embed(const torch::Tensor& input,
+                                int64_t vocab_start) {
+  if (!first_stage()) return input;
+  return sharding_.tp_size() == 1
+             ? torch::embedding(Weight(embed_), input)
+             : VocabParallelEmbedding(input, Weight(embed_), vocab_start,
+                                      *sharding_.tp);
 }
 
-torch::Tensor LlamaModel::TargetLogprobs(const torch::Tensor& inputs,
-                                         const torch::Tensor& targets,
-                                         const AttentionLayout& layout,
-                                         RouterStats* router_stats) {
-  TORCH_CHECK(sharding_.pp_stages == 1,
-              "TargetLogprobs needs the whole model; use StageForward");
-  if (router_stats != nullptr) router_stats->aux = torch::Tensor();
-  return StageForward(inputs, targets, layout, router_stats);
+torch::Tensor LlamaModel::TargetLogprobsFromHidden(const torch::Tensor& x,
+                                                   const torch::Tensor& targets,
+                                                   int64_t vocab_start) {
+  torch::Tensor logits = torch::linear(
+      EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), Weight(lm_head_));
+  if (sharding_.tp_size() > 1) {
+    return VocabParallelTargetLogprobs(logits, targets, vocab_start,
+                                       *sharding_.tp);
+  }
+  return torch::log_softmax(logits, -1)
+      .gather(-1, targets.unsqueeze(-1))
+      .squeeze(-1);
 }
 
 torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
                                        const torch::Tensor& targets,
                                        const AttentionLayout& layout,
-                                       RouterStats* router_stats) {
+                                       StageIo* io) {
   // [B, T]: the token ids, or the leading dims of the hidden states.
   const int64_t batch = input.size(0), seq = input.size(1);
-  if (!config_.is_moe()) router_stats = nullptr;
-  if (router_stats != nullptr) {
-    TORCH_CHECK(
-        router_stats->real_tokens.sizes() == c10::IntArrayRef({batch, seq}),
-        "router_stats.real_tokens must be shaped [B, T] like input");
-    router_stats->expert_tokens =
+  if (!config_.is_moe()) io = nullptr;
+  if (io != nullptr) {
+    TORCH_CHECK(io->real_tokens.sizes() == c10::IntArrayRef({batch, seq}),
+                "io.real_tokens must be shaped [B, T] like input");
+    io->expert_tokens =
         torch::zeros({config_.num_hidden_layers, config_.num_local_experts},
                      torch::kFloat64);
   }
@@ -494,41 +371,21 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
   // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
   const int64_t vocab_start =
       sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
-  torch::Tensor x = input;
-  if (first_stage()) {
-    x = sharding_.tp_size() == 1
-            ? torch::embedding(Weight(embed_), input)
-            : VocabParallelEmbedding(input, Weight(embed_), vocab_start,
-                                     *sharding_.tp);
-  }
+  torch::Tensor x = Embed(input, vocab_start);
   // The expert dispatch pads every ep rank's tokens to the largest count.
-  int64_t ep_rows = batch * seq;
-  if (config_.is_moe() && sharding_.ep_size() > 1) {
-    torch::Tensor rows =
-        torch::tensor({static_cast<double>(ep_rows)}, torch::kFloat64);
-    const absl::Status reduced = sharding_.ep->AllReduce(rows, ReduceOp::kMax);
-    TORCH_CHECK(reduced.ok(),
-                "ep token count all_reduce: ", std::string(reduced.message()));
-    ep_rows = static_cast<int64_t>(rows.item<double>());
-  }
+  const int64_t ep_rows = config_.is_moe()
+                              ? ExpertDispatchRows(batch * seq, sharding_)
+                              : batch * seq;
   for (size_t layer = 0; layer < layers_.size(); ++layer) {
     const LayerIndex& idx = layers_[layer];
     x = x + Attention(static_cast<int>(layer),
                       EnterTensorParallel(RmsNorm(x, Weight(idx.input_norm))),
                       cos, sin, mask);
     x = x + Mlp(static_cast<int>(layer), RmsNorm(x, Weight(idx.post_norm)),
-                ep_rows, router_stats);
+                ep_rows, io);
   }
   if (!last_stage()) return x;
-  torch::Tensor logits = torch::linear(
-      EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), Weight(lm_head_));
-  if (sharding_.tp_size() > 1) {
-    return VocabParallelTargetLogprobs(logits, targets, vocab_start,
-                                       *sharding_.tp);
-  }
-  return torch::log_softmax(logits, -1)
-      .gather(-1, targets.unsqueeze(-1))
-      .squeeze(-1);
+  return TargetLogprobsFromHidden(x, targets, vocab_start);
 }
 
 }  // namespace tally

@@ -20,8 +20,11 @@ void Optimizer::Reset() {
   if (kind_ != OptimizerKind::kAdamW) return;
   torch::NoGradGuard no_grad;
   for (const Parameter& p : *parameters_) {
-    exp_avg_.push_back(torch::zeros_like(p.tensor));
-    exp_avg_sq_.push_back(torch::zeros_like(p.tensor));
+    // A frozen parameter keeps no moments (undefined placeholders).
+    exp_avg_.push_back(p.trainable ? torch::zeros_like(p.tensor)
+                                   : torch::Tensor());
+    exp_avg_sq_.push_back(p.trainable ? torch::zeros_like(p.tensor)
+                                      : torch::Tensor());
   }
 }
 
@@ -32,7 +35,7 @@ absl::Status Optimizer::Step(const AdamParams& hp, double grad_scale) {
   std::vector<size_t> composed;
   for (size_t i = 0; i < parameters_->size(); ++i) {
     const torch::Tensor& p = (*parameters_)[i].tensor;
-    if (!p.grad().defined()) continue;
+    if (!(*parameters_)[i].trainable || !p.grad().defined()) continue;
     kernels::UpdateOperands operands;
     operands.param = p;
     operands.grad = p.grad();
@@ -86,10 +89,16 @@ void Optimizer::StepComposed(size_t index, const AdamParams& hp,
   p.addcdiv_(exp_avg_[index], denom, -hp.learning_rate / bias_correction1);
 }
 
+std::vector<std::string> Optimizer::StateSuffixes(OptimizerKind kind) {
+  if (kind != OptimizerKind::kAdamW) return {};
+  return {".exp_avg", ".exp_avg_sq"};
+}
+
 std::vector<std::pair<std::string, torch::Tensor>> Optimizer::StateTensors()
     const {
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (size_t i = 0; i < exp_avg_.size(); ++i) {
+    if (!exp_avg_[i].defined()) continue;  // frozen
     const std::string& name = (*parameters_)[i].name;
     out.emplace_back(name + ".exp_avg", exp_avg_[i]);
     out.emplace_back(name + ".exp_avg_sq", exp_avg_sq_[i]);
@@ -121,6 +130,11 @@ absl::Status Optimizer::LoadState(
   };
   if (kind_ == OptimizerKind::kAdamW) {
     for (const Parameter& p : *parameters_) {
+      if (!p.trainable) {
+        exp_avg.emplace_back();
+        exp_avg_sq.emplace_back();
+        continue;
+      }
       TALLY_ASSIGN_OR_RETURN(torch::Tensor m,
                              find(p.name + ".exp_avg", p.tensor));
       TALLY_ASSIGN_OR_RETURN(torch::Tensor v,

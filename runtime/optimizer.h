@@ -9,7 +9,7 @@
 // (kernels/fused_optimizer.h), one pass over memory; any other parameter
 // takes the composed LibTorch ops, with the same arithmetic. State (moments
 // and the step count used for bias correction) exists only for the local
-// shards.
+// shards of trainable parameters; frozen ones are never stepped.
 //
 //   tally::Optimizer opt(tally::OptimizerKind::kAdamW, &model->parameters());
 //   TALLY_RETURN_IF_ERROR(opt.Step(params, clip.grad_scale));
@@ -45,8 +45,11 @@ class Optimizer {
   // Moments start again from zero and the step count from 0.
   void Reset();
 
-  // "<param name>.exp_avg" / "<param name>.exp_avg_sq" for AdamW; empty for
-  // SGD. The tensors alias the live state.
+  // The state tensors of each trainable parameter, named by suffix:
+  // {".exp_avg", ".exp_avg_sq"} for AdamW, none for SGD.
+  static std::vector<std::string> StateSuffixes(OptimizerKind kind);
+  // "<param name><suffix>" for every trainable parameter and StateSuffixes
+  // entry. The tensors alias the live state.
   std::vector<std::pair<std::string, torch::Tensor>> StateTensors() const;
   // Replaces the state from tensors named as StateTensors() names them;
   // INVALID_ARGUMENT naming the tensor when one is missing or misshaped.

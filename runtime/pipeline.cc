@@ -2,9 +2,6 @@
 
 #include <algorithm>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
-
 namespace tally {
 
 LayerRange StageLayers(int64_t num_layers, int stage, int stages) {
@@ -13,27 +10,6 @@ LayerRange StageLayers(int64_t num_layers, int stage, int stages) {
   r.begin = stage * base + std::min<int64_t>(stage, extra);
   r.end = r.begin + base + (stage < extra ? 1 : 0);
   return r;
-}
-
-int OwningStage(const std::string& name, int64_t num_layers, int stages) {
-  if (name == "model.embed_tokens.weight") return 0;
-  if (name == "model.norm.weight" || name == "lm_head.weight") {
-    return stages - 1;
-  }
-  constexpr char kPrefix[] = "model.layers.";
-  if (!absl::StartsWith(name, kPrefix)) return -1;
-  const size_t begin = sizeof(kPrefix) - 1;
-  const size_t end = name.find('.', begin);
-  int64_t layer;
-  if (end == std::string::npos ||
-      !absl::SimpleAtoi(name.substr(begin, end - begin), &layer) || layer < 0 ||
-      layer >= num_layers) {
-    return -1;
-  }
-  for (int s = 0; s < stages; ++s) {
-    if (layer < StageLayers(num_layers, s, stages).end) return s;
-  }
-  return -1;
 }
 
 std::vector<PipelineStep> OneForwardOneBackward(int stage, int stages,

@@ -1,5 +1,6 @@
-// Pipeline parallelism: how the decoder layers split into stages, which
-// stage owns each parameter, and the 1F1B schedule each stage runs.
+// Pipeline parallelism: how the decoder layers split into stages and the
+// 1F1B schedule each stage runs (which stage owns a parameter is the model
+// family's to say: CausalLm::OwningStage).
 //
 // Stage 0 holds the embedding, the last stage the final norm and lm_head;
 // the layers split into contiguous runs, the first L % P stages taking one
@@ -15,7 +16,6 @@
 #define TALLY_RUNTIME_PIPELINE_H_
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 namespace tally {
@@ -28,10 +28,6 @@ struct LayerRange {
 
 // Requires 1 <= stages <= num_layers and 0 <= stage < stages.
 LayerRange StageLayers(int64_t num_layers, int stage, int stages);
-
-// The stage that owns (and checkpoints) the HF parameter `name`; -1 for a
-// name that is no parameter of a Llama model.
-int OwningStage(const std::string& name, int64_t num_layers, int stages);
 
 struct PipelineStep {
   bool forward = true;

@@ -1,6 +1,19 @@
 #include "runtime/types.h"
 
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
 namespace tally {
+
+absl::Status ValidateMaxGradNorm(double max_grad_norm,
+                                 absl::string_view field) {
+  if (std::isfinite(max_grad_norm) && max_grad_norm >= 0) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, " must be finite and >= 0, got ", max_grad_norm));
+}
 
 const char* DTypeName(DType dtype) {
   return dtype == DType::kFloat64 ? "float64" : "float32";

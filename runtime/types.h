@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "runtime/llama_config.h"
 
 namespace tally {
@@ -62,6 +64,9 @@ struct ModelSpec {
   // Tally checkpoint or HF Llama directory. Its config.json is used; a
   // `config` given as well (vocab_size != 0) must equal it.
   std::string init_checkpoint;
+  // Parameters that do not train (CausalLm::Freeze patterns, '*' for a layer
+  // number); each must match a parameter of the model.
+  std::vector<std::string> frozen;
 };
 
 struct Sample {
@@ -115,6 +120,10 @@ struct OptimStepArgs {
   NonFinitePolicy nonfinite = NonFinitePolicy::kSkip;
 };
 
+// INVALID_ARGUMENT naming `field` unless `max_grad_norm` is finite and >= 0
+// (0: no clipping). The one rule for every place a clip threshold enters.
+absl::Status ValidateMaxGradNorm(double max_grad_norm, absl::string_view field);
+
 struct OptimStepResult {
   int64_t step = 0;
   double grad_norm = 0.0;
@@ -148,6 +157,9 @@ struct SaveOptions {
   bool allow_pending = false;
   // Opaque bytes of the server (its sequencing state), stored as they are.
   std::string server_state;
+  // Write the trainable parameters only (an adapter without its frozen
+  // base); loading it leaves the frozen ones as they are.
+  bool trainable_only = false;
 };
 
 struct SaveResult {

@@ -1,14 +1,16 @@
 #include "server/checkpointer.h"
 
 #include <algorithm>
-#include <chrono>
 #include <filesystem>
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/log.h"
 #include "base/status.h"
 #include "runtime/checkpoint.h"
+#include "server/checkpoint_retention.h"
 #include "server/commands.h"
 #include "server/convert.h"
 
@@ -16,11 +18,6 @@ namespace tally {
 namespace {
 
 namespace fs = std::filesystem;
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-      .count();
-}
 
 v1::DType ToProto(DType dtype) {
   return dtype == DType::kFloat64 ? v1::DTYPE_FLOAT64 : v1::DTYPE_FLOAT32;
@@ -85,11 +82,12 @@ absl::Status Checkpointer::SaveStep(const std::string& model_id, int64_t step,
   request.set_model_id(model_id);
   request.set_path(StepCheckpointDir(ModelDir(model_id), step));
   request.set_allow_pending(allow_pending);
+  RankZeroData rank_zero;
+  if (server_state_source_) {
+    rank_zero.server_state = server_state_source_(model_id);
+  }
   TALLY_RETURN_IF_ERROR(
-      ReplicateCommand(*control_, Command::kSaveCheckpoint, request));
-  TALLY_RETURN_IF_ERROR(ExecuteSaveCheckpoint(
-      *engine_, request, saved,
-      server_state_source_ ? server_state_source_(model_id) : ""));
+      commands_.Run(kSaveCheckpointCommand, request, saved, rank_zero));
   return PruneStepCheckpoints(ModelDir(model_id), options_.keep);
 }
 
@@ -99,11 +97,12 @@ void Checkpointer::AfterOptimStep(const std::string& model_id,
       response.step() % options_.every_steps != 0) {
     return;
   }
-  const auto start = std::chrono::steady_clock::now();
+  const absl::Time start = absl::Now();
   v1::SaveCheckpointResponse saved;
   const absl::Status status =
       SaveStep(model_id, response.step(), /*allow_pending=*/false, &saved);
-  metrics_->RecordCheckpoint("periodic", status.ok(), SecondsSince(start));
+  metrics_->RecordCheckpoint("periodic", status.ok(),
+                             absl::ToDoubleSeconds(absl::Now() - start));
   if (!status.ok()) {
     Log(LogLevel::kWarning,
         absl::StrCat("periodic checkpoint of model '", model_id, "' at step ",
@@ -113,13 +112,14 @@ void Checkpointer::AfterOptimStep(const std::string& model_id,
 
 void Checkpointer::SaveAllOnExit() {
   for (const ModelSummary& model : engine_->ListModels()) {
-    const auto start = std::chrono::steady_clock::now();
+    const absl::Time start = absl::Now();
     v1::SaveCheckpointResponse saved;
     // The steps taken are worth keeping even when a window is pending; its
     // gradients could not be resumed anyway.
     const absl::Status status =
         SaveStep(model.model_id, model.step, /*allow_pending=*/true, &saved);
-    metrics_->RecordCheckpoint("exit", status.ok(), SecondsSince(start));
+    metrics_->RecordCheckpoint("exit", status.ok(),
+                               absl::ToDoubleSeconds(absl::Now() - start));
     if (!status.ok()) {
       Log(LogLevel::kError,
           absl::StrCat("exit checkpoint of model '", model.model_id,
@@ -158,10 +158,11 @@ ResumeReport Checkpointer::Resume() {
   for (const std::string& model_id : model_ids) {
     bool done = false;
     for (const std::string& path : ListStepCheckpoints(ModelDir(model_id))) {
-      const auto start = std::chrono::steady_clock::now();
+      const absl::Time start = absl::Now();
       ResumedModel model;
       const absl::Status status = ResumeModel(model_id, path, &model);
-      metrics_->RecordCheckpoint("resume", status.ok(), SecondsSince(start));
+      metrics_->RecordCheckpoint("resume", status.ok(),
+                                 absl::ToDoubleSeconds(absl::Now() - start));
       if (absl::IsDataLoss(status)) {
         Log(LogLevel::kWarning, absl::StrCat("skipping damaged checkpoint ",
                                              path, ": ", status.message()));
@@ -196,9 +197,8 @@ void Checkpointer::DiscardHalfResumed(const std::string& model_id) {
   v1::DeleteModelRequest request;
   request.set_model_id(model_id);
   v1::DeleteModelResponse deleted;
-  absl::Status status =
-      ReplicateCommand(*control_, Command::kDeleteModel, request);
-  if (status.ok()) status = ExecuteDeleteModel(*engine_, request, &deleted);
+  const absl::Status status =
+      commands_.Run(kDeleteModelCommand, request, &deleted);
   if (!status.ok()) {
     Log(LogLevel::kError, absl::StrCat("deleting the half-resumed model '",
                                        model_id, "': ", status.ToString()));
@@ -234,20 +234,18 @@ absl::Status Checkpointer::ResumeModel(const std::string& model_id,
                              : v1::GRAD_SYNC_EAGER);
     create.set_init_checkpoint(path);
     v1::ModelInfo created;
-    TALLY_RETURN_IF_ERROR(
-        ReplicateCommand(*control_, Command::kCreateModel, create));
-    TALLY_RETURN_IF_ERROR(ExecuteCreateModel(*engine_, create, &created));
+    TALLY_RETURN_IF_ERROR(commands_.Run(kCreateModelCommand, create, &created));
   }
   v1::LoadCheckpointRequest load;
   load.set_model_id(model_id);
   load.set_path(path);
   load.set_load_optimizer(true);
   v1::LoadCheckpointResponse response;
-  TALLY_RETURN_IF_ERROR(
-      ReplicateCommand(*control_, Command::kLoadCheckpoint, load));
   LoadResult loaded;
+  RankZeroData rank_zero;
+  rank_zero.loaded = &loaded;
   TALLY_RETURN_IF_ERROR(
-      ExecuteLoadCheckpoint(*engine_, load, &response, &loaded));
+      commands_.Run(kLoadCheckpointCommand, load, &response, rank_zero));
   resumed->server_state = std::move(loaded.server_state);
   TALLY_RETURN_IF_ERROR(PoisonDroppedWindow(*control_, *engine_, model_id,
                                             loaded.unsaved_window,

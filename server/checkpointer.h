@@ -7,8 +7,9 @@
 // full checkpoint each; with bearer-token auth a model's engine id is
 // "<tenant>/<model_id>", so its directory is <dir>/<tenant>/<model_id>/.
 // Every call runs on the executor thread (or before serving starts, or after
-// the executor stopped) and replicates its commands to the other ranks, like
-// a client request.
+// the executor stopped) and runs its commands on every rank through the
+// command table (commands.h), like a client request; it records its own
+// checkpoint metrics, not the table's.
 //
 //   tally::Checkpointer checkpointer(options, engine, &engine->control(),
 //                                    metrics);
@@ -26,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "runtime/communicator.h"
 #include "runtime/engine.h"
+#include "server/commands.h"
 #include "server/metrics.h"
 #include "tally/v1/trainer.pb.h"
 
@@ -66,6 +68,7 @@ class Checkpointer {
       : options_(std::move(options)),
         engine_(engine),
         control_(control),
+        commands_(*control, *engine, /*metrics=*/nullptr),
         metrics_(metrics) {}
 
   // The bytes stored as a checkpoint's server_state (the sequencing state of
@@ -129,6 +132,7 @@ class Checkpointer {
   CheckpointerOptions options_;
   Engine* engine_;
   Communicator* control_;
+  const CommandRunner commands_;
   ServerMetrics* metrics_;
   std::function<std::string(const std::string&)> server_state_source_;
 };

@@ -1,6 +1,8 @@
 #include "server/commands.h"
 
-#include <chrono>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
@@ -8,28 +10,49 @@
 #include "server/convert.h"
 
 namespace tally {
+namespace {
 
 absl::Status ExecuteCreateModel(Engine& engine,
                                 const v1::CreateModelRequest& request,
-                                v1::ModelInfo* response) {
+                                v1::ModelInfo* response, const RankZeroData&) {
   TALLY_ASSIGN_OR_RETURN(ModelSpec spec, ParseCreateModel(request));
   TALLY_ASSIGN_OR_RETURN(ModelSummary summary, engine.CreateModel(spec));
   ToProto(summary, response);
   return absl::OkStatus();
 }
 
+void RecordCreateModel(ServerMetrics& metrics, const Engine& engine,
+                       const v1::CreateModelRequest& request,
+                       const v1::ModelInfo& response,
+                       const absl::Status& status, double) {
+  if (!status.ok()) return;
+  metrics.SetModelCount(engine.num_models());
+  metrics.SetPendingTokens(CreatedModelId(request, response), 0);
+}
+
 absl::Status ExecuteDeleteModel(Engine& engine,
                                 const v1::DeleteModelRequest& request,
-                                v1::DeleteModelResponse* response) {
+                                v1::DeleteModelResponse* response,
+                                const RankZeroData&) {
   TALLY_ASSIGN_OR_RETURN(ModelSummary summary,
                          engine.DeleteModel(request.model_id()));
   ToProto(summary, response->mutable_model());
   return absl::OkStatus();
 }
 
+void RecordDeleteModel(ServerMetrics& metrics, const Engine& engine,
+                       const v1::DeleteModelRequest& request,
+                       const v1::DeleteModelResponse&,
+                       const absl::Status& status, double) {
+  if (!status.ok()) return;
+  metrics.RemoveModel(request.model_id());
+  metrics.SetModelCount(engine.num_models());
+}
+
 absl::Status ExecuteForwardBackward(Engine& engine,
                                     const v1::ForwardBackwardRequest& request,
-                                    v1::ForwardBackwardResponse* response) {
+                                    v1::ForwardBackwardResponse* response,
+                                    const RankZeroData&) {
   TALLY_ASSIGN_OR_RETURN(ForwardBackwardArgs args,
                          ParseForwardBackward(request));
   TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult result,
@@ -38,9 +61,22 @@ absl::Status ExecuteForwardBackward(Engine& engine,
   return absl::OkStatus();
 }
 
+void RecordForwardBackward(ServerMetrics& metrics, const Engine&,
+                           const v1::ForwardBackwardRequest& request,
+                           const v1::ForwardBackwardResponse& response,
+                           const absl::Status& status, double seconds) {
+  if (status.ok()) {
+    metrics.RecordForwardBackward(request.model_id(), response,
+                                  !request.forward_only(), seconds);
+  } else if (PoisonedTheWindow(status)) {
+    metrics.RecordPoisonedWindow(request.model_id());
+  }
+}
+
 absl::Status ExecuteOptimStep(Engine& engine,
                               const v1::OptimStepRequest& request,
-                              v1::OptimStepResponse* response) {
+                              v1::OptimStepResponse* response,
+                              const RankZeroData&) {
   TALLY_ASSIGN_OR_RETURN(OptimStepArgs args, ParseOptimStep(request));
   TALLY_ASSIGN_OR_RETURN(OptimStepResult result,
                          engine.OptimStep(request.model_id(), args));
@@ -48,9 +84,20 @@ absl::Status ExecuteOptimStep(Engine& engine,
   return absl::OkStatus();
 }
 
+void RecordOptimStep(ServerMetrics& metrics, const Engine&,
+                     const v1::OptimStepRequest& request,
+                     const v1::OptimStepResponse& response,
+                     const absl::Status& status, double seconds) {
+  if (status.ok()) {
+    metrics.RecordOptimStep(request.model_id(), response, seconds);
+  } else if (PoisonedTheWindow(status)) {
+    metrics.RecordPoisonedWindow(request.model_id());
+  }
+}
+
 absl::Status ExecuteAbortAccumulation(
     Engine& engine, const v1::AbortAccumulationRequest& request,
-    v1::AbortAccumulationResponse* response) {
+    v1::AbortAccumulationResponse* response, const RankZeroData&) {
   TALLY_ASSIGN_OR_RETURN(WindowCounts discarded,
                          engine.AbortAccumulation(request.model_id()));
   response->set_discarded_calls(discarded.calls);
@@ -59,6 +106,89 @@ absl::Status ExecuteAbortAccumulation(
   response->set_discarded_reduction(ToProto(discarded.reduction));
   return absl::OkStatus();
 }
+
+void RecordAbortAccumulation(ServerMetrics& metrics, const Engine&,
+                             const v1::AbortAccumulationRequest& request,
+                             const v1::AbortAccumulationResponse&,
+                             const absl::Status& status, double) {
+  if (status.ok()) metrics.SetPendingTokens(request.model_id(), 0);
+}
+
+void RecordSaveCheckpoint(ServerMetrics& metrics, const Engine&,
+                          const v1::SaveCheckpointRequest&,
+                          const v1::SaveCheckpointResponse&,
+                          const absl::Status& status, double seconds) {
+  metrics.RecordCheckpoint("save", status.ok(), seconds);
+}
+
+void RecordLoadCheckpoint(ServerMetrics& metrics, const Engine&,
+                          const v1::LoadCheckpointRequest& request,
+                          const v1::LoadCheckpointResponse&,
+                          const absl::Status& status, double seconds) {
+  metrics.RecordCheckpoint("load", status.ok(), seconds);
+  if (status.ok()) metrics.SetPendingTokens(request.model_id(), 0);
+}
+
+absl::Status ExecutePoisonWindow(
+    Engine& engine, const v1::internal::PoisonWindowCommand& request,
+    bool* poisoned, const RankZeroData&) {
+  TALLY_ASSIGN_OR_RETURN(
+      *poisoned, engine.PoisonWindow(request.model_id(), request.reason()));
+  return absl::OkStatus();
+}
+
+void RecordPoisonWindow(ServerMetrics& metrics, const Engine&,
+                        const v1::internal::PoisonWindowCommand& request,
+                        const bool& poisoned, const absl::Status& status,
+                        double) {
+  if (status.ok() && poisoned) metrics.RecordPoisonedWindow(request.model_id());
+}
+
+}  // namespace
+
+constexpr CommandSpec<v1::CreateModelRequest, v1::ModelInfo>
+    kCreateModelCommand = {Command::kCreateModel, &ExecuteCreateModel,
+                           &RecordCreateModel, /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::DeleteModelRequest, v1::DeleteModelResponse>
+    kDeleteModelCommand = {Command::kDeleteModel, &ExecuteDeleteModel,
+                           &RecordDeleteModel, /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::ForwardBackwardRequest, v1::ForwardBackwardResponse>
+    kForwardBackwardCommand = {Command::kForwardBackward,
+                               &ExecuteForwardBackward, &RecordForwardBackward,
+                               &ServerMetrics::ObserveForwardBackwardSeconds};
+constexpr CommandSpec<v1::OptimStepRequest, v1::OptimStepResponse>
+    kOptimStepCommand = {Command::kOptimStep, &ExecuteOptimStep,
+                         &RecordOptimStep,
+                         &ServerMetrics::ObserveOptimStepSeconds};
+constexpr CommandSpec<v1::AbortAccumulationRequest,
+                      v1::AbortAccumulationResponse>
+    kAbortAccumulationCommand = {Command::kAbortAccumulation,
+                                 &ExecuteAbortAccumulation,
+                                 &RecordAbortAccumulation,
+                                 /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::SaveCheckpointRequest, v1::SaveCheckpointResponse>
+    kSaveCheckpointCommand = {
+        Command::kSaveCheckpoint,
+        [](Engine& engine, const v1::SaveCheckpointRequest& request,
+           v1::SaveCheckpointResponse* response,
+           const RankZeroData& rank_zero) {
+          return ExecuteSaveCheckpoint(engine, request, response,
+                                       rank_zero.server_state);
+        },
+        &RecordSaveCheckpoint, /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::LoadCheckpointRequest, v1::LoadCheckpointResponse>
+    kLoadCheckpointCommand = {
+        Command::kLoadCheckpoint,
+        [](Engine& engine, const v1::LoadCheckpointRequest& request,
+           v1::LoadCheckpointResponse* response,
+           const RankZeroData& rank_zero) {
+          return ExecuteLoadCheckpoint(engine, request, response,
+                                       rank_zero.loaded);
+        },
+        &RecordLoadCheckpoint, /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::internal::PoisonWindowCommand, bool>
+    kPoisonWindowCommand = {Command::kPoisonWindow, &ExecutePoisonWindow,
+                            &RecordPoisonWindow, /*observe_seconds=*/nullptr};
 
 absl::Status ExecuteSaveCheckpoint(Engine& engine,
                                    const v1::SaveCheckpointRequest& request,
@@ -95,33 +225,6 @@ absl::Status ExecuteLoadCheckpoint(Engine& engine,
   return absl::OkStatus();
 }
 
-absl::Status ExecutePoisonWindow(Engine& engine,
-                                 const v1::GetModelRequest& request,
-                                 v1::ModelInfo* response,
-                                 const std::string& reason) {
-  TALLY_RETURN_IF_ERROR(engine.PoisonWindow(request.model_id(), reason));
-  TALLY_ASSIGN_OR_RETURN(ModelSummary summary,
-                         engine.GetModel(request.model_id()));
-  ToProto(summary, response);
-  return absl::OkStatus();
-}
-
-absl::Status PoisonDroppedWindow(Communicator& control, Engine& engine,
-                                 const std::string& model_id,
-                                 const WindowCounts& dropped,
-                                 absl::string_view cause) {
-  if (dropped.calls == 0) return absl::OkStatus();
-  v1::GetModelRequest poison;
-  poison.set_model_id(model_id);
-  TALLY_RETURN_IF_ERROR(
-      ReplicateCommand(control, Command::kPoisonWindow, poison));
-  v1::ModelInfo poisoned;
-  return ExecutePoisonWindow(
-      engine, poison, &poisoned,
-      absl::StrCat(cause, " a checkpoint that dropped ", dropped.calls,
-                   " pending ForwardBackward calls of this window"));
-}
-
 absl::Status ReplicateCommand(Communicator& control, Command command,
                               const google::protobuf::Message& request) {
   if (control.size() == 1) return absl::OkStatus();
@@ -139,31 +242,94 @@ absl::Status ReplicateCommand(Communicator& control, Command command,
   return control.Broadcast(bytes, /*root=*/0);
 }
 
+absl::Status PoisonDroppedWindow(Communicator& control, Engine& engine,
+                                 const std::string& model_id,
+                                 const WindowCounts& dropped,
+                                 absl::string_view cause) {
+  if (dropped.calls == 0) return absl::OkStatus();
+  v1::internal::PoisonWindowCommand poison;
+  poison.set_model_id(model_id);
+  poison.set_reason(
+      absl::StrCat(cause, " a checkpoint that dropped ", dropped.calls,
+                   " pending ForwardBackward calls of this window"));
+  bool poisoned = false;
+  return CommandRunner(control, engine, /*metrics=*/nullptr)
+      .Run(kPoisonWindowCommand, poison, &poisoned);
+}
+
 namespace {
 
-// Parses the payload as `Request` and runs `execute` on it; `model_id` gets
-// the request's model id.
-template <typename Request, typename Response>
-absl::Status Run(Engine& engine, const std::string& payload,
-                 absl::Status (*execute)(Engine&, const Request&, Response*),
-                 std::string* model_id) {
-  Request request;
+// The command table as ranks > 0 read it: every entry behind one signature.
+struct ReplicaEntry {
+  Command command;
+  // Parses `payload` as the entry's request and executes it on this rank;
+  // `model_id` gets the request's.
+  absl::Status (*run)(Engine& engine, const std::string& payload,
+                      std::string* model_id);
+  void (ServerMetrics::*observe_seconds)(const std::string& model_id,
+                                         double seconds);
+};
+
+template <const auto& kSpec>
+absl::Status RunReplica(Engine& engine, const std::string& payload,
+                        std::string* model_id) {
+  using Spec = std::decay_t<decltype(kSpec)>;
+  typename Spec::Request request;
   if (!request.ParseFromString(payload)) {
     return absl::DataLossError("cannot parse a replicated command");
   }
   *model_id = request.model_id();
-  Response response;
+  typename Spec::Response response{};
   bool threw = true;
   absl::Status status = CatchTorch("a replicated command", [&] {
-    absl::Status executed = execute(engine, request, &response);
+    absl::Status executed =
+        kSpec.execute(engine, request, &response, RankZeroData());
     threw = false;
     return executed;
   });
   if (threw && !model_id->empty()) {
     // The window may hold part of the call: never step on it silently.
-    engine.PoisonWindow(*model_id, std::string(status.message())).IgnoreError();
+    engine.PoisonWindow(*model_id, std::string(status.message()))
+        .status()
+        .IgnoreError();
   }
   return status;
+}
+
+template <const auto& kSpec>
+constexpr ReplicaEntry ReplicaEntryOf() {
+  return {kSpec.command, &RunReplica<kSpec>, kSpec.observe_seconds};
+}
+
+constexpr ReplicaEntry kCommandTable[] = {
+    ReplicaEntryOf<kCreateModelCommand>(),
+    ReplicaEntryOf<kDeleteModelCommand>(),
+    ReplicaEntryOf<kForwardBackwardCommand>(),
+    ReplicaEntryOf<kOptimStepCommand>(),
+    ReplicaEntryOf<kAbortAccumulationCommand>(),
+    ReplicaEntryOf<kSaveCheckpointCommand>(),
+    ReplicaEntryOf<kLoadCheckpointCommand>(),
+    ReplicaEntryOf<kPoisonWindowCommand>(),
+};
+
+const ReplicaEntry* FindReplicaEntry(Command command) {
+  for (const ReplicaEntry& entry : kCommandTable) {
+    if (entry.command == command) return &entry;
+  }
+  return nullptr;
+}
+
+// Receives the next (command, payload) from rank 0.
+absl::Status ReceiveCommand(Communicator& control, Command* command,
+                            std::string* payload) {
+  torch::Tensor header = torch::zeros({2}, torch::kInt64);
+  TALLY_RETURN_IF_ERROR(control.Broadcast(header, /*root=*/0));
+  *command = static_cast<Command>(header[0].item<int64_t>());
+  payload->assign(static_cast<size_t>(header[1].item<int64_t>()), '\0');
+  if (payload->empty()) return absl::OkStatus();
+  torch::Tensor bytes = torch::from_blob(
+      payload->data(), {static_cast<int64_t>(payload->size())}, torch::kUInt8);
+  return control.Broadcast(bytes, /*root=*/0);
 }
 
 }  // namespace
@@ -171,78 +337,22 @@ absl::Status Run(Engine& engine, const std::string& payload,
 absl::Status CommandLoop(Engine& engine, Communicator& control,
                          ServerMetrics* metrics) {
   while (true) {
-    torch::Tensor header = torch::zeros({2}, torch::kInt64);
-    TALLY_RETURN_IF_ERROR(control.Broadcast(header, /*root=*/0));
-    const auto command = static_cast<Command>(header[0].item<int64_t>());
-    std::string payload(static_cast<size_t>(header[1].item<int64_t>()), '\0');
-    if (!payload.empty()) {
-      torch::Tensor bytes = torch::from_blob(
-          payload.data(), {static_cast<int64_t>(payload.size())},
-          torch::kUInt8);
-      TALLY_RETURN_IF_ERROR(control.Broadcast(bytes, /*root=*/0));
+    Command command;
+    std::string payload;
+    TALLY_RETURN_IF_ERROR(ReceiveCommand(control, &command, &payload));
+    if (command == Command::kShutdown) return absl::OkStatus();
+    const ReplicaEntry* entry = FindReplicaEntry(command);
+    if (entry == nullptr) {
+      return absl::DataLossError(absl::StrCat("unknown replicated command ",
+                                              static_cast<int64_t>(command)));
     }
-    absl::Status status;
+    const absl::Time start = absl::Now();
     std::string model_id;
-    const auto start = std::chrono::steady_clock::now();
-    switch (command) {
-      case Command::kShutdown:
-        return absl::OkStatus();
-      case Command::kCreateModel:
-        status = Run(engine, payload, &ExecuteCreateModel, &model_id);
-        break;
-      case Command::kDeleteModel:
-        status = Run(engine, payload, &ExecuteDeleteModel, &model_id);
-        break;
-      case Command::kForwardBackward:
-        status = Run(engine, payload, &ExecuteForwardBackward, &model_id);
-        break;
-      case Command::kOptimStep:
-        status = Run(engine, payload, &ExecuteOptimStep, &model_id);
-        break;
-      case Command::kAbortAccumulation:
-        status = Run(engine, payload, &ExecuteAbortAccumulation, &model_id);
-        break;
-      case Command::kSaveCheckpoint:
-        // Only rank 0 writes, so the server state is rank 0's to pass.
-        status = Run<v1::SaveCheckpointRequest, v1::SaveCheckpointResponse>(
-            engine, payload,
-            [](Engine& e, const v1::SaveCheckpointRequest& request,
-               v1::SaveCheckpointResponse* response) {
-              return ExecuteSaveCheckpoint(e, request, response);
-            },
-            &model_id);
-        break;
-      case Command::kLoadCheckpoint:
-        status = Run<v1::LoadCheckpointRequest, v1::LoadCheckpointResponse>(
-            engine, payload,
-            [](Engine& e, const v1::LoadCheckpointRequest& request,
-               v1::LoadCheckpointResponse* response) {
-              return ExecuteLoadCheckpoint(e, request, response);
-            },
-            &model_id);
-        break;
-      case Command::kPoisonWindow:
-        status = Run<v1::GetModelRequest, v1::ModelInfo>(
-            engine, payload,
-            [](Engine& e, const v1::GetModelRequest& request,
-               v1::ModelInfo* response) {
-              return ExecutePoisonWindow(e, request, response,
-                                         "rank 0 poisoned the window");
-            },
-            &model_id);
-        break;
-      default:
-        return absl::DataLossError(absl::StrCat("unknown replicated command ",
-                                                static_cast<int64_t>(command)));
-    }
+    const absl::Status status = entry->run(engine, payload, &model_id);
     if (metrics != nullptr) {
-      const double seconds = std::chrono::duration<double>(
-                                 std::chrono::steady_clock::now() - start)
-                                 .count();
-      if (status.ok() && command == Command::kForwardBackward) {
-        metrics->ObserveForwardBackwardSeconds(model_id, seconds);
-      } else if (status.ok() && command == Command::kOptimStep) {
-        metrics->ObserveOptimStepSeconds(model_id, seconds);
+      if (status.ok() && entry->observe_seconds != nullptr) {
+        (metrics->*entry->observe_seconds)(
+            model_id, absl::ToDoubleSeconds(absl::Now() - start));
       } else {
         metrics->RecordRankState();
       }

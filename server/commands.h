@@ -1,17 +1,22 @@
-// Commands: what every rank executes for a mutating request, and how rank 0
-// hands each one to the other ranks.
+// Commands: the command table — every mutating command a rank executes —
+// and how rank 0 hands each one to the other ranks.
 //
-// Rank 0 validates a request, broadcasts it over the control group, then
-// executes it; ranks > 0 run CommandLoop, which receives the same requests in
-// the same order and executes them through the same functions, so every rank
-// takes part in the same collectives. Read-only requests (GetModel,
-// ListModels) stay on rank 0.
+// Each command is one CommandSpec: the request that travels to every rank,
+// the response it fills, how it executes on the engine and what it records
+// in the metrics. Rank 0 runs a command through a CommandRunner, which
+// broadcasts the request over the control group, executes it and records it;
+// ranks > 0 run CommandLoop, which receives the same requests in the same
+// order and executes them through the same specs, so every rank takes part in
+// the same collectives. Read-only requests (GetModel, ListModels) stay on
+// rank 0. A new command is a Command value and its spec (declared here,
+// defined and listed in the table in commands.cc).
 //
 //   // rank 0, on the executor thread:
-//   TALLY_RETURN_IF_ERROR(ReplicateCommand(control, Command::kOptimStep, req));
-//   TALLY_RETURN_IF_ERROR(ExecuteOptimStep(engine, req, &resp));
+//   tally::CommandRunner commands(engine->control(), *engine, metrics);
+//   TALLY_RETURN_IF_ERROR(
+//       commands.Run(tally::kOptimStepCommand, request, &response));
 //   // ranks > 0:
-//   return tally::CommandLoop(engine, control, metrics.get());
+//   return tally::CommandLoop(*engine, engine->control(), metrics.get());
 #ifndef TALLY_SERVER_COMMANDS_H_
 #define TALLY_SERVER_COMMANDS_H_
 
@@ -21,13 +26,19 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "runtime/communicator.h"
 #include "runtime/engine.h"
 #include "server/metrics.h"
+#include "tally/v1/internal.pb.h"
 #include "tally/v1/trainer.pb.h"
 
 namespace tally {
 
+// Travels to the other ranks ahead of its request: the values are the
+// control group's protocol.
 enum class Command : int64_t {
   kShutdown = 0,
   kCreateModel,
@@ -40,65 +51,129 @@ enum class Command : int64_t {
   kPoisonWindow,
 };
 
-// Engine execution of each mutating request; responses filled on success.
-// Requests must already have passed the proto-level validation in
-// convert.h.
-absl::Status ExecuteCreateModel(Engine& engine,
-                                const v1::CreateModelRequest& request,
-                                v1::ModelInfo* response);
-absl::Status ExecuteDeleteModel(Engine& engine,
-                                const v1::DeleteModelRequest& request,
-                                v1::DeleteModelResponse* response);
-absl::Status ExecuteForwardBackward(Engine& engine,
-                                    const v1::ForwardBackwardRequest& request,
-                                    v1::ForwardBackwardResponse* response);
-absl::Status ExecuteOptimStep(Engine& engine,
-                              const v1::OptimStepRequest& request,
-                              v1::OptimStepResponse* response);
-absl::Status ExecuteAbortAccumulation(
-    Engine& engine, const v1::AbortAccumulationRequest& request,
-    v1::AbortAccumulationResponse* response);
-// `server_state`: opaque bytes of the server saved with the checkpoint (rank
-// 0 writes; other ranks pass nothing).
+// What rank 0 passes to and takes from a command beyond its request and
+// response. The other ranks neither store the server's state with a
+// checkpoint nor restore it, so they pass none.
+struct RankZeroData {
+  // SaveCheckpoint: the server's opaque state stored with the checkpoint.
+  std::string server_state;
+  // LoadCheckpoint, when set: receives the engine's result (the server_state
+  // the checkpoint holds and the window its save dropped).
+  LoadResult* loaded = nullptr;
+};
+
+// An entry of the command table: a command's request and response, and
+// what a rank does with a run of it.
+template <typename RequestT, typename ResponseT>
+struct CommandSpec {
+  using Request = RequestT;
+  using Response = ResponseT;
+
+  Command command;
+  // Executes `request` on this rank's engine, filling `response` on success.
+  // The request has passed the proto-level validation of convert.h.
+  absl::Status (*execute)(Engine& engine, const Request& request,
+                          Response* response, const RankZeroData& rank_zero);
+  // Rank 0: records a run that ended in `status` after `seconds` (the
+  // broadcast included); `response` is filled only when `status` is OK.
+  void (*record)(ServerMetrics& metrics, const Engine& engine,
+                 const Request& request, const Response& response,
+                 const absl::Status& status, double seconds);
+  // Ranks > 0: the histogram that an OK run's seconds go to (null: none).
+  // These ranks refresh their rank state after every run either way.
+  void (ServerMetrics::*observe_seconds)(const std::string& model_id,
+                                         double seconds);
+};
+
+// The command table: an entry per Command but kShutdown. Responses are the
+// client's, except where noted.
+extern const CommandSpec<v1::CreateModelRequest, v1::ModelInfo>
+    kCreateModelCommand;
+extern const CommandSpec<v1::DeleteModelRequest, v1::DeleteModelResponse>
+    kDeleteModelCommand;
+// Counts the window poisoned when the call's failure poisoned it.
+extern const CommandSpec<v1::ForwardBackwardRequest,
+                         v1::ForwardBackwardResponse>
+    kForwardBackwardCommand;
+// Counts the window poisoned when the step's failure poisoned it.
+extern const CommandSpec<v1::OptimStepRequest, v1::OptimStepResponse>
+    kOptimStepCommand;
+extern const CommandSpec<v1::AbortAccumulationRequest,
+                         v1::AbortAccumulationResponse>
+    kAbortAccumulationCommand;
+// Stores RankZeroData::server_state with the checkpoint.
+extern const CommandSpec<v1::SaveCheckpointRequest, v1::SaveCheckpointResponse>
+    kSaveCheckpointCommand;
+// Fills RankZeroData::loaded.
+extern const CommandSpec<v1::LoadCheckpointRequest, v1::LoadCheckpointResponse>
+    kLoadCheckpointCommand;
+// Poisons the window of request.model_id for request.reason (quoted by the
+// OptimStep it fails). The response says whether this run poisoned it (false:
+// it already was); rank 0 counts the window poisoned when it did.
+extern const CommandSpec<v1::internal::PoisonWindowCommand, bool>
+    kPoisonWindowCommand;
+
+// SaveCheckpoint and LoadCheckpoint on this engine alone: what their table
+// entries execute on every rank. `server_state`: the opaque bytes of the
+// server saved with the checkpoint. `loaded`, when given, receives the
+// engine's result.
 absl::Status ExecuteSaveCheckpoint(Engine& engine,
                                    const v1::SaveCheckpointRequest& request,
                                    v1::SaveCheckpointResponse* response,
                                    const std::string& server_state = "");
-// `loaded`, when given, receives the engine's result: the server_state the
-// checkpoint holds and the window its save dropped.
 absl::Status ExecuteLoadCheckpoint(Engine& engine,
                                    const v1::LoadCheckpointRequest& request,
                                    v1::LoadCheckpointResponse* response,
                                    LoadResult* loaded = nullptr);
 
-// Poisons the window of request.model_id, for `reason` (quoted by the
-// OptimStep it fails); `response` is the model after it. Rank 0 poisons a
-// window when a sequenced request of it never arrived (sequencer.h) or when
-// --resume restored a checkpoint that dropped it (checkpointer.h); the other
-// ranks only need the flag.
-inline constexpr char kGapPoisonReason[] =
-    "a sequenced request of the window did not arrive within "
-    "--seq-gap-timeout";
-absl::Status ExecutePoisonWindow(Engine& engine,
-                                 const v1::GetModelRequest& request,
-                                 v1::ModelInfo* response,
-                                 const std::string& reason);
+// Rank 0: sends (command, serialized request) to every rank. A no-op in a
+// single-rank deployment.
+absl::Status ReplicateCommand(Communicator& control, Command command,
+                              const google::protobuf::Message& request);
+
+// Rank 0's end of the command table: runs an entry on every rank.
+class CommandRunner {
+ public:
+  // `metrics` null: runs record nothing (for callers that record their own,
+  // like the Checkpointer).
+  CommandRunner(Communicator& control, Engine& engine, ServerMetrics* metrics)
+      : control_(control), engine_(engine), metrics_(metrics) {}
+
+  // Broadcasts `request` to the other ranks, executes it here and records
+  // the run.
+  template <typename Request, typename Response>
+  absl::Status Run(const CommandSpec<Request, Response>& command,
+                   const Request& request, Response* response,
+                   const RankZeroData& rank_zero = {}) const {
+    const absl::Time start = absl::Now();
+    absl::Status status = ReplicateCommand(control_, command.command, request);
+    if (status.ok()) {
+      status = command.execute(engine_, request, response, rank_zero);
+    }
+    if (metrics_ != nullptr) {
+      command.record(*metrics_, engine_, request, *response, status,
+                     absl::ToDoubleSeconds(absl::Now() - start));
+    }
+    return status;
+  }
+
+ private:
+  Communicator& control_;
+  Engine& engine_;
+  ServerMetrics* metrics_;
+};
 
 // Rank 0, after a load that continues the checkpoint's seq_ids: the calls of
 // the window the checkpoint's save dropped (allow_pending) count as
 // executed, so a client resuming at next_seq_id would step on a window
 // missing them. Poisons the window on every rank, the next OptimStep quoting
 // "<cause> a checkpoint that dropped N pending ForwardBackward calls"; a
-// no-op when nothing was dropped.
+// no-op when nothing was dropped. Not counted as a poisoned window in the
+// metrics, which count failed calls and sequence gaps.
 absl::Status PoisonDroppedWindow(Communicator& control, Engine& engine,
                                  const std::string& model_id,
                                  const WindowCounts& dropped,
                                  absl::string_view cause);
-
-// Rank 0: sends (command, serialized request) to every rank. A no-op in a
-// single-rank deployment.
-absl::Status ReplicateCommand(Communicator& control, Command command,
-                              const google::protobuf::Message& request);
 
 // Ranks > 0: executes replicated commands until kShutdown. Failures that can
 // differ between ranks are agreed inside the engine, so a failed command

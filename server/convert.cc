@@ -30,6 +30,7 @@ absl::StatusOr<LlamaConfig> ParseConfig(const v1::ModelConfig& c) {
   config.num_experts_per_tok = c.num_experts_per_tok();
   config.router_aux_loss_coef = c.router_aux_loss_coef();
   config = config.WithDefaults();
+  // The engine validates it too (see convert.h).
   TALLY_RETURN_IF_ERROR(config.Validate());
   return config;
 }
@@ -96,6 +97,13 @@ std::string ClientModelId(const std::string& engine_id) {
 
 bool InTenant(const std::string& engine_id, const std::string& tenant) {
   return tenant.empty() || absl::StartsWith(engine_id, tenant + "/");
+}
+
+std::string CreatedModelId(const v1::CreateModelRequest& request,
+                           const v1::ModelInfo& response) {
+  const std::string& requested = request.model_id();
+  if (!requested.empty() && requested.back() != '/') return requested;
+  return requested + response.model_id();
 }
 
 absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
@@ -185,6 +193,7 @@ absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
     sample.weights.assign(s.weights().begin(), s.weights().end());
     args.samples.push_back(std::move(sample));
   }
+  // The engine refuses it too (see convert.h).
   if (args.samples.empty()) {
     return absl::InvalidArgumentError("samples must not be empty");
   }
@@ -195,10 +204,9 @@ absl::StatusOr<OptimStepArgs> ParseOptimStep(const v1::OptimStepRequest& r) {
   OptimStepArgs args;
   args.adam = ParseAdam(r.adam());
   if (r.has_max_grad_norm()) {
-    if (!std::isfinite(r.max_grad_norm()) || r.max_grad_norm() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "max_grad_norm must be finite and >= 0, got ", r.max_grad_norm()));
-    }
+    // Before the request is sequenced; the engine applies the same rule.
+    TALLY_RETURN_IF_ERROR(
+        ValidateMaxGradNorm(r.max_grad_norm(), "max_grad_norm"));
     args.max_grad_norm = r.max_grad_norm();
   }
   switch (r.norm_type()) {

@@ -1,13 +1,17 @@
 // Conversion and validation between tally.v1 messages and runtime types.
 //
-// Every Parse* function checks the proto-level fields of a request (enum
-// values a newer or hostile client may send, hyperparameter ranges) and
-// returns INVALID_ARGUMENT naming the field; it never touches state. The
-// model id is checked separately with ValidateModelId, on the id the client
-// sent: the server may scope it to a tenant ("<tenant>/<id>", an engine id)
-// before the command is parsed again for execution. Checks that need the
-// model (token ranges, lengths) are the engine's, also done before any state
-// changes.
+// Every Parse* function checks what only the request shows (enum values a
+// newer or hostile client may send, which fields are set, NUL bytes in
+// paths) and returns INVALID_ARGUMENT naming the field; it never touches
+// state. Value ranges are the engine's (the library boundary); three of its
+// rules also run here, through the same functions (LlamaConfig::Validate,
+// ValidateMaxGradNorm) or the same one-line rule (samples not empty), on the
+// gRPC thread, so such a request neither takes a seq_id nor reaches the
+// other ranks. The model id is
+// checked separately with ValidateModelId, on the id the client sent: the
+// server may scope it to a tenant ("<tenant>/<id>", an engine id) before the
+// command is parsed again for execution. Checks that need the model (token
+// ranges, lengths) are the engine's, also done before any state changes.
 //
 //   TALLY_ASSIGN_OR_RETURN(tally::OptimStepArgs args,
 //                          tally::ParseOptimStep(request));
@@ -38,6 +42,11 @@ std::string ScopedModelId(const std::string& tenant,
 std::string ClientModelId(const std::string& engine_id);
 // True when `engine_id` belongs to `tenant` (always, for tenant "").
 bool InTenant(const std::string& engine_id, const std::string& tenant);
+// The engine id of the model that `request` (with an engine id) created and
+// `response` describes: the engine picks one when the request gives none or
+// a tenant scope alone ("<tenant>/").
+std::string CreatedModelId(const v1::CreateModelRequest& request,
+                           const v1::ModelInfo& response);
 
 absl::StatusOr<ModelSpec> ParseCreateModel(
     const v1::CreateModelRequest& request);

@@ -69,6 +69,209 @@ int64_t TensorBytes(const torch::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
 }
 
+// Registers metric families that carry this rank's constant `rank` label.
+class FamilyBuilder {
+ public:
+  FamilyBuilder(prometheus::Registry& registry, int rank)
+      : registry_(registry), rank_({{"rank", absl::StrCat(rank)}}) {}
+
+  prometheus::Family<prometheus::Gauge>* Gauge(const char* name,
+                                               const char* help) {
+    return &prometheus::BuildGauge()
+                .Name(name)
+                .Help(help)
+                .Labels(rank_)
+                .Register(registry_);
+  }
+  prometheus::Family<prometheus::Counter>* Counter(const char* name,
+                                                   const char* help) {
+    return &prometheus::BuildCounter()
+                .Name(name)
+                .Help(help)
+                .Labels(rank_)
+                .Register(registry_);
+  }
+  prometheus::Family<prometheus::Histogram>* Histogram(const char* name,
+                                                       const char* help) {
+    return &prometheus::BuildHistogram()
+                .Name(name)
+                .Help(help)
+                .Labels(rank_)
+                .Register(registry_);
+  }
+
+ private:
+  prometheus::Registry& registry_;
+  const prometheus::Labels rank_;
+};
+
+// Per-model training series (rank 0's front end, and every rank's execution
+// time) and the RPC counter.
+struct TrainingFamilies {
+  prometheus::Family<prometheus::Gauge>* grad_norm;
+  prometheus::Family<prometheus::Histogram>* grad_norm_distribution;
+  prometheus::Family<prometheus::Gauge>* clip_coefficient;
+  prometheus::Family<prometheus::Counter>* optim_steps;
+  prometheus::Family<prometheus::Counter>* valid_tokens;
+  prometheus::Family<prometheus::Counter>* samples;
+  prometheus::Family<prometheus::Gauge>* pending_tokens;
+  prometheus::Family<prometheus::Gauge>* loss;
+  prometheus::Family<prometheus::Gauge>* model_step;
+  prometheus::Family<prometheus::Histogram>* forward_backward_seconds;
+  prometheus::Family<prometheus::Histogram>* optim_step_seconds;
+  prometheus::Family<prometheus::Counter>* requests;
+};
+
+TrainingFamilies RegisterTrainingFamilies(FamilyBuilder& build) {
+  TrainingFamilies f;
+  f.grad_norm = build.Gauge("tally_grad_norm",
+                            "Pre-clip global gradient norm of the last step");
+  f.grad_norm_distribution =
+      build.Histogram("tally_grad_norm_distribution",
+                      "Pre-clip global gradient norms (finite ones)");
+  f.clip_coefficient =
+      build.Gauge("tally_clip_coefficient",
+                  "Clip coefficient of the last step (1: not clipped)");
+  f.optim_steps =
+      build.Counter("tally_optim_steps_total", "OptimStep outcomes");
+  f.valid_tokens =
+      build.Counter("tally_valid_tokens_total", "Valid tokens backpropagated");
+  f.samples =
+      build.Counter("tally_samples_total",
+                    "Samples with at least one valid token backpropagated");
+  f.pending_tokens =
+      build.Gauge("tally_pending_tokens", "Valid tokens in the pending window");
+  f.loss = build.Gauge("tally_loss", "Mean loss of the last ForwardBackward");
+  f.model_step =
+      build.Gauge("tally_model_step", "Optimizer steps applied to the model");
+  f.forward_backward_seconds =
+      build.Histogram("tally_forward_backward_seconds",
+                      "ForwardBackward execution time on this rank");
+  f.optim_step_seconds = build.Histogram(
+      "tally_optim_step_seconds", "OptimStep execution time on this rank");
+  f.requests =
+      build.Counter("tally_requests_total", "RPCs by method and status code");
+  return f;
+}
+
+// This rank's collectives and shard sizes.
+struct RankFamilies {
+  prometheus::Family<prometheus::Counter>* collective_calls;
+  prometheus::Family<prometheus::Counter>* collective_bytes;
+  prometheus::Family<prometheus::Gauge>* parameter_bytes;
+  prometheus::Family<prometheus::Gauge>* gradient_bytes;
+  prometheus::Family<prometheus::Gauge>* optimizer_state_bytes;
+};
+
+RankFamilies RegisterRankFamilies(FamilyBuilder& build) {
+  RankFamilies f;
+  f.collective_calls = build.Counter(
+      "tally_collective_calls_total",
+      "Collectives this rank took part in, by communicator and op");
+  f.collective_bytes = build.Counter(
+      "tally_collective_bytes_total",
+      "Payload bytes this rank contributed to collectives, by communicator "
+      "and op");
+  f.parameter_bytes = build.Gauge("tally_rank_parameter_bytes",
+                                  "Bytes of this rank's parameter shards");
+  f.gradient_bytes = build.Gauge("tally_rank_gradient_bytes",
+                                 "Bytes of this rank's gradient shards");
+  f.optimizer_state_bytes =
+      build.Gauge("tally_rank_optimizer_state_bytes",
+                  "Bytes of this rank's optimizer state (AdamW moments)");
+  return f;
+}
+
+// Retries, poisoned windows, back-pressure, rank failures, checkpoints and
+// refused credentials.
+struct ReliabilityMetrics {
+  prometheus::Family<prometheus::Counter>* duplicate_requests;
+  prometheus::Family<prometheus::Counter>* poisoned_windows;
+  prometheus::Histogram* seq_gap_wait_seconds;
+  prometheus::Gauge* queue_depth;
+  prometheus::Counter* rank_failures;
+  prometheus::Family<prometheus::Histogram>* checkpoint_seconds;
+  prometheus::Gauge* checkpoint_last_success;
+  prometheus::Family<prometheus::Counter>* auth_failures;
+};
+
+ReliabilityMetrics RegisterReliabilityMetrics(FamilyBuilder& build) {
+  ReliabilityMetrics f;
+  f.duplicate_requests =
+      build.Counter("tally_duplicate_requests_total",
+                    "Retried sequenced requests answered without re-executing");
+  f.poisoned_windows = build.Counter(
+      "tally_poisoned_windows_total",
+      "Accumulation windows poisoned (a failed ForwardBackward, a seq_id gap "
+      "timeout)");
+  f.seq_gap_wait_seconds =
+      &build
+           .Histogram("tally_seq_gap_wait_seconds",
+                      "How long a missing seq_id held back later requests")
+           ->Add({}, LatencyBuckets());
+  f.queue_depth = &build
+                       .Gauge("tally_queue_depth",
+                              "Requests held: waiting, queued or executing")
+                       ->Add({});
+  f.rank_failures = &build
+                         .Counter("tally_rank_failures_total",
+                                  "Collectives that failed or timed out")
+                         ->Add({});
+  f.checkpoint_seconds = build.Histogram(
+      "tally_checkpoint_seconds",
+      "Checkpoint save / load time by kind (failures included)");
+  f.checkpoint_last_success =
+      &build
+           .Gauge("tally_checkpoint_last_success_timestamp_seconds",
+                  "Unix time of the last checkpoint written successfully")
+           ->Add({});
+  f.auth_failures =
+      build.Counter("tally_auth_failures_total",
+                    "Requests refused for missing or unknown bearer tokens");
+  return f;
+}
+
+// The model count, the world size and the build information; returns the
+// model count's gauge.
+prometheus::Gauge* RegisterServerInfo(FamilyBuilder& build, const Mesh& mesh) {
+  prometheus::Gauge* models =
+      &build.Gauge("tally_models", "Models loaded")->Add({});
+  // A value, not a label, so that alerts can compare it with the number of
+  // ranks scraped.
+  build.Gauge("tally_world_size", "Ranks in this server's world")
+      ->Add({})
+      .Set(mesh.world_size());
+  build.Gauge("tally_build_info", "Build and rank information (value 1)")
+      ->Add({{"version", TALLY_VERSION}, {"mesh", mesh.shape().ToString()}})
+      .Set(1);
+  return models;
+}
+
+// Serves `registry` on `address` (behind HTTP Basic auth with `scraper`);
+// UNAVAILABLE when it did not bind.
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(
+    const std::string& address, std::shared_ptr<prometheus::Registry> registry,
+    std::optional<BasicCredentials> scraper) {
+  std::unique_ptr<prometheus::Exposer> exposer;
+  TALLY_RETURN_IF_ERROR(CatchTorch("metrics exposer", [&] {
+    exposer = std::make_unique<prometheus::Exposer>(address);
+  }));
+  if (scraper.has_value()) {
+    exposer->RegisterAuth(
+        [scraper = *std::move(scraper)](const std::string& user,
+                                        const std::string& password) {
+          return scraper.Matches(user, password);
+        },
+        "tally metrics");
+  }
+  exposer->RegisterCollectable(registry);
+  if (exposer->GetListeningPorts().empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics exposer did not bind ", address));
+  }
+  return exposer;
+}
+
 }  // namespace
 
 struct ServerMetrics::ModelSeries {
@@ -110,124 +313,40 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   std::unique_ptr<ServerMetrics> m(new ServerMetrics());
   m->engine_ = engine;
   m->registry_ = std::make_shared<prometheus::Registry>();
-  prometheus::Registry& r = *m->registry_;
-  const prometheus::Labels rank = {
-      {"rank", absl::StrCat(engine->mesh().rank())}};
-  auto gauge = [&](const char* name, const char* help) {
-    return &prometheus::BuildGauge()
-                .Name(name)
-                .Help(help)
-                .Labels(rank)
-                .Register(r);
-  };
-  auto counter = [&](const char* name, const char* help) {
-    return &prometheus::BuildCounter()
-                .Name(name)
-                .Help(help)
-                .Labels(rank)
-                .Register(r);
-  };
-  auto histogram = [&](const char* name, const char* help) {
-    return &prometheus::BuildHistogram()
-                .Name(name)
-                .Help(help)
-                .Labels(rank)
-                .Register(r);
-  };
-  m->grad_norm_ = gauge("tally_grad_norm",
-                        "Pre-clip global gradient norm of the last step");
-  m->grad_norm_distribution_ =
-      histogram("tally_grad_norm_distribution",
-                "Pre-clip global gradient norms (finite ones)");
-  m->clip_coefficient_ =
-      gauge("tally_clip_coefficient",
-            "Clip coefficient of the last step (1: not clipped)");
-  m->optim_steps_ = counter("tally_optim_steps_total", "OptimStep outcomes");
-  m->valid_tokens_ =
-      counter("tally_valid_tokens_total", "Valid tokens backpropagated");
-  m->samples_ = counter("tally_samples_total",
-                        "Samples with at least one valid token backpropagated");
-  m->pending_tokens_ =
-      gauge("tally_pending_tokens", "Valid tokens in the pending window");
-  m->loss_ = gauge("tally_loss", "Mean loss of the last ForwardBackward");
-  m->model_step_ =
-      gauge("tally_model_step", "Optimizer steps applied to the model");
-  m->forward_backward_seconds_ =
-      histogram("tally_forward_backward_seconds",
-                "ForwardBackward execution time on this rank");
-  m->optim_step_seconds_ = histogram("tally_optim_step_seconds",
-                                     "OptimStep execution time on this rank");
-  m->requests_ =
-      counter("tally_requests_total", "RPCs by method and status code");
-  m->collective_calls_ =
-      counter("tally_collective_calls_total",
-              "Collectives this rank took part in, by communicator and op");
-  m->collective_bytes_ = counter(
-      "tally_collective_bytes_total",
-      "Payload bytes this rank contributed to collectives, by communicator "
-      "and op");
-  m->parameter_bytes_ = gauge("tally_rank_parameter_bytes",
-                              "Bytes of this rank's parameter shards");
-  m->gradient_bytes_ = gauge("tally_rank_gradient_bytes",
-                             "Bytes of this rank's gradient shards");
-  m->optimizer_state_bytes_ =
-      gauge("tally_rank_optimizer_state_bytes",
-            "Bytes of this rank's optimizer state (AdamW moments)");
-  m->duplicate_requests_ =
-      counter("tally_duplicate_requests_total",
-              "Retried sequenced requests answered without re-executing");
-  m->poisoned_windows_ = counter(
-      "tally_poisoned_windows_total",
-      "Accumulation windows poisoned (a failed ForwardBackward, a seq_id gap "
-      "timeout)");
-  m->seq_gap_wait_seconds_ =
-      &histogram("tally_seq_gap_wait_seconds",
-                 "How long a missing seq_id held back later requests")
-           ->Add({}, LatencyBuckets());
-  m->queue_depth_ =
-      &gauge("tally_queue_depth", "Requests held: waiting, queued or executing")
-           ->Add({});
-  m->rank_failures_ = &counter("tally_rank_failures_total",
-                               "Collectives that failed or timed out")
-                           ->Add({});
-  m->checkpoint_seconds_ =
-      histogram("tally_checkpoint_seconds",
-                "Checkpoint save / load time by kind (failures included)");
-  m->checkpoint_last_success_ =
-      &gauge("tally_checkpoint_last_success_timestamp_seconds",
-             "Unix time of the last checkpoint written successfully")
-           ->Add({});
-  m->auth_failures_ =
-      counter("tally_auth_failures_total",
-              "Requests refused for missing or unknown bearer tokens");
-  m->models_ = &gauge("tally_models", "Models loaded")->Add({});
-  const Mesh& mesh = engine->mesh();
-  // A value, not a label, so that alerts can compare it with the number of
-  // ranks scraped.
-  gauge("tally_world_size", "Ranks in this server's world")
-      ->Add({})
-      .Set(mesh.world_size());
-  gauge("tally_build_info", "Build and rank information (value 1)")
-      ->Add({{"version", TALLY_VERSION}, {"mesh", mesh.shape().ToString()}})
-      .Set(1);
-  TALLY_RETURN_IF_ERROR(CatchTorch("metrics exposer", [&] {
-    m->exposer_ = std::make_unique<prometheus::Exposer>(address);
-  }));
-  if (scraper.has_value()) {
-    m->exposer_->RegisterAuth(
-        [scraper = *std::move(scraper)](const std::string& user,
-                                        const std::string& password) {
-          return scraper.Matches(user, password);
-        },
-        "tally metrics");
-  }
-  m->exposer_->RegisterCollectable(m->registry_);
-  std::vector<int> ports = m->exposer_->GetListeningPorts();
-  if (ports.empty()) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics exposer did not bind ", address));
-  }
-  m->port_ = ports.front();
+  FamilyBuilder build(*m->registry_, engine->mesh().rank());
+  // Registered in this order (the order of /metrics).
+  const TrainingFamilies training = RegisterTrainingFamilies(build);
+  m->grad_norm_ = training.grad_norm;
+  m->grad_norm_distribution_ = training.grad_norm_distribution;
+  m->clip_coefficient_ = training.clip_coefficient;
+  m->optim_steps_ = training.optim_steps;
+  m->valid_tokens_ = training.valid_tokens;
+  m->samples_ = training.samples;
+  m->pending_tokens_ = training.pending_tokens;
+  m->loss_ = training.loss;
+  m->model_step_ = training.model_step;
+  m->forward_backward_seconds_ = training.forward_backward_seconds;
+  m->optim_step_seconds_ = training.optim_step_seconds;
+  m->requests_ = training.requests;
+  const RankFamilies rank = RegisterRankFamilies(build);
+  m->collective_calls_ = rank.collective_calls;
+  m->collective_bytes_ = rank.collective_bytes;
+  m->parameter_bytes_ = rank.parameter_bytes;
+  m->gradient_bytes_ = rank.gradient_bytes;
+  m->optimizer_state_bytes_ = rank.optimizer_state_bytes;
+  const ReliabilityMetrics reliability = RegisterReliabilityMetrics(build);
+  m->duplicate_requests_ = reliability.duplicate_requests;
+  m->poisoned_windows_ = reliability.poisoned_windows;
+  m->seq_gap_wait_seconds_ = reliability.seq_gap_wait_seconds;
+  m->queue_depth_ = reliability.queue_depth;
+  m->rank_failures_ = reliability.rank_failures;
+  m->checkpoint_seconds_ = reliability.checkpoint_seconds;
+  m->checkpoint_last_success_ = reliability.checkpoint_last_success;
+  m->auth_failures_ = reliability.auth_failures;
+  m->models_ = RegisterServerInfo(build, engine->mesh());
+  TALLY_ASSIGN_OR_RETURN(
+      m->exposer_, StartExposer(address, m->registry_, std::move(scraper)));
+  m->port_ = m->exposer_->GetListeningPorts().front();
   absl::MutexLock lock(&m->mu_);
   m->RecordRankStateLocked();
   return m;
@@ -410,7 +529,7 @@ void ServerMetrics::RecordRankStateLocked() {
   std::set<std::string> live;
   for (const ModelSummary& summary : engine_->ListModels()) {
     live.insert(summary.model_id);
-    absl::StatusOr<LlamaModel*> model = engine_->model(summary.model_id);
+    absl::StatusOr<CausalLm*> model = engine_->model(summary.model_id);
     if (!model.ok()) continue;
     int64_t parameters = 0, gradients = 0;
     for (const Parameter& p : (*model)->parameters()) {

@@ -26,11 +26,6 @@
 namespace tally {
 namespace {
 
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-      .count();
-}
-
 // Deterministic, so a cached response is the bytes the first caller got.
 std::string SerializeDeterministically(
     const google::protobuf::Message& message) {
@@ -42,6 +37,12 @@ std::string SerializeDeterministically(
   coded.Trim();
   return bytes;
 }
+
+// The reason a window is poisoned for when a sequenced request of it never
+// arrived (the Sequencer's gap timeout).
+constexpr char kGapPoisonReason[] =
+    "a sequenced request of the window did not arrive within "
+    "--seq-gap-timeout";
 
 // What a request that had not started when the server stopped gets.
 absl::Status StoppedBeforeRunning() {
@@ -56,13 +57,6 @@ absl::Status FirstError(absl::Status first, const absl::Status& second) {
   return first;
 }
 
-// gRPC hands each request to this call alone; rewriting it in place (tenant
-// scope, confined path) lets every later stage see the server's form of it.
-template <typename Request>
-Request* Mutable(const Request* request) {
-  return const_cast<Request*>(request);
-}
-
 }  // namespace
 
 TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
@@ -71,6 +65,7 @@ TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
     : engine_(engine),
       executor_(executor),
       metrics_(metrics),
+      commands_(engine->control(), *engine, metrics),
       options_(std::move(options)),
       scheduler_(
           RequestSchedulerOptions{options_.sequencing, options_.budget},
@@ -195,16 +190,6 @@ void TrainerService::OnRankFailure(const absl::Status& failure) {
   if (options_.on_rank_failure) options_.on_rank_failure(failure);
 }
 
-absl::Status TrainerService::CountingPoison(
-    const std::string& model_id, const std::function<absl::Status()>& command) {
-  const bool was_poisoned = engine_->WindowPoisoned(model_id).value_or(false);
-  absl::Status status = command();
-  if (!was_poisoned && engine_->WindowPoisoned(model_id).value_or(false)) {
-    metrics_->RecordPoisonedWindow(model_id);
-  }
-  return status;
-}
-
 void TrainerService::PoisonForGap(const std::string& model_id) {
   // Queued before the waiting requests are answered, so an OptimStep sent
   // after their ABORTED runs after it.
@@ -215,20 +200,16 @@ void TrainerService::PoisonForGap(const std::string& model_id) {
 void TrainerService::PoisonNow(const std::string& model_id,
                                const std::string& reason) {
   if (model_id.empty() || !Accepting().ok()) return;
-  absl::Status poisoned = RunCommand([&]() -> absl::Status {
-    v1::GetModelRequest request;
-    request.set_model_id(model_id);
-    v1::ModelInfo model;
-    TALLY_RETURN_IF_ERROR(
-        ReplicateCommand(engine_->control(), Command::kPoisonWindow, request));
-    return CountingPoison(model_id, [&] {
-      return ExecutePoisonWindow(*engine_, request, &model, reason);
-    });
-  });
-  if (!poisoned.ok()) {
+  v1::internal::PoisonWindowCommand command;
+  command.set_model_id(model_id);
+  command.set_reason(reason);
+  bool poisoned = false;
+  const absl::Status status = RunCommand(
+      [&] { return commands_.Run(kPoisonWindowCommand, command, &poisoned); });
+  if (!status.ok()) {
     // The model was deleted meanwhile, or the server is failing.
     Log(LogLevel::kDebug,
-        absl::StrCat("poisoning '", model_id, "': ", poisoned.ToString()));
+        absl::StrCat("poisoning '", model_id, "': ", status.ToString()));
   }
 }
 
@@ -417,35 +398,29 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
 grpc::ServerUnaryReactor* TrainerService::CreateModel(
     grpc::CallbackServerContext* context, const v1::CreateModelRequest* request,
     v1::ModelInfo* response) {
+  auto server_form = std::make_shared<v1::CreateModelRequest>(*request);
   absl::Status validation = FirstError(
       request->model_id().empty() ? absl::OkStatus()
                                   : ValidateModelId(request->model_id()),
       ParseCreateModel(*request).status());
   if (validation.ok() && !request->init_checkpoint().empty()) {
-    validation =
-        ConfinePath(*context, Mutable(request)->mutable_init_checkpoint());
+    validation = ConfinePath(*context, server_form->mutable_init_checkpoint());
   }
   return Execute(
-      {"CreateModel", context, Mutable(request)->mutable_model_id()},
-      validation, [this, request, response]() -> absl::Status {
+      {"CreateModel", context, server_form->mutable_model_id()},
+      validation, [this, server_form, response]() -> absl::Status {
+        const v1::CreateModelRequest& request = *server_form;
         // Before anything is allocated, on any rank.
-        const double bytes = CreatedModelBytes(*request);
-        const std::string tenant = TenantOf(request->model_id());
+        const double bytes = CreatedModelBytes(request);
+        const std::string tenant = TenantOf(request.model_id());
         TALLY_RETURN_IF_ERROR(admission_.CheckModel(tenant, bytes));
-        TALLY_RETURN_IF_ERROR(ReplicateCommand(
-            engine_->control(), Command::kCreateModel, *request));
-        TALLY_RETURN_IF_ERROR(ExecuteCreateModel(*engine_, *request, response));
-        // An empty id (or a tenant scope alone) was assigned by the engine.
-        std::string engine_id = request->model_id();
-        if (engine_id.empty() || engine_id.back() == '/') {
-          engine_id += response->model_id();
-        }
+        TALLY_RETURN_IF_ERROR(
+            commands_.Run(kCreateModelCommand, request, response));
+        const std::string engine_id = CreatedModelId(request, *response);
         admission_.Add(engine_id, tenant, bytes);
         unresumed_.erase(engine_id);
         scheduler_.sequencer().AddModel(engine_id);
         FillNextSeqId(engine_id, response);
-        metrics_->SetModelCount(engine_->num_models());
-        metrics_->SetPendingTokens(engine_id, 0);
         return absl::OkStatus();
       });
 }
@@ -453,19 +428,18 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
 grpc::ServerUnaryReactor* TrainerService::GetModel(
     grpc::CallbackServerContext* context, const v1::GetModelRequest* request,
     v1::ModelInfo* response) {
-  return Execute({"GetModel", context, Mutable(request)->mutable_model_id()},
-                 ValidateModelId(request->model_id()),
-                 [this, request, response]() -> absl::Status {
-                   absl::StatusOr<ModelSummary> summary =
-                       engine_->GetModel(request->model_id());
-                   if (!summary.ok()) {
-                     return ExplainUnresumed(request->model_id(),
-                                             summary.status());
-                   }
-                   ToProto(*summary, response);
-                   FillNextSeqId(request->model_id(), response);
-                   return absl::OkStatus();
-                 });
+  auto server_form = std::make_shared<v1::GetModelRequest>(*request);
+  return Execute(
+      {"GetModel", context, server_form->mutable_model_id()},
+      ValidateModelId(request->model_id()),
+      [this, server_form, response]() -> absl::Status {
+        const std::string& engine_id = server_form->model_id();
+        absl::StatusOr<ModelSummary> summary = engine_->GetModel(engine_id);
+        if (!summary.ok()) return ExplainUnresumed(engine_id, summary.status());
+        ToProto(*summary, response);
+        FillNextSeqId(engine_id, response);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::ListModels(
@@ -493,21 +467,20 @@ grpc::ServerUnaryReactor* TrainerService::ListModels(
 grpc::ServerUnaryReactor* TrainerService::DeleteModel(
     grpc::CallbackServerContext* context, const v1::DeleteModelRequest* request,
     v1::DeleteModelResponse* response) {
+  auto server_form = std::make_shared<v1::DeleteModelRequest>(*request);
   return Execute(
-      {"DeleteModel", context, Mutable(request)->mutable_model_id()},
+      {"DeleteModel", context, server_form->mutable_model_id()},
       ValidateModelId(request->model_id()),
-      [this, request, response]() -> absl::Status {
-        TALLY_RETURN_IF_ERROR(ReplicateCommand(
-            engine_->control(), Command::kDeleteModel, *request));
-        TALLY_RETURN_IF_ERROR(ExecuteDeleteModel(*engine_, *request, response));
-        FillNextSeqId(request->model_id(), response->mutable_model());
-        scheduler_.sequencer().RemoveModel(request->model_id());
-        admission_.Remove(request->model_id());
+      [this, server_form, response]() -> absl::Status {
+        const std::string& engine_id = server_form->model_id();
+        TALLY_RETURN_IF_ERROR(
+            commands_.Run(kDeleteModelCommand, *server_form, response));
+        FillNextSeqId(engine_id, response->mutable_model());
+        scheduler_.sequencer().RemoveModel(engine_id);
+        admission_.Remove(engine_id);
         if (options_.checkpointer != nullptr) {
-          options_.checkpointer->ForgetModel(request->model_id());
+          options_.checkpointer->ForgetModel(engine_id);
         }
-        metrics_->RemoveModel(request->model_id());
-        metrics_->SetModelCount(engine_->num_models());
         return absl::OkStatus();
       });
 }
@@ -516,46 +489,35 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
     grpc::CallbackServerContext* context,
     const v1::ForwardBackwardRequest* request,
     v1::ForwardBackwardResponse* response) {
+  auto server_form = std::make_shared<v1::ForwardBackwardRequest>(*request);
   return Execute(
-      {"ForwardBackward", context, Mutable(request)->mutable_model_id(),
-       request->seq_id(), request, response},
+      {"ForwardBackward", context, server_form->mutable_model_id(),
+       request->seq_id(), server_form.get(), response},
       FirstError(FirstError(ValidateModelId(request->model_id()),
                             ParseForwardBackward(*request).status()),
                  CheckTokensPerCall(*request)),
-      [this, request, response]() -> absl::Status {
-        const auto start = std::chrono::steady_clock::now();
-        TALLY_RETURN_IF_ERROR(CheckCallFits(*request));
-        TALLY_RETURN_IF_ERROR(ReplicateCommand(
-            engine_->control(), Command::kForwardBackward, *request));
-        TALLY_RETURN_IF_ERROR(CountingPoison(request->model_id(), [&] {
-          return ExecuteForwardBackward(*engine_, *request, response);
-        }));
-        metrics_->RecordForwardBackward(request->model_id(), *response,
-                                        !request->forward_only(),
-                                        SecondsSince(start));
-        return absl::OkStatus();
+      [this, server_form, response]() -> absl::Status {
+        TALLY_RETURN_IF_ERROR(CheckCallFits(*server_form));
+        return commands_.Run(kForwardBackwardCommand, *server_form, response);
       });
 }
 
 grpc::ServerUnaryReactor* TrainerService::OptimStep(
     grpc::CallbackServerContext* context, const v1::OptimStepRequest* request,
     v1::OptimStepResponse* response) {
+  auto server_form = std::make_shared<v1::OptimStepRequest>(*request);
   return Execute(
-      {"OptimStep", context, Mutable(request)->mutable_model_id(),
-       request->seq_id(), request, response, /*closes_window=*/true},
+      {"OptimStep", context, server_form->mutable_model_id(),
+       request->seq_id(), server_form.get(), response,
+       /*closes_window=*/true},
       FirstError(ValidateModelId(request->model_id()),
                  ParseOptimStep(*request).status()),
-      [this, request, response]() -> absl::Status {
-        const auto start = std::chrono::steady_clock::now();
-        TALLY_RETURN_IF_ERROR(ReplicateCommand(engine_->control(),
-                                               Command::kOptimStep, *request));
-        TALLY_RETURN_IF_ERROR(CountingPoison(request->model_id(), [&] {
-          return ExecuteOptimStep(*engine_, *request, response);
-        }));
-        metrics_->RecordOptimStep(request->model_id(), *response,
-                                  SecondsSince(start));
+      [this, server_form, response]() -> absl::Status {
+        TALLY_RETURN_IF_ERROR(
+            commands_.Run(kOptimStepCommand, *server_form, response));
         if (options_.checkpointer != nullptr) {
-          options_.checkpointer->AfterOptimStep(request->model_id(), *response);
+          options_.checkpointer->AfterOptimStep(server_form->model_id(),
+                                                *response);
         }
         return absl::OkStatus();
       });
@@ -565,17 +527,15 @@ grpc::ServerUnaryReactor* TrainerService::AbortAccumulation(
     grpc::CallbackServerContext* context,
     const v1::AbortAccumulationRequest* request,
     v1::AbortAccumulationResponse* response) {
+  auto server_form = std::make_shared<v1::AbortAccumulationRequest>(*request);
   return Execute(
-      {"AbortAccumulation", context, Mutable(request)->mutable_model_id(),
-       request->seq_id(), request, response, /*closes_window=*/true},
+      {"AbortAccumulation", context, server_form->mutable_model_id(),
+       request->seq_id(), server_form.get(), response,
+       /*closes_window=*/true},
       ValidateModelId(request->model_id()),
-      [this, request, response]() -> absl::Status {
-        TALLY_RETURN_IF_ERROR(ReplicateCommand(
-            engine_->control(), Command::kAbortAccumulation, *request));
-        TALLY_RETURN_IF_ERROR(
-            ExecuteAbortAccumulation(*engine_, *request, response));
-        metrics_->SetPendingTokens(request->model_id(), 0);
-        return absl::OkStatus();
+      [this, server_form, response] {
+        return commands_.Run(kAbortAccumulationCommand, *server_form,
+                             response);
       });
 }
 
@@ -583,24 +543,20 @@ grpc::ServerUnaryReactor* TrainerService::SaveCheckpoint(
     grpc::CallbackServerContext* context,
     const v1::SaveCheckpointRequest* request,
     v1::SaveCheckpointResponse* response) {
+  auto server_form = std::make_shared<v1::SaveCheckpointRequest>(*request);
   absl::Status validation = ValidateModelId(request->model_id());
   if (validation.ok()) validation = ValidateCheckpointPath(request->path());
   if (validation.ok()) {
-    validation = ConfinePath(*context, Mutable(request)->mutable_path());
+    validation = ConfinePath(*context, server_form->mutable_path());
   }
   return Execute(
-      {"SaveCheckpoint", context, Mutable(request)->mutable_model_id(),
-       request->seq_id(), request, response},
-      validation, [this, request, response]() -> absl::Status {
-        const auto start = std::chrono::steady_clock::now();
-        absl::Status status = ReplicateCommand(
-            engine_->control(), Command::kSaveCheckpoint, *request);
-        if (status.ok()) {
-          status = ExecuteSaveCheckpoint(*engine_, *request, response,
-                                         SequencingState(request->model_id()));
-        }
-        metrics_->RecordCheckpoint("save", status.ok(), SecondsSince(start));
-        return status;
+      {"SaveCheckpoint", context, server_form->mutable_model_id(),
+       request->seq_id(), server_form.get(), response},
+      validation, [this, server_form, response] {
+        RankZeroData rank_zero;
+        rank_zero.server_state = SequencingState(server_form->model_id());
+        return commands_.Run(kSaveCheckpointCommand, *server_form, response,
+                             rank_zero);
       });
 }
 
@@ -608,52 +564,48 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
     grpc::CallbackServerContext* context,
     const v1::LoadCheckpointRequest* request,
     v1::LoadCheckpointResponse* response) {
+  auto server_form = std::make_shared<v1::LoadCheckpointRequest>(*request);
   absl::Status validation = ValidateModelId(request->model_id());
   if (validation.ok()) validation = ValidateCheckpointPath(request->path());
   if (validation.ok()) {
-    validation = ConfinePath(*context, Mutable(request)->mutable_path());
+    validation = ConfinePath(*context, server_form->mutable_path());
   }
   return Execute(
-      {"LoadCheckpoint", context, Mutable(request)->mutable_model_id(),
-       request->seq_id(), request, response, /*closes_window=*/true},
-      validation, [this, request, response]() -> absl::Status {
-        const auto start = std::chrono::steady_clock::now();
+      {"LoadCheckpoint", context, server_form->mutable_model_id(),
+       request->seq_id(), server_form.get(), response,
+       /*closes_window=*/true},
+      validation, [this, server_form, response]() -> absl::Status {
+        const v1::LoadCheckpointRequest& request = *server_form;
         LoadResult loaded;
-        absl::Status status = ReplicateCommand(
-            engine_->control(), Command::kLoadCheckpoint, *request);
-        if (status.ok()) {
-          status = CountingPoison(request->model_id(), [&] {
-            return ExecuteLoadCheckpoint(*engine_, *request, response, &loaded);
-          });
-        }
-        metrics_->RecordCheckpoint("load", status.ok(), SecondsSince(start));
-        TALLY_RETURN_IF_ERROR(status);
-        if (request->seq_id() > 0) {
+        RankZeroData rank_zero;
+        rank_zero.loaded = &loaded;
+        TALLY_RETURN_IF_ERROR(commands_.Run(kLoadCheckpointCommand, request,
+                                            response, rank_zero));
+        if (request.seq_id() > 0) {
           // A sequenced load is itself the model's current seq_id: the
           // client's sequence goes on after it, so the checkpoint's
           // sequencing state is not imported.
-          response->mutable_model()->set_next_seq_id(request->seq_id() + 1);
+          response->mutable_model()->set_next_seq_id(request.seq_id() + 1);
         } else {
           absl::Status restored =
-              RestoreSequencing(request->model_id(), loaded.server_state);
+              RestoreSequencing(request.model_id(), loaded.server_state);
           if (restored.ok() && !loaded.server_state.empty()) {
             TALLY_RETURN_IF_ERROR(
                 PoisonDroppedWindow(engine_->control(), *engine_,
-                                    request->model_id(), loaded.unsaved_window,
+                                    request.model_id(), loaded.unsaved_window,
                                     "LoadCheckpoint restored the seq_ids of"));
           }
           if (!restored.ok()) {
             // The weights are loaded; the live sequence stays.
             Log(LogLevel::kWarning,
                 absl::StrCat(
-                    "LoadCheckpoint of '", request->model_id(),
+                    "LoadCheckpoint of '", request.model_id(),
                     "' kept the current seq_ids: ", restored.ToString()));
           }
-          FillNextSeqId(request->model_id(), response->mutable_model());
+          FillNextSeqId(request.model_id(), response->mutable_model());
         }
-        metrics_->SetPendingTokens(request->model_id(), 0);
         if (options_.checkpointer != nullptr) {
-          options_.checkpointer->AfterLoad(request->model_id(),
+          options_.checkpointer->AfterLoad(request.model_id(),
                                            response->model().step());
         }
         return absl::OkStatus();

@@ -1,13 +1,14 @@
 // TrainerService: the gRPC front end of tally.v1.Trainer (callback API).
 //
 // A handler authenticates the caller (bearer token, when configured),
-// validates its request's proto-level fields on the gRPC thread, scopes the
-// model id to the caller's tenant ("<tenant>/<id>", the engine id), takes a
-// and hands the command to the RequestScheduler: a slot of the request
-// budget (RESOURCE_EXHAUSTED when full), the CommandExecutor — directly when
+// validates its request's proto-level fields on the gRPC thread, copies the
+// request into the server's form (the model id scoped to the caller's tenant,
+// "<tenant>/<id>", the engine id; a checkpoint path confined) and hands the
+// command to the RequestScheduler: a slot of the request budget
+// (RESOURCE_EXHAUSTED when full), the CommandExecutor — directly when
 // unsequenced (seq_id 0), through the Sequencer (exactly once, in seq_id
-// order) when sequenced —, and exactly one reply. The executor replicates the
-// command to the other ranks (commands.h), runs it on the engine and
+// order) when sequenced —, and exactly one reply. The executor runs the
+// command's entry of the command table on every rank (commands.h) and
 // finishes the RPC. A request whose client cancelled it or whose deadline
 // passed before it ran is not executed; a command that throws is answered
 // INTERNAL with its model's window poisoned.
@@ -49,6 +50,7 @@
 #include "server/admission.h"
 #include "server/auth.h"
 #include "server/checkpointer.h"
+#include "server/commands.h"
 #include "server/executor.h"
 #include "server/metrics.h"
 #include "server/request_scheduler.h"
@@ -141,14 +143,17 @@ class TrainerService final : public v1::Trainer::CallbackService {
       v1::LoadCheckpointResponse* response) override;
 
  private:
-  // One RPC on its way through the service.
+  // One RPC on its way through the service. Handlers copy their request
+  // (gRPC's stays as the client sent it); the fields below point into the
+  // copy, which the command then executes.
   struct Call {
     const char* method;
     grpc::CallbackServerContext* context;
-    // The request's model_id field, scoped in place to the caller's tenant
-    // (the engine id); null for requests of no particular model.
+    // The copy's model_id, which Execute scopes to the caller's tenant (the
+    // engine id); null for requests of no particular model.
     std::string* model_id = nullptr;
     uint64_t seq_id = 0;  // 0: unsequenced
+    // The copy, fingerprinted when sequenced.
     const google::protobuf::Message* request = nullptr;
     google::protobuf::Message* response = nullptr;
     // An OK run ends the model's accumulation window.
@@ -180,9 +185,6 @@ class TrainerService final : public v1::Trainer::CallbackService {
   double CreatedModelBytes(const v1::CreateModelRequest& request) const;
   // The tenant of an engine id ("" without authentication).
   std::string TenantOf(const std::string& engine_id) const;
-  // Runs a command that may poison `model_id`'s window, counting it if so.
-  absl::Status CountingPoison(const std::string& model_id,
-                              const std::function<absl::Status()>& command);
   void PoisonForGap(const std::string& model_id);
   // On the executor thread: poisons `model_id`'s window on every rank for
   // `reason`; failures are logged (the model may be gone).
@@ -203,14 +205,17 @@ class TrainerService final : public v1::Trainer::CallbackService {
   // The caller's tenant ("" without authentication).
   absl::StatusOr<std::string> Authenticate(
       const grpc::CallbackServerContext& context);
-  // Rewrites a client checkpoint path in place to its confined absolute
-  // form; PERMISSION_DENIED when it escapes --checkpoint-root.
+  // Rewrites a checkpoint path (of the server's copy of a request) to its
+  // confined absolute form; PERMISSION_DENIED when it escapes
+  // --checkpoint-root.
   absl::Status ConfinePath(const grpc::CallbackServerContext& context,
                            std::string* path);
 
   Engine* engine_;
   CommandExecutor* executor_;
   ServerMetrics* metrics_;
+  // Runs the command table on every rank, recording in metrics_.
+  const CommandRunner commands_;
   const TrainerServiceOptions options_;
   RequestScheduler scheduler_;
   // Executor thread only, like the engine.

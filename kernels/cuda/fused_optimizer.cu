@@ -5,16 +5,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cuda/chunking.cuh"
 #include "kernels/cuda/fused_optimizer_cuda.h"
 #include "kernels/optimizer_math.h"
 
 namespace tally::kernels {
 namespace {
-
-constexpr int kBlockThreads = 256;
-// One block updates one chunk; independent elements make the result the
-// same whatever the chunking, which only balances the blocks.
-constexpr int64_t kChunkElements = 16 * 1024;
 
 // One chunk's operands; the moments are null for SGD.
 template <typename T>

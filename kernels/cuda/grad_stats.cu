@@ -6,15 +6,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cuda/chunking.cuh"
 #include "kernels/cuda/grad_stats_cuda.h"
 
 namespace tally::kernels {
 namespace {
-
-constexpr int kBlockThreads = 256;
-// One block sweeps one chunk. The size is fixed (not derived from the device)
-// so that the partials, and with them the result, are the same everywhere.
-constexpr int64_t kChunkElements = 16 * 1024;
 
 template <typename T>
 struct Chunk {

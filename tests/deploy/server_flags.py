@@ -2,8 +2,9 @@
 
 From `tally-server --help` when the binary is built (TALLY_SERVER, or
 build/server/tally-server in the source tree); otherwise from the flag table
-in server/flags.cc and the defaults in server/server.h, so the manifests and
-the documented commands are checked before the build finishes.
+(Sections()) in server/flags.cc and the defaults in server/server.h, which the
+flags quote, so the manifests and the documented commands are checked before
+the build finishes.
 
     flags = server_flags.load()
     flags.names                     # {"--host", "--grpc-port", ...}
@@ -80,25 +81,32 @@ def load():
 
 
 def from_help(text, source):
-    """Flag lines are `  --name VALUE  help` (VALUE absent for booleans);
-    the `Defaults:` paragraph lists `--name value` pairs."""
-    names, valued = set(), set()
-    for name, value_name in re.findall(r"^  (--[a-z0-9-]+)(?: ([A-Z]+))?",
-                                       text, re.M):
-        names.add(name)
-        if value_name:
-            valued.add(name)
+    """Flag lines are `  --name VALUE  help` (VALUE absent for booleans), the
+    help wrapped onto lines indented further and ending in `(default: X)`;
+    `none` there means no default value."""
+    names, valued, defaults = set(), set(), {}
+    flag = None
+    for line in text.splitlines():
+        match = re.match(r"  (--[a-z0-9-]+)(?: ([A-Z]+))?", line)
+        if match:
+            flag = match.group(1)
+            names.add(flag)
+            if match.group(2):
+                valued.add(flag)
+        elif not line.startswith(" "):
+            flag = None  # a section title or the text before the flags
+        default = re.search(r"\(default: ([^)]*)\)", line)
+        if flag and default and default.group(1) != "none":
+            defaults[flag] = default.group(1)
     # Handled before the flag table (server/flags.cc), so not in it.
     names.difference_update({"--help", "--version"})
-    _, _, defaults_text = text.partition("\nDefaults:")
-    defaults = dict(re.findall(r"(--[a-z0-9-]+) (\S+)", defaults_text))
     return ServerFlags(names, valued, defaults, source)
 
 
 def from_source(flags_cc, server_h):
-    """The FlagSpec table's {"name", "VALUE" or nullptr, ...} entries, and the
-    ServerOptions member initializers with literal values (`int grpc_port =
-    50051;`)."""
+    """The flag table's {"name", "VALUE" or nullptr} entries (Sections() in
+    server/flags.cc), and the ServerOptions member initializers with literal
+    values (`int grpc_port = 50051;`)."""
     names, valued = set(), set()
     for name, value_name in re.findall(
             r'\{"([a-z][a-z0-9-]*)",\s*(nullptr|"[A-Z]+")', flags_cc):

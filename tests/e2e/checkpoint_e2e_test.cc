@@ -573,6 +573,15 @@ TEST_F(CheckpointE2eTest, LoadOfAPendingSavePoisonsTheContinuedWindow) {
                 "dropped ", window.size(), " pending ForwardBackward calls")),
             std::string::npos)
       << refused;
+  // tally_poisoned_windows_total counts failed calls and sequence gaps, not
+  // a window its checkpoint dropped.
+  const absl::StatusOr<std::string> metrics =
+      testing::HttpGet(server->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(testing::MetricValue(*metrics, "tally_poisoned_windows_total",
+                                 {{"model_id", id}})
+                .value_or(-1),
+            0);
   absl::StatusOr<v1::ModelInfo> info = Info(*client, id);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->step(), 0);

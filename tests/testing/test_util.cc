@@ -95,7 +95,7 @@ double RelativeDiff(double a, double b) {
   return std::abs(a - b) / std::max(std::abs(b), 1e-300);
 }
 
-std::vector<torch::Tensor> ParameterValues(LlamaModel& model) {
+std::vector<torch::Tensor> ParameterValues(CausalLm& model) {
   std::vector<torch::Tensor> out;
   for (const Parameter& p : model.parameters()) {
     out.push_back(p.tensor.detach().clone());
@@ -103,7 +103,7 @@ std::vector<torch::Tensor> ParameterValues(LlamaModel& model) {
   return out;
 }
 
-std::vector<torch::Tensor> Gradients(LlamaModel& model) {
+std::vector<torch::Tensor> Gradients(CausalLm& model) {
   std::vector<torch::Tensor> out;
   for (const Parameter& p : model.parameters()) {
     const torch::Tensor& g = p.tensor.grad();

@@ -45,8 +45,8 @@ double RelativeDiff(const torch::Tensor& a, const torch::Tensor& b);
 double RelativeDiff(double a, double b);
 
 // Copies of the current values / gradients of every parameter.
-std::vector<torch::Tensor> ParameterValues(LlamaModel& model);
-std::vector<torch::Tensor> Gradients(LlamaModel& model);
+std::vector<torch::Tensor> ParameterValues(CausalLm& model);
+std::vector<torch::Tensor> Gradients(CausalLm& model);
 
 // Same length and every pair bitwise equal.
 bool AllEqual(const std::vector<torch::Tensor>& a,

@@ -34,7 +34,7 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
 
 // The reference loss of the whole window, written from the definitions in
 // docs/architecture.md: one sample at a time (no padding, no batching).
-torch::Tensor ReferenceLoss(LlamaModel& model, const std::vector<Sample>& all,
+torch::Tensor ReferenceLoss(CausalLm& model, const std::vector<Sample>& all,
                             LossReduction reduction) {
   const auto dtype = model.scalar_type();
   torch::Tensor total = torch::zeros({}, dtype);
@@ -118,9 +118,9 @@ TEST_P(WindowEquivalenceTest, UnevenCallsEqualOneCallAndTheReference) {
   EXPECT_EQ(engine->GetModel("split")->window.samples,
             engine->GetModel("whole")->window.samples);
 
-  LlamaModel& split_model = *engine->model("split").value();
-  LlamaModel& whole_model = *engine->model("whole").value();
-  LlamaModel& ref_model = *engine->model("ref").value();
+  CausalLm& split_model = *engine->model("split").value();
+  CausalLm& whole_model = *engine->model("whole").value();
+  CausalLm& ref_model = *engine->model("ref").value();
   const std::vector<torch::Tensor> before = ParameterValues(split_model);
   const auto split_grads = Gradients(split_model);
   const auto whole_grads = Gradients(whole_model);

@@ -54,7 +54,7 @@ class CheckpointPolicyTest : public ::testing::Test {
     return engine_->ForwardBackward("m", {MakeSamples(kVocab, valid, seed)})
         .status();
   }
-  LlamaModel& model() { return *engine_->model("m").value(); }
+  CausalLm& model() { return *engine_->model("m").value(); }
   std::string PathOf(const std::string& name) const {
     return (fs::path(root_) / name).string();
   }

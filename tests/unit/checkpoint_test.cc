@@ -21,9 +21,11 @@
 
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "runtime/atomic_directory.h"
 #include "runtime/llama_model.h"
 #include "runtime/optimizer.h"
 #include "runtime/safetensors.h"
+#include "server/checkpoint_retention.h"
 
 namespace tally {
 namespace {
@@ -59,7 +61,7 @@ std::unique_ptr<LlamaModel> MakeModel(bool tied, DType dtype, uint64_t seed) {
 }
 
 // Gives every parameter a gradient drawn from `seed`.
-void SetFakeGradients(LlamaModel& model, uint64_t seed) {
+void SetFakeGradients(CausalLm& model, uint64_t seed) {
   torch::manual_seed(seed);
   for (Parameter& p : model.parameters()) {
     p.tensor.mutable_grad() = torch::randn_like(p.tensor);
@@ -73,7 +75,7 @@ std::string BytesOf(const torch::Tensor& t) {
                      c.numel() * c.element_size());
 }
 
-NamedTensors Snapshot(const LlamaModel& model) {
+NamedTensors Snapshot(const CausalLm& model) {
   NamedTensors out;
   for (const Parameter& p : model.parameters()) {
     out.emplace_back(p.name, p.tensor.detach().clone());
@@ -95,7 +97,7 @@ void ExpectBitwiseEqual(const NamedTensors& expected,
 
 // True when no parameter of `model` equals its counterpart in `snapshot`, so
 // a later equality proves something was copied.
-bool DiffersEverywhere(const LlamaModel& model, const NamedTensors& snapshot) {
+bool DiffersEverywhere(const CausalLm& model, const NamedTensors& snapshot) {
   for (size_t i = 0; i < snapshot.size(); ++i) {
     if (torch::equal(model.parameters()[i].tensor, snapshot[i].second)) {
       return false;
@@ -613,7 +615,7 @@ TEST_F(CheckpointTest, FormatOneCheckpointsWithoutChecksumsStillLoad) {
 TEST_F(CheckpointTest, SaveReplacesAnExistingCheckpoint) {
   for (bool exchange : {true, false}) {
     SCOPED_TRACE(exchange ? "RENAME_EXCHANGE" : "two renames");
-    SetCheckpointTestHooks({nullptr, exchange});
+    SetPublishTestHooks({nullptr, exchange});
     const std::string dir = PathOf(exchange ? "a" : "b");
     std::unique_ptr<LlamaModel> first = MakeModel(false, DType::kFloat32, 1);
     std::unique_ptr<LlamaModel> second = MakeModel(false, DType::kFloat32, 2);
@@ -625,7 +627,7 @@ TEST_F(CheckpointTest, SaveReplacesAnExistingCheckpoint) {
     ExpectBitwiseEqual(Snapshot(*second), contents->weights);
     EXPECT_EQ(contents->server_state, "two");
   }
-  SetCheckpointTestHooks({});
+  SetPublishTestHooks({});
   std::set<std::string> names;
   for (const fs::directory_entry& entry : fs::directory_iterator(root_)) {
     names.insert(entry.path().filename().string());
@@ -670,7 +672,7 @@ TEST_F(CheckpointTest, FailedSaveLeavesThePreviousCheckpoint) {
         continue;
       }
       SCOPED_TRACE(stage + (exchange ? "" : " (two renames)"));
-      SetCheckpointTestHooks({[&](absl::string_view reached) {
+      SetPublishTestHooks({[&](absl::string_view reached) {
                                 return reached == stage
                                            ? absl::UnavailableError("injected")
                                            : absl::OkStatus();
@@ -683,7 +685,7 @@ TEST_F(CheckpointTest, FailedSaveLeavesThePreviousCheckpoint) {
         EXPECT_EQ(saved.code(), absl::StatusCode::kUnavailable) << saved;
       } else {
         EXPECT_TRUE(saved.ok()) << saved;
-        SetCheckpointTestHooks({});
+        SetPublishTestHooks({});
         ASSERT_TRUE(
             WriteCheckpoint(dir, *old_model, optimizer, {}, "old").ok());
         continue;
@@ -697,7 +699,7 @@ TEST_F(CheckpointTest, FailedSaveLeavesThePreviousCheckpoint) {
                 1);
     }
   }
-  SetCheckpointTestHooks({});
+  SetPublishTestHooks({});
 }
 
 // The crash test: a child process writes a new checkpoint over an old one
@@ -715,13 +717,13 @@ TEST_F(CheckpointTest, CrashAtAnyStepLeavesAWholeCheckpoint) {
       const std::string stage = crash_stage;
       SCOPED_TRACE(stage + (exchange ? "" : " (two renames)"));
       const std::string dir = PathOf("ckpt");
-      SetCheckpointTestHooks({});
+      SetPublishTestHooks({});
       ASSERT_TRUE(WriteCheckpoint(dir, *old_model, optimizer, {}, "old").ok());
 
       const pid_t child = fork();
       ASSERT_GE(child, 0);
       if (child == 0) {
-        SetCheckpointTestHooks({[&](absl::string_view reached) {
+        SetPublishTestHooks({[&](absl::string_view reached) {
                                   if (reached == stage) _exit(kCrashed);
                                   return absl::OkStatus();
                                 },
@@ -755,7 +757,7 @@ TEST_F(CheckpointTest, CrashAtAnyStepLeavesAWholeCheckpoint) {
     }
     EXPECT_TRUE(committed);
   }
-  SetCheckpointTestHooks({});
+  SetPublishTestHooks({});
 }
 
 TEST_F(CheckpointTest, StepCheckpointsListNewestFirstAndPrune) {

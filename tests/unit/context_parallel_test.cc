@@ -12,6 +12,7 @@
 #include "base/status.h"
 #include "runtime/accumulation.h"
 #include "runtime/distributed.h"
+#include "runtime/llama_model.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
@@ -151,7 +152,7 @@ TEST(SplitForContextParallelTest, UnevenShardsOfOneSample) {
 // normalizer of each row being T_b over the cp group (`all_reduce_counts`)
 // or the local shard's count, and returns the gradients summed over cp.
 absl::StatusOr<std::vector<torch::Tensor>> CpSampleMeanGradients(
-    LlamaModel& model, Communicator& cp, const std::vector<Sample>& samples,
+    CausalLm& model, Communicator& cp, const std::vector<Sample>& samples,
     bool all_reduce_counts) {
   ZeroGradients(model.parameters());
   Splits s = SplitAll(samples, cp.size());

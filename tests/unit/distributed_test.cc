@@ -210,22 +210,6 @@ TEST(RankEnvTest, MalformedValuesNameTheVariable) {
   }
 }
 
-// The world dims of every group ProcessGroups creates.
-const std::vector<std::vector<MeshDim>>& CreatedGroupDims() {
-  static const auto* dims = new std::vector<std::vector<MeshDim>>{
-      {MeshDim::kPp},
-      {MeshDim::kDpReplicate},
-      {MeshDim::kDpShard},
-      {MeshDim::kCp},
-      {MeshDim::kTp},
-      {MeshDim::kDpReplicate, MeshDim::kDpShard},
-      {MeshDim::kDpReplicate, MeshDim::kDpShard, MeshDim::kCp},
-      {MeshDim::kDpShard, MeshDim::kCp},
-      {MeshDim::kDpReplicate, MeshDim::kCp},
-  };
-  return *dims;
-}
-
 std::string Label(const std::vector<MeshDim>& dims) {
   return absl::StrJoin(dims, "+", [](std::string* out, MeshDim dim) {
     out->append(MeshDimName(dim));
@@ -257,7 +241,7 @@ std::vector<int> MembersByCoordinates(const MeshShape& shape, int rank,
 // and reduce-scatters each member its own slice of the sum.
 absl::Status CheckEveryGroupHoldsItsRanks(const Mesh& mesh,
                                           ProcessGroups& groups) {
-  for (const std::vector<MeshDim>& dims : CreatedGroupDims()) {
+  for (const std::vector<MeshDim>& dims : ProcessGroups::CreatedGroupDims()) {
     const std::string label = Label(dims);
     const std::vector<int> members =
         MembersByCoordinates(mesh.shape(), mesh.rank(), dims);
@@ -457,7 +441,7 @@ TEST(DistributedTest, SingleRankGroupsAreLocal) {
           .value();
   EXPECT_EQ(groups->world().size(), 1);
   EXPECT_EQ(groups->control().size(), 1);
-  for (const std::vector<MeshDim>& dims : CreatedGroupDims()) {
+  for (const std::vector<MeshDim>& dims : ProcessGroups::CreatedGroupDims()) {
     Communicator* group = groups->group(dims).value();
     EXPECT_EQ(group->size(), 1) << Label(dims);
     torch::Tensor value = torch::tensor({2.5, -1.0}, torch::kFloat64);

@@ -32,7 +32,7 @@ class EnginePoisonTest : public ::testing::Test {
             ->CreateModel(TinySpec("m", DType::kFloat64, OptimizerKind::kAdamW))
             .ok());
   }
-  LlamaModel& model() { return *engine_->model("m").value(); }
+  CausalLm& model() { return *engine_->model("m").value(); }
   absl::Status Train(uint64_t seed,
                      LossReduction reduction = LossReduction::kTokenMean) {
     return engine_
@@ -81,6 +81,12 @@ TEST_F(EnginePoisonTest, AForwardBackwardFailingMidwayPoisonsTheWindow) {
   ASSERT_FALSE(failed.ok());
   EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
   EXPECT_TRUE(Poisoned());
+  // The failure says it poisoned the window; a second failure of the same
+  // window does not claim it again.
+  EXPECT_TRUE(PoisonedTheWindow(failed));
+  const absl::Status failed_again = Train(3);
+  ASSERT_FALSE(failed_again.ok());
+  EXPECT_FALSE(PoisonedTheWindow(failed_again));
   // Even with a well-formed gradient back, the window stays untrusted.
   embedding.tensor.mutable_grad() = kept;
   ExpectStepAborted("a ForwardBackward failed");
@@ -103,13 +109,15 @@ TEST_F(EnginePoisonTest, ValidationFailuresPoisonNothing) {
 
 TEST_F(EnginePoisonTest, PoisonWindowAbortsTheNextStepWithItsReason) {
   ASSERT_TRUE(Train(1).ok());
-  ASSERT_TRUE(engine_->PoisonWindow("m", "seq_id 4 never arrived").ok());
+  // Only the first poisoning of a window says it poisoned it.
+  EXPECT_EQ(engine_->PoisonWindow("m", "seq_id 4 never arrived").value(), true);
   EXPECT_TRUE(Poisoned());
+  EXPECT_EQ(engine_->PoisonWindow("m", "another cause").value(), false);
   // A later successful call does not clear it.
   ASSERT_TRUE(Train(2).ok());
   ExpectStepAborted("seq_id 4 never arrived");
   ExpectAbortHeals();
-  EXPECT_EQ(engine_->PoisonWindow("nope", "x").code(),
+  EXPECT_EQ(engine_->PoisonWindow("nope", "x").status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(engine_->WindowPoisoned("nope").status().code(),
             absl::StatusCode::kNotFound);

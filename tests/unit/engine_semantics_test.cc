@@ -31,7 +31,7 @@ class EngineSemanticsTest : public ::testing::Test {
             ->CreateModel(TinySpec("m", DType::kFloat64, OptimizerKind::kAdamW))
             .ok());
   }
-  LlamaModel& model() { return *engine_->model("m").value(); }
+  CausalLm& model() { return *engine_->model("m").value(); }
   absl::Status Train(const std::vector<int>& valid, uint64_t seed,
                      LossReduction reduction = LossReduction::kTokenMean) {
     return engine_

@@ -19,6 +19,7 @@
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
 #include "runtime/optimizer.h"
+#include "runtime/llama_model.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {

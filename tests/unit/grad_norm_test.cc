@@ -8,6 +8,7 @@
 
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
+#include "runtime/llama_model.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "runtime/engine.h"
+#include "runtime/llama_model.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {

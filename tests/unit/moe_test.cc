@@ -13,6 +13,8 @@
 
 #include "runtime/checkpoint.h"
 #include "runtime/engine.h"
+#include "runtime/llama_model.h"
+#include "runtime/moe_block.h"
 #include "runtime/llama_config.h"
 #include "runtime/llama_model.h"
 #include "runtime/optimizer.h"

@@ -31,18 +31,6 @@ TEST(PipelineTest, StagesCoverTheLayersContiguouslyFirstStagesLonger) {
   EXPECT_EQ(StageLayers(7, 2, 3).begin, 5);  // 3, 2, 2
 }
 
-TEST(PipelineTest, OwningStage) {
-  EXPECT_EQ(OwningStage("model.embed_tokens.weight", 7, 3), 0);
-  EXPECT_EQ(OwningStage("model.layers.2.mlp.up_proj.weight", 7, 3), 0);
-  EXPECT_EQ(OwningStage("model.layers.3.input_layernorm.weight", 7, 3), 1);
-  EXPECT_EQ(OwningStage("model.layers.6.self_attn.q_proj.weight", 7, 3), 2);
-  EXPECT_EQ(OwningStage("model.norm.weight", 7, 3), 2);
-  EXPECT_EQ(OwningStage("lm_head.weight", 7, 3), 2);
-  EXPECT_EQ(OwningStage("model.layers.7.mlp.up_proj.weight", 7, 3), -1);
-  EXPECT_EQ(OwningStage("model.layers.x.mlp.up_proj.weight", 7, 3), -1);
-  EXPECT_EQ(OwningStage("model.rotary_emb.inv_freq", 7, 3), -1);
-}
-
 // Every micro-batch goes forward then backward exactly once, backwards in
 // order, and a stage never holds more than stages - stage in flight.
 TEST(PipelineTest, OneForwardOneBackwardOrder) {

@@ -1,6 +1,10 @@
 // tally-server's flag parsing and the proto-level request validation.
 #include <gtest/gtest.h>
 
+#include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "server/convert.h"
 #include "server/flags.h"
 
@@ -136,6 +140,96 @@ TEST(ServerFlagsTest, BadFlagsAreNamed) {
     EXPECT_EQ(flags.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(flags.status().message().find(c.named), std::string::npos)
         << flags.status();
+  }
+}
+
+TEST(ServerFlagsTest, EachParseStartsFromTheDefaults) {
+  auto set = Parse({"--grpc-port", "1", "--demo-model", "--rank", "2",
+                    "--master-addr", "h", "--pp-microbatches", "3",
+                    "--seq-gap-timeout-secs", "2.5", "--log-level=error"});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_FALSE(Parse({"--metrics-port=2", "--no-such-flag"}).ok());
+  auto flags = Parse({});
+  ASSERT_TRUE(flags.ok()) << flags.status();
+  const ServerOptions defaults;
+  const ServerOptions& o = flags->options;
+  EXPECT_EQ(o.grpc_port, defaults.grpc_port);
+  EXPECT_EQ(o.metrics_port, defaults.metrics_port);
+  EXPECT_EQ(o.demo_model, defaults.demo_model);
+  EXPECT_FALSE(o.rank_env.rank.has_value());
+  EXPECT_FALSE(o.rank_env.master_addr.has_value());
+  EXPECT_EQ(o.pp_microbatches, defaults.pp_microbatches);
+  EXPECT_EQ(o.seq_gap_timeout_secs, defaults.seq_gap_timeout_secs);
+  EXPECT_EQ(o.collective_timeout_secs, defaults.collective_timeout_secs);
+  EXPECT_EQ(o.rendezvous_timeout_secs, defaults.rendezvous_timeout_secs);
+  EXPECT_EQ(o.max_tokens_per_call, defaults.max_tokens_per_call);
+  EXPECT_EQ(o.max_batch_tokens, defaults.max_batch_tokens);
+  EXPECT_EQ(o.log_level, defaults.log_level);
+}
+
+TEST(ServerFlagsTest, OnlyKebabCaseServerFlagsWithStrictValues) {
+  // The absl names are not spelled on the command line, and absl's own flags
+  // are not tally-server's.
+  for (const char* unknown : {"--grpc_port=1", "--flagfile=/etc/passwd"}) {
+    auto flags = Parse({unknown});
+    EXPECT_EQ(flags.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(flags.status().message().find("unknown flag"), std::string::npos)
+        << flags.status();
+  }
+  // Booleans are true or false (absl alone would also take 1, yes, t).
+  for (const char* bad :
+       {"--demo-model=yes", "--resume=1", "--overlap-grad-sync=t"}) {
+    EXPECT_FALSE(Parse({bad}).ok()) << bad;
+  }
+  // An unset override is a flag left out, not an empty value.
+  EXPECT_FALSE(Parse({"--rank="}).ok());
+  EXPECT_FALSE(Parse({"--master-addr", ""}).ok());
+  // absl's parse errors name the flag as it is typed.
+  auto flags = Parse({"--max-batch-tokens=many"});
+  EXPECT_EQ(flags.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(flags.status().message().find("--max-batch-tokens"),
+            std::string::npos)
+      << flags.status();
+  EXPECT_EQ(flags.status().message().find("max_batch_tokens"),
+            std::string::npos)
+      << flags.status();
+}
+
+TEST(ServerFlagsTest, UsageListsEveryFlagWithItsDefault) {
+  const std::string usage = ServerUsage();
+  int documented = 0;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!absl::EndsWith(flag->Filename(), "server/flags.cc")) continue;
+    ++documented;
+    const std::string kebab = absl::StrReplaceAll(name, {{"_", "-"}});
+    // "  --grpc-port N ...", "  --demo-model   ...": booleans take no value.
+    const std::string start = absl::StrCat("\n  --", kebab, " ");
+    const size_t at = usage.find(start);
+    ASSERT_NE(at, std::string::npos) << kebab;
+    const char after = usage[at + start.size()];
+    EXPECT_EQ(flag->IsOfType<bool>(), !(after >= 'A' && after <= 'Z')) << kebab;
+    const std::string entry =
+        usage.substr(at, usage.find("\n  --", at + 1) - at);
+    const std::string default_value = flag->DefaultValue();
+    EXPECT_NE(
+        entry.find(absl::StrCat(
+            "(default: ", default_value.empty() ? "none" : default_value, ")")),
+        std::string::npos)
+        << entry;
+  }
+  EXPECT_GE(documented, 40);
+  int defaults = 0;
+  for (size_t at = usage.find("(default: "); at != std::string::npos;
+       at = usage.find("(default: ", at + 1)) {
+    ++defaults;
+  }
+  EXPECT_EQ(defaults, documented);  // no entry without its absl flag
+  EXPECT_NE(usage.find("(default: 50051)"), std::string::npos) << usage;
+  EXPECT_NE(usage.find("(default: 127.0.0.1)"), std::string::npos) << usage;
+  for (const char* section :
+       {"\nServing:\n", "\nMesh and parallelism:\n", "\nCheckpoints:\n",
+        "\nSecurity:\n", "\nMetrics and logging:\n"}) {
+    EXPECT_NE(usage.find(section), std::string::npos) << section;
   }
 }
 

@@ -55,7 +55,7 @@ double Value(const std::string& text, const std::string& series) {
   return std::stod(text.substr(at + prefix.size()));
 }
 
-int64_t Bytes(LlamaModel& model, bool gradients) {
+int64_t Bytes(CausalLm& model, bool gradients) {
   int64_t total = 0;
   for (const Parameter& p : model.parameters()) {
     const torch::Tensor& t = gradients ? p.tensor.grad() : p.tensor;
@@ -76,7 +76,7 @@ TEST(ServerMetricsTest, RankStateFollowsTheEngine) {
           .ok());
   (*metrics)->RecordRankState();
 
-  LlamaModel* model = *e.model("m");
+  CausalLm* model = *e.model("m");
   const int64_t parameter_bytes = Bytes(*model, false);
   std::string text = Scrape(port);
   EXPECT_EQ(Value(text, "tally_models{rank=\"0\"}"), 1);

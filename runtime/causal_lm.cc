@@ -1,0 +1,89 @@
+#include "runtime/causal_lm.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "base/status.h"
+
+namespace tally {
+
+torch::ScalarType ToScalarType(DType dtype) {
+  return dtype == DType::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+}
+
+Parameter* CausalLm::Find(const std::string& name) {
+  for (Parameter& p : parameters_) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
+int CausalLm::Freeze(const std::string& pattern) {
+  int frozen = 0;
+  for (Parameter& p : parameters_) {
+    if (!NameMatches(pattern, p.name)) continue;
+    p.trainable = false;
+    p.tensor.set_requires_grad(false);
+    p.tensor.mutable_grad() = torch::Tensor();
+    ++frozen;
+  }
+  return frozen;
+}
+
+uint64_t CausalLm::NumParameters() const {
+  uint64_t n = 0;
+  for (const Parameter& p : parameters_) {
+    uint64_t numel = 1;
+    for (int64_t size : p.full_shape) numel *= size;
+    n += numel;
+  }
+  return n;
+}
+
+torch::Tensor CausalLm::LocalShard(const Parameter& p,
+                                   const torch::Tensor& full) const {
+  return LocalShardOf(p, full, sharding_);
+}
+
+absl::StatusOr<torch::Tensor> CausalLm::GatherFull(const Parameter& p,
+                                                   const torch::Tensor& local) {
+  return GatherFullOf(p, local, sharding_);
+}
+
+torch::Tensor CausalLm::TargetLogprobs(const torch::Tensor& inputs,
+                                       const torch::Tensor& targets,
+                                       const AttentionLayout& layout,
+                                       StageIo* io) {
+  TORCH_CHECK(sharding_.pp_stages == 1,
+              "TargetLogprobs needs the whole model; use StageForward");
+  if (io != nullptr) io->auxiliary.clear();
+  return StageForward(inputs, targets, layout, io);
+}
+
+absl::StatusOr<std::vector<int>> CausalLm::InitializeParameters(
+    const std::vector<ParameterSpec>& specs, const ShardingPlan& plan,
+    uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto options = torch::TensorOptions().dtype(scalar_type());
+  std::vector<int> indices;
+  indices.reserve(specs.size());
+  for (const ParameterSpec& spec : specs) {
+    // Every stage draws every tensor, so each is the same whatever the
+    // split; only the held ones are kept.
+    torch::Tensor full = spec.ones ? torch::ones(spec.shape, options)
+                                   : torch::empty(spec.shape, options);
+    if (!spec.ones) full.normal_(0.0, 0.02, generator);
+    if (!spec.held) {
+      indices.push_back(-1);
+      continue;
+    }
+    TALLY_ASSIGN_OR_RETURN(const PlanRule* rule, plan.RuleFor(spec.name));
+    Parameter p = PlaceParameter(spec.name, spec.shape, *rule, sharding_);
+    p.tensor = LocalShard(p, full).set_requires_grad(true);
+    parameters_.push_back(std::move(p));
+    indices.push_back(static_cast<int>(parameters_.size()) - 1);
+  }
+  return indices;
+}
+
+}  // namespace tally

@@ -1,0 +1,167 @@
+// CausalLm: what the runtime needs of a decoder-only language model, whatever
+// its family. The engine, the pipeline schedule, checkpoints, the optimizer
+// and the gradient norm talk to this interface and to the Parameters it
+// holds; a family (Llama, with or without a mixture-of-experts MLP; Qwen,
+// Mistral next) implements it in files of its own and is registered in
+// model_families.cc. How parameters are split over the mesh is data — a
+// ShardingPlan per family (sharding_plan.h) — not code in a constructor.
+//
+//   TALLY_ASSIGN_OR_RETURN(std::unique_ptr<tally::CausalLm> model,
+//                          tally::CreateCausalLm(config, tally::DType::kFloat64,
+//                                                /*seed=*/7, sharding));
+//   tally::StageIo io;  // per-token auxiliary losses and routing counts
+//   torch::Tensor logprobs = model->StageForward(inputs, targets, layout, &io);
+#ifndef TALLY_RUNTIME_CAUSAL_LM_H_
+#define TALLY_RUNTIME_CAUSAL_LM_H_
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/attention_layout.h"
+#include "runtime/llama_config.h"
+#include "runtime/parameter.h"
+#include "runtime/safetensors.h"
+#include "runtime/sharding_plan.h"
+#include "runtime/types.h"
+
+namespace tally {
+
+torch::ScalarType ToScalarType(DType dtype);
+
+// A per-token term a model adds to each token's training loss, weighted by
+// `coefficient` (MoE load balancing). Joining the token's loss, it is
+// weighted and normalized exactly like the token's cross-entropy.
+struct AuxiliaryLoss {
+  std::string name;  // e.g. "router_load_balancing"
+  double coefficient = 0.0;
+};
+
+// What a stage's forward reads and adds besides its main input and output.
+struct StageIo {
+  // In: [B, T] bool, the tokens that count (not padding); required by a
+  // model with routing statistics, ignored otherwise.
+  torch::Tensor real_tokens;
+  // In and out: one [B, T] differentiable term per auxiliary_losses() entry,
+  // in that order, summed over the layers so far. Undefined on entry to the
+  // first stage; each stage adds its layers' share.
+  std::vector<torch::Tensor> auxiliary;
+  // Out: [layers, E] float64, the real tokens routed to each expert of each
+  // of this stage's layers (other layers' rows zero); undefined for a model
+  // without routing.
+  torch::Tensor expert_tokens;
+};
+
+class CausalLm {
+ public:
+  virtual ~CausalLm() = default;
+
+  const LlamaConfig& config() const { return config_; }
+  DType dtype() const { return dtype_; }
+  torch::ScalarType scalar_type() const { return ToScalarType(dtype_); }
+  const ModelSharding& sharding() const { return sharding_; }
+
+  std::vector<Parameter>& parameters() { return parameters_; }
+  const std::vector<Parameter>& parameters() const { return parameters_; }
+  // nullptr when absent.
+  Parameter* Find(const std::string& name);
+  // Freezes every parameter whose name matches `pattern` (a name where '*'
+  // stands for a layer number, see NameMatches): it takes no gradient from
+  // then on. Returns how many this stage holds. Freeze before the optimizer
+  // is built, so no state is allocated for them.
+  int Freeze(const std::string& pattern);
+  // Of this stage's parameters, unsharded (the whole model when pp = 1).
+  uint64_t NumParameters() const;
+
+  int pp_stage() const { return sharding_.pp_stage; }
+  bool first_stage() const { return sharding_.pp_stage == 0; }
+  bool last_stage() const {
+    return sharding_.pp_stage == sharding_.pp_stages - 1;
+  }
+  bool sharded() const {
+    return sharding_.tp_size() > 1 || sharding_.dp_shard_size() > 1 ||
+           sharding_.ep_size() > 1;
+  }
+
+  // This rank's shard of `full` (shaped like p.full_shape) and the inverse
+  // (collective over the groups p is split over); see sharding_plan.h.
+  torch::Tensor LocalShard(const Parameter& p, const torch::Tensor& full) const;
+  absl::StatusOr<torch::Tensor> GatherFull(const Parameter& p,
+                                           const torch::Tensor& local);
+
+  // Every parameter name of the whole model (all stages), in order.
+  virtual std::vector<std::string> ParameterNames() const = 0;
+  // The per-token auxiliary losses StageIo::auxiliary carries, in order;
+  // empty for most families.
+  virtual std::vector<AuxiliaryLoss> auxiliary_losses() const = 0;
+  // The number of experts whose routing StageIo::expert_tokens counts (0:
+  // no routing).
+  virtual int64_t routed_experts() const = 0;
+
+  // The stage of a `stages`-stage split of this family that owns (and
+  // checkpoints) the HF parameter `name`; -1 for a name that is no parameter
+  // of the family.
+  virtual int OwningStage(const std::string& name, int stages) const = 0;
+  // The tied embedding when the first and last stage each hold a copy whose
+  // gradients must be summed before a step; nullptr otherwise.
+  virtual Parameter* SplitTiedEmbedding() = 0;
+
+  // Tensors under tally's parameter names to the HF checkpoint names and
+  // back (e.g. stacked experts to per-expert tensors). INVALID_ARGUMENT
+  // naming the tensor for a malformed checkpoint.
+  virtual NamedTensors ToHfTensors(NamedTensors tensors) const = 0;
+  virtual absl::StatusOr<NamedTensors> FromHfTensors(
+      NamedTensors tensors) const = 0;
+
+  // This rank's pipeline stage of the model. `input`: the token ids [B, T]
+  // on the first stage, else the previous stage's hidden states. Returns
+  // log p(targets[b, t] | the tokens of b's sample at or before t) [B, T] on
+  // the last stage (`targets`, int64 [B, T] with ignored targets replaced by
+  // any in-range id, is read there only), else the hidden states for the
+  // next stage. Padded positions hold finite values that must be masked.
+  // Under cp every rank of the cp group calls it with the same B and T;
+  // under ep every rank of the ep group calls it the same number of times.
+  virtual torch::Tensor StageForward(const torch::Tensor& input,
+                                     const torch::Tensor& targets,
+                                     const AttentionLayout& layout,
+                                     StageIo* io) = 0;
+  // The whole model's StageForward (requires pp = 1), for tests and tools.
+  torch::Tensor TargetLogprobs(const torch::Tensor& inputs,
+                               const torch::Tensor& targets,
+                               const AttentionLayout& layout,
+                               StageIo* io = nullptr);
+
+ protected:
+  CausalLm(const LlamaConfig& config, DType dtype,
+           const ModelSharding& sharding)
+      : config_(config), dtype_(dtype), sharding_(sharding) {}
+
+  // Draws every parameter of `specs` in order from `seed` (normal(0, 0.02),
+  // ones for norms), whatever the sharding, and keeps what the plan places
+  // on this rank and stage. Returns each spec's index into parameters_ (-1
+  // for a parameter this stage does not hold). INTERNAL when the plan
+  // misses a parameter.
+  absl::StatusOr<std::vector<int>> InitializeParameters(
+      const std::vector<ParameterSpec>& specs, const ShardingPlan& plan,
+      uint64_t seed);
+
+  LlamaConfig config_;
+  DType dtype_;
+  ModelSharding sharding_;
+  std::vector<Parameter> parameters_;
+};
+
+// The family `config` names (config.json's model_type), built and placed for
+// `sharding`. INVALID_ARGUMENT naming the config field a family or the mesh
+// cannot take.
+absl::StatusOr<std::unique_ptr<CausalLm>> CreateCausalLm(
+    const LlamaConfig& config, DType dtype, uint64_t seed,
+    const ModelSharding& sharding = {});
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_CAUSAL_LM_H_

@@ -1,0 +1,84 @@
+// The mixture-of-experts MLP block, HF Mixtral semantics: a softmax router,
+// each token's top-k experts renormalized over the chosen k, SwiGLU experts
+// w2(silu(w1 x) * w3 x). A family with MoE layers (Mixtral today) calls
+// SparseMoeForward where a dense model calls its MLP.
+//
+// The experts of a layer are held as three stacked parameters
+// "...experts.{w1,w2,w3}.weight" [E, ...], Shard(0) over ep; ExpertWeightsToHf
+// / ExpertWeightsFromHf map them to and from HF's per-expert names
+// "...experts.{e}.w1.weight" at the checkpoint boundary. Under ep every rank
+// computes its experts for the tokens of the whole ep group (a dispatch
+// all-gather and a combine reduce-scatter).
+//
+//   tally::MoeWeights w{router, w1, w2, w3};
+//   torch::Tensor out = tally::SparseMoeForward(options, h, w, ep_rows,
+//                                               sharding, &io);
+#ifndef TALLY_RUNTIME_MOE_BLOCK_H_
+#define TALLY_RUNTIME_MOE_BLOCK_H_
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "runtime/causal_lm.h"
+#include "runtime/safetensors.h"
+#include "runtime/sharding_plan.h"
+
+namespace tally {
+
+// The name of the load-balancing term among a model's auxiliary losses.
+inline constexpr char kRouterLoadBalancing[] = "router_load_balancing";
+
+struct MoeOptions {
+  int64_t num_experts = 0;
+  int64_t experts_per_token = 2;
+  // This block's layer among the model's `num_layers` (the row it fills in
+  // StageIo::expert_tokens; the load-balancing term is averaged over them).
+  int64_t layer = 0;
+  int64_t num_layers = 1;
+};
+
+// The tp-local (dp_shard-gathered) weights of one MoE block.
+struct MoeWeights {
+  torch::Tensor router;      // [E, H]
+  torch::Tensor w1, w2, w3;  // [E/ep, I, H], [E/ep, H, I], [E/ep, I, H]
+};
+
+// INVALID_ARGUMENT when ep does not divide config.num_local_experts of a MoE
+// config (a dense model ignores ep).
+absl::Status ValidateExpertParallel(const LlamaConfig& config, int ep);
+
+// The rows each ep rank's tokens are padded to for the dispatch: the most
+// tokens any rank of the ep group has in this call (collective over ep).
+int64_t ExpertDispatchRows(int64_t tokens, const ModelSharding& sharding);
+
+// The block on h [B, T, H]. With `io`, adds the block's per-token
+// load-balancing term to io->auxiliary[0] — E / num_layers times the sum of
+// the token's top-k router probabilities (k / num_layers for a uniform
+// router) — and counts the real tokens routed to each expert into row
+// `layer` of io->expert_tokens.
+torch::Tensor SparseMoeForward(const MoeOptions& options,
+                               const torch::Tensor& h, const MoeWeights& w,
+                               int64_t ep_rows, const ModelSharding& sharding,
+                               StageIo* io);
+
+// The stacked expert parameter "....experts.w1.weight" [E, ...] a per-expert
+// HF name "....experts.{e}.w1.weight" belongs to, and e; nullopt for any
+// other name.
+std::optional<std::pair<std::string, int64_t>> StackedExpertName(
+    const std::string& hf_name);
+// Replaces every stacked expert tensor of `tensors` by its E per-expert HF
+// tensors (the order of the other tensors is kept).
+NamedTensors ExpertWeightsToHf(NamedTensors tensors);
+// The inverse: per-expert HF tensors stacked under the stacked name (experts
+// in index order). INVALID_ARGUMENT when an expert index is missing,
+// repeated, or the experts' shapes differ.
+absl::StatusOr<NamedTensors> ExpertWeightsFromHf(NamedTensors tensors);
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_MOE_BLOCK_H_
