@@ -37,9 +37,9 @@ struct DirectoryFile {
 // naming a directory), replacing what is there, with `checksum_file` written
 // last to list the SHA-256 of every file. The parent directories are created
 // when missing. On failure `target` is as it was. Returns the bytes written.
-absl::StatusOr<uint64_t> PublishDirectory(const std::string& target,
-                                          const std::vector<DirectoryFile>& files,
-                                          const std::string& checksum_file);
+absl::StatusOr<uint64_t> PublishDirectory(
+    const std::string& target, const std::vector<DirectoryFile>& files,
+    const std::string& checksum_file);
 
 // Where `dir`'s published contents are: `dir`, or the previous directory a
 // publish moved aside when it crashed between its two renames.

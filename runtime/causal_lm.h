@@ -7,7 +7,8 @@
 // ShardingPlan per family (sharding_plan.h) — not code in a constructor.
 //
 //   TALLY_ASSIGN_OR_RETURN(std::unique_ptr<tally::CausalLm> model,
-//                          tally::CreateCausalLm(config, tally::DType::kFloat64,
+//                          tally::CreateCausalLm(config,
+//                          tally::DType::kFloat64,
 //                                                /*seed=*/7, sharding));
 //   tally::StageIo io;  // per-token auxiliary losses and routing counts
 //   torch::Tensor logprobs = model->StageForward(inputs, targets, layout, &io);

@@ -545,9 +545,10 @@ bool TrainableOnly(const CheckpointContents& contents) {
 
 // Every check of LoadWeightsInto, and the copies it would make from
 // `weights` (under the model's parameter names).
-absl::StatusOr<WeightCopies> PlanWeightCopies(
-    const LlamaConfig& config, const NamedTensors& weights,
-    bool trainable_only, CausalLm& model) {
+absl::StatusOr<WeightCopies> PlanWeightCopies(const LlamaConfig& config,
+                                              const NamedTensors& weights,
+                                              bool trainable_only,
+                                              CausalLm& model) {
   TALLY_RETURN_IF_ERROR(CheckSameConfig(config, model.config()));
 
   std::map<std::string, const torch::Tensor*> unclaimed;

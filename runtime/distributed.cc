@@ -155,9 +155,14 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooGroup(
         auto options = c10d::ProcessGroupGloo::Options::create(op_timeout);
         options->devices.push_back(device);
         auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
-        return MakeProcessGroupCommunicator(
-            c10::make_intrusive<c10d::ProcessGroupGloo>(
-                prefixed, group_rank, static_cast<int>(ranks.size()), options));
+        auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+            prefixed, group_rank, static_cast<int>(ranks.size()), options);
+        // Constructing a Gloo group is no synchronization point: a rank may
+        // start connecting the next group while a peer still handshakes this
+        // one on the same device. The barrier finishes every pair of this
+        // group first, so groups connect one at a time.
+        group->barrier()->wait();
+        return MakeProcessGroupCommunicator(group);
       });
   if (group.ok()) return group;
   const std::string what = absl::StrCat("rendezvous: group ", name, " (ranks ",

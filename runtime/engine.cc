@@ -63,9 +63,8 @@ absl::Status FreezeParameters(const std::vector<std::string>& patterns,
     if (std::none_of(names.begin(), names.end(), [&](const std::string& n) {
           return NameMatches(pattern, n);
         })) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("frozen: '", pattern,
-                       "' matches no parameter of the model"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "frozen: '", pattern, "' matches no parameter of the model"));
     }
     model.Freeze(pattern);
   }
@@ -108,9 +107,9 @@ void RecordSamples(const torch::Tensor& logprobs, const PackedBatch& batch,
 // the last stage, so it is weighted and normalized exactly like the token's
 // cross-entropy. Returns what the next stage receives or, on the last stage,
 // the raw loss to backpropagate.
-torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan,
-                                size_t b, const torch::Tensor& received,
-                                bool last, const ForwardBackwardArgs& args,
+torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
+                                const torch::Tensor& received, bool last,
+                                const ForwardBackwardArgs& args,
                                 CallResults& results) {
   const PackedBatch& batch = plan.packed[b];
   const std::vector<AuxiliaryLoss> auxiliary = model.auxiliary_losses();
@@ -144,7 +143,8 @@ torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan,
   torch::Tensor loss_logprobs = output;
   for (size_t a = 0; a < io.auxiliary.size(); ++a) {
     if (auxiliary[a].coefficient > 0) {
-      loss_logprobs = loss_logprobs - auxiliary[a].coefficient * io.auxiliary[a];
+      loss_logprobs =
+          loss_logprobs - auxiliary[a].coefficient * io.auxiliary[a];
     }
   }
   const LossTerms terms =
@@ -278,8 +278,8 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
         absl::StrCat("model '", spec.model_id, "' already exists"));
   }
   TALLY_RETURN_IF_ERROR(ValidateAdamParams(spec.default_adam, "default_adam"));
-  TALLY_RETURN_IF_ERROR(ValidateMaxGradNorm(spec.default_max_grad_norm,
-                                            "default_max_grad_norm"));
+  TALLY_RETURN_IF_ERROR(
+      ValidateMaxGradNorm(spec.default_max_grad_norm, "default_max_grad_norm"));
   // Building can fail on one rank only (an unreadable init_checkpoint, memory):
   // the ranks agree before any of them adds the model.
   absl::StatusOr<std::unique_ptr<ModelState>> built = BuildModel(spec);
@@ -315,9 +315,8 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   sharding.ep = groups_.ep;
   sharding.pp_stage = groups_.pp->rank();
   sharding.pp_stages = groups_.pp->size();
-  TALLY_ASSIGN_OR_RETURN(
-      state->model,
-      CreateCausalLm(spec.config, spec.dtype, spec.seed, sharding));
+  TALLY_ASSIGN_OR_RETURN(state->model, CreateCausalLm(spec.config, spec.dtype,
+                                                      spec.seed, sharding));
   TALLY_RETURN_IF_ERROR(FreezeParameters(spec.frozen, *state->model));
   if (init) {
     if (Staged(*state->model, groups_)) {

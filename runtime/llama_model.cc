@@ -91,7 +91,9 @@ std::vector<ParameterSpec> LlamaModel::ParameterSpecs() const {
   const LayerRange held_layers =
       StageLayers(c.num_hidden_layers, sharding_.pp_stage, sharding_.pp_stages);
   std::vector<ParameterSpec> specs;
-  specs.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, false,
+  specs.push_back({"model.embed_tokens.weight",
+                   {c.vocab_size, h},
+                   false,
                    first || (last && c.tie_word_embeddings)});
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
@@ -174,9 +176,7 @@ std::vector<AuxiliaryLoss> LlamaModel::auxiliary_losses() const {
   return {{kRouterLoadBalancing, config_.router_aux_loss_coef}};
 }
 
-int64_t LlamaModel::routed_experts() const {
-  return config_.num_local_experts;
-}
+int64_t LlamaModel::routed_experts() const { return config_.num_local_experts; }
 
 int LlamaModel::OwningStage(const std::string& name, int stages) const {
   const int64_t num_layers = config_.num_hidden_layers;
@@ -303,8 +303,8 @@ torch::Tensor LlamaModel::Mlp(int layer, const torch::Tensor& h,
     options.experts_per_token = config_.num_experts_per_tok;
     options.layer = first_layer_ + layer;
     options.num_layers = config_.num_hidden_layers;
-    const MoeWeights weights{Weight(idx.router), Weight(idx.w1),
-                             Weight(idx.w2), Weight(idx.w3)};
+    const MoeWeights weights{Weight(idx.router), Weight(idx.w1), Weight(idx.w2),
+                             Weight(idx.w3)};
     return SparseMoeForward(options, h, weights, ep_rows, sharding_, io);
   }
   torch::Tensor x = EnterTensorParallel(h);

@@ -79,7 +79,8 @@ torch::Tensor SparseMoeForward(const MoeOptions& options,
     block =
         torch::cat({block, torch::zeros({ep_rows - tokens, hidden + experts},
                                         block.options())});
-    torch::Tensor all = GatherShardedParameter(block, ep * ep_rows, *sharding.ep);
+    torch::Tensor all =
+        GatherShardedParameter(block, ep * ep_rows, *sharding.ep);
     x = all.narrow(1, 0, hidden);
     combine = all.narrow(1, hidden, experts);
   }

@@ -25,7 +25,7 @@
 namespace tally {
 
 struct Parameter {
-  std::string name;      // HF name, e.g. "model.layers.0.mlp.up_proj.weight"
+  std::string name;  // HF name, e.g. "model.layers.0.mlp.up_proj.weight"
   // This rank's local shard; requires_grad exactly when trainable.
   torch::Tensor tensor;
   Placements placements;

@@ -11,8 +11,8 @@ absl::Status ValidateMaxGradNorm(double max_grad_norm,
   if (std::isfinite(max_grad_norm) && max_grad_norm >= 0) {
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      field, " must be finite and >= 0, got ", max_grad_norm));
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " must be finite and >= 0, got ", max_grad_norm));
 }
 
 const char* DTypeName(DType dtype) {

@@ -5,7 +5,8 @@
 //   const std::string dir = tally::StepCheckpointDir(model_dir, step);
 //   ... write the checkpoint to dir ...
 //   TALLY_RETURN_IF_ERROR(tally::PruneStepCheckpoints(model_dir, /*keep=*/3));
-//   std::vector<std::string> newest_first = tally::ListStepCheckpoints(model_dir);
+//   std::vector<std::string> newest_first =
+//   tally::ListStepCheckpoints(model_dir);
 #ifndef TALLY_SERVER_CHECKPOINT_RETENTION_H_
 #define TALLY_SERVER_CHECKPOINT_RETENTION_H_
 

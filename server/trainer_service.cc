@@ -406,40 +406,41 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
   if (validation.ok() && !request->init_checkpoint().empty()) {
     validation = ConfinePath(*context, server_form->mutable_init_checkpoint());
   }
-  return Execute(
-      {"CreateModel", context, server_form->mutable_model_id()},
-      validation, [this, server_form, response]() -> absl::Status {
-        const v1::CreateModelRequest& request = *server_form;
-        // Before anything is allocated, on any rank.
-        const double bytes = CreatedModelBytes(request);
-        const std::string tenant = TenantOf(request.model_id());
-        TALLY_RETURN_IF_ERROR(admission_.CheckModel(tenant, bytes));
-        TALLY_RETURN_IF_ERROR(
-            commands_.Run(kCreateModelCommand, request, response));
-        const std::string engine_id = CreatedModelId(request, *response);
-        admission_.Add(engine_id, tenant, bytes);
-        unresumed_.erase(engine_id);
-        scheduler_.sequencer().AddModel(engine_id);
-        FillNextSeqId(engine_id, response);
-        return absl::OkStatus();
-      });
+  return Execute({"CreateModel", context, server_form->mutable_model_id()},
+                 validation, [this, server_form, response]() -> absl::Status {
+                   const v1::CreateModelRequest& request = *server_form;
+                   // Before anything is allocated, on any rank.
+                   const double bytes = CreatedModelBytes(request);
+                   const std::string tenant = TenantOf(request.model_id());
+                   TALLY_RETURN_IF_ERROR(admission_.CheckModel(tenant, bytes));
+                   TALLY_RETURN_IF_ERROR(
+                       commands_.Run(kCreateModelCommand, request, response));
+                   const std::string engine_id =
+                       CreatedModelId(request, *response);
+                   admission_.Add(engine_id, tenant, bytes);
+                   unresumed_.erase(engine_id);
+                   scheduler_.sequencer().AddModel(engine_id);
+                   FillNextSeqId(engine_id, response);
+                   return absl::OkStatus();
+                 });
 }
 
 grpc::ServerUnaryReactor* TrainerService::GetModel(
     grpc::CallbackServerContext* context, const v1::GetModelRequest* request,
     v1::ModelInfo* response) {
   auto server_form = std::make_shared<v1::GetModelRequest>(*request);
-  return Execute(
-      {"GetModel", context, server_form->mutable_model_id()},
-      ValidateModelId(request->model_id()),
-      [this, server_form, response]() -> absl::Status {
-        const std::string& engine_id = server_form->model_id();
-        absl::StatusOr<ModelSummary> summary = engine_->GetModel(engine_id);
-        if (!summary.ok()) return ExplainUnresumed(engine_id, summary.status());
-        ToProto(*summary, response);
-        FillNextSeqId(engine_id, response);
-        return absl::OkStatus();
-      });
+  return Execute({"GetModel", context, server_form->mutable_model_id()},
+                 ValidateModelId(request->model_id()),
+                 [this, server_form, response]() -> absl::Status {
+                   const std::string& engine_id = server_form->model_id();
+                   absl::StatusOr<ModelSummary> summary =
+                       engine_->GetModel(engine_id);
+                   if (!summary.ok())
+                     return ExplainUnresumed(engine_id, summary.status());
+                   ToProto(*summary, response);
+                   FillNextSeqId(engine_id, response);
+                   return absl::OkStatus();
+                 });
 }
 
 grpc::ServerUnaryReactor* TrainerService::ListModels(
@@ -468,21 +469,20 @@ grpc::ServerUnaryReactor* TrainerService::DeleteModel(
     grpc::CallbackServerContext* context, const v1::DeleteModelRequest* request,
     v1::DeleteModelResponse* response) {
   auto server_form = std::make_shared<v1::DeleteModelRequest>(*request);
-  return Execute(
-      {"DeleteModel", context, server_form->mutable_model_id()},
-      ValidateModelId(request->model_id()),
-      [this, server_form, response]() -> absl::Status {
-        const std::string& engine_id = server_form->model_id();
-        TALLY_RETURN_IF_ERROR(
-            commands_.Run(kDeleteModelCommand, *server_form, response));
-        FillNextSeqId(engine_id, response->mutable_model());
-        scheduler_.sequencer().RemoveModel(engine_id);
-        admission_.Remove(engine_id);
-        if (options_.checkpointer != nullptr) {
-          options_.checkpointer->ForgetModel(engine_id);
-        }
-        return absl::OkStatus();
-      });
+  return Execute({"DeleteModel", context, server_form->mutable_model_id()},
+                 ValidateModelId(request->model_id()),
+                 [this, server_form, response]() -> absl::Status {
+                   const std::string& engine_id = server_form->model_id();
+                   TALLY_RETURN_IF_ERROR(commands_.Run(kDeleteModelCommand,
+                                                       *server_form, response));
+                   FillNextSeqId(engine_id, response->mutable_model());
+                   scheduler_.sequencer().RemoveModel(engine_id);
+                   admission_.Remove(engine_id);
+                   if (options_.checkpointer != nullptr) {
+                     options_.checkpointer->ForgetModel(engine_id);
+                   }
+                   return absl::OkStatus();
+                 });
 }
 
 grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
@@ -490,37 +490,36 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
     const v1::ForwardBackwardRequest* request,
     v1::ForwardBackwardResponse* response) {
   auto server_form = std::make_shared<v1::ForwardBackwardRequest>(*request);
-  return Execute(
-      {"ForwardBackward", context, server_form->mutable_model_id(),
-       request->seq_id(), server_form.get(), response},
-      FirstError(FirstError(ValidateModelId(request->model_id()),
-                            ParseForwardBackward(*request).status()),
-                 CheckTokensPerCall(*request)),
-      [this, server_form, response]() -> absl::Status {
-        TALLY_RETURN_IF_ERROR(CheckCallFits(*server_form));
-        return commands_.Run(kForwardBackwardCommand, *server_form, response);
-      });
+  return Execute({"ForwardBackward", context, server_form->mutable_model_id(),
+                  request->seq_id(), server_form.get(), response},
+                 FirstError(FirstError(ValidateModelId(request->model_id()),
+                                       ParseForwardBackward(*request).status()),
+                            CheckTokensPerCall(*request)),
+                 [this, server_form, response]() -> absl::Status {
+                   TALLY_RETURN_IF_ERROR(CheckCallFits(*server_form));
+                   return commands_.Run(kForwardBackwardCommand, *server_form,
+                                        response);
+                 });
 }
 
 grpc::ServerUnaryReactor* TrainerService::OptimStep(
     grpc::CallbackServerContext* context, const v1::OptimStepRequest* request,
     v1::OptimStepResponse* response) {
   auto server_form = std::make_shared<v1::OptimStepRequest>(*request);
-  return Execute(
-      {"OptimStep", context, server_form->mutable_model_id(),
-       request->seq_id(), server_form.get(), response,
-       /*closes_window=*/true},
-      FirstError(ValidateModelId(request->model_id()),
-                 ParseOptimStep(*request).status()),
-      [this, server_form, response]() -> absl::Status {
-        TALLY_RETURN_IF_ERROR(
-            commands_.Run(kOptimStepCommand, *server_form, response));
-        if (options_.checkpointer != nullptr) {
-          options_.checkpointer->AfterOptimStep(server_form->model_id(),
-                                                *response);
-        }
-        return absl::OkStatus();
-      });
+  return Execute({"OptimStep", context, server_form->mutable_model_id(),
+                  request->seq_id(), server_form.get(), response,
+                  /*closes_window=*/true},
+                 FirstError(ValidateModelId(request->model_id()),
+                            ParseOptimStep(*request).status()),
+                 [this, server_form, response]() -> absl::Status {
+                   TALLY_RETURN_IF_ERROR(commands_.Run(kOptimStepCommand,
+                                                       *server_form, response));
+                   if (options_.checkpointer != nullptr) {
+                     options_.checkpointer->AfterOptimStep(
+                         server_form->model_id(), *response);
+                   }
+                   return absl::OkStatus();
+                 });
 }
 
 grpc::ServerUnaryReactor* TrainerService::AbortAccumulation(
@@ -532,10 +531,8 @@ grpc::ServerUnaryReactor* TrainerService::AbortAccumulation(
       {"AbortAccumulation", context, server_form->mutable_model_id(),
        request->seq_id(), server_form.get(), response,
        /*closes_window=*/true},
-      ValidateModelId(request->model_id()),
-      [this, server_form, response] {
-        return commands_.Run(kAbortAccumulationCommand, *server_form,
-                             response);
+      ValidateModelId(request->model_id()), [this, server_form, response] {
+        return commands_.Run(kAbortAccumulationCommand, *server_form, response);
       });
 }
 
@@ -549,15 +546,15 @@ grpc::ServerUnaryReactor* TrainerService::SaveCheckpoint(
   if (validation.ok()) {
     validation = ConfinePath(*context, server_form->mutable_path());
   }
-  return Execute(
-      {"SaveCheckpoint", context, server_form->mutable_model_id(),
-       request->seq_id(), server_form.get(), response},
-      validation, [this, server_form, response] {
-        RankZeroData rank_zero;
-        rank_zero.server_state = SequencingState(server_form->model_id());
-        return commands_.Run(kSaveCheckpointCommand, *server_form, response,
-                             rank_zero);
-      });
+  return Execute({"SaveCheckpoint", context, server_form->mutable_model_id(),
+                  request->seq_id(), server_form.get(), response},
+                 validation, [this, server_form, response] {
+                   RankZeroData rank_zero;
+                   rank_zero.server_state =
+                       SequencingState(server_form->model_id());
+                   return commands_.Run(kSaveCheckpointCommand, *server_form,
+                                        response, rank_zero);
+                 });
 }
 
 grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(

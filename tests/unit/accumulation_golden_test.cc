@@ -92,16 +92,11 @@ TEST_P(WindowEquivalenceTest, UnevenCallsEqualOneCallAndTheReference) {
     all.insert(all.end(), call.begin(), call.end());
 
   ModelSpec spec = TinySpec("split", c.dtype, c.optimizer);
-  // Adam's first step is lr * g / (|g| + eps): with |g| near a tiny eps it
-  // turns the fp32 rounding noise of a cancelling gradient element (relative
-  // 1e-4 and more) into update noise of the same relative size. FLOAT32 AdamW
-  // therefore runs with eps 1e-4 (update linear in g for tiny elements) and
-  // 1e-4 on parameters; its gradients and norm keep 1e-5, and FLOAT64 checks
-  // the default eps at 1e-10.
+  // FLOAT32 AdamW runs with the default eps; its parameters are within
+  // kFp32AdamParamTolerance (see there), its gradients and norm within 1e-5.
   const bool fp32_adamw =
       c.dtype == DType::kFloat32 && c.optimizer == OptimizerKind::kAdamW;
-  if (fp32_adamw) spec.default_adam.eps = 1e-4;
-  const double param_tol = fp32_adamw ? 1e-4 : tol;
+  const double param_tol = fp32_adamw ? testing::kFp32AdamParamTolerance : tol;
   for (const char* id : {"split", "whole", "ref"}) {
     spec.model_id = id;
     ASSERT_TRUE(engine->CreateModel(spec).ok());

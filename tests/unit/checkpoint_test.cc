@@ -673,11 +673,11 @@ TEST_F(CheckpointTest, FailedSaveLeavesThePreviousCheckpoint) {
       }
       SCOPED_TRACE(stage + (exchange ? "" : " (two renames)"));
       SetPublishTestHooks({[&](absl::string_view reached) {
-                                return reached == stage
-                                           ? absl::UnavailableError("injected")
-                                           : absl::OkStatus();
-                              },
-                              exchange});
+                             return reached == stage
+                                        ? absl::UnavailableError("injected")
+                                        : absl::OkStatus();
+                           },
+                           exchange});
       const absl::Status saved =
           WriteCheckpoint(dir, *new_model, optimizer, {}, "new").status();
       const bool reachable = exchange ? stage != "moved previous aside" : true;
@@ -724,10 +724,10 @@ TEST_F(CheckpointTest, CrashAtAnyStepLeavesAWholeCheckpoint) {
       ASSERT_GE(child, 0);
       if (child == 0) {
         SetPublishTestHooks({[&](absl::string_view reached) {
-                                  if (reached == stage) _exit(kCrashed);
-                                  return absl::OkStatus();
-                                },
-                                exchange});
+                               if (reached == stage) _exit(kCrashed);
+                               return absl::OkStatus();
+                             },
+                             exchange});
         const bool ok =
             WriteCheckpoint(dir, *new_model, optimizer, {}, "new").ok();
         _exit(ok ? 0 : 1);

@@ -18,8 +18,8 @@
 
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
-#include "runtime/optimizer.h"
 #include "runtime/llama_model.h"
+#include "runtime/optimizer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {

@@ -13,10 +13,9 @@
 
 #include "runtime/checkpoint.h"
 #include "runtime/engine.h"
-#include "runtime/llama_model.h"
-#include "runtime/moe_block.h"
 #include "runtime/llama_config.h"
 #include "runtime/llama_model.h"
+#include "runtime/moe_block.h"
 #include "runtime/optimizer.h"
 #include "tests/testing/test_util.h"
 

@@ -92,28 +92,6 @@ ModelSpec Spec(const std::string& id, DType dtype, OptimizerKind optimizer,
   return spec;
 }
 
-// The fp32 bounds of the golden comparisons (RelativeDiff: the largest
-// element difference over the largest single-device element). Every fp32
-// comparison reads them here. They hold for SGD, and for AdamW only with eps
-// raised to kFp32AdamEps (see accumulation_golden_test.cc): with the default
-// eps 1e-8, AdamW's g / (sqrt(v) + eps) turns the fp32 rounding noise of
-// small, cancelling gradient elements into update noise of the same relative
-// size. The bound for default-eps AdamW is still to be measured
-// (docs/distributed.md, FP32_BOUND_TBD; with kFp32AdamEps 1e-8 and
-// kFp32AdamParamTolerance 0 the fp32_adamw variant prints it); until then no
-// golden runs it.
-// Losses, gradients, norm, clip coefficient (logprobs: 10x, absolute):
-constexpr double kFp32Tolerance = 1e-5;
-// Parameters after fp32 AdamW steps (eps kFp32AdamEps); SGD keeps
-// kFp32Tolerance.
-constexpr double kFp32AdamParamTolerance = 1e-4;
-constexpr double kFp32AdamEps = 1e-4;
-
-double Tolerance(DType dtype) {
-  return dtype == DType::kFloat32 ? kFp32Tolerance
-                                  : testing::GoldenTolerance(dtype);
-}
-
 // The group over which the engine sums p's partial gradients.
 Communicator* ReplicaGroup(const Engine& engine, const Parameter& p) {
   return p.is_expert ? engine.groups().expert_replicas
@@ -195,14 +173,15 @@ std::vector<std::vector<Sample>> Calls() {
 absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
                           const std::string& id, bool moe) {
   SCOPED_TRACE(VariantName(v));
-  const double tol = Tolerance(v.dtype);
+  // RelativeDiff bounds: testing::GoldenTolerance (logprobs: 10x, absolute),
+  // and for parameters after an fp32 AdamW step kFp32AdamParamTolerance.
+  const double tol = testing::GoldenTolerance(v.dtype);
   ModelSpec spec =
       Spec(id, v.dtype, v.optimizer, moe, v.tied, v.layers, v.large);
   spec.grad_sync = v.sync;
   const bool fp32_adamw =
       v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW;
-  if (fp32_adamw) spec.default_adam.eps = kFp32AdamEps;
-  const double param_tol = fp32_adamw ? kFp32AdamParamTolerance : tol;
+  const double param_tol = fp32_adamw ? testing::kFp32AdamParamTolerance : tol;
   TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
   TALLY_RETURN_IF_ERROR(reference.CreateModel(spec).status());
   CausalLm& model = *engine.model(id).value();
@@ -421,7 +400,7 @@ TEST_P(MultiRankGoldenTest, EqualsTheSingleDeviceRun) {
         }
         TALLY_RETURN_IF_ERROR(
             CheckCheckpointsAcrossMeshes(*engine, *reference, "m0", env));
-        // FLOAT32 at kFp32Tolerance: SGD, and AdamW with eps kFp32AdamEps.
+        // FLOAT32: SGD, and AdamW with its default eps.
         TALLY_RETURN_IF_ERROR(
             CheckVariant(*engine, *reference,
                          {DType::kFloat32, OptimizerKind::kSgd,

@@ -18,8 +18,9 @@ using ::testing::HasSubstr;
 
 TEST(ShardingPlanTest, AStarMatchesOneComponentOfDigits) {
   ShardingPlan plan;
-  plan.rules = {{"model.layers.*.mlp.up_proj.weight", ParallelStyle::kColumnwise},
-                {"model.norm.weight", ParallelStyle::kReplicate}};
+  plan.rules = {
+      {"model.layers.*.mlp.up_proj.weight", ParallelStyle::kColumnwise},
+      {"model.norm.weight", ParallelStyle::kReplicate}};
   for (const std::string name : {"model.layers.0.mlp.up_proj.weight",
                                  "model.layers.31.mlp.up_proj.weight"}) {
     absl::StatusOr<const PlanRule*> rule = plan.RuleFor(name);
@@ -58,13 +59,12 @@ TEST(ShardingPlanTest, PipelineStagesShardAllButASharedParameter) {
   EXPECT_TRUE(PlaceParameter("w", {4}, {"w", ParallelStyle::kReplicate}, staged)
                   .placements.at(MeshDim::kPp)
                   .is_shard());
-  EXPECT_FALSE(
-      PlaceParameter("w", {4},
-                     {"w", ParallelStyle::kColumnwise,
-                      /*shared_across_stages=*/true},
-                     staged)
-          .placements.at(MeshDim::kPp)
-          .is_shard());
+  EXPECT_FALSE(PlaceParameter("w", {4},
+                              {"w", ParallelStyle::kColumnwise,
+                               /*shared_across_stages=*/true},
+                              staged)
+                   .placements.at(MeshDim::kPp)
+                   .is_shard());
 }
 
 TEST(LlamaShardingPlanTest, CoversEveryParameterOfEveryVariant) {
@@ -97,7 +97,8 @@ TEST(LlamaShardingPlanTest, MatricesSplitTheMegatronWay) {
   EXPECT_EQ(style("model.embed_tokens.weight"), ParallelStyle::kColumnwise);
   EXPECT_EQ(style("model.layers.0.input_layernorm.weight"),
             ParallelStyle::kReplicate);
-  EXPECT_FALSE((*plan.RuleFor("model.embed_tokens.weight"))->shared_across_stages);
+  EXPECT_FALSE(
+      (*plan.RuleFor("model.embed_tokens.weight"))->shared_across_stages);
   EXPECT_TRUE((*LlamaShardingPlan(testing::TinyConfig(true))
                     .RuleFor("model.embed_tokens.weight"))
                   ->shared_across_stages);

@@ -57,9 +57,7 @@ class TrainableTest : public ::testing::Test {
     return {steps[0], steps[1]};
   }
 
-  CausalLm& model(const std::string& id) {
-    return *engine_->model(id).value();
-  }
+  CausalLm& model(const std::string& id) { return *engine_->model(id).value(); }
 
   std::unique_ptr<Engine> engine_;
 };
@@ -84,9 +82,9 @@ TEST_F(TrainableTest, FrozenParametersTakeNoGradientAndTheRestIsUnchanged) {
       continue;
     }
     ASSERT_TRUE(frozen[i].tensor.grad().defined()) << all[i].name;
-    EXPECT_LT(testing::RelativeDiff(frozen[i].tensor.grad(),
-                                    all[i].tensor.grad()),
-              1e-12)
+    EXPECT_LT(
+        testing::RelativeDiff(frozen[i].tensor.grad(), all[i].tensor.grad()),
+        1e-12)
         << all[i].name;
   }
   EXPECT_EQ(frozen_count, 1 + testing::TinyConfig().num_hidden_layers);
@@ -169,8 +167,8 @@ TEST_F(TrainableTest, ATrainableOnlyCheckpointLeavesTheFrozenBaseAlone) {
   }
 
   // A model that trains the embedding needs it from the checkpoint.
-  ModelSpec trains_embedding = TinySpec("trains_embedding", DType::kFloat64,
-                                        OptimizerKind::kAdamW);
+  ModelSpec trains_embedding =
+      TinySpec("trains_embedding", DType::kFloat64, OptimizerKind::kAdamW);
   ASSERT_TRUE(engine_->CreateModel(trains_embedding).ok());
   const absl::Status refused =
       engine_->LoadCheckpoint("trains_embedding", dir, false).status();
