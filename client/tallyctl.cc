@@ -151,7 +151,7 @@ class ListCommand : public Command {
   absl::Status Run(TrainerClient& client,
                    const std::vector<std::string>& args) override {
     TALLY_ASSIGN_OR_RETURN(v1::ListModelsResponse response,
-                           client.ListModels(v1::ListModelsRequest()));
+                           client.ListAllModels());
     if (response.models().empty()) {
       std::cout << "no models\n";
       return absl::OkStatus();

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/error_reason.h"
 #include "base/grpc_status.h"
+#include "base/status.h"
 
 namespace tally {
 
@@ -90,6 +91,22 @@ absl::StatusOr<v1::ListModelsResponse> TrainerClient::ListModels(
       true, [&](auto* context, auto* response) {
         return trainer_->ListModels(context, request, response);
       });
+}
+
+absl::StatusOr<v1::ListModelsResponse> TrainerClient::ListAllModels() {
+  v1::ListModelsRequest request;
+  v1::ListModelsResponse all;
+  do {
+    TALLY_ASSIGN_OR_RETURN(v1::ListModelsResponse page, ListModels(request));
+    for (v1::ModelInfo& model : *page.mutable_models()) {
+      *all.add_models() = std::move(model);
+    }
+    for (v1::UnresumedModel& model : *page.mutable_unresumed()) {
+      *all.add_unresumed() = std::move(model);
+    }
+    request.set_page_token(page.next_page_token());
+  } while (!request.page_token().empty());
+  return all;
 }
 
 absl::StatusOr<v1::DeleteModelResponse> TrainerClient::DeleteModel(

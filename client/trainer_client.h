@@ -85,6 +85,8 @@ class TrainerClient {
   absl::StatusOr<v1::ModelInfo> GetModel(const v1::GetModelRequest& request);
   absl::StatusOr<v1::ListModelsResponse> ListModels(
       const v1::ListModelsRequest& request);
+  // Every page of ListModels in one response (next_page_token empty).
+  absl::StatusOr<v1::ListModelsResponse> ListAllModels();
   absl::StatusOr<v1::DeleteModelResponse> DeleteModel(
       const v1::DeleteModelRequest& request);
   absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(

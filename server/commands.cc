@@ -67,7 +67,8 @@ void RecordForwardBackward(ServerMetrics& metrics, const Engine&,
                            const absl::Status& status, double seconds) {
   if (status.ok()) {
     metrics.RecordForwardBackward(request.model_id(), response,
-                                  !request.forward_only(), seconds);
+                                  !request.forward_only(), request.reduction(),
+                                  seconds);
   } else if (PoisonedTheWindow(status)) {
     metrics.RecordPoisonedWindow(request.model_id());
   }
@@ -337,7 +338,7 @@ absl::Status ReceiveCommand(Communicator& control, Command* command,
 absl::Status CommandLoop(Engine& engine, Communicator& control,
                          ServerMetrics* metrics) {
   while (true) {
-    Command command;
+    Command command = Command::kShutdown;
     std::string payload;
     TALLY_RETURN_IF_ERROR(ReceiveCommand(control, &command, &payload));
     if (command == Command::kShutdown) return absl::OkStatus();

@@ -1,7 +1,9 @@
 #include "server/convert.h"
 
+#include <algorithm>
 #include <cmath>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -232,6 +234,38 @@ absl::StatusOr<OptimStepArgs> ParseOptimStep(const v1::OptimStepRequest& r) {
       return BadEnum("nonfinite", r.nonfinite());
   }
   return args;
+}
+
+namespace {
+
+// Page tokens are versioned so a later encoding can tell them apart.
+constexpr char kModelPageTokenPrefix[] = "v1:";
+
+}  // namespace
+
+absl::StatusOr<ModelPage> ParseListModels(const v1::ListModelsRequest& r) {
+  if (r.page_size() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size must be >= 0, got ", r.page_size()));
+  }
+  ModelPage page;
+  page.size = r.page_size() == 0 ? kDefaultModelPageSize
+                                 : std::min(r.page_size(), kMaxModelPageSize);
+  if (r.page_token().empty()) return page;
+  std::string decoded;
+  constexpr size_t kPrefixSize = sizeof(kModelPageTokenPrefix) - 1;
+  if (!absl::WebSafeBase64Unescape(r.page_token(), &decoded) ||
+      !absl::StartsWith(decoded, kModelPageTokenPrefix) ||
+      decoded.size() == kPrefixSize) {
+    return absl::InvalidArgumentError(
+        "page_token is not a next_page_token of ListModels");
+  }
+  page.after = decoded.substr(kPrefixSize);
+  return page;
+}
+
+std::string ModelPageToken(const std::string& last) {
+  return absl::WebSafeBase64Escape(absl::StrCat(kModelPageTokenPrefix, last));
 }
 
 absl::Status ValidateCheckpointPath(const std::string& path) {

@@ -57,6 +57,20 @@ absl::StatusOr<OptimStepArgs> ParseOptimStep(
 // Non-empty path with no NUL byte.
 absl::Status ValidateCheckpointPath(const std::string& path);
 
+// One page of ListModels: at most `size` models whose engine id sorts after
+// `after` (empty: from the first).
+struct ModelPage {
+  int size = 0;
+  std::string after;
+};
+inline constexpr int kDefaultModelPageSize = 100;
+inline constexpr int kMaxModelPageSize = 1000;
+// INVALID_ARGUMENT naming page_size (negative) or page_token (not one this
+// server issued).
+absl::StatusOr<ModelPage> ParseListModels(const v1::ListModelsRequest& request);
+// The opaque token of the page after the model with engine id `last`.
+std::string ModelPageToken(const std::string& last);
+
 // An upper bound of the serialized ForwardBackwardResponse to `request`
 // for a model with `num_experts` experts per layer (0: dense): known before
 // the call runs, so a response over the message limit is refused before it

@@ -21,11 +21,52 @@ prometheus::Histogram::BucketBoundaries GradNormBuckets() {
   return b;
 }
 
-// 1 ms .. ~65 s, doubling.
-prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+// `count` bounds doubling from 1 ms: 0.001 * 2^k s for k = 0 .. count - 1.
+prometheus::Histogram::BucketBoundaries DoublingFromOneMs(int count) {
   prometheus::Histogram::BucketBoundaries b;
-  for (double s = 0.001; s < 70; s *= 2) b.push_back(s);
+  double bound = 0.001;
+  for (int k = 0; k < count; ++k, bound *= 2) b.push_back(bound);
   return b;
+}
+
+// 1 ms .. 65.536 s (17 buckets): seq_id gap waits.
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  return DoublingFromOneMs(17);
+}
+
+// 1 ms .. 2097.152 s, ~35 min (22 buckets): ForwardBackward and OptimStep,
+// which a large call or a slow collective can hold for many minutes.
+prometheus::Histogram::BucketBoundaries CommandBuckets() {
+  return DoublingFromOneMs(22);
+}
+
+// 1 ms .. 16777.216 s, ~4.7 h (25 buckets): checkpoint saves and loads of
+// large models on slow storage.
+prometheus::Histogram::BucketBoundaries CheckpointBuckets() {
+  return DoublingFromOneMs(25);
+}
+
+// The `phase` of a ForwardBackward: "train" (accumulating) or "eval"
+// (forward_only).
+prometheus::Labels PhaseLabels(const std::string& model_id, const char* phase) {
+  return {{"model_id", model_id}, {"phase", phase}};
+}
+
+// What a call adds to its window's loss, which the step's normalizer divides
+// (tally_window_loss): the loss sum under TOKEN_MEAN and SUM (normalizer:
+// the window's tokens, or 1), the sum of the counted samples' token means
+// under SAMPLE_MEAN (normalizer: the window's samples), as the runtime
+// computes loss_mean.
+double WindowLossTerm(const v1::ForwardBackwardResponse& result,
+                      v1::LossReduction reduction) {
+  if (reduction != v1::LOSS_REDUCTION_SAMPLE_MEAN) return result.loss_sum();
+  double sum = 0.0;
+  for (const v1::SampleResult& sample : result.samples()) {
+    if (sample.valid_tokens() > 0) {
+      sum += sample.loss_sum() / static_cast<double>(sample.valid_tokens());
+    }
+  }
+  return sum;
 }
 
 // The engine's communicators, each once, named by the roles it plays
@@ -113,9 +154,11 @@ struct TrainingFamilies {
   prometheus::Family<prometheus::Gauge>* clip_coefficient;
   prometheus::Family<prometheus::Counter>* optim_steps;
   prometheus::Family<prometheus::Counter>* valid_tokens;
+  prometheus::Family<prometheus::Counter>* loss_sum;
   prometheus::Family<prometheus::Counter>* samples;
   prometheus::Family<prometheus::Gauge>* pending_tokens;
   prometheus::Family<prometheus::Gauge>* loss;
+  prometheus::Family<prometheus::Gauge>* window_loss;
   prometheus::Family<prometheus::Gauge>* model_step;
   prometheus::Family<prometheus::Histogram>* forward_backward_seconds;
   prometheus::Family<prometheus::Histogram>* optim_step_seconds;
@@ -134,14 +177,27 @@ TrainingFamilies RegisterTrainingFamilies(FamilyBuilder& build) {
                   "Clip coefficient of the last step (1: not clipped)");
   f.optim_steps =
       build.Counter("tally_optim_steps_total", "OptimStep outcomes");
-  f.valid_tokens =
-      build.Counter("tally_valid_tokens_total", "Valid tokens backpropagated");
+  f.valid_tokens = build.Counter(
+      "tally_valid_tokens_total",
+      "Valid tokens of ForwardBackward calls by phase: train (backpropagated) "
+      "or eval (forward_only)");
+  f.loss_sum = build.Counter(
+      "tally_loss_sum_total",
+      "Loss sums (w * token loss over the valid tokens) of ForwardBackward "
+      "calls by phase: train or eval (forward_only)");
   f.samples =
       build.Counter("tally_samples_total",
                     "Samples with at least one valid token backpropagated");
   f.pending_tokens =
       build.Gauge("tally_pending_tokens", "Valid tokens in the pending window");
-  f.loss = build.Gauge("tally_loss", "Mean loss of the last ForwardBackward");
+  f.loss =
+      build.Gauge("tally_loss",
+                  "Mean loss of the last ForwardBackward call, train or eval "
+                  "(forward_only)");
+  f.window_loss = build.Gauge(
+      "tally_window_loss",
+      "Loss of the last OptimStep's window: its loss sum over the step's "
+      "normalizer");
   f.model_step =
       build.Gauge("tally_model_step", "Optimizer steps applied to the model");
   f.forward_backward_seconds =
@@ -280,13 +336,22 @@ struct ServerMetrics::ModelSeries {
   prometheus::Gauge* clip_coefficient;
   prometheus::Counter* steps_applied;
   prometheus::Counter* steps_skipped;
-  prometheus::Counter* valid_tokens;
+  prometheus::Counter* valid_tokens;  // phase="train"
   prometheus::Counter* samples;
   prometheus::Gauge* pending_tokens;
   prometheus::Gauge* loss;
   prometheus::Gauge* step;
   prometheus::Counter* duplicate_requests;
   prometheus::Counter* poisoned_windows;
+  prometheus::Counter* loss_sum;  // phase="train"
+  prometheus::Gauge* window_loss;
+  // phase="eval": null until the model's first forward_only call, so models
+  // never evaluated carry no eval series.
+  prometheus::Counter* eval_valid_tokens;
+  prometheus::Counter* eval_loss_sum;
+  // The loss of the pending window so far (WindowLossTerm of each call):
+  // what tally_window_loss divides by the step's normalizer.
+  double window_loss_sum;
 };
 
 struct ServerMetrics::RankModelSeries {
@@ -321,9 +386,11 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   m->clip_coefficient_ = training.clip_coefficient;
   m->optim_steps_ = training.optim_steps;
   m->valid_tokens_ = training.valid_tokens;
+  m->loss_sum_ = training.loss_sum;
   m->samples_ = training.samples;
   m->pending_tokens_ = training.pending_tokens;
   m->loss_ = training.loss;
+  m->window_loss_ = training.window_loss;
   m->model_step_ = training.model_step;
   m->forward_backward_seconds_ = training.forward_backward_seconds;
   m->optim_step_seconds_ = training.optim_step_seconds;
@@ -367,9 +434,12 @@ ServerMetrics::ModelSeries& ServerMetrics::Series(const std::string& id) {
         &clip_coefficient_->Add(l),
         &optim_steps_->Add(with("outcome", "applied")),
         &optim_steps_->Add(with("outcome", "skipped_nonfinite")),
-        &valid_tokens_->Add(l), &samples_->Add(l), &pending_tokens_->Add(l),
-        &loss_->Add(l), &model_step_->Add(l), &duplicate_requests_->Add(l),
-        &poisoned_windows_->Add(l)});
+        &valid_tokens_->Add(PhaseLabels(id, "train")), &samples_->Add(l),
+        &pending_tokens_->Add(l), &loss_->Add(l), &model_step_->Add(l),
+        &duplicate_requests_->Add(l), &poisoned_windows_->Add(l),
+        &loss_sum_->Add(PhaseLabels(id, "train")), &window_loss_->Add(l),
+        /*eval_valid_tokens=*/nullptr, /*eval_loss_sum=*/nullptr,
+        /*window_loss_sum=*/0.0});
   }
   return *slot;
 }
@@ -380,8 +450,8 @@ ServerMetrics::RankModelSeries& ServerMetrics::RankSeries(
   if (!slot) {
     const prometheus::Labels l = {{"model_id", id}};
     slot = std::make_unique<RankModelSeries>(
-        RankModelSeries{&forward_backward_seconds_->Add(l, LatencyBuckets()),
-                        &optim_step_seconds_->Add(l, LatencyBuckets()),
+        RankModelSeries{&forward_backward_seconds_->Add(l, CommandBuckets()),
+                        &optim_step_seconds_->Add(l, CommandBuckets()),
                         &parameter_bytes_->Add(l), &gradient_bytes_->Add(l),
                         &optimizer_state_bytes_->Add(l)});
   }
@@ -395,15 +465,27 @@ void ServerMetrics::RecordRequest(const std::string& method,
 
 void ServerMetrics::RecordForwardBackward(
     const std::string& model_id, const v1::ForwardBackwardResponse& result,
-    bool accumulated, double seconds) {
+    bool accumulated, v1::LossReduction reduction, double seconds) {
   absl::MutexLock lock(&mu_);
   RankSeries(model_id).forward_backward_seconds->Observe(seconds);
   ModelSeries& s = Series(model_id);
   s.loss->Set(result.loss_mean());
+  if (!accumulated && s.eval_valid_tokens == nullptr) {
+    s.eval_valid_tokens = &valid_tokens_->Add(PhaseLabels(model_id, "eval"));
+    s.eval_loss_sum = &loss_sum_->Add(PhaseLabels(model_id, "eval"));
+  }
+  // The response's loss_sum and valid_tokens are the sums over its samples.
+  (accumulated ? s.valid_tokens : s.eval_valid_tokens)
+      ->Increment(static_cast<double>(result.valid_tokens()));
+  // A counter never recovers from NaN or Inf: a non-finite call adds nothing
+  // to the loss sum (tally_loss and tally_window_loss show it).
+  if (std::isfinite(result.loss_sum())) {
+    (accumulated ? s.loss_sum : s.eval_loss_sum)->Increment(result.loss_sum());
+  }
   if (accumulated) {
-    s.valid_tokens->Increment(static_cast<double>(result.valid_tokens()));
     s.samples->Increment(static_cast<double>(result.num_samples()));
     s.pending_tokens->Set(static_cast<double>(result.accumulated_tokens()));
+    s.window_loss_sum += WindowLossTerm(result, reduction);
   }
   RecordRankStateLocked();
 }
@@ -422,6 +504,9 @@ void ServerMetrics::RecordOptimStep(const std::string& model_id,
   (result.skipped() ? s.steps_skipped : s.steps_applied)->Increment();
   s.step->Set(static_cast<double>(result.step()));
   s.pending_tokens->Set(0);
+  // Applied or skipped, the step consumed the window (normalizer > 0).
+  s.window_loss->Set(s.window_loss_sum / result.normalizer());
+  s.window_loss_sum = 0.0;
   RecordRankStateLocked();
 }
 
@@ -442,13 +527,17 @@ void ServerMetrics::ObserveOptimStepSeconds(const std::string& model_id,
 void ServerMetrics::SetPendingTokens(const std::string& model_id,
                                      int64_t tokens) {
   absl::MutexLock lock(&mu_);
-  Series(model_id).pending_tokens->Set(static_cast<double>(tokens));
+  ModelSeries& s = Series(model_id);
+  s.pending_tokens->Set(static_cast<double>(tokens));
+  // An empty window has no loss (a call without valid tokens adds none).
+  if (tokens == 0) s.window_loss_sum = 0.0;
   RecordRankStateLocked();
 }
 
 void ServerMetrics::RecordCheckpoint(const std::string& kind, bool ok,
                                      double seconds) {
-  checkpoint_seconds_->Add({{"kind", kind}}, LatencyBuckets()).Observe(seconds);
+  checkpoint_seconds_->Add({{"kind", kind}}, CheckpointBuckets())
+      .Observe(seconds);
   if (ok && (kind == "save" || kind == "periodic" || kind == "exit")) {
     checkpoint_last_success_->SetToCurrentTime();
   }
@@ -482,6 +571,12 @@ void ServerMetrics::RemoveModel(const std::string& model_id) {
   model_step_->Remove(s.step);
   duplicate_requests_->Remove(s.duplicate_requests);
   poisoned_windows_->Remove(s.poisoned_windows);
+  loss_sum_->Remove(s.loss_sum);
+  window_loss_->Remove(s.window_loss);
+  if (s.eval_valid_tokens != nullptr) {
+    valid_tokens_->Remove(s.eval_valid_tokens);
+    loss_sum_->Remove(s.eval_loss_sum);
+  }
   series_.erase(it);
 }
 

@@ -59,13 +59,19 @@ class ServerMetrics {
 
   // Front end (rank 0).
   void RecordRequest(const std::string& method, const std::string& code);
-  // `accumulated`: false for forward_only calls, which add no tokens.
+  // `accumulated`: false for forward_only calls (phase "eval"), which add
+  // nothing to the window. `reduction`: the request's, which says what the
+  // call adds to the window's loss (tally_window_loss).
   void RecordForwardBackward(const std::string& model_id,
                              const v1::ForwardBackwardResponse& result,
-                             bool accumulated, double seconds);
+                             bool accumulated, v1::LossReduction reduction,
+                             double seconds);
+  // Applied or skipped: either ends the window.
   void RecordOptimStep(const std::string& model_id,
                        const v1::OptimStepResponse& result, double seconds);
-  // Pending tokens of a model's window (after abort, load, step, ...).
+  // Pending tokens of a model's window (after abort, load, step, ...). 0 (an
+  // emptied window: created, aborted, loaded) also drops the loss the window
+  // had accumulated for tally_window_loss.
   void SetPendingTokens(const std::string& model_id, int64_t tokens);
   void SetModelCount(size_t count);
   // Drops a deleted model's per-model series.
@@ -123,6 +129,8 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>* samples_ = nullptr;
   prometheus::Family<prometheus::Gauge>* pending_tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* loss_ = nullptr;
+  prometheus::Family<prometheus::Counter>* loss_sum_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* window_loss_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_step_ = nullptr;
   prometheus::Family<prometheus::Histogram>* forward_backward_seconds_ =
       nullptr;

@@ -448,21 +448,31 @@ grpc::ServerUnaryReactor* TrainerService::ListModels(
     v1::ListModelsResponse* response) {
   // A tenant lists its own models only (Execute refuses bad credentials).
   const std::string tenant = Authenticate(*context).value_or("");
-  return Execute({"ListModels", context}, absl::OkStatus(),
-                 [this, response, tenant]() -> absl::Status {
-                   for (const ModelSummary& s : engine_->ListModels()) {
-                     if (!InTenant(s.model_id, tenant)) continue;
-                     v1::ModelInfo* info = response->add_models();
-                     ToProto(s, info);
-                     FillNextSeqId(s.model_id, info);
-                   }
-                   for (const auto& [engine_id, entry] : unresumed_) {
-                     if (InTenant(engine_id, tenant)) {
-                       *response->add_unresumed() = entry;
-                     }
-                   }
-                   return absl::OkStatus();
-                 });
+  absl::StatusOr<ModelPage> page = ParseListModels(*request);
+  return Execute(
+      {"ListModels", context}, page.status(),
+      [this, response, tenant, page]() -> absl::Status {
+        // The engine lists models in engine id order.
+        std::string last;
+        for (const ModelSummary& s : engine_->ListModels()) {
+          if (!InTenant(s.model_id, tenant) || s.model_id <= page->after) {
+            continue;
+          }
+          if (response->models_size() == page->size) {
+            response->set_next_page_token(ModelPageToken(last));
+            break;
+          }
+          v1::ModelInfo* info = response->add_models();
+          ToProto(s, info);
+          FillNextSeqId(s.model_id, info);
+          last = s.model_id;
+        }
+        if (!page->after.empty()) return absl::OkStatus();
+        for (const auto& [engine_id, entry] : unresumed_) {
+          if (InTenant(engine_id, tenant)) *response->add_unresumed() = entry;
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::DeleteModel(

@@ -361,6 +361,49 @@ TEST_F(ServerE2eTest, ServesHealthAndCreatesTheRequestedModel) {
   EXPECT_TRUE(MessageDifferencer::Equals(listed.models(0), created));
 }
 
+// ListModels pages through the models in id order: every model exactly once,
+// the last page without a token; a bad page_size or page_token names the
+// field.
+TEST_F(ServerE2eTest, ListModelsPagesInModelIdOrder) {
+  const std::vector<std::string> ids = {"m-c", "m-a", "m-e", "m-b", "m-d"};
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ASSERT_TRUE(client_->CreateModel(TinyModelRequest(ids[i], i + 1)).ok());
+  }
+  std::vector<std::string> seen;
+  int pages = 0;
+  v1::ListModelsRequest request;
+  request.set_page_size(2);
+  do {
+    TALLY_ASSERT_OK_AND_ASSIGN(v1::ListModelsResponse page,
+                               client_->ListModels(request));
+    EXPECT_LE(page.models_size(), 2);
+    for (const v1::ModelInfo& model : page.models()) {
+      seen.push_back(model.model_id());
+    }
+    request.set_page_token(page.next_page_token());
+    ASSERT_LT(++pages, 10) << "the pages never end";
+  } while (!request.page_token().empty());
+  EXPECT_EQ(pages, 3);
+  std::vector<std::string> sorted = ids;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(seen, sorted);
+  TALLY_ASSERT_OK_AND_ASSIGN(v1::ListModelsResponse all,
+                             client_->ListAllModels());
+  EXPECT_EQ(all.models_size(), static_cast<int>(ids.size()));
+  EXPECT_TRUE(all.next_page_token().empty());
+
+  v1::ListModelsRequest negative;
+  negative.set_page_size(-1);
+  const absl::Status refused = client_->ListModels(negative).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("page_size"));
+  v1::ListModelsRequest forged;
+  forged.set_page_token("not-a-token");
+  const absl::Status bad_token = client_->ListModels(forged).status();
+  EXPECT_EQ(bad_token.code(), absl::StatusCode::kInvalidArgument) << bad_token;
+  EXPECT_THAT(std::string(bad_token.message()), HasSubstr("page_token"));
+}
+
 TEST_F(ServerE2eTest, AccumulatesUnevenCallsStepsAndExportsMetrics) {
   const std::string id = "tiny";
   ASSERT_TRUE(client_->CreateModel(TinyModelRequest(id, 1)).ok());

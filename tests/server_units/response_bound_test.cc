@@ -34,7 +34,7 @@ v1::ForwardBackwardResponse LargestResponse(
   ForwardBackwardResult result;
   result.loss_sum = result.loss_mean = std::numeric_limits<double>::max();
   result.valid_tokens = result.num_samples = -1;
-  result.window = {-1, -1, -1};
+  result.window = {-1, -1, -1, std::nullopt};
   for (const v1::Sample& sample : request.samples()) {
     SampleResult s;
     s.loss_sum = -1;

@@ -1,19 +1,23 @@
 // ServerMetrics' rank state, scraped over HTTP from a single-rank engine: the
 // shard sizes against the model's own tensors, the collective counters
 // against the communicator's CommStats, and the series of a deleted model
-// gone.
+// gone. Also the loss series against the engine's results (train and eval
+// apart, the window's normalized loss) and the latency histograms' buckets.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/status.h"
 #include "gtest/gtest.h"
+#include "server/convert.h"
 #include "server/metrics.h"
 #include "tests/testing/test_util.h"
 
@@ -53,6 +57,21 @@ double Value(const std::string& text, const std::string& series) {
   const size_t at = text.find(prefix);
   if (at == std::string::npos) return -1;
   return std::stod(text.substr(at + prefix.size()));
+}
+
+// The finite `le` bounds of the histogram series whose bucket lines start
+// with `prefix` (name, "_bucket{" and every label before le), in order.
+std::vector<double> FiniteBounds(const std::string& text,
+                                 const std::string& prefix) {
+  std::vector<double> bounds;
+  const std::string start = "\n" + prefix + "le=\"";
+  for (size_t at = text.find(start); at != std::string::npos;
+       at = text.find(start, at + 1)) {
+    const size_t from = at + start.size();
+    const std::string le = text.substr(from, text.find('"', from) - from);
+    if (le != "+Inf") bounds.push_back(std::stod(le));
+  }
+  return bounds;
 }
 
 int64_t Bytes(CausalLm& model, bool gradients) {
@@ -171,6 +190,210 @@ TEST(ServerMetricsTest, ExitCheckpointsAreSuccessfulWrites) {
       Value(text, "tally_checkpoint_seconds_count{rank=\"0\",kind=\"exit\"}"),
       2);
   EXPECT_GE(Value(text, last_success), before);
+}
+
+// tally_loss_sum_total and tally_valid_tokens_total move by exactly each
+// call's sums over its samples, train (accumulating) and eval (forward_only)
+// apart; tally_loss is the last call's mean, eval included; tally_window_loss
+// is the window's loss over the step's normalizer, and an aborted window
+// leaves nothing in the next one.
+TEST(ServerMetricsTest, LossSumsByPhaseAndTheWindowLoss) {
+  auto engine = Engine::CreateSingleRank({});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto metrics = ServerMetrics::Create("127.0.0.1:0", engine->get());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  Engine& e = **engine;
+  ServerMetrics& m = **metrics;
+  const ModelSpec spec = TinySpec("m", DType::kFloat32, OptimizerKind::kAdamW);
+  ASSERT_TRUE(e.CreateModel(spec).ok());
+  m.SetPendingTokens("m", 0);  // what CreateModel records
+  const int64_t vocab = spec.config.vocab_size;
+
+  // Runs a call on the engine and records it as the server's command does.
+  auto call = [&](std::vector<Sample> samples, LossReduction reduction,
+                  bool forward_only) {
+    ForwardBackwardArgs args{std::move(samples), reduction, forward_only};
+    absl::StatusOr<ForwardBackwardResult> result = e.ForwardBackward("m", args);
+    EXPECT_TRUE(result.ok()) << result.status();
+    v1::ForwardBackwardResponse response;
+    if (result.ok()) ToProto(*result, &response);
+    m.RecordForwardBackward("m", response, !forward_only,
+                            ToProto(std::optional<LossReduction>(reduction)),
+                            0.5);
+    return response;
+  };
+  auto step = [&] {
+    absl::StatusOr<OptimStepResult> result = e.OptimStep("m", {});
+    EXPECT_TRUE(result.ok()) << result.status();
+    v1::OptimStepResponse response;
+    if (result.ok()) ToProto(*result, &response);
+    m.RecordOptimStep("m", response, 0.5);
+    return response;
+  };
+  // Sums by hand over the samples the responses carry, call by call (the
+  // order the metrics add them in, so that the doubles agree exactly).
+  struct Sums {
+    double loss = 0;
+    int64_t tokens = 0;
+    double sample_means = 0;  // of the samples with a valid token
+    int64_t samples = 0;
+  };
+  auto add = [](Sums& sums, const v1::ForwardBackwardResponse& r) {
+    double loss = 0, sample_means = 0;
+    for (const v1::SampleResult& sample : r.samples()) {
+      loss += sample.loss_sum();
+      sums.tokens += sample.valid_tokens();
+      if (sample.valid_tokens() > 0) {
+        sample_means += sample.loss_sum() / sample.valid_tokens();
+        ++sums.samples;
+      }
+    }
+    sums.loss += loss;
+    sums.sample_means += sample_means;
+  };
+  const std::string train = "{rank=\"0\",model_id=\"m\",phase=\"train\"}";
+  const std::string eval = "{rank=\"0\",model_id=\"m\",phase=\"eval\"}";
+  const std::string model = "{rank=\"0\",model_id=\"m\"}";
+  // prometheus-cpp prints 16 significant digits: a relative error <= 5e-16.
+  auto expect_value = [](const std::string& text, const std::string& series,
+                         double expected) {
+    EXPECT_NEAR(Value(text, series), expected, 1e-15 * std::abs(expected))
+        << series;
+  };
+
+  std::string text = Scrape(m.port());
+  EXPECT_EQ(Value(text, "tally_loss_sum_total" + train), 0);
+  EXPECT_EQ(Value(text, "tally_valid_tokens_total" + train), 0);
+  // A model never evaluated has no eval series.
+  EXPECT_EQ(text.find("phase=\"eval\""), std::string::npos) << text;
+
+  Sums trained;
+  Sums window;
+  for (const v1::ForwardBackwardResponse& r :
+       {call(MakeSamples(vocab, {3, 5}, 7), LossReduction::kTokenMean, false),
+        call(MakeSamples(vocab, {4, 0, 6}, 8), LossReduction::kTokenMean,
+             false)}) {
+    add(trained, r);
+    add(window, r);
+  }
+  ASSERT_GT(window.loss, 0);
+  ASSERT_EQ(window.tokens, 18);
+  const v1::ForwardBackwardResponse evaluated =
+      call(MakeSamples(vocab, {2, 9}, 9), LossReduction::kTokenMean, true);
+  Sums evaluated_sums;
+  add(evaluated_sums, evaluated);
+  ASSERT_GT(evaluated_sums.loss, 0);
+  ASSERT_EQ(evaluated_sums.tokens, 11);
+  text = Scrape(m.port());
+  expect_value(text, "tally_loss_sum_total" + train, trained.loss);
+  EXPECT_EQ(Value(text, "tally_valid_tokens_total" + train), trained.tokens);
+  expect_value(text, "tally_loss_sum_total" + eval, evaluated_sums.loss);
+  EXPECT_EQ(Value(text, "tally_valid_tokens_total" + eval),
+            evaluated_sums.tokens);
+  // The eval call's tokens are not in the window.
+  EXPECT_EQ(Value(text, "tally_pending_tokens" + model), window.tokens);
+  expect_value(text, "tally_loss" + model, evaluated.loss_mean());
+
+  v1::OptimStepResponse stepped = step();
+  ASSERT_FALSE(stepped.skipped());
+  ASSERT_EQ(stepped.normalizer(), static_cast<double>(window.tokens));
+  text = Scrape(m.port());
+  expect_value(text, "tally_window_loss" + model,
+               window.loss / static_cast<double>(window.tokens));
+
+  // A call whose window is aborted (its counters stay), then a SAMPLE_MEAN
+  // window: the mean over its counted samples of their token means.
+  add(trained,
+      call(MakeSamples(vocab, {7}, 10), LossReduction::kTokenMean, false));
+  ASSERT_TRUE(e.AbortAccumulation("m").ok());
+  m.SetPendingTokens("m", 0);  // what AbortAccumulation records
+  window = Sums();
+  for (const v1::ForwardBackwardResponse& r :
+       {call(MakeSamples(vocab, {3, 0, 8}, 11), LossReduction::kSampleMean,
+             false),
+        call(MakeSamples(vocab, {5}, 12), LossReduction::kSampleMean, false)}) {
+    add(trained, r);
+    add(window, r);
+  }
+  ASSERT_EQ(window.samples, 3);
+  stepped = step();
+  ASSERT_FALSE(stepped.skipped());
+  ASSERT_EQ(stepped.normalizer(), static_cast<double>(window.samples));
+  text = Scrape(m.port());
+  expect_value(text, "tally_window_loss" + model,
+               window.sample_means / static_cast<double>(window.samples));
+  expect_value(text, "tally_loss_sum_total" + train, trained.loss);
+  EXPECT_EQ(Value(text, "tally_valid_tokens_total" + train), trained.tokens);
+  expect_value(text, "tally_loss_sum_total" + eval, evaluated_sums.loss);
+
+  // DeleteModel drops every series of the model, eval ones included.
+  ASSERT_TRUE(e.DeleteModel("m").ok());
+  m.RemoveModel("m");
+  text = Scrape(m.port());
+  EXPECT_EQ(text.find("model_id=\"m\""), std::string::npos) << text;
+}
+
+// The largest finite buckets docs/metrics.md states: ForwardBackward and
+// OptimStep 1 ms .. 2097.152 s (~35 min, 22 buckets), checkpoints 1 ms ..
+// 16777.216 s (~4.7 h, 25 buckets), seq_id gap waits still 1 ms .. 65.536 s.
+TEST(ServerMetricsTest, LatencyBucketsReachMinutesAndHours) {
+  auto engine = Engine::CreateSingleRank({});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto metrics = ServerMetrics::Create("127.0.0.1:0", engine->get());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  ServerMetrics& m = **metrics;
+  ASSERT_TRUE(
+      (*engine)
+          ->CreateModel(TinySpec("m", DType::kFloat32, OptimizerKind::kAdamW))
+          .ok());
+  m.ObserveForwardBackwardSeconds("m", 20 * 60.0);
+  m.ObserveOptimStepSeconds("m", 0.002);
+  m.RecordCheckpoint("save", /*ok=*/true, 3 * 3600.0);
+  m.RecordSeqGapWait(1.0);
+  const std::string text = Scrape(m.port());
+
+  const std::string model = "{rank=\"0\",model_id=\"m\",";
+  for (const char* name :
+       {"tally_forward_backward_seconds", "tally_optim_step_seconds"}) {
+    SCOPED_TRACE(name);
+    const std::vector<double> bounds =
+        FiniteBounds(text, absl::StrCat(name, "_bucket", model));
+    ASSERT_EQ(bounds.size(), 22u);
+    EXPECT_EQ(bounds.front(), 0.001);
+    EXPECT_DOUBLE_EQ(bounds.back(), 2097.152);
+    for (size_t i = 1; i < bounds.size(); ++i) {
+      EXPECT_DOUBLE_EQ(bounds[i], 2 * bounds[i - 1]);
+    }
+  }
+  // A 20-minute call lands in a finite bucket.
+  EXPECT_EQ(Value(text,
+                  "tally_forward_backward_seconds_bucket{rank=\"0\",model_id="
+                  "\"m\",le=\"1048.576\"}"),
+            0);
+  EXPECT_EQ(Value(text,
+                  "tally_forward_backward_seconds_bucket{rank=\"0\",model_id="
+                  "\"m\",le=\"2097.152\"}"),
+            1);
+
+  const std::vector<double> checkpoint = FiniteBounds(
+      text, "tally_checkpoint_seconds_bucket{rank=\"0\",kind=\"save\",");
+  ASSERT_EQ(checkpoint.size(), 25u);
+  EXPECT_EQ(checkpoint.front(), 0.001);
+  EXPECT_DOUBLE_EQ(checkpoint.back(), 16777.216);
+  // A 3-hour save too.
+  EXPECT_EQ(Value(text,
+                  "tally_checkpoint_seconds_bucket{rank=\"0\",kind=\"save\","
+                  "le=\"8388.608\"}"),
+            0);
+  EXPECT_EQ(Value(text,
+                  "tally_checkpoint_seconds_bucket{rank=\"0\",kind=\"save\","
+                  "le=\"16777.216\"}"),
+            1);
+
+  const std::vector<double> gap =
+      FiniteBounds(text, "tally_seq_gap_wait_seconds_bucket{rank=\"0\",");
+  ASSERT_EQ(gap.size(), 17u);
+  EXPECT_DOUBLE_EQ(gap.back(), 65.536);
 }
 
 }  // namespace
