@@ -7,6 +7,13 @@
 #include "kernels/fused_optimizer.h"
 
 namespace tally {
+namespace {
+
+// The names of AdamW's state tensors after their parameter's name.
+constexpr char kExpAvgSuffix[] = ".exp_avg";
+constexpr char kExpAvgSqSuffix[] = ".exp_avg_sq";
+
+}  // namespace
 
 Optimizer::Optimizer(OptimizerKind kind, std::vector<Parameter>* parameters)
     : kind_(kind), parameters_(parameters) {
@@ -91,7 +98,7 @@ void Optimizer::StepComposed(size_t index, const AdamParams& hp,
 
 std::vector<std::string> Optimizer::StateSuffixes(OptimizerKind kind) {
   if (kind != OptimizerKind::kAdamW) return {};
-  return {".exp_avg", ".exp_avg_sq"};
+  return {kExpAvgSuffix, kExpAvgSqSuffix};
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> Optimizer::StateTensors()
@@ -100,8 +107,8 @@ std::vector<std::pair<std::string, torch::Tensor>> Optimizer::StateTensors()
   for (size_t i = 0; i < exp_avg_.size(); ++i) {
     if (!exp_avg_[i].defined()) continue;  // frozen
     const std::string& name = (*parameters_)[i].name;
-    out.emplace_back(name + ".exp_avg", exp_avg_[i]);
-    out.emplace_back(name + ".exp_avg_sq", exp_avg_sq_[i]);
+    out.emplace_back(name + kExpAvgSuffix, exp_avg_[i]);
+    out.emplace_back(name + kExpAvgSqSuffix, exp_avg_sq_[i]);
   }
   return out;
 }
@@ -136,9 +143,9 @@ absl::Status Optimizer::LoadState(
         continue;
       }
       TALLY_ASSIGN_OR_RETURN(torch::Tensor m,
-                             find(p.name + ".exp_avg", p.tensor));
+                             find(p.name + kExpAvgSuffix, p.tensor));
       TALLY_ASSIGN_OR_RETURN(torch::Tensor v,
-                             find(p.name + ".exp_avg_sq", p.tensor));
+                             find(p.name + kExpAvgSqSuffix, p.tensor));
       exp_avg.push_back(std::move(m));
       exp_avg_sq.push_back(std::move(v));
     }
