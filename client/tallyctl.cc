@@ -4,6 +4,7 @@
 //   tallyctl create --model-id demo --seed 1
 //   tallyctl train demo --steps 30 --calls-per-step 4
 //   tallyctl save demo /tmp/ckpt && tallyctl list
+//   tallyctl export demo /tmp/demo-hf --dtype bfloat16
 //
 // Exit status: 0 on success, 1 when the server or a file fails (the gRPC
 // code and message go to stderr), 2 on a command-line error.
@@ -55,6 +56,21 @@ std::string DTypeLabel(v1::DType dtype) {
 }
 std::string OptimizerLabel(v1::Optimizer optimizer) {
   return EnumLabel(v1::Optimizer_Name(optimizer), "OPTIMIZER_");
+}
+
+// The dtype of `allowed` whose label is --dtype's `label`.
+absl::StatusOr<v1::DType> ParseDTypeFlag(
+    const std::string& label, const std::vector<v1::DType>& allowed) {
+  std::string expected;
+  for (size_t i = 0; i < allowed.size(); ++i) {
+    if (DTypeLabel(allowed[i]) == label) return allowed[i];
+    const char* separator = i == 0                    ? ""
+                            : i + 1 == allowed.size() ? " or "
+                                                      : ", ";
+    absl::StrAppend(&expected, separator, DTypeLabel(allowed[i]));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("flag --dtype: '", label, "' is not ", expected));
 }
 
 void PrintModelInfo(const v1::ModelInfo& info) {
@@ -109,14 +125,10 @@ class CreateCommand : public Command {
     v1::CreateModelRequest request;
     request.set_model_id(model_id_);
     request.set_seed(seed_);
-    if (dtype_ == "float32") {
-      request.set_dtype(v1::DTYPE_FLOAT32);
-    } else if (dtype_ == "float64") {
-      request.set_dtype(v1::DTYPE_FLOAT64);
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "flag --dtype: '", dtype_, "' is not float32 or float64"));
-    }
+    TALLY_ASSIGN_OR_RETURN(
+        v1::DType dtype,
+        ParseDTypeFlag(dtype_, {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT64}));
+    request.set_dtype(dtype);
     if (optimizer_ == "adamw") {
       request.set_optimizer(v1::OPTIMIZER_ADAMW);
     } else if (optimizer_ == "sgd") {
@@ -211,6 +223,39 @@ class SaveCommand : public Command {
                                  response.bytes_written());
     return absl::OkStatus();
   }
+};
+
+class ExportCommand : public Command {
+ public:
+  void AddFlags(FlagParser& flags) override {
+    flags.Add("dtype", &dtype_,
+              "stored dtype: float32, float64, bfloat16 or float16 (empty: "
+              "the model's)");
+  }
+
+  absl::Status Run(TrainerClient& client,
+                   const std::vector<std::string>& args) override {
+    v1::ExportWeightsRequest request;
+    request.set_model_id(args[0]);
+    request.set_path(args[1]);
+    if (!dtype_.empty()) {
+      TALLY_ASSIGN_OR_RETURN(
+          v1::DType dtype,
+          ParseDTypeFlag(dtype_, {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT64,
+                                  v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT16}));
+      request.set_dtype(dtype);
+    }
+    TALLY_ASSIGN_OR_RETURN(v1::ExportWeightsResponse response,
+                           client.ExportWeights(request));
+    std::cout << absl::StrFormat(
+        "exported the weights of model %s to %s (%d files, %d bytes)\n",
+        args[0], response.path(), response.files_size(),
+        response.bytes_written());
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string dtype_;
 };
 
 class LoadCommand : public Command {
@@ -434,6 +479,14 @@ const std::vector<CommandSpec>& Commands() {
        "Saves a checkpoint.",
        "Saves a checkpoint of MODEL into the server-side directory PATH.",
        [] { return std::make_unique<SaveCommand>(); }},
+      {"export",
+       {"MODEL", "PATH"},
+       "Exports the weights for inference.",
+       "Writes the weights of MODEL into the server-side directory PATH as "
+       "an HF model directory that transformers and vLLM load (config.json, "
+       "safetensors, and the tokenizer files of the model's "
+       "init_checkpoint).",
+       [] { return std::make_unique<ExportCommand>(); }},
       {"load",
        {"MODEL", "PATH"},
        "Loads a checkpoint.",

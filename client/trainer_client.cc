@@ -157,6 +157,14 @@ absl::StatusOr<v1::LoadCheckpointResponse> TrainerClient::LoadCheckpoint(
       });
 }
 
+absl::StatusOr<v1::ExportWeightsResponse> TrainerClient::ExportWeights(
+    const v1::ExportWeightsRequest& request) {
+  return Invoke<v1::ExportWeightsResponse>(
+      request.seq_id() > 0, [&](auto* context, auto* response) {
+        return trainer_->ExportWeights(context, request, response);
+      });
+}
+
 absl::Status TrainerClient::WaitForServing(absl::Duration timeout) {
   using grpc::health::v1::HealthCheckResponse;
   constexpr absl::Duration kMaxBackoff = absl::Seconds(1);

@@ -99,6 +99,8 @@ class TrainerClient {
       const v1::SaveCheckpointRequest& request);
   absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(
       const v1::LoadCheckpointRequest& request);
+  absl::StatusOr<v1::ExportWeightsResponse> ExportWeights(
+      const v1::ExportWeightsRequest& request);
 
   // Polls grpc.health.v1 Check (service "") with exponential backoff until
   // the server reports SERVING. DEADLINE_EXCEEDED after `timeout`, with the

@@ -70,9 +70,18 @@ absl::StatusOr<std::vector<int>> CausalLm::InitializeParameters(
   for (const ParameterSpec& spec : specs) {
     // Every stage draws every tensor, so each is the same whatever the
     // split; only the held ones are kept.
-    torch::Tensor full = spec.ones ? torch::ones(spec.shape, options)
-                                   : torch::empty(spec.shape, options);
-    if (!spec.ones) full.normal_(0.0, 0.02, generator);
+    torch::Tensor full;
+    switch (spec.init) {
+      case ParameterInit::kNormal:
+        full = torch::empty(spec.shape, options).normal_(0.0, 0.02, generator);
+        break;
+      case ParameterInit::kOnes:
+        full = torch::ones(spec.shape, options);
+        break;
+      case ParameterInit::kZeros:
+        full = torch::zeros(spec.shape, options);
+        break;
+    }
     if (!spec.held) {
       indices.push_back(-1);
       continue;

@@ -34,12 +34,16 @@ namespace tally {
 
 torch::ScalarType ToScalarType(DType dtype);
 
-// A per-token term a model adds to each token's training loss, weighted by
-// `coefficient` (MoE load balancing). Joining the token's loss, it is
-// weighted and normalized exactly like the token's cross-entropy.
+// A term a model adds to each token's training loss, weighted by
+// `coefficient` (MoE load balancing). Its statistics travel with the hidden
+// states as `channels` per-token values; on the last stage
+// CausalLm::AuxiliaryTokenLosses turns them into a per-token term which,
+// joining the token's loss, is weighted and normalized exactly like the
+// token's cross-entropy.
 struct AuxiliaryLoss {
   std::string name;  // e.g. "router_load_balancing"
   double coefficient = 0.0;
+  int64_t channels = 1;
 };
 
 // What a stage's forward reads and adds besides its main input and output.
@@ -47,8 +51,8 @@ struct StageIo {
   // In: [B, T] bool, the tokens that count (not padding); required by a
   // model with routing statistics, ignored otherwise.
   torch::Tensor real_tokens;
-  // In and out: one [B, T] differentiable term per auxiliary_losses() entry,
-  // in that order, summed over the layers so far. Undefined on entry to the
+  // In and out: one [B, T, channels] tensor per auxiliary_losses() entry,
+  // in that order, accumulated over the layers so far. Empty on entry to the
   // first stage; each stage adds its layers' share.
   std::vector<torch::Tensor> auxiliary;
   // Out: [layers, E] float64, the real tokens routed to each expert of each
@@ -96,9 +100,13 @@ class CausalLm {
 
   // Every parameter name of the whole model (all stages), in order.
   virtual std::vector<std::string> ParameterNames() const = 0;
-  // The per-token auxiliary losses StageIo::auxiliary carries, in order;
-  // empty for most families.
+  // The auxiliary losses StageIo::auxiliary carries, in order; empty for
+  // most families.
   virtual std::vector<AuxiliaryLoss> auxiliary_losses() const = 0;
+  // On the last stage, after StageForward: each auxiliary loss's per-token
+  // term [B, T] (differentiable) from io's channels. Collective over cp.
+  virtual std::vector<torch::Tensor> AuxiliaryTokenLosses(
+      const StageIo& io) = 0;
   // The number of experts whose routing StageIo::expert_tokens counts (0:
   // no routing).
   virtual int64_t routed_experts() const = 0;

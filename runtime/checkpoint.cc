@@ -29,13 +29,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr char kConfigFile[] = "config.json";
-constexpr char kModelFile[] = "model.safetensors";
-constexpr char kShardIndexFile[] = "model.safetensors.index.json";
 constexpr char kOptimizerFile[] = "optimizer.safetensors";
 constexpr char kManifestFile[] = "tally.json";
 constexpr char kServerStateFile[] = "server_state.bin";
-constexpr char kChecksumFile[] = "checksums.sha256";
 // A derived buffer that transformers < 4.31 saved with Llama weights.
 constexpr char kRotaryBufferSuffix[] = ".rotary_emb.inv_freq";
 
@@ -369,12 +365,8 @@ absl::Status CheckSameConfig(const LlamaConfig& file_config,
 
 }  // namespace
 
-namespace {
-
-// The absolute directory `dir` names, when a checkpoint may be written there:
-// it is missing, empty or an earlier checkpoint (replacing deletes what was
-// there).
-absl::StatusOr<fs::path> CheckpointTarget(const std::string& dir) {
+absl::StatusOr<std::string> PublishTarget(const std::string& dir,
+                                          DirectoryKind kind) {
   std::error_code error;
   fs::path target = fs::absolute(dir, error).lexically_normal();
   if (error) {
@@ -384,27 +376,48 @@ absl::StatusOr<fs::path> CheckpointTarget(const std::string& dir) {
   const std::string name = target.filename().string();
   if (name == "." || name == ".." || target == target.root_path()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint path ", dir, " names no directory"));
+        absl::StrCat("path ", dir, " names no directory"));
   }
-  if (fs::exists(target, error) &&
-      (!fs::is_directory(target, error) ||
-       !(fs::is_empty(target, error) ||
-         IsFile((target / kManifestFile).string())))) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(dir, " exists and is not a tally checkpoint (no ",
-                     kManifestFile, "); refusing to replace it"));
+  if (!fs::exists(target, error)) return target.string();
+  const bool checkpoint = IsFile((target / kManifestFile).string());
+  const bool replaceable =
+      fs::is_directory(target, error) &&
+      (fs::is_empty(target, error) ||
+       (kind == DirectoryKind::kCheckpoint
+            ? checkpoint
+            : !checkpoint && IsFile((target / kChecksumFile).string())));
+  if (!replaceable) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, " exists and is not ",
+        kind == DirectoryKind::kCheckpoint
+            ? absl::StrCat("a tally checkpoint (no ", kManifestFile, ")")
+            : absl::StrCat("a weights export (no ", kChecksumFile,
+                           ", or a checkpoint's ", kManifestFile, ")"),
+        "; refusing to replace it"));
   }
-  return target;
+  return target.string();
 }
 
-}  // namespace
+absl::StatusOr<NamedTensors> HfWeights(const CausalLm& model,
+                                       torch::ScalarType dtype,
+                                       bool trainable_only) {
+  return CatchTorch("HF weights", [&]() -> absl::StatusOr<NamedTensors> {
+    NamedTensors out;
+    for (const Parameter& p : model.parameters()) {
+      if (trainable_only && !p.trainable) continue;
+      out.emplace_back(p.name, p.tensor.detach().to(dtype));
+    }
+    return model.ToHfTensors(std::move(out));
+  });
+}
 
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
                                          const CausalLm& model,
                                          const Optimizer& optimizer,
                                          const CheckpointManifest& manifest,
                                          absl::string_view server_state) {
-  TALLY_ASSIGN_OR_RETURN(const fs::path target, CheckpointTarget(dir));
+  TALLY_ASSIGN_OR_RETURN(const std::string target,
+                         PublishTarget(dir, DirectoryKind::kCheckpoint));
   CheckpointManifest written = manifest;
   written.dtype = model.dtype();
   written.optimizer = optimizer.kind();
@@ -414,14 +427,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
 
   TALLY_ASSIGN_OR_RETURN(
       NamedTensors weights,
-      CatchTorch("checkpoint weights", [&]() -> absl::StatusOr<NamedTensors> {
-        NamedTensors out;
-        for (const Parameter& p : model.parameters()) {
-          if (manifest.trainable_only && !p.trainable) continue;
-          out.emplace_back(p.name, p.tensor.detach().to(model.scalar_type()));
-        }
-        return model.ToHfTensors(std::move(out));
-      }));
+      HfWeights(model, model.scalar_type(), manifest.trainable_only));
   TALLY_ASSIGN_OR_RETURN(SerializedSafetensors weights_file,
                          SerializeSafetensors(weights, {{"format", "pt"}}));
   TALLY_ASSIGN_OR_RETURN(SerializedSafetensors optimizer_file,
@@ -430,7 +436,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
       model.config().ToHfJson(DTypeName(model.dtype())) + "\n";
   const std::string manifest_json = ManifestToJson(written);
 
-  return PublishDirectory(target.string(),
+  return PublishDirectory(target,
                           {{kConfigFile, {config_json}},
                            {kModelFile, weights_file.Pieces()},
                            {kOptimizerFile, optimizer_file.Pieces()},

@@ -69,10 +69,41 @@ struct CheckpointManifest {
 // (no checksums, server state or seed) is still read.
 inline constexpr int kCheckpointFormatVersion = 2;
 
+// The files of an HF model directory that tally writes (checkpoints and
+// weights exports, weights_export.h) and reads.
+inline constexpr char kConfigFile[] = "config.json";
+inline constexpr char kModelFile[] = "model.safetensors";
+inline constexpr char kShardIndexFile[] = "model.safetensors.index.json";
+inline constexpr char kChecksumFile[] = "checksums.sha256";
+
+// What tally publishes at a path (atomic_directory.h), which decides what the
+// publish may replace there: only a directory of the same kind.
+enum class DirectoryKind {
+  kCheckpoint,     // WriteCheckpoint: holds tally.json
+  kWeightsExport,  // WriteWeightsExport: holds checksums.sha256, no tally.json
+};
+
+// The absolute, normalized directory `dir` names, when a directory of `kind`
+// may be published there: nothing is at `dir`, an empty directory, or a
+// directory of the same kind (publishing replaces it, deleting what it held).
+// INVALID_ARGUMENT when `dir` names no directory ("/"); anything else
+// at `dir` (a file, another directory) is FAILED_PRECONDITION and left alone.
+absl::StatusOr<std::string> PublishTarget(const std::string& dir,
+                                          DirectoryKind kind);
+
+// The weights of `model` under their HF names (CausalLm::ToHfTensors), cast
+// to `dtype` with torch's rounding (round to nearest even); with
+// `trainable_only` only the trainable parameters'. What checkpoints and
+// weights exports write.
+absl::StatusOr<NamedTensors> HfWeights(const CausalLm& model,
+                                       torch::ScalarType dtype,
+                                       bool trainable_only);
+
 // Writes a checkpoint of `model` and `optimizer` to `dir`, replacing an
 // existing checkpoint there atomically; the parent directories are created
 // when missing. Anything else at `dir` (a file, a directory without
-// tally.json that is not empty) is FAILED_PRECONDITION and left alone. A tied
+// tally.json that is not empty) is FAILED_PRECONDITION and left alone
+// (PublishTarget). A tied
 // model has no lm_head.weight, as in HF. The caller supplies the manifest's
 // step, defaults, seed, grad_sync and unsaved_window; dtype, optimizer and
 // optimizer_step_count are recorded from `model` and `optimizer`, tally_version

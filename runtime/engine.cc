@@ -101,19 +101,25 @@ void RecordSamples(const torch::Tensor& logprobs, const PackedBatch& batch,
   }
 }
 
+// The channels of `auxiliary` (see AuxiliaryLoss) in a stage boundary.
+int64_t AuxiliaryChannels(const std::vector<AuxiliaryLoss>& auxiliary) {
+  int64_t channels = 0;
+  for (const AuxiliaryLoss& a : auxiliary) channels += a.channels;
+  return channels;
+}
+
 // This stage's forward of micro-batch b. Between stages flow the hidden
-// states [B, T, H] and one more channel per auxiliary loss of the model (its
-// per-token sum over the layers so far), which joins each token's loss on
-// the last stage, so it is weighted and normalized exactly like the token's
-// cross-entropy. Returns what the next stage receives or, on the last stage,
-// the raw loss to backpropagate.
+// states [B, T, H] and the channels of the model's auxiliary losses, which
+// the last stage turns into per-token terms joining each token's loss, so
+// they are weighted and normalized exactly like the token's cross-entropy.
+// Returns what the next stage receives or, on the last stage, the raw loss
+// to backpropagate.
 torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
                                 const torch::Tensor& received, bool last,
                                 const ForwardBackwardArgs& args,
+                                const std::vector<AuxiliaryLoss>& auxiliary,
                                 CallResults& results) {
   const PackedBatch& batch = plan.packed[b];
-  const std::vector<AuxiliaryLoss> auxiliary = model.auxiliary_losses();
-  const int64_t channels = static_cast<int64_t>(auxiliary.size());
   StageIo io;
   if (model.routed_experts() > 0) {
     io.real_tokens = torch::arange(batch.inputs.size(1)).unsqueeze(0) <
@@ -122,10 +128,11 @@ torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
   }
   torch::Tensor input = batch.inputs;
   if (received.defined()) {
-    const int64_t hidden = received.size(-1) - channels;
-    input = received.narrow(-1, 0, hidden);
-    for (int64_t c = 0; c < channels; ++c) {
-      io.auxiliary.push_back(received.select(-1, hidden + c));
+    int64_t offset = received.size(-1) - AuxiliaryChannels(auxiliary);
+    input = received.narrow(-1, 0, offset);
+    for (const AuxiliaryLoss& a : auxiliary) {
+      io.auxiliary.push_back(received.narrow(-1, offset, a.channels));
+      offset += a.channels;
     }
   }
   torch::Tensor output =
@@ -135,17 +142,16 @@ torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
   }
   if (!last) {
     std::vector<torch::Tensor> sent = {output};
-    for (const torch::Tensor& term : io.auxiliary) {
-      sent.push_back(term.unsqueeze(-1));
-    }
+    sent.insert(sent.end(), io.auxiliary.begin(),
+                io.auxiliary.begin() + auxiliary.size());
     return sent.size() == 1 ? output : torch::cat(sent, -1);
   }
   torch::Tensor loss_logprobs = output;
-  for (size_t a = 0; a < io.auxiliary.size(); ++a) {
-    if (auxiliary[a].coefficient > 0) {
-      loss_logprobs =
-          loss_logprobs - auxiliary[a].coefficient * io.auxiliary[a];
-    }
+  const std::vector<torch::Tensor> auxiliary_terms =
+      model.AuxiliaryTokenLosses(io);
+  for (size_t a = 0; a < auxiliary_terms.size(); ++a) {
+    loss_logprobs =
+        loss_logprobs - auxiliary[a].coefficient * auxiliary_terms[a];
   }
   const LossTerms terms =
       ComputeLoss(args.loss ? *args.loss : DefaultTokenLoss(), loss_logprobs,
@@ -415,18 +421,18 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   CallResults results(args.samples, args.return_logprobs,
                       config.num_hidden_layers, model.routed_experts());
   const bool last = groups_.pp->rank() == groups_.pp->size() - 1;
+  const std::vector<AuxiliaryLoss> auxiliary = model.auxiliary_losses();
   StageCallbacks stage;
   stage.boundary_like = [&](size_t b) {
     // Hidden states and a channel per auxiliary loss.
     const torch::Tensor& ids = plan.packed[b].inputs;
-    const int64_t channels =
-        config.hidden_size +
-        static_cast<int64_t>(model.auxiliary_losses().size());
+    const int64_t channels = config.hidden_size + AuxiliaryChannels(auxiliary);
     return torch::empty({ids.size(0), ids.size(1), channels},
                         torch::TensorOptions().dtype(model.scalar_type()));
   };
   stage.forward = [&](size_t b, const torch::Tensor& received) {
-    return ForwardMicroBatch(model, plan, b, received, last, args, results);
+    return ForwardMicroBatch(model, plan, b, received, last, args, auxiliary,
+                             results);
   };
   stage.before_backward = [&](size_t b) {
     // Earlier backwards only accumulate into what the last one sums.
@@ -716,34 +722,46 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   manifest.seed = state->spec.seed;
   manifest.trainable_only = options.trainable_only;
   manifest.unsaved_window = pending;
-  CausalLm* model = state->model.get();
-  Optimizer* optimizer = state->optimizer.get();
-  // One writer. A sharded or staged model is consolidated so the checkpoint
-  // is one HF directory whatever the mesh: only the writer holds the whole
-  // copy; the other ranks help gather it one tensor at a time.
+  uint64_t bytes = 0;
+  TALLY_RETURN_IF_ERROR(WriteOnRankZero(
+      *state, /*with_optimizer_state=*/true,
+      [&](const CausalLm& model, const Optimizer& optimizer) -> absl::Status {
+        TALLY_ASSIGN_OR_RETURN(bytes,
+                               WriteCheckpoint(path, model, optimizer, manifest,
+                                               options.server_state));
+        return absl::OkStatus();
+      }));
+  return SaveResult{path, state->step, bytes, pending};
+}
+
+absl::Status Engine::WriteOnRankZero(
+    ModelState& state, bool with_optimizer_state,
+    const std::function<absl::Status(const CausalLm& model,
+                                     const Optimizer& optimizer)>& write) {
+  const CausalLm* model = state.model.get();
+  const Optimizer* optimizer = state.optimizer.get();
   const bool writer = mesh_.rank() == 0;
-  absl::Status ready = absl::OkStatus();
+  absl::Status written = absl::OkStatus();
   std::unique_ptr<CausalLm> full_model;
   std::unique_ptr<Optimizer> full_optimizer;
+  // One writer. A sharded or staged model is consolidated so the directory
+  // is the same whatever the mesh: only the writer holds the whole copy; the
+  // other ranks help gather it one tensor at a time.
   if (Staged(*model, groups_)) {
-    ready = GatherOnWriter(*state, full_model, full_optimizer);
+    written =
+        GatherOnWriter(state, with_optimizer_state, full_model, full_optimizer);
     if (writer) {
       model = full_model.get();
       optimizer = full_optimizer.get();
     }
   }
-  absl::StatusOr<uint64_t> bytes = uint64_t{0};
-  if (writer) {
-    bytes = ready.ok() ? WriteCheckpoint(path, *model, *optimizer, manifest,
-                                         options.server_state)
-                       : absl::StatusOr<uint64_t>(ready);
-  }
-  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(bytes.status()));
-  return SaveResult{path, state->step, *bytes, pending};
+  if (writer && written.ok()) written = write(*model, *optimizer);
+  return AgreeAcrossRanks(written);
 }
 
 absl::Status Engine::GatherOnWriter(
-    ModelState& state, std::unique_ptr<CausalLm>& full_model,
+    ModelState& state, bool with_optimizer_state,
+    std::unique_ptr<CausalLm>& full_model,
     std::unique_ptr<Optimizer>& full_optimizer) {
   CausalLm& model = *state.model;
   const bool writer = mesh_.rank() == 0;
@@ -772,7 +790,8 @@ absl::Status Engine::GatherOnWriter(
   }();
   // Of every trainable parameter; frozen ones have no state.
   const std::vector<std::string> state_suffixes =
-      Optimizer::StateSuffixes(state.spec.optimizer);
+      with_optimizer_state ? Optimizer::StateSuffixes(state.spec.optimizer)
+                           : std::vector<std::string>();
   std::vector<torch::Tensor> stage_tensors;
   for (const Parameter& p : model.parameters()) {
     if (model.OwningStage(p.name, stages) != stage) continue;
@@ -823,6 +842,7 @@ absl::Status Engine::GatherOnWriter(
   }
   full_optimizer = std::make_unique<Optimizer>(state.spec.optimizer,
                                                &full_model->parameters());
+  if (!with_optimizer_state) return absl::OkStatus();
   return full_optimizer->LoadState(full_state, state.optimizer->step_count());
 }
 

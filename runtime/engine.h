@@ -16,6 +16,7 @@
 #define TALLY_RUNTIME_ENGINE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -30,6 +31,7 @@
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
 #include "runtime/types.h"
+#include "runtime/weights_export.h"
 
 namespace tally {
 
@@ -129,6 +131,17 @@ class Engine {
                                             const std::string& path,
                                             bool load_optimizer);
 
+  // Writes the model's weights as an HF model directory for inference
+  // (WriteWeightsExport, weights_export.h), with the generation config,
+  // tokenizer files and extra config.json fields of its init_checkpoint.
+  // Weights only: a pending (or poisoned) window neither blocks it nor
+  // changes. FAILED_PRECONDITION for a damaged model, as SaveCheckpoint.
+  // Every rank takes part; rank 0 writes and returns the result (the other
+  // ranks an empty one once it succeeded).
+  absl::StatusOr<ExportResult> ExportWeights(const std::string& model_id,
+                                             const std::string& path,
+                                             const ExportOptions& options = {});
+
   // Direct access to a model's parameters, for tests and benchmarks.
   absl::StatusOr<CausalLm*> model(const std::string& model_id);
   absl::StatusOr<Optimizer*> optimizer(const std::string& model_id);
@@ -196,10 +209,20 @@ class Engine {
   // only the sets with more than one rank.
   std::vector<GradientSet> ReplicaGradientSets(
       const std::vector<Parameter>& params) const;
-  // Consolidates a sharded or staged model onto rank 0 (nullptrs elsewhere).
-  absl::Status GatherOnWriter(ModelState& state,
+  // Consolidates a sharded or staged model onto rank 0 (nullptrs elsewhere),
+  // with its optimizer state or (for a weights-only export) an optimizer
+  // without state.
+  absl::Status GatherOnWriter(ModelState& state, bool with_optimizer_state,
                               std::unique_ptr<CausalLm>& full_model,
                               std::unique_ptr<Optimizer>& full_optimizer);
+  // Runs `write` on rank 0 with the whole model and its optimizer (gathered
+  // there by GatherOnWriter when the model is sharded or staged, every other
+  // rank helping) and returns on every rank once all agree on the outcome:
+  // how a checkpoint or an export is written.
+  absl::Status WriteOnRankZero(
+      ModelState& state, bool with_optimizer_state,
+      const std::function<absl::Status(const CausalLm& model,
+                                       const Optimizer& optimizer)>& write);
   // Every rank returns an error if any rank's `local` is one, so no rank
   // applies what another refused.
   absl::Status AgreeAcrossRanks(absl::Status local);

@@ -4,6 +4,9 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "runtime/model_family.h"
 
 namespace tally {
 
@@ -24,6 +27,12 @@ LlamaConfig LlamaConfig::EmbeddedDefault() {
 
 LlamaConfig LlamaConfig::WithDefaults() const {
   LlamaConfig c = *this;
+  c.model_type = c.ResolvedModelType();
+  // Left 0 when the heads do not divide hidden_size: Validate names that.
+  if (c.head_dim == 0 && c.num_attention_heads > 0 &&
+      c.hidden_size % c.num_attention_heads == 0) {
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
   if (c.num_key_value_heads == 0) c.num_key_value_heads = c.num_attention_heads;
   if (c.rms_norm_eps == 0.0) c.rms_norm_eps = 1e-6;
   if (c.rope_theta == 0.0) c.rope_theta = 10000.0;
@@ -48,15 +57,17 @@ absl::Status LlamaConfig::Validate() const {
         {"max_position_embeddings", max_position_embeddings}}) {
     if (absl::Status s = positive(field, value); !s.ok()) return s;
   }
-  if (hidden_size % num_attention_heads != 0) {
+  if (head_dim == 0 && hidden_size % num_attention_heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.num_attention_heads (", num_attention_heads,
-                     ") must divide config.hidden_size (", hidden_size, ")"));
+                     ") must divide config.hidden_size (", hidden_size,
+                     ") unless config.head_dim is given"));
   }
-  if (head_dim() % 2 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.hidden_size / config.num_attention_heads (",
-                     head_dim(), ") must be even for rotary embeddings"));
+  if (HeadDim() <= 0 || HeadDim() % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.head_dim (", HeadDim(),
+        ", default hidden_size / num_attention_heads) must be even and > 0 "
+        "for rotary embeddings"));
   }
   if (num_attention_heads % num_key_value_heads != 0) {
     return absl::InvalidArgumentError(
@@ -72,6 +83,13 @@ absl::Status LlamaConfig::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.rope_theta must be finite and > 0, got ", rope_theta));
   }
+  TALLY_RETURN_IF_ERROR(ValidateRopeScaling(rope_scaling));
+  if (sliding_window < 0 || max_window_layers < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.sliding_window (", sliding_window,
+                     ") and config.max_window_layers (", max_window_layers,
+                     ") must be >= 0"));
+  }
   if (num_local_experts < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.num_local_experts must be >= 0, got ", num_local_experts));
@@ -82,16 +100,20 @@ absl::Status LlamaConfig::Validate() const {
         "config.num_experts_per_tok must be in [1, num_local_experts = ",
         num_local_experts, "], got ", num_experts_per_tok));
   }
-  if (!is_moe() && (num_experts_per_tok != 0 || router_aux_loss_coef != 0)) {
+  if (!is_moe() && (num_experts_per_tok != 0 || router_aux_loss_coef != 0 ||
+                    output_router_logits)) {
     return absl::InvalidArgumentError(
-        "config.num_experts_per_tok and config.router_aux_loss_coef need "
-        "config.num_local_experts > 0");
+        "config.num_experts_per_tok, config.router_aux_loss_coef and "
+        "config.output_router_logits need config.num_local_experts > 0");
   }
   if (!(router_aux_loss_coef >= 0.0) || !std::isfinite(router_aux_loss_coef)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.router_aux_loss_coef must be finite and >= 0, got ",
         router_aux_loss_coef));
   }
+  TALLY_ASSIGN_OR_RETURN(const ModelFamily* family,
+                         FindModelFamily(ResolvedModelType()));
+  TALLY_RETURN_IF_ERROR(family->Validate(*this));
   // Keeps a typo from allocating terabytes: the largest matrix must fit.
   // Divided, not multiplied: config.json sizes can overflow int64.
   constexpr int64_t kMaxMatrixElements = int64_t{1} << 31;
@@ -99,8 +121,8 @@ absl::Status LlamaConfig::Validate() const {
     return rows > kMaxMatrixElements / hidden_size;
   };
   if (too_large(vocab_size) || too_large(intermediate_size) ||
-      too_large(hidden_size) || num_hidden_layers > 4096 ||
-      num_local_experts > 4096) {
+      too_large(hidden_size) || too_large(num_attention_heads * HeadDim()) ||
+      num_hidden_layers > 4096 || num_local_experts > 4096) {
     return absl::InvalidArgumentError(
         "config describes a model too large for this server");
   }
@@ -109,37 +131,167 @@ absl::Status LlamaConfig::Validate() const {
 
 uint64_t LlamaConfig::NumParameters() const {
   const uint64_t h = hidden_size, v = vocab_size, i = intermediate_size;
-  const uint64_t kv = num_key_value_heads * head_dim();
+  const uint64_t d = HeadDim(), q = num_attention_heads * d,
+                 kv = num_key_value_heads * d;
+  ModelFeatures features;
+  if (absl::StatusOr<const ModelFamily*> family =
+          FindModelFamily(ResolvedModelType());
+      family.ok()) {
+    features = (*family)->Features(*this);
+  }
+  uint64_t attention = 2 * h * q + 2 * h * kv;
+  if (features.qkv_bias) attention += q + 2 * kv;
+  if (features.o_bias) attention += h;
+  if (features.qk_norm) attention += 2 * d;
   // A MoE layer: the router [E, h] and E SwiGLU experts.
-  const uint64_t mlp =
-      is_moe() ? num_local_experts * (h + 3 * h * i) : 3 * h * i;
-  const uint64_t per_layer = h * h * 2 + h * kv * 2 + mlp + 2 * h;
+  uint64_t mlp = is_moe() ? num_local_experts * (h + 3 * h * i) : 3 * h * i;
+  if (!is_moe() && features.mlp_bias) mlp += 2 * i + h;
+  const uint64_t per_layer = attention + mlp + 2 * h;
   return v * h * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer +
          h;
 }
 
-std::string LlamaConfig::ToHfJson(const std::string& dtype_name) const {
-  nlohmann::ordered_json j;
-  j["architectures"] = {is_moe() ? "MixtralForCausalLM" : "LlamaForCausalLM"};
-  j["model_type"] = is_moe() ? "mixtral" : "llama";
-  j["vocab_size"] = vocab_size;
-  j["hidden_size"] = hidden_size;
-  j["intermediate_size"] = intermediate_size;
-  j["num_hidden_layers"] = num_hidden_layers;
-  j["num_attention_heads"] = num_attention_heads;
-  j["num_key_value_heads"] = num_key_value_heads;
-  j["rms_norm_eps"] = rms_norm_eps;
-  j["rope_theta"] = rope_theta;
-  j["max_position_embeddings"] = max_position_embeddings;
-  j["tie_word_embeddings"] = tie_word_embeddings;
-  j["hidden_act"] = "silu";
-  j["attention_bias"] = false;
-  if (is_moe()) {
-    j["num_local_experts"] = num_local_experts;
-    j["num_experts_per_tok"] = num_experts_per_tok;
-    j["router_aux_loss_coef"] = router_aux_loss_coef;
-    j["output_router_logits"] = router_aux_loss_coef > 0;
+absl::Status ValidateRopeScaling(const RopeScaling& r) {
+  if (r.rope_type.empty()) return absl::OkStatus();
+  if (r.rope_type != "linear" && r.rope_type != "llama3") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.rope_scaling.rope_type \"", r.rope_type,
+                     "\" is not implemented (tally implements \"\" for none, "
+                     "default, linear, llama3)"));
   }
+  auto positive = [](const char* field, double value) -> absl::Status {
+    if (value > 0.0 && std::isfinite(value)) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.rope_scaling.", field, " must be finite and > 0, got ", value));
+  };
+  TALLY_RETURN_IF_ERROR(positive("factor", r.factor));
+  if (r.rope_type == "linear") return absl::OkStatus();
+  TALLY_RETURN_IF_ERROR(positive("low_freq_factor", r.low_freq_factor));
+  TALLY_RETURN_IF_ERROR(positive("high_freq_factor", r.high_freq_factor));
+  if (!(r.high_freq_factor > r.low_freq_factor)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.rope_scaling.high_freq_factor (", r.high_freq_factor,
+        ") must exceed low_freq_factor (", r.low_freq_factor, ")"));
+  }
+  if (r.original_max_position_embeddings <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.rope_scaling.original_max_position_embeddings must be > 0, "
+        "got ",
+        r.original_max_position_embeddings));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// rope_scaling's JSON form (null when there is none).
+nlohmann::ordered_json RopeScalingJson(const RopeScaling& r) {
+  if (r.rope_type.empty()) return nullptr;
+  nlohmann::ordered_json j;
+  j["rope_type"] = r.rope_type;
+  j["factor"] = r.factor;
+  if (r.rope_type == "llama3") {
+    j["low_freq_factor"] = r.low_freq_factor;
+    j["high_freq_factor"] = r.high_freq_factor;
+    j["original_max_position_embeddings"] = r.original_max_position_embeddings;
+  }
+  return j;
+}
+
+absl::Status ReadRopeScaling(const nlohmann::json& j, RopeScaling& out) {
+  if (!j.contains("rope_scaling") || j["rope_scaling"].is_null()) {
+    return absl::OkStatus();
+  }
+  const nlohmann::json& r = j["rope_scaling"];
+  if (!r.is_object()) {
+    return absl::InvalidArgumentError(
+        "config.json rope_scaling must be an object or null");
+  }
+  // transformers accepts the legacy "type" key for "rope_type".
+  const char* type_key = r.contains("rope_type") ? "rope_type" : "type";
+  if (!r.contains(type_key) || !r[type_key].is_string()) {
+    return absl::InvalidArgumentError(
+        "config.json rope_scaling.rope_type must be a string");
+  }
+  std::string type = r[type_key].get<std::string>();
+  if (type == "default") return absl::OkStatus();
+  // An unimplemented type is refused by Validate, naming it.
+  out.rope_type = std::move(type);
+  TALLY_RETURN_IF_ERROR(ReadJsonDouble(r, "factor", out.factor));
+  TALLY_RETURN_IF_ERROR(
+      ReadJsonDouble(r, "low_freq_factor", out.low_freq_factor));
+  TALLY_RETURN_IF_ERROR(
+      ReadJsonDouble(r, "high_freq_factor", out.high_freq_factor));
+  TALLY_RETURN_IF_ERROR(ReadJsonInt(r, "original_max_position_embeddings",
+                                    out.original_max_position_embeddings));
+  return absl::OkStatus();
+}
+
+// Fields any family may carry that change the math and that tally does not
+// implement: refused, never ignored.
+absl::Status RefuseUnimplemented(const nlohmann::json& j) {
+  if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
+    return absl::InvalidArgumentError(
+        "config.json hidden_act must be \"silu\" (the only one implemented)");
+  }
+  if (j.contains("quantization_config") &&
+      !j["quantization_config"].is_null()) {
+    return absl::InvalidArgumentError(
+        "config.json quantization_config: quantized checkpoints are not "
+        "supported");
+  }
+  double dropout = 0.0;
+  TALLY_RETURN_IF_ERROR(ReadJsonDouble(j, "attention_dropout", dropout));
+  if (dropout != 0.0) {
+    return absl::InvalidArgumentError(
+        "config.json attention_dropout must be 0 (dropout is not "
+        "implemented)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadSharedFields(const nlohmann::json& j, LlamaConfig& c) {
+  for (auto [key, field] :
+       {std::pair<const char*, int64_t*>{"vocab_size", &c.vocab_size},
+        {"hidden_size", &c.hidden_size},
+        {"intermediate_size", &c.intermediate_size},
+        {"num_hidden_layers", &c.num_hidden_layers},
+        {"num_attention_heads", &c.num_attention_heads},
+        {"num_key_value_heads", &c.num_key_value_heads},
+        {"max_position_embeddings", &c.max_position_embeddings},
+        {"head_dim", &c.head_dim}}) {
+    TALLY_RETURN_IF_ERROR(ReadJsonInt(j, key, *field));
+  }
+  TALLY_RETURN_IF_ERROR(ReadJsonDouble(j, "rms_norm_eps", c.rms_norm_eps));
+  TALLY_RETURN_IF_ERROR(ReadJsonDouble(j, "rope_theta", c.rope_theta));
+  TALLY_RETURN_IF_ERROR(
+      ReadJsonBool(j, "tie_word_embeddings", c.tie_word_embeddings));
+  return ReadRopeScaling(j, c.rope_scaling);
+}
+
+}  // namespace
+
+std::string LlamaConfig::ToHfJson(const std::string& dtype_name) const {
+  const LlamaConfig c = WithDefaults();
+  absl::StatusOr<const ModelFamily*> family = FindModelFamily(c.model_type);
+  nlohmann::ordered_json j;
+  j["architectures"] = {family.ok() ? (*family)->architecture() : ""};
+  j["model_type"] = c.model_type;
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["num_hidden_layers"] = c.num_hidden_layers;
+  j["num_attention_heads"] = c.num_attention_heads;
+  j["num_key_value_heads"] = c.num_key_value_heads;
+  j["head_dim"] = c.HeadDim();
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  j["rope_scaling"] = RopeScalingJson(c.rope_scaling);
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  j["hidden_act"] = "silu";
+  j["attention_dropout"] = 0.0;
+  if (family.ok()) (*family)->WriteHfFields(c, j);
   j["torch_dtype"] = dtype_name;
   return j.dump(2);
 }
@@ -150,91 +302,23 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromHfJson(const std::string& text) {
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError("config.json is not a JSON object");
   }
-  // A value for an error message: dump() recurses, and a hostile file may
-  // nest arrays deeper than the stack allows.
-  auto describe = [](const nlohmann::json& value) -> std::string {
-    if (value.is_array()) return "an array";
-    if (value.is_object()) return "an object";
-    return value.dump();
-  };
-  const bool mixtral = j.contains("model_type") && j["model_type"] == "mixtral";
-  if (j.contains("model_type") && j["model_type"] != "llama" && !mixtral) {
+  if (!j.contains("model_type") || !j["model_type"].is_string()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("config.json model_type is ", describe(j["model_type"]),
-                     "; tally loads llama and mixtral models"));
-  }
-  if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
-    return absl::InvalidArgumentError(absl::StrCat("config.json hidden_act is ",
-                                                   describe(j["hidden_act"]),
-                                                   "; tally implements silu"));
-  }
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-    return absl::InvalidArgumentError(
-        "config.json rope_scaling is not supported");
+        "config.json model_type must be a string (e.g. \"llama\")");
   }
   LlamaConfig c;
-  if (mixtral) c.num_local_experts = 8;  // HF MixtralConfig's default
-  auto read_int = [&](const char* key, int64_t& out) -> absl::Status {
-    if (!j.contains(key) || j[key].is_null()) return absl::OkStatus();
-    if (!j[key].is_number_integer()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("config.json ", key, " must be an integer"));
-    }
-    out = j[key].get<int64_t>();
-    return absl::OkStatus();
-  };
-  auto read_double = [&](const char* key, double& out) -> absl::Status {
-    if (!j.contains(key) || j[key].is_null()) return absl::OkStatus();
-    if (!j[key].is_number()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("config.json ", key, " must be a number"));
-    }
-    out = j[key].get<double>();
-    return absl::OkStatus();
-  };
-  for (auto [key, field] :
-       {std::pair<const char*, int64_t*>{"vocab_size", &c.vocab_size},
-        {"hidden_size", &c.hidden_size},
-        {"intermediate_size", &c.intermediate_size},
-        {"num_hidden_layers", &c.num_hidden_layers},
-        {"num_attention_heads", &c.num_attention_heads},
-        {"num_key_value_heads", &c.num_key_value_heads},
-        {"max_position_embeddings", &c.max_position_embeddings}}) {
-    if (absl::Status s = read_int(key, *field); !s.ok()) return s;
+  c.model_type = j["model_type"].get<std::string>();
+  absl::StatusOr<const ModelFamily*> family = FindModelFamily(c.model_type);
+  if (!family.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json model_type \"", c.model_type,
+                     "\" is not supported (tally loads ",
+                     absl::StrJoin(SupportedModelTypes(), ", "), ")"));
   }
-  if (mixtral) {
-    for (auto [key, field] :
-         {std::pair<const char*, int64_t*>{"num_local_experts",
-                                           &c.num_local_experts},
-          {"num_experts_per_tok", &c.num_experts_per_tok}}) {
-      if (absl::Status s = read_int(key, *field); !s.ok()) return s;
-    }
-    if (!j.contains("output_router_logits") ||
-        j["output_router_logits"] == true) {
-      if (absl::Status s =
-              read_double("router_aux_loss_coef", c.router_aux_loss_coef);
-          !s.ok()) {
-        return s;
-      }
-    }
-    if (!c.is_moe()) {
-      return absl::InvalidArgumentError(
-          "config.json num_local_experts must be > 0 for a mixtral model");
-    }
-  }
-  if (absl::Status s = read_double("rms_norm_eps", c.rms_norm_eps); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = read_double("rope_theta", c.rope_theta); !s.ok()) {
-    return s;
-  }
-  if (j.contains("tie_word_embeddings")) {
-    if (!j["tie_word_embeddings"].is_boolean()) {
-      return absl::InvalidArgumentError(
-          "config.json tie_word_embeddings must be a boolean");
-    }
-    c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
-  }
+  TALLY_RETURN_IF_ERROR(RefuseUnimplemented(j));
+  (*family)->ApplyHfDefaults(c);
+  TALLY_RETURN_IF_ERROR(ReadSharedFields(j, c));
+  TALLY_RETURN_IF_ERROR((*family)->ReadHfFields(j, c));
   c = c.WithDefaults();
   if (absl::Status s = c.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(
@@ -243,8 +327,16 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromHfJson(const std::string& text) {
   return c;
 }
 
+bool RopeScaling::operator==(const RopeScaling& o) const {
+  return rope_type == o.rope_type && factor == o.factor &&
+         low_freq_factor == o.low_freq_factor &&
+         high_freq_factor == o.high_freq_factor &&
+         original_max_position_embeddings == o.original_max_position_embeddings;
+}
+
 bool LlamaConfig::operator==(const LlamaConfig& o) const {
-  return vocab_size == o.vocab_size && hidden_size == o.hidden_size &&
+  return model_type == o.model_type && vocab_size == o.vocab_size &&
+         hidden_size == o.hidden_size &&
          intermediate_size == o.intermediate_size &&
          num_hidden_layers == o.num_hidden_layers &&
          num_attention_heads == o.num_attention_heads &&
@@ -254,7 +346,12 @@ bool LlamaConfig::operator==(const LlamaConfig& o) const {
          tie_word_embeddings == o.tie_word_embeddings &&
          num_local_experts == o.num_local_experts &&
          num_experts_per_tok == o.num_experts_per_tok &&
-         router_aux_loss_coef == o.router_aux_loss_coef;
+         router_aux_loss_coef == o.router_aux_loss_coef &&
+         output_router_logits == o.output_router_logits &&
+         head_dim == o.head_dim && attention_bias == o.attention_bias &&
+         mlp_bias == o.mlp_bias && rope_scaling == o.rope_scaling &&
+         sliding_window == o.sliding_window &&
+         max_window_layers == o.max_window_layers;
 }
 
 }  // namespace tally

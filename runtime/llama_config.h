@@ -1,7 +1,9 @@
 // LlamaConfig: the architecture hyperparameters of a tally model, under the
-// HF LlamaConfig field names so config.json moves between tally and HF. With
-// num_local_experts > 0 the model is a Mixtral-style mixture of experts (HF
-// MixtralConfig names; config.json "model_type": "mixtral").
+// HF config field names so config.json moves between tally and HF. One
+// struct serves every supported family (model_family.h: llama, mistral,
+// mixtral, qwen2, qwen3), as they share Llama's decoder; model_type says
+// which family's fields and features apply. With num_local_experts > 0 the
+// model is a Mixtral-style mixture of experts.
 //
 //   tally::LlamaConfig config = tally::LlamaConfig::EmbeddedDefault();
 //   TALLY_RETURN_IF_ERROR(config.Validate());
@@ -11,13 +13,34 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace tally {
 
+// HF "rope_scaling": how RoPE's frequencies are rescaled for long context.
+struct RopeScaling {
+  // "" (none, HF "default"), "linear" (positions / factor) or "llama3"
+  // (transformers' _compute_llama3_parameters).
+  std::string rope_type;
+  double factor = 0.0;
+  double low_freq_factor = 0.0;                  // llama3
+  double high_freq_factor = 0.0;                 // llama3
+  int64_t original_max_position_embeddings = 0;  // llama3
+
+  bool operator==(const RopeScaling& other) const;
+};
+
+// INVALID_ARGUMENT naming config.rope_scaling.<field> for a type tally does
+// not implement or a parameter out of range.
+absl::Status ValidateRopeScaling(const RopeScaling& rope_scaling);
+
 struct LlamaConfig {
+  // HF config.json "model_type" (model_family.h). Empty: "mixtral" with
+  // num_local_experts > 0, else "llama".
+  std::string model_type;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -28,16 +51,31 @@ struct LlamaConfig {
   double rope_theta = 0.0;              // 0: 10000
   int64_t max_position_embeddings = 0;  // 0: 2048
   bool tie_word_embeddings = false;
+  int64_t head_dim = 0;  // 0: hidden_size / num_attention_heads
+  // What each family makes of these: ModelFamily::Features.
+  bool attention_bias = false;
+  bool mlp_bias = false;
+  RopeScaling rope_scaling;
+  // 0: none. The layers a family applies it to see only the sliding_window
+  // latest positions (ModelFamily::AttentionWindow).
+  int64_t sliding_window = 0;
+  // qwen2, qwen3: layers [0, max_window_layers) attend to the whole prefix.
+  int64_t max_window_layers = 0;
   // Mixture of experts: every layer's MLP is a block_sparse_moe of this many
   // SwiGLU experts (0: the dense Llama MLP), each token routed to the top
   // num_experts_per_tok (0: 2) of them.
   int64_t num_local_experts = 0;
   int64_t num_experts_per_tok = 0;
-  // Weight of the load-balancing loss added to the training loss (0: none,
-  // HF's default behaviour, where it needs output_router_logits).
+  // Weight of HF's load-balancing loss in the training loss; as in HF it
+  // applies only when output_router_logits is true.
   double router_aux_loss_coef = 0.0;
+  bool output_router_logits = false;
 
   bool is_moe() const { return num_local_experts > 0; }
+  // The coefficient the training loss uses (0: no load-balancing loss).
+  double load_balancing_coefficient() const {
+    return output_router_logits ? router_aux_loss_coef : 0.0;
+  }
 
   // The built-in demo model: byte-level vocabulary (256 bytes + specials).
   static LlamaConfig EmbeddedDefault();
@@ -46,15 +84,25 @@ struct LlamaConfig {
   LlamaConfig WithDefaults() const;
 
   // INVALID_ARGUMENT naming the field (`config.<field>`) for a config that
-  // cannot build a model. Expects WithDefaults() applied.
+  // cannot build a model, including fields its family does not have.
+  // Expects WithDefaults() applied.
   absl::Status Validate() const;
 
-  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  // model_type, or the default WithDefaults() gives it.
+  std::string ResolvedModelType() const {
+    if (!model_type.empty()) return model_type;
+    return is_moe() ? "mixtral" : "llama";
+  }
+  int64_t HeadDim() const {
+    return head_dim > 0 ? head_dim : hidden_size / num_attention_heads;
+  }
   uint64_t NumParameters() const;
 
-  // HF config.json ("model_type": "llama" or "mixtral", "torch_dtype":
-  // dtype_name).
+  // HF config.json of the family ("torch_dtype": dtype_name), with every
+  // field its transformers config class reads.
   std::string ToHfJson(const std::string& dtype_name) const;
+  // Any supported family's config.json. A field that changes the math and
+  // is not implemented is INVALID_ARGUMENT naming it, never ignored.
   static absl::StatusOr<LlamaConfig> FromHfJson(const std::string& json);
 
   bool operator==(const LlamaConfig& other) const;

@@ -11,6 +11,7 @@
 #include "runtime/moe_block.h"
 #include "runtime/parallel_ops.h"
 #include "runtime/pipeline.h"
+#include "runtime/rope.h"
 
 namespace tally {
 
@@ -49,9 +50,18 @@ ShardingPlan LlamaShardingPlan(const LlamaConfig& config) {
       {"model.layers.*.self_attn.k_proj.weight", S::kColumnwise},
       {"model.layers.*.self_attn.v_proj.weight", S::kColumnwise},
       {"model.layers.*.self_attn.o_proj.weight", S::kRowwise},
+      {"model.layers.*.self_attn.q_proj.bias", S::kColumnwise},
+      {"model.layers.*.self_attn.k_proj.bias", S::kColumnwise},
+      {"model.layers.*.self_attn.v_proj.bias", S::kColumnwise},
+      {"model.layers.*.self_attn.o_proj.bias", S::kReplicate},
+      {"model.layers.*.self_attn.q_norm.weight", S::kReplicate},
+      {"model.layers.*.self_attn.k_norm.weight", S::kReplicate},
       {"model.layers.*.mlp.gate_proj.weight", S::kColumnwise},
       {"model.layers.*.mlp.up_proj.weight", S::kColumnwise},
       {"model.layers.*.mlp.down_proj.weight", S::kRowwise},
+      {"model.layers.*.mlp.gate_proj.bias", S::kColumnwise},
+      {"model.layers.*.mlp.up_proj.bias", S::kColumnwise},
+      {"model.layers.*.mlp.down_proj.bias", S::kReplicate},
       {"model.layers.*.block_sparse_moe.gate.weight", S::kReplicate},
       {"model.layers.*.block_sparse_moe.experts.w1.weight", S::kExpert},
       {"model.layers.*.block_sparse_moe.experts.w2.weight", S::kExpert},
@@ -64,6 +74,43 @@ ShardingPlan LlamaShardingPlan(const LlamaConfig& config) {
   return plan;
 }
 
+namespace {
+
+// HF names of a layer's parameters under "model.layers.<i>.", by
+// LlamaModel::Slot.
+constexpr const char* kLayerSlotNames[] = {
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_proj.bias",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias",
+    "self_attn.o_proj.bias",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "mlp.gate_proj.bias",
+    "mlp.up_proj.bias",
+    "mlp.down_proj.bias",
+    "block_sparse_moe.gate.weight",
+    "block_sparse_moe.experts.w1.weight",
+    "block_sparse_moe.experts.w2.weight",
+    "block_sparse_moe.experts.w3.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+};
+
+}  // namespace
+
+LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype,
+                       const ModelSharding& sharding, const ModelFamily& family)
+    : CausalLm(config, dtype, sharding),
+      family_(family),
+      features_(family.Features(config)) {}
+
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
     const LlamaConfig& config, DType dtype, uint64_t seed,
     const ModelSharding& sharding) {
@@ -71,95 +118,157 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
   TALLY_RETURN_IF_ERROR(ValidateTensorParallel(config, sharding.tp_size()));
   TALLY_RETURN_IF_ERROR(ValidateExpertParallel(config, sharding.ep_size()));
   TALLY_RETURN_IF_ERROR(ValidatePipelineParallel(config, sharding.pp_stages));
-  std::unique_ptr<LlamaModel> model(new LlamaModel(config, dtype, sharding));
+  TALLY_ASSIGN_OR_RETURN(const ModelFamily* family,
+                         FindModelFamily(config.ResolvedModelType()));
+  std::unique_ptr<LlamaModel> model(
+      new LlamaModel(config, dtype, sharding, *family));
   TALLY_RETURN_IF_ERROR(CatchTorch("model init", [&]() -> absl::Status {
+    const std::vector<ParameterSpec> specs = model->ParameterSpecs();
     TALLY_ASSIGN_OR_RETURN(
         std::vector<int> indices,
-        model->InitializeParameters(model->ParameterSpecs(),
-                                    LlamaShardingPlan(config), seed));
-    model->IndexParameters(indices);
+        model->InitializeParameters(specs, LlamaShardingPlan(config), seed));
+    model->IndexParameters(specs, indices);
     return absl::OkStatus();
   }));
   return model;
 }
 
+bool LlamaModel::HasSlot(Slot slot) const {
+  switch (slot) {
+    case kQBias:
+    case kKBias:
+    case kVBias:
+      return features_.qkv_bias;
+    case kOBias:
+      return features_.o_bias;
+    case kQNorm:
+    case kKNorm:
+      return features_.qk_norm;
+    case kGate:
+    case kUp:
+    case kDown:
+      return !config_.is_moe();
+    case kGateBias:
+    case kUpBias:
+    case kDownBias:
+      return !config_.is_moe() && features_.mlp_bias;
+    case kRouter:
+    case kW1:
+    case kW2:
+    case kW3:
+      return config_.is_moe();
+    default:
+      return true;
+  }
+}
+
+ParameterSpec LlamaModel::LayerSpec(Slot slot) const {
+  const LlamaConfig& c = config_;
+  const int64_t h = c.hidden_size, inter = c.intermediate_size;
+  const int64_t q = c.num_attention_heads * c.HeadDim();
+  const int64_t kv = c.num_key_value_heads * c.HeadDim();
+  const int64_t experts = c.num_local_experts;
+  using I = ParameterInit;
+  switch (slot) {
+    case kQ:
+      return {"", {q, h}};
+    case kK:
+    case kV:
+      return {"", {kv, h}};
+    case kO:
+      return {"", {h, q}};
+    case kQBias:
+      return {"", {q}, I::kZeros};
+    case kKBias:
+    case kVBias:
+      return {"", {kv}, I::kZeros};
+    case kQNorm:
+    case kKNorm:
+      return {"", {c.HeadDim()}, I::kOnes};
+    case kGate:
+    case kUp:
+      return {"", {inter, h}};
+    case kDown:
+      return {"", {h, inter}};
+    case kGateBias:
+    case kUpBias:
+      return {"", {inter}, I::kZeros};
+    case kOBias:
+    case kDownBias:
+      return {"", {h}, I::kZeros};
+    case kRouter:
+      return {"", {experts, h}};
+    case kW1:
+    case kW3:
+      return {"", {experts, inter, h}};
+    case kW2:
+      return {"", {experts, h, inter}};
+    default:
+      return {"", {h}, I::kOnes};  // the layer norms
+  }
+}
+
 std::vector<ParameterSpec> LlamaModel::ParameterSpecs() const {
   const LlamaConfig& c = config_;
-  const int64_t h = c.hidden_size, d = c.head_dim();
-  const int64_t inter = c.intermediate_size, experts = c.num_local_experts;
+  const int64_t h = c.hidden_size;
   const bool first = first_stage(), last = last_stage();
   const LayerRange held_layers =
       StageLayers(c.num_hidden_layers, sharding_.pp_stage, sharding_.pp_stages);
   std::vector<ParameterSpec> specs;
   specs.push_back({"model.embed_tokens.weight",
                    {c.vocab_size, h},
-                   false,
+                   ParameterInit::kNormal,
                    first || (last && c.tie_word_embeddings)});
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    const bool held = i >= held_layers.begin && i < held_layers.end;
-    auto add = [&](std::string name, std::vector<int64_t> shape,
-                   bool ones = false) {
-      specs.push_back({p + name, std::move(shape), ones, held});
-    };
-    add("self_attn.q_proj.weight", {c.num_attention_heads * d, h});
-    add("self_attn.k_proj.weight", {c.num_key_value_heads * d, h});
-    add("self_attn.v_proj.weight", {c.num_key_value_heads * d, h});
-    add("self_attn.o_proj.weight", {h, c.num_attention_heads * d});
-    if (c.is_moe()) {
-      add("block_sparse_moe.gate.weight", {experts, h});
-      add("block_sparse_moe.experts.w1.weight", {experts, inter, h});
-      add("block_sparse_moe.experts.w2.weight", {experts, h, inter});
-      add("block_sparse_moe.experts.w3.weight", {experts, inter, h});
-    } else {
-      add("mlp.gate_proj.weight", {inter, h});
-      add("mlp.up_proj.weight", {inter, h});
-      add("mlp.down_proj.weight", {h, inter});
+    for (int slot = 0; slot < kNumSlots; ++slot) {
+      if (!HasSlot(static_cast<Slot>(slot))) continue;
+      ParameterSpec spec = LayerSpec(static_cast<Slot>(slot));
+      spec.name = absl::StrCat("model.layers.", i, ".", kLayerSlotNames[slot]);
+      spec.held = i >= held_layers.begin && i < held_layers.end;
+      specs.push_back(std::move(spec));
     }
-    add("input_layernorm.weight", {h}, /*ones=*/true);
-    add("post_attention_layernorm.weight", {h}, /*ones=*/true);
   }
-  specs.push_back({"model.norm.weight", {h}, true, last});
+  specs.push_back({"model.norm.weight", {h}, ParameterInit::kOnes, last});
   if (!c.tie_word_embeddings) {
-    specs.push_back({"lm_head.weight", {c.vocab_size, h}, false, last});
+    specs.push_back(
+        {"lm_head.weight", {c.vocab_size, h}, ParameterInit::kNormal, last});
   }
   return specs;
 }
 
-void LlamaModel::IndexParameters(const std::vector<int>& spec_indices) {
-  std::map<std::string, int> index;
-  for (int i : spec_indices) {
-    if (i >= 0) index[parameters_[i].name] = i;
-  }
-  auto find = [&](const std::string& name) {
-    auto it = index.find(name);
-    return it == index.end() ? -1 : it->second;
-  };
-  const int embedding = find("model.embed_tokens.weight");
-  embed_ = first_stage() ? embedding : -1;
-  final_norm_ = find("model.norm.weight");
-  lm_head_ = config_.tie_word_embeddings ? (last_stage() ? embedding : -1)
-                                         : find("lm_head.weight");
+void LlamaModel::IndexParameters(const std::vector<ParameterSpec>& specs,
+                                 const std::vector<int>& spec_indices) {
   const LayerRange held = StageLayers(config_.num_hidden_layers,
                                       sharding_.pp_stage, sharding_.pp_stages);
   first_layer_ = held.begin;
-  for (int64_t i = held.begin; i < held.end; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    LayerIndex layer;
-    layer.q = find(p + "self_attn.q_proj.weight");
-    layer.k = find(p + "self_attn.k_proj.weight");
-    layer.v = find(p + "self_attn.v_proj.weight");
-    layer.o = find(p + "self_attn.o_proj.weight");
-    layer.gate = find(p + "mlp.gate_proj.weight");
-    layer.up = find(p + "mlp.up_proj.weight");
-    layer.down = find(p + "mlp.down_proj.weight");
-    layer.router = find(p + "block_sparse_moe.gate.weight");
-    layer.w1 = find(p + "block_sparse_moe.experts.w1.weight");
-    layer.w2 = find(p + "block_sparse_moe.experts.w2.weight");
-    layer.w3 = find(p + "block_sparse_moe.experts.w3.weight");
-    layer.input_norm = find(p + "input_layernorm.weight");
-    layer.post_norm = find(p + "post_attention_layernorm.weight");
-    layers_.push_back(layer);
+  layers_.assign(held.end - held.begin, LayerIndex{});
+  for (LayerIndex& layer : layers_) std::fill_n(layer.slot, kNumSlots, -1);
+  const std::string layer_prefix = "model.layers.";
+  for (size_t s = 0; s < specs.size(); ++s) {
+    const int index = spec_indices[s];
+    if (index < 0) continue;
+    const std::string& name = specs[s].name;
+    if (name == "model.embed_tokens.weight") {
+      if (first_stage()) embed_ = index;
+      if (config_.tie_word_embeddings && last_stage()) lm_head_ = index;
+    } else if (name == "model.norm.weight") {
+      final_norm_ = index;
+    } else if (name == "lm_head.weight") {
+      lm_head_ = index;
+    } else {
+      // "model.layers.<i>.<slot name>"
+      const size_t dot = name.find('.', layer_prefix.size());
+      int64_t layer = 0;
+      const bool parsed = absl::SimpleAtoi(
+          name.substr(layer_prefix.size(), dot - layer_prefix.size()), &layer);
+      TORCH_CHECK(parsed, "unexpected parameter ", name);
+      const std::string slot_name = name.substr(dot + 1);
+      for (int slot = 0; slot < kNumSlots; ++slot) {
+        if (slot_name == kLayerSlotNames[slot]) {
+          layers_[layer - first_layer_].slot[slot] = index;
+        }
+      }
+    }
   }
 }
 
@@ -172,8 +281,16 @@ std::vector<std::string> LlamaModel::ParameterNames() const {
 }
 
 std::vector<AuxiliaryLoss> LlamaModel::auxiliary_losses() const {
-  if (!config_.is_moe()) return {};
-  return {{kRouterLoadBalancing, config_.router_aux_loss_coef}};
+  const double coefficient = config_.load_balancing_coefficient();
+  if (!config_.is_moe() || coefficient == 0.0) return {};
+  return {{kRouterLoadBalancing, coefficient,
+           LoadBalancingChannels(config_.num_local_experts)}};
+}
+
+std::vector<torch::Tensor> LlamaModel::AuxiliaryTokenLosses(const StageIo& io) {
+  if (auxiliary_losses().empty()) return {};
+  return {LoadBalancingLoss(io.auxiliary.at(0), io.real_tokens,
+                            config_.num_hidden_layers, sharding_.cp)};
 }
 
 int64_t LlamaModel::routed_experts() const { return config_.num_local_experts; }
@@ -220,6 +337,7 @@ absl::StatusOr<NamedTensors> LlamaModel::FromHfTensors(
 }
 
 torch::Tensor LlamaModel::Weight(int index) {
+  if (index < 0) return torch::Tensor();
   const Parameter& p = parameters_[index];
   if (!p.placements.at(MeshDim::kDpShard).is_shard()) return p.tensor;
   return GatherShardedParameter(p.tensor, p.tp_local_shape[0],
@@ -238,8 +356,13 @@ torch::Tensor LlamaModel::LeaveTensorParallel(const torch::Tensor& x) {
              : ReduceFromTensorParallelRegion(x, *sharding_.tp);
 }
 
-torch::Tensor LlamaModel::Project(const torch::Tensor& x, int index) {
-  return torch::linear(x, Weight(index));
+torch::Tensor LlamaModel::Project(const torch::Tensor& x, int index, int bias) {
+  return torch::linear(x, Weight(index), Weight(bias));
+}
+
+torch::Tensor LlamaModel::LeaveRowParallel(const torch::Tensor& x, int bias) {
+  torch::Tensor out = LeaveTensorParallel(x);
+  return bias < 0 ? out : out + Weight(bias);
 }
 
 torch::Tensor LlamaModel::RmsNorm(const torch::Tensor& x,
@@ -248,32 +371,28 @@ torch::Tensor LlamaModel::RmsNorm(const torch::Tensor& x,
   return w * (x * torch::rsqrt(variance + config_.rms_norm_eps));
 }
 
-namespace {
-
-// HF's rotate_half: (x1, x2) -> (-x2, x1) over the two halves of head_dim.
-torch::Tensor RotateHalf(const torch::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
-}  // namespace
-
 torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
                                     const torch::Tensor& cos,
                                     const torch::Tensor& sin,
                                     const torch::Tensor& mask) {
-  const LayerIndex& idx = layers_[layer];
-  const int64_t batch = h.size(0), seq = h.size(1), d = config_.head_dim();
+  const int* slot = layers_[layer].slot;
+  const int64_t batch = h.size(0), seq = h.size(1), d = config_.HeadDim();
   // Local head counts: a tp rank holds a contiguous block of query heads and
   // the kv heads they read, so GQA's grouping is the same locally.
-  const int64_t heads = parameters_[idx.q].tp_local_shape[0] / d;
-  const int64_t kv_heads = parameters_[idx.k].tp_local_shape[0] / d;
+  const int64_t heads = parameters_[slot[kQ]].tp_local_shape[0] / d;
+  const int64_t kv_heads = parameters_[slot[kK]].tp_local_shape[0] / d;
   auto split_heads = [&](const torch::Tensor& t, int64_t n) {
     return t.view({batch, seq, n, d}).transpose(1, 2);
   };
-  torch::Tensor q = split_heads(Project(h, idx.q), heads);
-  torch::Tensor k = split_heads(Project(h, idx.k), kv_heads);
-  torch::Tensor v = split_heads(Project(h, idx.v), kv_heads);
+  torch::Tensor q = split_heads(Project(h, slot[kQ], slot[kQBias]), heads);
+  torch::Tensor k = split_heads(Project(h, slot[kK], slot[kKBias]), kv_heads);
+  torch::Tensor v = split_heads(Project(h, slot[kV], slot[kVBias]), kv_heads);
+  if (features_.qk_norm) {
+    // Replicated weights acting on tp-local heads: entering the tp region
+    // sums their gradients over tp.
+    q = RmsNorm(q, EnterTensorParallel(Weight(slot[kQNorm])));
+    k = RmsNorm(k, EnterTensorParallel(Weight(slot[kKNorm])));
+  }
   q = q * cos + RotateHalf(q) * sin;
   k = k * cos + RotateHalf(k) * sin;
   if (sharding_.cp_size() > 1) {
@@ -291,25 +410,26 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   scores = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
   torch::Tensor out = torch::matmul(torch::softmax(scores, -1), v);
   out = out.transpose(1, 2).reshape({batch, seq, heads * d});
-  return LeaveTensorParallel(Project(out, idx.o));
+  return LeaveRowParallel(Project(out, slot[kO]), slot[kOBias]);
 }
 
 torch::Tensor LlamaModel::Mlp(int layer, const torch::Tensor& h,
                               int64_t ep_rows, StageIo* io) {
-  const LayerIndex& idx = layers_[layer];
+  const int* slot = layers_[layer].slot;
   if (config_.is_moe()) {
     MoeOptions options;
     options.num_experts = config_.num_local_experts;
     options.experts_per_token = config_.num_experts_per_tok;
     options.layer = first_layer_ + layer;
     options.num_layers = config_.num_hidden_layers;
-    const MoeWeights weights{Weight(idx.router), Weight(idx.w1), Weight(idx.w2),
-                             Weight(idx.w3)};
+    const MoeWeights weights{Weight(slot[kRouter]), Weight(slot[kW1]),
+                             Weight(slot[kW2]), Weight(slot[kW3])};
     return SparseMoeForward(options, h, weights, ep_rows, sharding_, io);
   }
   torch::Tensor x = EnterTensorParallel(h);
-  return LeaveTensorParallel(Project(
-      torch::silu(Project(x, idx.gate)) * Project(x, idx.up), idx.down));
+  torch::Tensor gated = torch::silu(Project(x, slot[kGate], slot[kGateBias])) *
+                        Project(x, slot[kUp], slot[kUpBias]);
+  return LeaveRowParallel(Project(gated, slot[kDown]), slot[kDownBias]);
 }
 
 torch::Tensor LlamaModel::Embed(const torch::Tensor& input,
@@ -335,6 +455,30 @@ torch::Tensor LlamaModel::TargetLogprobsFromHidden(const torch::Tensor& x,
       .squeeze(-1);
 }
 
+std::map<int64_t, torch::Tensor> LlamaModel::AttentionMasks(
+    const AttentionLayout& layout) const {
+  // visible[b, i, j]: key j is a real token at or before query i.
+  const torch::Tensor distance =
+      layout.positions.unsqueeze(2) - layout.key_positions.unsqueeze(1);
+  const torch::Tensor visible = layout.key_valid.unsqueeze(1) & (distance >= 0);
+  std::map<int64_t, torch::Tensor> masks;
+  for (int64_t layer = first_layer_;
+       layer < first_layer_ + static_cast<int64_t>(layers_.size()); ++layer) {
+    const int64_t window = family_.AttentionWindow(config_, layer);
+    if (masks.count(window) > 0) continue;
+    // HF's sliding window: query i sees key j when i - j < window. A real
+    // query always sees itself; a padding query that would see nothing
+    // keeps its causal keys, so its (masked) output stays finite.
+    torch::Tensor seen = visible;
+    if (window > 0) {
+      seen = visible & (distance < window);
+      seen = seen | (visible & ~seen.any(-1, /*keepdim=*/true));
+    }
+    masks[window] = (~seen).unsqueeze(1);  // [B, 1, T, K]: masked out
+  }
+  return masks;
+}
+
 torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
                                        const torch::Tensor& targets,
                                        const AttentionLayout& layout,
@@ -349,24 +493,10 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
         torch::zeros({config_.num_hidden_layers, config_.num_local_experts},
                      torch::kFloat64);
   }
-  const int64_t d = config_.head_dim();
-  const auto options = torch::TensorOptions().dtype(scalar_type());
-
-  // Rotary tables at each token's position in its sample, in the model
-  // dtype: inv_freq = 1 / theta^(2i/d).
-  torch::Tensor inv_freq =
-      1.0 / torch::pow(config_.rope_theta, torch::arange(0, d, 2, options) /
-                                               static_cast<double>(d));
-  torch::Tensor freqs = layout.positions.to(scalar_type()).unsqueeze(-1) *
-                        inv_freq;  // [B, T, d/2]
-  torch::Tensor emb = torch::cat({freqs, freqs}, -1).unsqueeze(1);  // [B,1,T,d]
-  torch::Tensor cos = emb.cos(), sin = emb.sin();
-
-  // masked[b, 0, i, j]: key j is padding or in the future of query i.
-  torch::Tensor visible =
-      layout.key_valid.unsqueeze(1) &
-      (layout.key_positions.unsqueeze(1) <= layout.positions.unsqueeze(2));
-  torch::Tensor mask = (~visible).unsqueeze(1);  // [B, 1, T, K]
+  // Rotary tables at each token's position in its sample.
+  const auto [cos, sin] =
+      RotaryTables(config_, layout.positions, scalar_type());
+  const std::map<int64_t, torch::Tensor> masks = AttentionMasks(layout);
 
   // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
   const int64_t vocab_start =
@@ -377,11 +507,13 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
                               ? ExpertDispatchRows(batch * seq, sharding_)
                               : batch * seq;
   for (size_t layer = 0; layer < layers_.size(); ++layer) {
-    const LayerIndex& idx = layers_[layer];
+    const int* slot = layers_[layer].slot;
+    const torch::Tensor& mask =
+        masks.at(family_.AttentionWindow(config_, first_layer_ + layer));
     x = x + Attention(static_cast<int>(layer),
-                      EnterTensorParallel(RmsNorm(x, Weight(idx.input_norm))),
+                      EnterTensorParallel(RmsNorm(x, Weight(slot[kInputNorm]))),
                       cos, sin, mask);
-    x = x + Mlp(static_cast<int>(layer), RmsNorm(x, Weight(idx.post_norm)),
+    x = x + Mlp(static_cast<int>(layer), RmsNorm(x, Weight(slot[kPostNorm])),
                 ep_rows, io);
   }
   if (!last_stage()) return x;

@@ -1,13 +1,18 @@
-// LlamaModel: the Llama family of CausalLm — HF Llama semantics (RMSNorm,
-// GQA attention with rotate-half RoPE, SwiGLU MLP, optional tied embeddings)
-// over named LibTorch tensors; with config.num_local_experts > 0 every
-// layer's MLP is the mixture-of-experts block of moe_block.h (HF Mixtral).
+// LlamaModel: the decoder CausalLm of the Llama-derived families — HF Llama
+// semantics (RMSNorm, GQA attention with rotate-half RoPE and rope_scaling,
+// SwiGLU MLP, optional tied embeddings) over named LibTorch tensors, with
+// the features its ModelFamily (model_family.h) switches on: q/k/v/o and MLP
+// biases (Llama, Qwen2), per-head q/k RMSNorms (Qwen3), sliding-window
+// attention (Mistral, Qwen2), and with config.num_local_experts > 0 the
+// mixture-of-experts block of moe_block.h as every layer's MLP (Mixtral).
 //
 // Parameters are held under their HF names so checkpoints move between tally
 // and the PyTorch ecosystem unchanged; LlamaShardingPlan says how each is
 // split (Megatron layout: q, k, v, gate, up column-parallel, o and down
-// row-parallel, embedding and lm_head vocab-parallel, norms and the router
-// replicated over tp; every non-expert parameter dim-0 sharded over
+// row-parallel with their biases alike (o and down biases replicated, added
+// after the tp reduction), embedding and lm_head vocab-parallel, norms and
+// the router replicated over tp (q/k norms act on tp-local heads, so their
+// gradients are summed over tp); every non-expert parameter dim-0 sharded over
 // dp_shard; stacked experts Shard(0) over ep). Samples are batched one per
 // row: positions restart at 0 per sample and no token attends across
 // samples or to padding. Under context parallelism a row holds only this
@@ -27,6 +32,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +40,7 @@
 #include "absl/status/statusor.h"
 #include "runtime/causal_lm.h"
 #include "runtime/llama_config.h"
+#include "runtime/model_family.h"
 #include "runtime/sharding_plan.h"
 
 namespace tally {
@@ -60,6 +67,7 @@ class LlamaModel : public CausalLm {
 
   std::vector<std::string> ParameterNames() const override;
   std::vector<AuxiliaryLoss> auxiliary_losses() const override;
+  std::vector<torch::Tensor> AuxiliaryTokenLosses(const StageIo& io) override;
   int64_t routed_experts() const override;
   int OwningStage(const std::string& name, int stages) const override;
   Parameter* SplitTiedEmbedding() override;
@@ -72,27 +80,68 @@ class LlamaModel : public CausalLm {
                              StageIo* io) override;
 
  private:
-  using CausalLm::CausalLm;
+  LlamaModel(const LlamaConfig& config, DType dtype,
+             const ModelSharding& sharding, const ModelFamily& family);
+
+  // A layer's parameters, by role; kLayerSlotNames holds their HF names
+  // under "model.layers.<i>.".
+  enum Slot {
+    kQ,
+    kK,
+    kV,
+    kO,
+    kQBias,
+    kKBias,
+    kVBias,
+    kOBias,
+    kQNorm,
+    kKNorm,
+    kGate,
+    kUp,
+    kDown,
+    kGateBias,
+    kUpBias,
+    kDownBias,
+    kRouter,
+    kW1,
+    kW2,
+    kW3,
+    kInputNorm,
+    kPostNorm,
+    kNumSlots
+  };
+  // Whether this model's layers have the parameter of `slot`.
+  bool HasSlot(Slot slot) const;
+  // The full shape and initialization of a layer's `slot` parameter.
+  ParameterSpec LayerSpec(Slot slot) const;
 
   // The HF parameters of the whole model in initialization order, marking
   // those this stage holds.
   std::vector<ParameterSpec> ParameterSpecs() const;
   // Resolves the indices the forward pass uses from InitializeParameters'.
-  void IndexParameters(const std::vector<int>& spec_indices);
+  void IndexParameters(const std::vector<ParameterSpec>& specs,
+                       const std::vector<int>& spec_indices);
 
   // The tp-local weight: the parameter itself, or its dp_shard shards
-  // gathered (differentiably: the backward reduce-scatters).
+  // gathered (differentiably: the backward reduce-scatters). An undefined
+  // tensor for index -1.
   torch::Tensor Weight(int index);
-  // The projection seam: every x W^T of a block goes through here (where an
-  // adapter attaches to the projection `index`).
-  torch::Tensor Project(const torch::Tensor& x, int index);
+  // The projection seam: every x W^T (+ b) of a block goes through here
+  // (where an adapter attaches to the projection `index`).
+  torch::Tensor Project(const torch::Tensor& x, int index, int bias = -1);
   // Megatron's f and g: enter / leave a tensor-parallel region.
   torch::Tensor EnterTensorParallel(const torch::Tensor& x);
   torch::Tensor LeaveTensorParallel(const torch::Tensor& x);
+  // A row-parallel projection's output: reduced over tp, then its bias.
+  torch::Tensor LeaveRowParallel(const torch::Tensor& x, int bias);
   torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w) const;
   torch::Tensor Attention(int layer, const torch::Tensor& h,
                           const torch::Tensor& cos, const torch::Tensor& sin,
                           const torch::Tensor& mask);
+  // The attention masks of this stage's layers by sliding window (0: none):
+  // [B, 1, T, K], true where a query must not see a key.
+  std::map<int64_t, torch::Tensor> AttentionMasks(
+      const AttentionLayout& layout) const;
   // The layer's MLP on h [B, T, H]: dense SwiGLU or the MoE block.
   torch::Tensor Mlp(int layer, const torch::Tensor& h, int64_t ep_rows,
                     StageIo* io);
@@ -103,13 +152,13 @@ class LlamaModel : public CausalLm {
                                          const torch::Tensor& targets,
                                          int64_t vocab_start);
 
+  const ModelFamily& family_;
+  const ModelFeatures features_;
   // Indices into parameters_ (resolved once, so the forward pass does no
-  // string lookups); -1 where this stage does not hold the parameter, and
-  // layers_ holds this stage's layers only.
+  // string lookups); -1 where this stage does not hold the parameter or the
+  // model has none, and layers_ holds this stage's layers only.
   struct LayerIndex {
-    int q, k, v, o, input_norm, post_norm;
-    int gate = -1, up = -1, down = -1;           // dense MLP
-    int router = -1, w1 = -1, w2 = -1, w3 = -1;  // MoE block
+    int slot[kNumSlots];
   };
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<LayerIndex> layers_;

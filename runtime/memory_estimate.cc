@@ -10,15 +10,17 @@ double DTypeBytes(DType dtype) { return dtype == DType::kFloat64 ? 8 : 4; }
 }  // namespace
 
 double ParameterCount(const LlamaConfig& config) {
+  // In double: an unvalidated config's sizes may overflow an integer count.
+  // Biases and q/k norms (a few vectors per layer) are left out.
   const double h = config.hidden_size, v = config.vocab_size,
-               i = config.intermediate_size,
-               kv = static_cast<double>(config.num_key_value_heads) *
-                    (config.num_attention_heads > 0
-                         ? h / config.num_attention_heads
-                         : h);
+               i = config.intermediate_size;
+  const double d = config.num_attention_heads > 0 ? config.HeadDim() : h;
+  const double q =
+      config.num_attention_heads > 0 ? config.num_attention_heads * d : h;
+  const double kv = static_cast<double>(config.num_key_value_heads) * d;
   const double experts = config.num_local_experts;
   const double mlp = experts > 0 ? experts * (h + 3 * h * i) : 3 * h * i;
-  const double per_layer = 2 * h * h + 2 * h * kv + mlp + 2 * h;
+  const double per_layer = 2 * h * q + 2 * h * kv + mlp + 2 * h;
   return v * h * (config.tie_word_embeddings ? 1 : 2) +
          config.num_hidden_layers * per_layer + h;
 }

@@ -30,28 +30,62 @@ int64_t ExpertDispatchRows(int64_t tokens, const ModelSharding& sharding) {
   return static_cast<int64_t>(rows.item<double>());
 }
 
+int64_t LoadBalancingChannels(int64_t num_experts) { return 2 * num_experts; }
+
 namespace {
 
-// Counts the real tokens routed to each expert and adds the block's
-// load-balancing term (see SparseMoeForward).
+// Counts the real tokens routed to each expert and adds the block's router
+// probabilities and choices to the load-balancing channels.
 void RecordRouting(const MoeOptions& options, const torch::Tensor& h,
-                   const torch::Tensor& top_experts,
-                   const torch::Tensor& top_sum, StageIo& io) {
-  const int64_t tokens = top_experts.size(0);
+                   const torch::Tensor& probs, const torch::Tensor& top_experts,
+                   StageIo& io) {
+  const int64_t tokens = top_experts.size(0), experts = options.num_experts;
   const torch::Tensor real = io.real_tokens.reshape({tokens});
   io.expert_tokens[options.layer].index_add_(
       0, top_experts.masked_select(real.unsqueeze(1)),
       torch::ones({real.sum().item<int64_t>() * top_experts.size(1)},
                   torch::kFloat64));
-  torch::Tensor aux =
-      (static_cast<double>(options.num_experts) / options.num_layers) *
-      top_sum.squeeze(1).view(h.sizes().slice(0, 2));
+  torch::Tensor chosen = torch::zeros_like(probs).scatter_add(
+      1, top_experts, torch::ones(top_experts.sizes(), probs.options()));
+  torch::Tensor channels =
+      torch::cat({probs, chosen}, 1)
+          .view({h.size(0), h.size(1), LoadBalancingChannels(experts)});
   if (io.auxiliary.empty()) io.auxiliary.emplace_back();
   torch::Tensor& sum = io.auxiliary[0];
-  sum = sum.defined() ? sum + aux : aux;
+  sum = sum.defined() ? sum + channels : channels;
 }
 
 }  // namespace
+
+torch::Tensor LoadBalancingLoss(const torch::Tensor& channels,
+                                const torch::Tensor& real_tokens,
+                                int64_t num_layers, Communicator* cp) {
+  const int64_t experts = channels.size(-1) / 2;
+  const torch::Tensor real = real_tokens.to(channels.scalar_type());
+  // Per sample [B, E]: the sums over its real tokens.
+  torch::Tensor probs =
+      (channels.narrow(-1, 0, experts) * real.unsqueeze(-1)).sum(1);
+  torch::Tensor chosen =
+      (channels.narrow(-1, experts, experts).detach() * real.unsqueeze(-1))
+          .sum(1);
+  torch::Tensor tokens = real.sum(1);  // [B]
+  if (cp != nullptr && cp->size() > 1) {
+    // Forward and backward all-reduce: every cp rank's tokens feed the
+    // sample's sums, and every rank's share of the loss reaches them all.
+    probs = ReduceFromTensorParallelRegion(
+        CopyToTensorParallelRegion(probs, *cp), *cp);
+    torch::Tensor counts = torch::cat({chosen, tokens.unsqueeze(1)}, 1);
+    const absl::Status reduced = cp->AllReduce(counts, ReduceOp::kSum);
+    TORCH_CHECK(reduced.ok(), "load-balancing all_reduce over cp: ",
+                std::string(reduced.message()));
+    chosen = counts.narrow(1, 0, experts);
+    tokens = counts.select(1, experts);
+  }
+  const torch::Tensor pairs = (tokens * num_layers).clamp_min(1).unsqueeze(1);
+  torch::Tensor aux = static_cast<double>(experts) *
+                      ((chosen / pairs) * (probs / pairs)).sum(1);  // [B]
+  return aux.unsqueeze(1).expand({channels.size(0), channels.size(1)});
+}
 
 torch::Tensor SparseMoeForward(const MoeOptions& options,
                                const torch::Tensor& h, const MoeWeights& w,
@@ -65,9 +99,8 @@ torch::Tensor SparseMoeForward(const MoeOptions& options,
   torch::Tensor probs = torch::softmax(torch::linear(x, w.router), -1);
   auto [top_probs, top_experts] =
       probs.topk(options.experts_per_token, /*dim=*/-1);
-  torch::Tensor top_sum = top_probs.sum(-1, /*keepdim=*/true);
-  if (io != nullptr) RecordRouting(options, h, top_experts, top_sum, *io);
-  top_probs = top_probs / top_sum;
+  if (io != nullptr) RecordRouting(options, h, probs, top_experts, *io);
+  top_probs = top_probs / top_probs.sum(-1, /*keepdim=*/true);
   // combine[n, e]: token n's weight for expert e, zero outside its top k.
   torch::Tensor combine =
       torch::zeros_like(probs).scatter(1, top_experts, top_probs);

@@ -37,10 +37,16 @@ struct MoeOptions {
   int64_t num_experts = 0;
   int64_t experts_per_token = 2;
   // This block's layer among the model's `num_layers` (the row it fills in
-  // StageIo::expert_tokens; the load-balancing term is averaged over them).
+  // StageIo::expert_tokens).
   int64_t layer = 0;
   int64_t num_layers = 1;
 };
+
+// The channels of the load-balancing loss in StageIo::auxiliary: per token,
+// its router probabilities summed over the MoE layers so far (E channels,
+// differentiable) and how many of those layers chose each expert among the
+// token's top k (E channels, constants).
+int64_t LoadBalancingChannels(int64_t num_experts);
 
 // The tp-local (dp_shard-gathered) weights of one MoE block.
 struct MoeWeights {
@@ -56,15 +62,30 @@ absl::Status ValidateExpertParallel(const LlamaConfig& config, int ep);
 // tokens any rank of the ep group has in this call (collective over ep).
 int64_t ExpertDispatchRows(int64_t tokens, const ModelSharding& sharding);
 
-// The block on h [B, T, H]. With `io`, adds the block's per-token
-// load-balancing term to io->auxiliary[0] — E / num_layers times the sum of
-// the token's top-k router probabilities (k / num_layers for a uniform
-// router) — and counts the real tokens routed to each expert into row
-// `layer` of io->expert_tokens.
+// The block on h [B, T, H]. With `io`, adds the block's router
+// probabilities and top-k choices to the load-balancing channels
+// io->auxiliary[0] [B, T, 2E] and counts the real tokens routed to each
+// expert into row `layer` of io->expert_tokens.
 torch::Tensor SparseMoeForward(const MoeOptions& options,
                                const torch::Tensor& h, const MoeWeights& w,
                                int64_t ep_rows, const ModelSharding& sharding,
                                StageIo* io);
+
+// HF's load_balancing_loss_func per sample, as a per-token term [B, T]:
+// every token of sample (row) b carries its sample's
+//   aux_b = E * sum_e (C_be / N_b) * (P_be / N_b),
+// where over the sample's real tokens and all `num_layers` MoE layers
+// (N_b = tokens * num_layers token-layer pairs) C_be counts the pairs whose
+// top k holds expert e and P_be sums their router probability of e —
+// exactly HF's term for a batch of that one sequence. Joining each token's
+// loss, aux_b is weighted and normalized like the main loss, so a window's
+// term does not depend on how its samples are split into calls, micro-
+// batches or ranks. `channels` are io->auxiliary[0] after the last layer;
+// under context parallelism a row holds the rank's block of the sample, and
+// the sums run over the cp group (differentiably).
+torch::Tensor LoadBalancingLoss(const torch::Tensor& channels,
+                                const torch::Tensor& real_tokens,
+                                int64_t num_layers, Communicator* cp);
 
 // The stacked expert parameter "....experts.w1.weight" [E, ...] a per-expert
 // HF name "....experts.{e}.w1.weight" belongs to, and e; nullopt for any

@@ -90,10 +90,15 @@ struct ShardingPlan {
 
 // A parameter a family declares: its HF name and full shape, how it is
 // initialized, and whether this pipeline stage holds it.
+// How CausalLm::InitializeParameters fills a parameter (as HF's
+// _init_weights: matrices normal(0, initializer_range 0.02), norm weights
+// ones, biases zeros).
+enum class ParameterInit { kNormal, kOnes, kZeros };
+
 struct ParameterSpec {
   std::string name;
   std::vector<int64_t> shape;
-  bool ones = false;  // a norm weight: ones; otherwise normal(0, 0.02)
+  ParameterInit init = ParameterInit::kNormal;
   bool held = true;
 };
 

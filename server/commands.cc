@@ -115,11 +115,28 @@ void RecordAbortAccumulation(ServerMetrics& metrics, const Engine&,
   if (status.ok()) metrics.SetPendingTokens(request.model_id(), 0);
 }
 
-void RecordSaveCheckpoint(ServerMetrics& metrics, const Engine&,
-                          const v1::SaveCheckpointRequest&,
-                          const v1::SaveCheckpointResponse&,
-                          const absl::Status& status, double seconds) {
-  metrics.RecordCheckpoint("save", status.ok(), seconds);
+// Records a run of a command that writes a directory as a checkpoint
+// operation of `kKind` (ServerMetrics::RecordCheckpoint).
+template <const char* kKind, typename Request, typename Response>
+void RecordWrite(ServerMetrics& metrics, const Engine&, const Request&,
+                 const Response&, const absl::Status& status, double seconds) {
+  metrics.RecordCheckpoint(kKind, status.ok(), seconds);
+}
+constexpr char kSaveKind[] = "save";
+constexpr char kExportKind[] = "export";
+
+absl::Status ExecuteExportWeights(Engine& engine,
+                                  const v1::ExportWeightsRequest& request,
+                                  v1::ExportWeightsResponse* response,
+                                  const RankZeroData&) {
+  TALLY_ASSIGN_OR_RETURN(ExportOptions options, ParseExportWeights(request));
+  TALLY_ASSIGN_OR_RETURN(
+      ExportResult exported,
+      engine.ExportWeights(request.model_id(), request.path(), options));
+  response->set_path(exported.path);
+  response->set_bytes_written(exported.bytes_written);
+  for (const std::string& file : exported.files) response->add_files(file);
+  return absl::OkStatus();
 }
 
 void RecordLoadCheckpoint(ServerMetrics& metrics, const Engine&,
@@ -176,7 +193,9 @@ constexpr CommandSpec<v1::SaveCheckpointRequest, v1::SaveCheckpointResponse>
           return ExecuteSaveCheckpoint(engine, request, response,
                                        rank_zero.server_state);
         },
-        &RecordSaveCheckpoint, /*observe_seconds=*/nullptr};
+        &RecordWrite<kSaveKind, v1::SaveCheckpointRequest,
+                     v1::SaveCheckpointResponse>,
+        /*observe_seconds=*/nullptr};
 constexpr CommandSpec<v1::LoadCheckpointRequest, v1::LoadCheckpointResponse>
     kLoadCheckpointCommand = {
         Command::kLoadCheckpoint,
@@ -187,6 +206,11 @@ constexpr CommandSpec<v1::LoadCheckpointRequest, v1::LoadCheckpointResponse>
                                        rank_zero.loaded);
         },
         &RecordLoadCheckpoint, /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::ExportWeightsRequest, v1::ExportWeightsResponse>
+    kExportWeightsCommand = {Command::kExportWeights, &ExecuteExportWeights,
+                             &RecordWrite<kExportKind, v1::ExportWeightsRequest,
+                                          v1::ExportWeightsResponse>,
+                             /*observe_seconds=*/nullptr};
 constexpr CommandSpec<v1::internal::PoisonWindowCommand, bool>
     kPoisonWindowCommand = {Command::kPoisonWindow, &ExecutePoisonWindow,
                             &RecordPoisonWindow, /*observe_seconds=*/nullptr};
@@ -311,6 +335,7 @@ constexpr ReplicaEntry kCommandTable[] = {
     ReplicaEntryOf<kSaveCheckpointCommand>(),
     ReplicaEntryOf<kLoadCheckpointCommand>(),
     ReplicaEntryOf<kPoisonWindowCommand>(),
+    ReplicaEntryOf<kExportWeightsCommand>(),
 };
 
 const ReplicaEntry* FindReplicaEntry(Command command) {

@@ -49,6 +49,7 @@ enum class Command : int64_t {
   kSaveCheckpoint,
   kLoadCheckpoint,
   kPoisonWindow,
+  kExportWeights,
 };
 
 // What rank 0 passes to and takes from a command beyond its request and
@@ -107,6 +108,9 @@ extern const CommandSpec<v1::SaveCheckpointRequest, v1::SaveCheckpointResponse>
 // Fills RankZeroData::loaded.
 extern const CommandSpec<v1::LoadCheckpointRequest, v1::LoadCheckpointResponse>
     kLoadCheckpointCommand;
+// Weights only: does not close the window (Engine::ExportWeights).
+extern const CommandSpec<v1::ExportWeightsRequest, v1::ExportWeightsResponse>
+    kExportWeightsCommand;
 // Poisons the window of request.model_id for request.reason (quoted by the
 // OptimStep it fails). The response says whether this run poisoned it (false:
 // it already was); rank 0 counts the window poisoned when it did.

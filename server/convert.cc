@@ -31,6 +31,22 @@ absl::StatusOr<LlamaConfig> ParseConfig(const v1::ModelConfig& c) {
   config.num_local_experts = c.num_local_experts();
   config.num_experts_per_tok = c.num_experts_per_tok();
   config.router_aux_loss_coef = c.router_aux_loss_coef();
+  config.output_router_logits = c.output_router_logits();
+  config.model_type = c.model_type();
+  config.head_dim = c.head_dim();
+  config.attention_bias = c.attention_bias();
+  config.mlp_bias = c.mlp_bias();
+  config.rope_scaling.rope_type = c.rope_scaling().rope_type();
+  if (config.rope_scaling.rope_type == "default") {
+    config.rope_scaling.rope_type.clear();
+  }
+  config.rope_scaling.factor = c.rope_scaling().factor();
+  config.rope_scaling.low_freq_factor = c.rope_scaling().low_freq_factor();
+  config.rope_scaling.high_freq_factor = c.rope_scaling().high_freq_factor();
+  config.rope_scaling.original_max_position_embeddings =
+      c.rope_scaling().original_max_position_embeddings();
+  config.sliding_window = c.sliding_window();
+  config.max_window_layers = c.max_window_layers();
   config = config.WithDefaults();
   // The engine validates it too (see convert.h).
   TALLY_RETURN_IF_ERROR(config.Validate());
@@ -61,6 +77,22 @@ void ToProto(const LlamaConfig& c, v1::ModelConfig* out) {
   out->set_num_local_experts(c.num_local_experts);
   out->set_num_experts_per_tok(c.num_experts_per_tok);
   out->set_router_aux_loss_coef(c.router_aux_loss_coef);
+  out->set_output_router_logits(c.output_router_logits);
+  out->set_model_type(c.model_type);
+  out->set_head_dim(c.head_dim);
+  out->set_attention_bias(c.attention_bias);
+  out->set_mlp_bias(c.mlp_bias);
+  if (!c.rope_scaling.rope_type.empty()) {
+    v1::RopeScaling* rope = out->mutable_rope_scaling();
+    rope->set_rope_type(c.rope_scaling.rope_type);
+    rope->set_factor(c.rope_scaling.factor);
+    rope->set_low_freq_factor(c.rope_scaling.low_freq_factor);
+    rope->set_high_freq_factor(c.rope_scaling.high_freq_factor);
+    rope->set_original_max_position_embeddings(
+        c.rope_scaling.original_max_position_embeddings);
+  }
+  out->set_sliding_window(c.sliding_window);
+  out->set_max_window_layers(c.max_window_layers);
 }
 
 }  // namespace
@@ -120,6 +152,12 @@ absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
     case v1::DTYPE_FLOAT64:
       spec.dtype = DType::kFloat64;
       break;
+    case v1::DTYPE_BFLOAT16:
+    case v1::DTYPE_FLOAT16:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dtype ", v1::DType_Name(r.dtype()),
+          " is a storage dtype (ExportWeights.dtype); models train in "
+          "DTYPE_FLOAT32 or DTYPE_FLOAT64"));
     default:
       return BadEnum("dtype", r.dtype());
   }
@@ -274,6 +312,32 @@ absl::Status ValidateCheckpointPath(const std::string& path) {
     return absl::InvalidArgumentError("path must not contain NUL bytes");
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<ExportOptions> ParseExportWeights(
+    const v1::ExportWeightsRequest& r) {
+  TALLY_RETURN_IF_ERROR(ValidateCheckpointPath(r.path()));
+  ExportOptions options;
+  switch (r.dtype()) {
+    case v1::DTYPE_UNSPECIFIED:
+      options.dtype = ExportDType::kModel;
+      break;
+    case v1::DTYPE_FLOAT32:
+      options.dtype = ExportDType::kFloat32;
+      break;
+    case v1::DTYPE_FLOAT64:
+      options.dtype = ExportDType::kFloat64;
+      break;
+    case v1::DTYPE_BFLOAT16:
+      options.dtype = ExportDType::kBFloat16;
+      break;
+    case v1::DTYPE_FLOAT16:
+      options.dtype = ExportDType::kFloat16;
+      break;
+    default:
+      return BadEnum("dtype", r.dtype());
+  }
+  return options;
 }
 
 v1::LossReduction ToProto(std::optional<LossReduction> reduction) {

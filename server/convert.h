@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "runtime/types.h"
+#include "runtime/weights_export.h"
 #include "tally/v1/trainer.pb.h"
 
 namespace tally {
@@ -56,6 +57,10 @@ absl::StatusOr<OptimStepArgs> ParseOptimStep(
     const v1::OptimStepRequest& request);
 // Non-empty path with no NUL byte.
 absl::Status ValidateCheckpointPath(const std::string& path);
+// The path (ValidateCheckpointPath) and the dtype, any of them
+// (DTYPE_UNSPECIFIED: the model's); max_shard_bytes stays the default.
+absl::StatusOr<ExportOptions> ParseExportWeights(
+    const v1::ExportWeightsRequest& request);
 
 // One page of ListModels: at most `size` models whose engine id sorts after
 // `after` (empty: from the first).

@@ -275,7 +275,7 @@ ReliabilityMetrics RegisterReliabilityMetrics(FamilyBuilder& build) {
                          ->Add({});
   f.checkpoint_seconds = build.Histogram(
       "tally_checkpoint_seconds",
-      "Checkpoint save / load time by kind (failures included)");
+      "Checkpoint save / load / export time by kind (failures included)");
   f.checkpoint_last_success =
       &build
            .Gauge("tally_checkpoint_last_success_timestamp_seconds",

@@ -77,8 +77,9 @@ class ServerMetrics {
   // Drops a deleted model's per-model series.
   void RemoveModel(const std::string& model_id);
   // A checkpoint operation of `kind` ("save": client SaveCheckpoint,
-  // "periodic", "exit", "load", "resume") that took `seconds`; a successful
-  // write (save, periodic, exit) also sets the last-success timestamp.
+  // "periodic", "exit", "load", "resume", "export": ExportWeights) that took
+  // `seconds`; a successful checkpoint write (save, periodic, exit) also sets
+  // the last-success timestamp (an export is no checkpoint).
   void RecordCheckpoint(const std::string& kind, bool ok, double seconds);
   // A request refused for its credentials; `reason` is "missing_token" or
   // "invalid_token".

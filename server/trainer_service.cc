@@ -327,6 +327,14 @@ absl::Status TrainerService::ConfinePath(
   return absl::OkStatus();
 }
 
+absl::Status TrainerService::ValidateModelAndPath(
+    const grpc::CallbackServerContext& context, const std::string& model_id,
+    const absl::Status& fields, std::string* path) {
+  TALLY_RETURN_IF_ERROR(ValidateModelId(model_id));
+  TALLY_RETURN_IF_ERROR(fields);
+  return ConfinePath(context, path);
+}
+
 void TrainerService::Finish(const char* method,
                             grpc::ServerUnaryReactor* reactor,
                             const absl::Status& status) {
@@ -551,11 +559,9 @@ grpc::ServerUnaryReactor* TrainerService::SaveCheckpoint(
     const v1::SaveCheckpointRequest* request,
     v1::SaveCheckpointResponse* response) {
   auto server_form = std::make_shared<v1::SaveCheckpointRequest>(*request);
-  absl::Status validation = ValidateModelId(request->model_id());
-  if (validation.ok()) validation = ValidateCheckpointPath(request->path());
-  if (validation.ok()) {
-    validation = ConfinePath(*context, server_form->mutable_path());
-  }
+  const absl::Status validation = ValidateModelAndPath(
+      *context, request->model_id(), ValidateCheckpointPath(request->path()),
+      server_form->mutable_path());
   return Execute({"SaveCheckpoint", context, server_form->mutable_model_id(),
                   request->seq_id(), server_form.get(), response},
                  validation, [this, server_form, response] {
@@ -572,11 +578,9 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
     const v1::LoadCheckpointRequest* request,
     v1::LoadCheckpointResponse* response) {
   auto server_form = std::make_shared<v1::LoadCheckpointRequest>(*request);
-  absl::Status validation = ValidateModelId(request->model_id());
-  if (validation.ok()) validation = ValidateCheckpointPath(request->path());
-  if (validation.ok()) {
-    validation = ConfinePath(*context, server_form->mutable_path());
-  }
+  const absl::Status validation = ValidateModelAndPath(
+      *context, request->model_id(), ValidateCheckpointPath(request->path()),
+      server_form->mutable_path());
   return Execute(
       {"LoadCheckpoint", context, server_form->mutable_model_id(),
        request->seq_id(), server_form.get(), response,
@@ -617,6 +621,22 @@ grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
         }
         return absl::OkStatus();
       });
+}
+
+grpc::ServerUnaryReactor* TrainerService::ExportWeights(
+    grpc::CallbackServerContext* context,
+    const v1::ExportWeightsRequest* request,
+    v1::ExportWeightsResponse* response) {
+  auto server_form = std::make_shared<v1::ExportWeightsRequest>(*request);
+  const absl::Status validation = ValidateModelAndPath(
+      *context, request->model_id(), ParseExportWeights(*request).status(),
+      server_form->mutable_path());
+  return Execute({"ExportWeights", context, server_form->mutable_model_id(),
+                  request->seq_id(), server_form.get(), response},
+                 validation, [this, server_form, response] {
+                   return commands_.Run(kExportWeightsCommand, *server_form,
+                                        response);
+                 });
 }
 
 }  // namespace tally

@@ -141,6 +141,11 @@ class TrainerService final : public v1::Trainer::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::LoadCheckpointRequest* request,
       v1::LoadCheckpointResponse* response) override;
+  // Ordered and exactly-once like SaveCheckpoint; does not close the window.
+  grpc::ServerUnaryReactor* ExportWeights(
+      grpc::CallbackServerContext* context,
+      const v1::ExportWeightsRequest* request,
+      v1::ExportWeightsResponse* response) override;
 
  private:
   // One RPC on its way through the service. Handlers copy their request
@@ -210,6 +215,13 @@ class TrainerService final : public v1::Trainer::CallbackService {
   // --checkpoint-root.
   absl::Status ConfinePath(const grpc::CallbackServerContext& context,
                            std::string* path);
+  // The validation of a request naming a model and a directory: its
+  // model_id, then `fields` (the other fields' validation), then the path
+  // confined (ConfinePath on the server's copy, `path`).
+  absl::Status ValidateModelAndPath(const grpc::CallbackServerContext& context,
+                                    const std::string& model_id,
+                                    const absl::Status& fields,
+                                    std::string* path);
 
   Engine* engine_;
   CommandExecutor* executor_;

@@ -42,7 +42,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   Require(config->Validate().ok());
   Require(config->WithDefaults() == *config);
-  Require(config->head_dim() > 0 && config->head_dim() % 2 == 0);
+  Require(config->HeadDim() > 0 && config->HeadDim() % 2 == 0);
   Require(config->NumParameters() > 0);
   absl::StatusOr<LlamaConfig> again =
       LlamaConfig::FromHfJson(config->ToHfJson("float32"));

@@ -70,6 +70,13 @@ void FuzzPathRequest(const Request& request) {
   }
 }
 
+void FuzzExportWeights(const v1::ExportWeightsRequest& request) {
+  FuzzPathRequest(request);
+  if (ParseExportWeights(request).ok()) {
+    Require(ValidateCheckpointPath(request.path()).ok());
+  }
+}
+
 template <typename Request>
 bool Parse(const uint8_t* data, size_t size, Request* request) {
   return request->ParseFromArray(data, static_cast<int>(size));
@@ -81,7 +88,7 @@ bool Parse(const uint8_t* data, size_t size, Request* request) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace tally;
   if (size == 0) return 0;
-  const uint8_t kind = data[0] % 6;
+  const uint8_t kind = data[0] % 7;
   ++data;
   --size;
   switch (kind) {
@@ -108,6 +115,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 4: {
       v1::LoadCheckpointRequest request;
       if (Parse(data, size, &request)) FuzzPathRequest(request);
+      break;
+    }
+    case 5: {
+      v1::ExportWeightsRequest request;
+      if (Parse(data, size, &request)) FuzzExportWeights(request);
       break;
     }
     default: {

@@ -7,6 +7,8 @@ the HF definition (RMSNorm, rotate-half RoPE, GQA, SwiGLU, causal attention)
 and torch.optim. Losses, log-probs, the gradient norm, the clip coefficient
 and every updated weight must agree to ~1e-10 in float64. The Mixtral test
 does the same with HF MixtralSparseMoeBlock's routing written here in torch.
+The reference models live in hf_reference.py (shared with
+test_hf_families.py, which covers the other families and HF directories).
 """
 
 import math
@@ -16,10 +18,10 @@ import unittest
 import numpy as np
 import torch
 
+from hf_reference import (IGNORE, ReferenceLlama, ReferenceMixtral, SampleTerms,
+                          parameter_names)
 from tally_testing import (TINY_LLAMA, ServerTestCase, pb, read_json,
                            read_safetensors)
-
-IGNORE = -100
 
 
 FLOAT64_RTOL = 1e-10
@@ -60,165 +62,6 @@ def to_proto(sample):
     inputs, targets, weights = sample
     return pb.Sample(input_tokens=inputs, target_tokens=targets,
                      weights=weights or [])
-
-
-def parameter_names(config):
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight",
-                  p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{m}_proj.weight" for m in "qkvo"]
-        if config.get("num_local_experts", 0) > 0:
-            moe = p + "block_sparse_moe."
-            names.append(moe + "gate.weight")
-            names += [moe + f"experts.{e}.{w}.weight"
-                      for e in range(config["num_local_experts"])
-                      for w in ("w1", "w2", "w3")]
-        else:
-            names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
-    if not config["tie_word_embeddings"]:
-        names.append("lm_head.weight")
-    return sorted(names)
-
-
-class ReferenceLlama:
-    """HF LlamaForCausalLM's forward pass, one unpadded sequence at a time."""
-
-    def __init__(self, config, tensors, dtype):
-        self.config = config
-        self.dtype = dtype
-        self.params = {name: torch.tensor(value, dtype=dtype, requires_grad=True)
-                       for name, value in tensors.items()}
-        self.heads = config["num_attention_heads"]
-        self.kv_heads = config["num_key_value_heads"]
-        self.head_dim = config["hidden_size"] // self.heads
-
-    def lm_head(self):
-        if self.config["tie_word_embeddings"]:
-            return self.params["model.embed_tokens.weight"]
-        return self.params["lm_head.weight"]
-
-    def rms_norm(self, x, weight):
-        eps = self.config["rms_norm_eps"]
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-    def rotary(self, length):
-        d = self.head_dim
-        exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
-        inv_freq = 1.0 / (self.config["rope_theta"] ** exponents)
-        angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # [T, d]
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-
-    @staticmethod
-    def rotate_half(x):
-        half = x.shape[-1] // 2
-        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-    def attention(self, x, prefix, cos, sin):
-        p = self.params
-        length = x.shape[0]
-        d = self.head_dim
-
-        def project(name, heads):  # [heads, T, d]
-            out = x @ p[prefix + name].T
-            return out.view(length, heads, d).transpose(0, 1)
-
-        q = project("q_proj.weight", self.heads)
-        k = project("k_proj.weight", self.kv_heads)
-        v = project("v_proj.weight", self.kv_heads)
-        q = q * cos + self.rotate_half(q) * sin
-        k = k * cos + self.rotate_half(k) * sin
-        # Query head j reads kv head j // (heads / kv_heads).
-        group = self.heads // self.kv_heads
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
-        scores = (q @ k.transpose(1, 2)) / math.sqrt(d)
-        future = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)
-        scores = scores.masked_fill(future, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v  # [H, T, d]
-        out = out.transpose(0, 1).reshape(length, self.heads * d)
-        return out @ p[prefix + "o_proj.weight"].T
-
-    def mlp(self, x, prefix):
-        p = self.params
-        prefix += "mlp."
-        gate = x @ p[prefix + "gate_proj.weight"].T
-        up = x @ p[prefix + "up_proj.weight"].T
-        return (torch.nn.functional.silu(gate) * up) @ p[prefix + "down_proj.weight"].T
-
-
-    def log_probs(self, inputs):
-        """log_softmax of the logits, [T, vocab]; positions restart at 0."""
-        p = self.params
-        x = p["model.embed_tokens.weight"][torch.tensor(inputs)]
-        cos, sin = self.rotary(len(inputs))
-        for i in range(self.config["num_hidden_layers"]):
-            prefix = f"model.layers.{i}."
-            h = self.rms_norm(x, p[prefix + "input_layernorm.weight"])
-            x = x + self.attention(h, prefix + "self_attn.", cos, sin)
-            h = self.rms_norm(x, p[prefix + "post_attention_layernorm.weight"])
-            x = x + self.mlp(h, prefix)
-        x = self.rms_norm(x, p["model.norm.weight"])
-        return torch.log_softmax(x @ self.lm_head().T, dim=-1)
-
-
-class ReferenceMixtral(ReferenceLlama):
-    """HF MixtralForCausalLM: the MLP is MixtralSparseMoeBlock. The router
-    softmax runs in the model dtype (HF upcasts to float32, the same for a
-    float32 model). `aux` holds tally's per-token load-balancing term of the
-    last log_probs: the mean over layers of E * (sum of the token's top-k
-    router probabilities)."""
-
-    def log_probs(self, inputs):
-        self.aux = 0
-        return super().log_probs(inputs)
-
-    def mlp(self, x, prefix):
-        p = self.params
-        prefix += "block_sparse_moe."
-        experts = self.config["num_local_experts"]
-        top_k = self.config["num_experts_per_tok"]
-        router_logits = x @ p[prefix + "gate.weight"].T  # [T, E]
-        routing = torch.softmax(router_logits, dim=1)
-        routing, selected = torch.topk(routing, top_k, dim=-1)
-        layers = self.config["num_hidden_layers"]
-        self.aux = self.aux + experts * routing.sum(dim=-1) / layers
-        routing = routing / routing.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(x)
-        # expert_mask[e, k, t]: token t's k-th choice is expert e.
-        expert_mask = torch.nn.functional.one_hot(selected, experts).permute(2, 1, 0)
-        for e in range(experts):
-            choice, tokens = torch.where(expert_mask[e])
-            if tokens.numel() == 0:
-                continue
-            w = lambda n: p[prefix + f"experts.{e}.{n}.weight"]
-            h = x[tokens]
-            y = (torch.nn.functional.silu(h @ w("w1").T) * (h @ w("w3").T)) @ w("w2").T
-            out = out.index_add(0, tokens, y * routing[tokens, choice, None])
-        return out
-
-
-class SampleTerms:
-    """One sample's reference quantities."""
-
-    def __init__(self, model, sample):
-        inputs, targets, weights = sample
-        weights = weights if weights is not None else [1.0] * len(inputs)
-        logp = model.log_probs(inputs)
-        safe_targets = torch.tensor([max(t, 0) for t in targets])
-        target_logp = logp.gather(1, safe_targets[:, None])[:, 0]
-        ignored = torch.tensor([t == IGNORE for t in targets])
-        self.logprobs = target_logp.masked_fill(ignored, 0.0)
-        valid = [t != IGNORE and w > 0 for t, w in zip(targets, weights)]
-        w = torch.tensor(weights, dtype=model.dtype) * torch.tensor(valid)
-        token_loss = -self.logprobs
-        aux_coef = model.config.get("router_aux_loss_coef", 0.0)
-        if aux_coef > 0:  # tally adds the load-balancing term per token
-            token_loss = token_loss + aux_coef * model.aux
-        self.loss_sum = (w * token_loss).sum()  # sum of w * token loss
-        self.valid_tokens = sum(valid)
 
 
 def assert_close(test, got, expected, rtol, what):
@@ -452,18 +295,24 @@ class LlamaReferenceTest(ServerTestCase):
     def test_mixtral_sgd(self):
         """A 4-expert top-2 Mixtral: TOKEN_MEAN and SAMPLE_MEAN windows, SGD
         steps, against MixtralSparseMoeBlock semantics, through HF's
-        per-expert checkpoint names; then with tally's load-balancing loss.
-        One call holds a single token, so in that call two experts of every
-        layer receive none."""
+        per-expert checkpoint names; then with HF's load_balancing_loss_func
+        per sample (output_router_logits true), and a coefficient without
+        output_router_logits, which adds nothing (HF semantics). One call
+        holds a single token, so in that call two experts of every layer
+        receive none."""
         self.start_server()
         calls = [[SAMPLES[4]], SAMPLES[:4]]
         lr = 0.5
-        for reduction, aux_coef in ((pb.LOSS_REDUCTION_TOKEN_MEAN, 0.0),
-                                    (pb.LOSS_REDUCTION_SAMPLE_MEAN, 0.0),
-                                    (pb.LOSS_REDUCTION_SAMPLE_MEAN, 0.25)):
+        for reduction, aux_coef, router_logits in (
+                (pb.LOSS_REDUCTION_TOKEN_MEAN, 0.0, False),
+                (pb.LOSS_REDUCTION_SAMPLE_MEAN, 0.0, False),
+                (pb.LOSS_REDUCTION_TOKEN_MEAN, 0.25, False),
+                (pb.LOSS_REDUCTION_SAMPLE_MEAN, 0.25, True)):
             moe = {"num_local_experts": 4, "num_experts_per_tok": 2,
                    "router_aux_loss_coef": aux_coef}
-            model_id = f"mixtral{reduction}_{aux_coef}"
+            if router_logits:
+                moe["output_router_logits"] = True
+            model_id = f"mixtral{reduction}_{aux_coef}_{router_logits}"
             self.create_model(model_id, pb.DTYPE_FLOAT64, False, pb.OPTIMIZER_SGD,
                               moe=moe, default_adam=pb.AdamParams(
                                   learning_rate=lr, weight_decay=0.0))

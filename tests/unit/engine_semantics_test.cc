@@ -175,7 +175,7 @@ TEST_F(EngineSemanticsTest, InitCheckpointStartsFromTheSavedWeights) {
   spec.init_checkpoint = dir;
   auto copy = engine_->CreateModel(spec);
   ASSERT_TRUE(copy.ok()) << copy.status();
-  EXPECT_EQ(copy->config, testing::TinyConfig());
+  EXPECT_EQ(copy->config, testing::TinyConfig().WithDefaults());
   EXPECT_EQ(copy->step, 0);  // fresh optimizer, weights only
   EXPECT_TRUE(AllEqual(ParameterValues(model()),
                        ParameterValues(*engine_->model("copy").value())));

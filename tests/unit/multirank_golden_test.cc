@@ -41,6 +41,8 @@ struct MeshCase {
   // MultiRankGoldenTest also runs the LargeConfig golden (kScheduleSteps
   // steps) here: kept to few meshes for CI time.
   bool large_model = false;
+  // The model family (FamilyConfig); nullptr: llama (or mixtral with moe).
+  const char* family = nullptr;
 };
 
 MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1, int ep = 1,
@@ -67,6 +69,23 @@ LlamaConfig MoeConfig(LlamaConfig config = testing::TinyConfig()) {
   config.num_local_experts = 4;
   config.num_experts_per_tok = 2;
   config.router_aux_loss_coef = 0.02;
+  config.output_router_logits = true;
+  return config;
+}
+
+// `config` as a model of `family` with the family's features on: qwen2's
+// q/k/v biases; qwen3's q/k norms with a head_dim of 12 (not hidden / heads)
+// and o bias; both with a sliding window of 5 on every layer but the first
+// (the calls hold samples of up to 120 tokens).
+LlamaConfig FamilyConfig(LlamaConfig config, const char* family) {
+  if (family == nullptr) return config;
+  config.model_type = family;
+  config.sliding_window = 5;
+  config.max_window_layers = 1;
+  if (config.model_type == "qwen3") {
+    config.head_dim = 12;
+    config.attention_bias = true;
+  }
   return config;
 }
 
@@ -84,11 +103,12 @@ LlamaConfig LargeConfig(bool tied, int64_t layers) {
 
 ModelSpec Spec(const std::string& id, DType dtype, OptimizerKind optimizer,
                bool moe, bool tied = false, int64_t layers = 2,
-               bool large = false) {
+               bool large = false, const char* family = nullptr) {
   ModelSpec spec = TinySpec(id, dtype, optimizer);
   spec.config =
       large ? LargeConfig(tied, layers) : testing::TinyConfig(tied, layers);
   if (moe) spec.config = MoeConfig(spec.config);
+  spec.config = FamilyConfig(spec.config, family);
   return spec;
 }
 
@@ -109,6 +129,7 @@ struct Variant {
   bool large = false;  // LargeConfig instead of TinyConfig
   // Optimizer steps, each after the three Calls(), with StepArgs(step).
   int steps = 1;
+  const char* family = nullptr;  // see MeshCase::family
 };
 
 // The steps of the large golden: hyperparameters change at every step.
@@ -121,7 +142,8 @@ std::string VariantName(const Variant& v) {
       ReductionName(v.reduction), "/", v.norm == NormType::kInf ? "inf" : "l2",
       v.tied ? "/tied" : "", v.large ? "/hidden128" : "",
       v.layers != 2 ? absl::StrCat("/", v.layers, "_layers") : "",
-      v.steps != 1 ? absl::StrCat("/", v.steps, "_steps") : "");
+      v.steps != 1 ? absl::StrCat("/", v.steps, "_steps") : "",
+      v.family != nullptr ? absl::StrCat("/", v.family) : "");
 }
 
 // The arguments of step `step`. Step 0, the only one of most variants, clips
@@ -177,7 +199,7 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
   // and for parameters after an fp32 AdamW step kFp32AdamParamTolerance.
   const double tol = testing::GoldenTolerance(v.dtype);
   ModelSpec spec =
-      Spec(id, v.dtype, v.optimizer, moe, v.tied, v.layers, v.large);
+      Spec(id, v.dtype, v.optimizer, moe, v.tied, v.layers, v.large, v.family);
   spec.grad_sync = v.sync;
   const bool fp32_adamw =
       v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW;
@@ -754,6 +776,54 @@ const auto kPipelineMeshes = ::testing::Values(
     MeshCase{"pp2_dp_shard2_cp2", PipelineShape(2, 2, 1, 2)});
 
 INSTANTIATE_TEST_SUITE_P(Meshes, PipelineGoldenTest, kPipelineMeshes, MeshName);
+
+// The families' features on meshes that split them (FamilyConfig): q/k/v
+// biases shard with their columns over tp and dp_shard, the o bias and the
+// q/k norms stay replicated over tp (the norms' gradients summed over it),
+// sliding windows see positions across cp blocks and pipeline stages; tied
+// embeddings, as the small Qwens have, and untied.
+class FamilyGoldenTest : public ::testing::TestWithParam<MeshCase> {};
+
+TEST_P(FamilyGoldenTest, EqualsTheSingleDeviceRun) {
+  const MeshCase& mesh = GetParam();
+  testing::RunOnRanks(
+      mesh.shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+        EngineOptions options;
+        options.max_batch_tokens = 96;
+        TALLY_ASSIGN_OR_RETURN(auto engine,
+                               RankEngine(mesh.shape, env, options));
+        TALLY_ASSIGN_OR_RETURN(auto reference,
+                               Engine::CreateSingleRank(options));
+        const DType f64 = DType::kFloat64;
+        const OptimizerKind adam = OptimizerKind::kAdamW;
+        const std::vector<Variant> variants = {
+            {f64, adam, GradSync::kEager, LossReduction::kTokenMean,
+             NormType::kL2, /*tied=*/true, /*layers=*/2, /*large=*/false,
+             /*steps=*/2, mesh.family},
+            {f64, adam, GradSync::kDeferred, LossReduction::kSampleMean,
+             NormType::kInf, /*tied=*/true, 2, false, 1, mesh.family},
+            {f64, adam, GradSync::kEager, LossReduction::kSum, NormType::kL2,
+             /*tied=*/false, 2, false, 1, mesh.family}};
+        int n = 0;
+        for (const Variant& v : variants) {
+          TALLY_RETURN_IF_ERROR(CheckVariant(*engine, *reference, v,
+                                             absl::StrCat("f", n++), false));
+        }
+        return CheckCheckpointsAcrossMeshes(*engine, *reference, "f0", env);
+      });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, FamilyGoldenTest,
+    ::testing::Values(
+        MeshCase{"dp_shard2_tp2_qwen2", Shape(1, 2, 2), false, false, "qwen2"},
+        MeshCase{"dp_shard2_tp2_qwen3", Shape(1, 2, 2), false, false, "qwen3"},
+        MeshCase{"pp2_tp2_qwen2", PipelineShape(2, 1, 2), false, false,
+                 "qwen2"},
+        MeshCase{"pp2_tp2_qwen3", PipelineShape(2, 1, 2), false, false,
+                 "qwen3"},
+        MeshCase{"cp2_qwen3", Shape(1, 1, 1, 2), false, false, "qwen3"}),
+    MeshName);
 
 // The bug this design rules out: clipping each stage by its own norm. A
 // test-only engine variant does exactly that on pp = 2 (each stage measures

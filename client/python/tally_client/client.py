@@ -20,7 +20,9 @@ of the window failed for good, its OptimStep is not sent: the window is
 aborted instead (under the step's seq_id, so the sequence has no gap) and the
 step's future raises WindowAbortedError. A server that answers ABORTED (a
 poisoned window) also raises WindowAbortedError: call abort_window() and redo
-the window.
+the window. export_weights is sequenced too, so it writes the weights of every
+earlier step, but belongs to no window: it neither closes one nor aborts one
+when it fails.
 
     client = TrainingClient("localhost:50051", "demo", token="s3cret")
     calls = [client.forward_backward(batch) for batch in window]
@@ -50,6 +52,15 @@ _REDUCTIONS = {
     "token_mean": pb.LOSS_REDUCTION_TOKEN_MEAN,
     "sample_mean": pb.LOSS_REDUCTION_SAMPLE_MEAN,
     "sum": pb.LOSS_REDUCTION_SUM,
+}
+
+# export_weights dtypes by name; None: the model's.
+_EXPORT_DTYPES = {
+    None: pb.DTYPE_UNSPECIFIED,
+    "float32": pb.DTYPE_FLOAT32,
+    "float64": pb.DTYPE_FLOAT64,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+    "float16": pb.DTYPE_FLOAT16,
 }
 
 
@@ -215,17 +226,7 @@ class TrainingClient:
             reduction=_REDUCTIONS[reduction] if isinstance(reduction, str)
             else reduction,
             forward_only=forward_only)
-        result = concurrent.futures.Future()
-        with self._lock:
-            request.seq_id = self._take_seq_id()
-            closing = self._closing
-            self._in_flight.append(result)
-
-        def send():
-            _chain(self._call("ForwardBackward", request, retryable=True), result)
-
-        _when_all_done([] if closing is None else [closing], send)
-        return result
+        return self._send_sequenced("ForwardBackward", request, in_window=True)
 
     def optim_step(self, adam=None, max_grad_norm=None, **fields):
         """Future of an OptimStepResponse. `adam`: a dict of AdamParams fields
@@ -250,6 +251,20 @@ class TrainingClient:
         return self._close_window(
             "SaveCheckpoint",
             pb.SaveCheckpointRequest(model_id=self.model_id, path=path))
+
+    def export_weights(self, path, dtype=None):
+        """Future of an ExportWeightsResponse: writes the weights every
+        earlier optim_step produced to the server-side directory `path` as
+        an HF model directory for inference (Tinker's
+        save_weights_for_sampler). `dtype`: "bfloat16", "float16", "float32",
+        "float64", a pb.DType, or None for the model's. Weights only: it
+        neither waits for nor closes the pending window, and its failure
+        does not abort the window."""
+        request = pb.ExportWeightsRequest(
+            model_id=self.model_id, path=path,
+            dtype=_EXPORT_DTYPES[dtype] if dtype is None
+            or isinstance(dtype, str) else dtype)
+        return self._send_sequenced("ExportWeights", request, in_window=False)
 
     def load(self, path, load_optimizer=True):
         """Future of a LoadCheckpointResponse; discards the pending window."""
@@ -319,6 +334,25 @@ class TrainingClient:
                 retryable=True).result()
             return next_seq_id + 1
         return next_seq_id
+
+    def _send_sequenced(self, method, request, in_window):
+        """Future of `method(request)` under the next seq_id, sent at once
+        (on a server that does not order by seq_id: once the last
+        window-closing call has finished). `in_window`: the call belongs
+        to the pending window, so the window-closing call waits for it and
+        an OptimStep after its failure aborts the window instead."""
+        result = concurrent.futures.Future()
+        with self._lock:
+            request.seq_id = self._take_seq_id()
+            closing = self._closing
+            if in_window:
+                self._in_flight.append(result)
+
+        def send():
+            _chain(self._call(method, request, retryable=True), result)
+
+        _when_all_done([] if closing is None else [closing], send)
+        return result
 
     def _close_window(self, method, request):
         """Sends `request` once every call in flight has finished. An

@@ -1,0 +1,238 @@
+#include "runtime/weights_export.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <system_error>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "base/log.h"
+#include "base/status.h"
+#include "runtime/atomic_directory.h"
+#include "runtime/causal_lm.h"
+#include "runtime/checkpoint.h"
+#include "runtime/safetensors.h"
+
+namespace tally {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Fields of a source config.json that describe how its weights are stored,
+// which the export decides anew: never carried over ("dtype" is newer
+// transformers' name for torch_dtype).
+constexpr const char* kNotCarried[] = {"torch_dtype", "dtype",
+                                       "quantization_config"};
+
+struct StoredDType {
+  torch::ScalarType type;
+  const char* name;  // config.json's torch_dtype
+};
+
+StoredDType StoredDTypeOf(ExportDType dtype, DType model_dtype) {
+  switch (dtype) {
+    case ExportDType::kModel:
+      break;
+    case ExportDType::kFloat32:
+      return {torch::kFloat32, "float32"};
+    case ExportDType::kFloat64:
+      return {torch::kFloat64, "float64"};
+    case ExportDType::kBFloat16:
+      return {torch::kBFloat16, "bfloat16"};
+    case ExportDType::kFloat16:
+      return {torch::kFloat16, "float16"};
+  }
+  return {ToScalarType(model_dtype), DTypeName(model_dtype)};
+}
+
+// The contents of the file at `path`; nullopt when there is none.
+absl::StatusOr<std::optional<std::string>> ReadIfPresent(const fs::path& path) {
+  std::error_code error;
+  if (!fs::is_regular_file(path, error)) return std::nullopt;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("open ", path.string()));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) {
+    return absl::DataLossError(absl::StrCat("read ", path.string()));
+  }
+  return text.str();
+}
+
+// What an export takes from its source directory.
+struct SourceFiles {
+  std::string config_path;
+  std::optional<std::string> config;  // its config.json, when present
+  // kExportCopiedFiles present there: name, contents.
+  std::vector<std::pair<std::string, std::string>> copied;
+};
+
+absl::StatusOr<SourceFiles> ReadSourceFiles(const std::string& source_dir) {
+  SourceFiles source;
+  if (source_dir.empty()) return source;
+  const fs::path dir = PublishedDir(source_dir);
+  std::error_code error;
+  if (!fs::is_directory(dir, error)) {
+    Log(LogLevel::kWarning,
+        absl::StrCat("the model's init_checkpoint ", source_dir,
+                     " is gone: the weights export has no generation config "
+                     "or tokenizer files of it, and none of its config.json "
+                     "fields"));
+    return source;
+  }
+  source.config_path = (dir / kConfigFile).string();
+  TALLY_ASSIGN_OR_RETURN(source.config, ReadIfPresent(source.config_path));
+  for (const char* name : kExportCopiedFiles) {
+    TALLY_ASSIGN_OR_RETURN(std::optional<std::string> text,
+                           ReadIfPresent(dir / name));
+    if (text) source.copied.emplace_back(name, *std::move(text));
+  }
+  return source;
+}
+
+// config.json: `tally_json` (LlamaConfig::ToHfJson) followed by the fields of
+// the source's config.json that it lacks, in the source's order.
+absl::StatusOr<std::string> MergedConfig(const std::string& tally_json,
+                                         const SourceFiles& source) {
+  nlohmann::ordered_json config = nlohmann::ordered_json::parse(
+      tally_json, nullptr, /*allow_exceptions=*/false);
+  if (!config.is_object()) {
+    return absl::InternalError("LlamaConfig::ToHfJson wrote no JSON object");
+  }
+  if (source.config) {
+    const nlohmann::ordered_json carried = nlohmann::ordered_json::parse(
+        *source.config, nullptr, /*allow_exceptions=*/false);
+    if (carried.is_discarded() || !carried.is_object()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(source.config_path,
+                       " is not a JSON object; a weights export of a model "
+                       "created from it carries its fields over"));
+    }
+    for (const auto& [key, value] : carried.items()) {
+      if (config.contains(key) ||
+          std::find(std::begin(kNotCarried), std::end(kNotCarried), key) !=
+              std::end(kNotCarried)) {
+        continue;
+      }
+      config[key] = value;
+    }
+  }
+  return config.dump(2) + "\n";
+}
+
+// The weights laid out in files as HF lays them out.
+struct ShardedWeights {
+  std::vector<std::string> names;  // model.safetensors or model-0000i-of-...
+  std::vector<SerializedSafetensors> files;
+  std::string index_json;  // model.safetensors.index.json; empty for one file
+};
+
+absl::StatusOr<ShardedWeights> SerializeShards(const NamedTensors& weights,
+                                               uint64_t max_shard_bytes) {
+  std::vector<uint64_t> bytes;
+  for (const auto& [name, t] : weights) {
+    bytes.push_back(static_cast<uint64_t>(t.numel() * t.element_size()));
+  }
+  const std::vector<std::vector<size_t>> shards =
+      SplitIntoShards(bytes, max_shard_bytes);
+  ShardedWeights out;
+  nlohmann::json weight_map = nlohmann::json::object();
+  uint64_t total_size = 0;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const std::string name =
+        shards.size() == 1 ? std::string(kModelFile)
+                           : absl::StrFormat("model-%05d-of-%05d.safetensors",
+                                             s + 1, shards.size());
+    NamedTensors tensors;
+    for (size_t i : shards[s]) {
+      tensors.push_back(weights[i]);
+      weight_map[weights[i].first] = name;
+      total_size += bytes[i];
+    }
+    TALLY_ASSIGN_OR_RETURN(SerializedSafetensors file,
+                           SerializeSafetensors(tensors, {{"format", "pt"}}));
+    out.names.push_back(name);
+    out.files.push_back(std::move(file));
+  }
+  if (shards.size() > 1) {
+    // As transformers writes it: json.dumps(index, indent=2, sort_keys=True).
+    const nlohmann::json index = {{"metadata", {{"total_size", total_size}}},
+                                  {"weight_map", weight_map}};
+    out.index_json = index.dump(2) + "\n";
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::vector<size_t>> SplitIntoShards(
+    const std::vector<uint64_t>& tensor_bytes, uint64_t max_shard_bytes) {
+  std::vector<std::vector<size_t>> shards;
+  std::vector<size_t> current;
+  uint64_t current_bytes = 0;
+  for (size_t i = 0; i < tensor_bytes.size(); ++i) {
+    if (tensor_bytes[i] > max_shard_bytes) {
+      shards.push_back({i});
+      continue;
+    }
+    if (current_bytes + tensor_bytes[i] > max_shard_bytes) {
+      shards.push_back(std::move(current));
+      current.clear();
+      current_bytes = 0;
+    }
+    current.push_back(i);
+    current_bytes += tensor_bytes[i];
+  }
+  if (!current.empty()) shards.push_back(std::move(current));
+  return shards;
+}
+
+absl::StatusOr<ExportResult> WriteWeightsExport(const std::string& dir,
+                                                const CausalLm& model,
+                                                const ExportOptions& options,
+                                                const std::string& source_dir) {
+  if (options.max_shard_bytes == 0) {
+    return absl::InvalidArgumentError("max_shard_bytes must be positive");
+  }
+  TALLY_ASSIGN_OR_RETURN(const std::string target,
+                         PublishTarget(dir, DirectoryKind::kWeightsExport));
+  const StoredDType stored = StoredDTypeOf(options.dtype, model.dtype());
+  TALLY_ASSIGN_OR_RETURN(
+      const NamedTensors weights,
+      HfWeights(model, stored.type, /*trainable_only=*/false));
+  TALLY_ASSIGN_OR_RETURN(const ShardedWeights shards,
+                         SerializeShards(weights, options.max_shard_bytes));
+  TALLY_ASSIGN_OR_RETURN(const SourceFiles source, ReadSourceFiles(source_dir));
+  TALLY_ASSIGN_OR_RETURN(
+      const std::string config,
+      MergedConfig(model.config().ToHfJson(stored.name), source));
+
+  std::vector<DirectoryFile> files = {{kConfigFile, {config}}};
+  for (size_t s = 0; s < shards.files.size(); ++s) {
+    files.push_back({shards.names[s], shards.files[s].Pieces()});
+  }
+  if (!shards.index_json.empty()) {
+    files.push_back({kShardIndexFile, {shards.index_json}});
+  }
+  for (const auto& [name, text] : source.copied) {
+    files.push_back({name, {text}});
+  }
+  ExportResult result;
+  result.path = target;
+  TALLY_ASSIGN_OR_RETURN(result.bytes_written,
+                         PublishDirectory(target, files, kChecksumFile));
+  for (const DirectoryFile& file : files) result.files.push_back(file.name);
+  result.files.push_back(kChecksumFile);
+  std::sort(result.files.begin(), result.files.end());
+  return result;
+}
+
+}  // namespace tally
