@@ -198,20 +198,20 @@ nlohmann::ordered_json RopeScalingJson(const RopeScaling& r) {
   return j;
 }
 
-absl::Status ReadRopeScaling(const nlohmann::json& j, RopeScaling& out) {
-  if (!j.contains("rope_scaling") || j["rope_scaling"].is_null()) {
-    return absl::OkStatus();
-  }
-  const nlohmann::json& r = j["rope_scaling"];
+// One RoPE object of config.json: `key` is "rope_scaling" (transformers 4)
+// or "rope_parameters" (transformers 5, which also moves rope_theta into it).
+absl::Status ReadRopeObject(const nlohmann::json& r, const char* key,
+                            RopeScaling& out, double& rope_theta) {
   if (!r.is_object()) {
     return absl::InvalidArgumentError(
-        "config.json rope_scaling must be an object or null");
+        absl::StrCat("config.json ", key, " must be an object or null"));
   }
+  TALLY_RETURN_IF_ERROR(ReadJsonDouble(r, "rope_theta", rope_theta));
   // transformers accepts the legacy "type" key for "rope_type".
   const char* type_key = r.contains("rope_type") ? "rope_type" : "type";
   if (!r.contains(type_key) || !r[type_key].is_string()) {
     return absl::InvalidArgumentError(
-        "config.json rope_scaling.rope_type must be a string");
+        absl::StrCat("config.json ", key, ".rope_type must be a string"));
   }
   std::string type = r[type_key].get<std::string>();
   if (type == "default") return absl::OkStatus();
@@ -222,9 +222,33 @@ absl::Status ReadRopeScaling(const nlohmann::json& j, RopeScaling& out) {
       ReadJsonDouble(r, "low_freq_factor", out.low_freq_factor));
   TALLY_RETURN_IF_ERROR(
       ReadJsonDouble(r, "high_freq_factor", out.high_freq_factor));
-  TALLY_RETURN_IF_ERROR(ReadJsonInt(r, "original_max_position_embeddings",
-                                    out.original_max_position_embeddings));
+  return ReadJsonInt(r, "original_max_position_embeddings",
+                     out.original_max_position_embeddings);
+}
+
+// rope_theta and rope_scaling, or transformers 5's rope_parameters holding
+// both (which wins when a file has both, as in transformers 5).
+absl::Status ReadRope(const nlohmann::json& j, LlamaConfig& c) {
+  TALLY_RETURN_IF_ERROR(ReadJsonDouble(j, "rope_theta", c.rope_theta));
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (j.contains(key) && !j[key].is_null()) {
+      return ReadRopeObject(j[key], key, c.rope_scaling, c.rope_theta);
+    }
+  }
   return absl::OkStatus();
+}
+
+// partial_rotary_factor (top level, or in a RoPE object at `where`): RoPE on
+// part of each head, which tally does not implement.
+absl::Status RefusePartialRope(const nlohmann::json& j,
+                               const std::string& where) {
+  double partial = 1.0;
+  TALLY_RETURN_IF_ERROR(ReadJsonDouble(j, "partial_rotary_factor", partial));
+  if (partial == 1.0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("config.json ", where,
+                   "partial_rotary_factor must be 1 (partial RoPE is not "
+                   "implemented)"));
 }
 
 // Fields any family may carry that change the math and that tally does not
@@ -239,6 +263,12 @@ absl::Status RefuseUnimplemented(const nlohmann::json& j) {
     return absl::InvalidArgumentError(
         "config.json quantization_config: quantized checkpoints are not "
         "supported");
+  }
+  TALLY_RETURN_IF_ERROR(RefusePartialRope(j, ""));
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (j.contains(key) && j[key].is_object()) {
+      TALLY_RETURN_IF_ERROR(RefusePartialRope(j[key], absl::StrCat(key, ".")));
+    }
   }
   double dropout = 0.0;
   TALLY_RETURN_IF_ERROR(ReadJsonDouble(j, "attention_dropout", dropout));
@@ -263,10 +293,9 @@ absl::Status ReadSharedFields(const nlohmann::json& j, LlamaConfig& c) {
     TALLY_RETURN_IF_ERROR(ReadJsonInt(j, key, *field));
   }
   TALLY_RETURN_IF_ERROR(ReadJsonDouble(j, "rms_norm_eps", c.rms_norm_eps));
-  TALLY_RETURN_IF_ERROR(ReadJsonDouble(j, "rope_theta", c.rope_theta));
   TALLY_RETURN_IF_ERROR(
       ReadJsonBool(j, "tie_word_embeddings", c.tie_word_embeddings));
-  return ReadRopeScaling(j, c.rope_scaling);
+  return ReadRope(j, c);
 }
 
 }  // namespace

@@ -36,10 +36,12 @@ absl::Status ReadLayerTypes(const nlohmann::json& json, LlamaConfig& config) {
           "sliding_attention one is not implemented");
     }
   }
-  // Without a sliding layer the file's max_window_layers stays (it is then
-  // irrelevant, and an export writes it back unchanged).
+  // layer_types decides, as in transformers: without a sliding layer no
+  // layer slides, whatever use_sliding_window and max_window_layers say.
   if (first_sliding < config.num_hidden_layers) {
     config.max_window_layers = first_sliding;
+  } else {
+    config.sliding_window = 0;
   }
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 """Independent float64 references of the HF causal LM families tally trains,
 written here in plain PyTorch from transformers' published definitions, plus
-a writer of tiny HF model directories (config.json + bf16 safetensors).
+a writer of tiny HF model directories (config.json + bf16, fp16, fp32 or fp64
+safetensors).
 
 Nothing here reads tally's C++ code. Every piece names the HF function it
 restates; "HF" below means transformers' files:
@@ -545,19 +546,29 @@ def bf16_round(values):
     return bf16_bits_to_float64(float32_to_bf16_bits(values))
 
 
+# storage: (safetensors dtype, numpy dtype). The safetensors format stores
+# every dtype little-endian; F16, F32 and F64 are IEEE 754 binary16, binary32
+# and binary64, which numpy's "<f2", "<f4" and "<f8" are.
 _STORAGE = {"bf16": ("BF16", None), "f16": ("F16", "<f2"), "f32": ("F32", "<f4"),
             "f64": ("F64", "<f8")}
 _NUMPY_OF = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4"}
 
 
 def encode_tensor(values, storage):
-    """(safetensors dtype, raw bytes, float64 of the stored values)."""
+    """(safetensors dtype, raw bytes, float64 of the stored values). numpy's
+    casts to "<f2" and "<f4" round to nearest even, as torch's do; a value
+    that overflows the storage dtype is an error, not an inf."""
     dtype, numpy_dtype = _STORAGE[storage]
     if storage == "bf16":
         bits = float32_to_bf16_bits(values)
         return dtype, bits.astype("<u2").tobytes(), bf16_bits_to_float64(bits).reshape(
             np.shape(values))
-    stored = np.asarray(values).astype(numpy_dtype)
+    values = np.asarray(values)
+    with np.errstate(over="ignore"):
+        stored = values.astype(numpy_dtype)
+    if not np.all(np.isfinite(stored)) and np.all(np.isfinite(values)):
+        raise ValueError(f"{storage} encoding overflows: max |value| "
+                         f"{float(np.max(np.abs(values)))}")
     return dtype, stored.tobytes(), stored.astype(np.float64)
 
 

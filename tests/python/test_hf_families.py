@@ -3,25 +3,28 @@ scaling, biases, explicit head_dim), qwen2, qwen3, mistral and mixtral
 exactly, from HF model directories.
 
 Each case writes a tiny HF directory (config.json as transformers writes it
-for the family, random weights stored as bf16, sharded with
-model.safetensors.index.json for some cases), creates a FLOAT64 model from it
-with CreateModel(init_checkpoint=dir) on a running tally-server, runs a
-two-call accumulation window (non-unit and zero weights, ignored targets, a
-sample with no valid target, samples longer than the sliding windows) and a
-clipped AdamW step, then compares per-token logprobs, per-sample and window
-losses, the gradient norm, the clip coefficient and every updated weight with
-hf_reference.py's float64 model + torch.optim.AdamW, to 1e-10 relative. The
-weights tally loaded must equal the bf16 values exactly.
+for the family, random weights stored as bf16, as fp16 for mistral, sharded
+with model.safetensors.index.json for some cases), creates a FLOAT64 model
+from it with CreateModel(init_checkpoint=dir) on a running tally-server, runs
+a two-call accumulation window (non-unit and zero weights, ignored targets,
+a sample with no valid target, samples longer than the sliding windows) and
+a clipped AdamW step, then compares per-token logprobs, per-sample and window
+losses, the gradient norm, the clip coefficient and every updated weight
+with hf_reference.py's float64 model + torch.optim.AdamW, to 1e-10 relative.
+The weights tally loaded must equal the stored bf16 (fp16) values exactly.
 
 Each case also exports the model with ExportWeights (docs/checkpoints.md,
 "Weights export"): as bfloat16 right after CreateModel, where every tensor
-must be the source's bf16 bytes under the source's HF names, and as float32
-after the step, where every tensor must be the float64 weights SaveCheckpoint
-wrote rounded to nearest even. Both exports must hold config.json with the
-source's model_type, architectures and math fields (typed-equal), its other
-fields carried over, torch_dtype the export's; the source's
-generation_config.json and tokenizer_config.json byte for byte; a
-checksums.sha256 covering every file; a consistent index when sharded.
+must be the source's values rounded to bf16 to nearest even under the
+source's HF names (a bf16 source's bytes as they are), and as float32 after
+the step, where every tensor must be the float64 weights SaveCheckpoint wrote
+rounded to nearest even. The float32 export, loaded into a new FLOAT32 model
+with CreateModel(init_checkpoint=export), must give back exactly its values,
+bit for bit. Both exports must hold config.json with the source's
+model_type, architectures and math fields (typed-equal), its other fields
+carried over, torch_dtype the export's; the source's generation_config.json
+and tokenizer_config.json byte for byte; a checksums.sha256 covering every
+file; a consistent index when sharded.
 
 Each case also checks, on the reference alone, that the feature under test
 moves the result far beyond the tolerance (so a server ignoring it fails).
@@ -44,10 +47,10 @@ from hf_reference import (IGNORE, ReferenceCausalLM, SampleTerms, attention_bias
                           default_inv_freq, has_qk_norm, head_dim, hf_config,
                           hf_weight_files, layer_windows, llama3_bands, mlp_bias,
                           num_experts, num_kv_heads, parameter_names,
-                          parameter_shapes, random_weights, read_safetensors_raw,
-                          rms_norm_eps, rope_inv_freq, rope_settings,
-                          tie_word_embeddings, window_loss, with_layer_types,
-                          write_hf_model)
+                          parameter_shapes, random_weights, read_hf_directory,
+                          read_safetensors_raw, rms_norm_eps, rope_inv_freq,
+                          rope_settings, tie_word_embeddings, window_loss,
+                          with_layer_types, write_hf_model)
 from tally_testing import ServerTestCase, pb, read_json, read_safetensors
 
 FLOAT64_RTOL = 1e-10
@@ -67,7 +70,9 @@ def llama3_scaling():
 
 
 # name: (family, config.json fields, shards, reduction, what the case
-# isolates as {description: config fields that switch it off}).
+# isolates as {description: config fields that switch it off}). The source
+# weights are stored in config.json's torch_dtype (hf_config's "bfloat16"
+# unless the fields say otherwise; see SOURCE_STORAGE).
 CASES = {
     "llama": (
         "llama", {}, 2, TOKEN_MEAN, {}),
@@ -96,7 +101,7 @@ CASES = {
         {}),
     "mistral": (
         "mistral",
-        {"sliding_window": 3},
+        {"sliding_window": 3, "torch_dtype": "float16"},
         1, TOKEN_MEAN,
         {"the sliding window": {"sliding_window": None}}),
     "mixtral_aux": (
@@ -130,6 +135,9 @@ MATH_FIELDS = {
     "qwen3": COMMON_MATH_FIELDS + ("head_dim", "attention_bias", "use_sliding_window",
                                    "sliding_window", "max_window_layers", "layer_types"),
 }
+# config.json's torch_dtype of a source directory: how write_hf_model stores
+# its weights.
+SOURCE_STORAGE = {"bfloat16": "bf16", "float16": "f16"}
 # How an export stores its weights: decided by the export, never carried over.
 EXPORT_STORAGE_FIELDS = ("torch_dtype", "dtype", "quantization_config")
 # The files an export copies from the init_checkpoint directory (the source
@@ -198,6 +206,20 @@ def effective_config(config):
             output_router_logits=bool(config.get("output_router_logits", False)),
             router_jitter_noise=config.get("router_jitter_noise", 0.0))
     return meaning
+
+
+def bf16_rne_bits(values):
+    """The bf16 bits of `values` rounded to nearest even, by torch's cast
+    (from float64 through float32, exact for values that are fp16 or bf16)."""
+    values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+    return values.to(torch.bfloat16).view(torch.int16).numpy().view("<u2")
+
+
+def bf16_ties(values):
+    """How many of `values` (exact in float32) lie exactly halfway between
+    two neighbouring bf16 values: the 16 low bits of the float32 are 0x8000."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    return int(np.sum((bits & 0xFFFF) == 0x8000))
 
 
 def sha256_of(path):
@@ -322,7 +344,8 @@ class HfFamiliesTest(ServerTestCase):
         config = case_config(name)
         directory = os.path.join(self.temp_dir, f"hf_{name}")
         stored = write_hf_model(directory, config, random_weights(config, seed=len(name)),
-                                storage="bf16", shards=shards)
+                                storage=SOURCE_STORAGE[config["torch_dtype"]],
+                                shards=shards)
         write_extra_files(directory, name)
         if shards > 1:  # the index checker, on an index written independently
             self.check_index(directory, *self.read_weight_files(directory))
@@ -338,7 +361,7 @@ class HfFamiliesTest(ServerTestCase):
         self.check_bf16_export(name, directory, config)
 
         before = self.read_checkpoint(self.save(model_id, "A"), config)
-        for n, value in stored.items():  # loaded exactly: bf16 upcast
+        for n, value in stored.items():  # loaded exactly: bf16 (fp16) upcast
             self.assertTrue(np.array_equal(before[n], value), f"{name}: loaded {n}")
 
         responses = [self.stub.ForwardBackward(pb.ForwardBackwardRequest(
@@ -350,7 +373,8 @@ class HfFamiliesTest(ServerTestCase):
                                beta2=ADAM["betas"][1], eps=ADAM["eps"],
                                weight_decay=ADAM["weight_decay"])))
         after = self.read_checkpoint(self.save(model_id, "B"), config)
-        self.check_float32_export(name, directory, config, after)
+        export_dir = self.check_float32_export(name, directory, config, after)
+        self.check_reimport(name, export_dir, config)
 
         model = self.reference(config, stored)
         terms = [[SampleTerms(model, s) for s in call] for call in calls]
@@ -511,24 +535,34 @@ class HfFamiliesTest(ServerTestCase):
 
     def check_bf16_export(self, name, source_dir, config):
         """Right after CreateModel: a bfloat16 export of the float64 model
-        holding the source's bf16 values stores the source's bytes."""
+        holding the source's values stores them rounded to nearest even: a
+        bf16 source's bytes as they are, an fp16 source's values rounded
+        (ties to even among them)."""
         path = self.export(name, "bf16", pb.DTYPE_BFLOAT16)
         exported = self.check_export_directory(name, source_dir, path, config, "bfloat16")
         source, _ = self.read_weight_files(source_dir)
+        values = read_hf_directory(source_dir)
         self.assertEqual(sorted(exported), sorted(source), f"{name}: exported tensor names")
+        ties = 0
         for n, (dtype, shape, raw) in exported.items():
             self.assertEqual(dtype, "BF16", f"{name}: exported {n}")
             self.assertEqual(shape, source[n][1], f"{name}: exported {n} shape")
             got = np.frombuffer(raw, dtype="<u2")
-            want = np.frombuffer(source[n][2], dtype="<u2")
+            want = bf16_rne_bits(values[n]).reshape(-1)
             self.assertEqual(got.size, want.size, f"{name}: exported {n}")
             mismatched = int(np.sum(got != want))
             self.assertEqual(mismatched, 0, f"{name}: exported {n}: {mismatched} of "
-                             f"{want.size} bf16 values differ from the source's bytes")
+                             f"{want.size} bf16 values are not the source's "
+                             f"{source[n][0]} values rounded to nearest even")
+            ties += bf16_ties(values[n])
+        if {dtype for dtype, _, _ in source.values()} != {"BF16"}:
+            # The rounding is exercised, round-half-to-even included.
+            self.assertGreater(ties, 0, f"{name}: no source value is a bf16 tie")
 
     def check_float32_export(self, name, source_dir, config, weights):
         """After the step: a float32 export stores `weights` (the float64
-        model's, from SaveCheckpoint) rounded to nearest even."""
+        model's, from SaveCheckpoint) rounded to nearest even. Returns the
+        export's path."""
         path = self.export(name, "f32", pb.DTYPE_FLOAT32)
         exported = self.check_export_directory(name, source_dir, path, config, "float32")
         self.assertEqual(sorted(exported), sorted(weights), f"{name}: exported tensor names")
@@ -545,19 +579,44 @@ class HfFamiliesTest(ServerTestCase):
             inexact += int(np.sum(expected.astype(np.float64) != weights[n]))
         # The rounding is exercised: most updated weights are not floats.
         self.assertGreater(inexact, 0, f"{name}: every weight is exact in float32")
+        return path
+
+    def check_reimport(self, name, export_dir, config):
+        """The float32 export loads back: a FLOAT32 model created with
+        CreateModel(init_checkpoint=export_dir) holds exactly the exported
+        tensors, bit for bit (from its SaveCheckpoint). The model is deleted
+        afterwards."""
+        model_id = f"{name}_reimport"
+        info = self.stub.CreateModel(pb.CreateModelRequest(
+            model_id=model_id, init_checkpoint=export_dir, dtype=pb.DTYPE_FLOAT32))
+        self.assertEqual(info.model_id, model_id)
+        self.assertEqual(info.dtype, pb.DTYPE_FLOAT32, f"{name}: re-imported dtype")
+        loaded = self.read_checkpoint(self.save(model_id, "loaded"), config, "<f4")
+        exported, _ = self.read_weight_files(export_dir)
+        self.assertEqual(sorted(loaded), sorted(exported), f"{name}: re-imported names")
+        for n, (_, shape, raw) in exported.items():
+            want = np.frombuffer(raw, dtype="<f4").reshape(shape)
+            self.assertEqual(loaded[n].shape, want.shape, f"{name}: re-imported {n} shape")
+            mismatched = int(np.sum(loaded[n].view(np.uint32) != want.view(np.uint32)))
+            self.assertEqual(mismatched, 0, f"{name}: re-imported {n}: {mismatched} of "
+                             f"{want.size} values differ from the float32 export's")
+        self.stub.DeleteModel(pb.DeleteModelRequest(model_id=model_id))
 
     def save(self, model_id, tag):
         path = os.path.join(self.temp_dir, f"{model_id}_{tag}")
         self.stub.SaveCheckpoint(pb.SaveCheckpointRequest(model_id=model_id, path=path))
         return path
 
-    def read_checkpoint(self, path, config):
+    def read_checkpoint(self, path, config, dtype="<f8"):
+        """{name: array} of the checkpoint at `path` of a model of `config`,
+        every tensor stored as `dtype` (the model's: "<f8" for FLOAT64,
+        "<f4" for FLOAT32)."""
         saved = read_json(os.path.join(path, "config.json"))
         self.assertEqual(saved.get("model_type"), config["model_type"])
         tensors = read_safetensors(os.path.join(path, "model.safetensors"))
         self.assertEqual(sorted(tensors), parameter_names(config))
         for n, value in tensors.items():
-            self.assertEqual(value.dtype, np.dtype("<f8"), n)
+            self.assertEqual(value.dtype, np.dtype(dtype), n)
         return tensors
 
     def check_responses(self, name, responses, terms, calls, reduction):

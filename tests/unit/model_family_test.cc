@@ -193,6 +193,14 @@ TEST(ModelFamilyTest, RefusesWhatItDoesNotImplementNamingTheField) {
            "low_freq_factor": 4.0, "high_freq_factor": 1.0,
            "original_max_position_embeddings": 64}})",
        "rope_scaling.high_freq_factor"},
+      {"llama", R"({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}})",
+       "rope_scaling"},
+      {"llama", R"({"partial_rotary_factor": 0.5})", "partial_rotary_factor"},
+      {"llama",
+       R"({"rope_parameters": {"rope_type": "default",
+           "partial_rotary_factor": 0.25}})",
+       "rope_parameters.partial_rotary_factor"},
+      {"llama", R"({"rope_parameters": 10000.0})", "rope_parameters"},
       {"llama", R"({"hidden_act": "gelu"})", "hidden_act"},
       {"llama", R"({"attention_dropout": 0.1})", "attention_dropout"},
       {"llama", R"({"quantization_config": {"bits": 4}})",
@@ -284,6 +292,47 @@ TEST(ModelFamilyTest, QwenLayerTypesSetTheFullAttentionPrefix) {
   const ModelFamily& family = **FindModelFamily("qwen2");
   EXPECT_EQ(family.AttentionWindow(*c, 0), 0);
   EXPECT_EQ(family.AttentionWindow(*c, 1), 4);
+}
+
+TEST(ModelFamilyTest, QwenLayerTypesWithoutASlidingLayerSlideNowhere) {
+  // transformers takes layer_types over use_sliding_window and
+  // max_window_layers: every layer attends fully.
+  absl::StatusOr<LlamaConfig> c = LlamaConfig::FromHfJson(SmallConfig(
+      "qwen2", nlohmann::json::parse(
+                   R"({"use_sliding_window": true, "sliding_window": 4,
+                       "max_window_layers": 1,
+                       "layer_types": ["full_attention",
+                                       "full_attention"]})")));
+  ASSERT_TRUE(c.ok()) << c.status();
+  const ModelFamily& family = **FindModelFamily("qwen2");
+  EXPECT_EQ(family.AttentionWindow(*c, 0), 0);
+  EXPECT_EQ(family.AttentionWindow(*c, 1), 0);
+}
+
+// transformers 5 moves rope_theta and the scaling into rope_parameters; it
+// wins over the version-4 fields when a file has both.
+TEST(ModelFamilyTest, ReadsTransformers5RopeParameters) {
+  absl::StatusOr<LlamaConfig> c = LlamaConfig::FromHfJson(
+      SmallConfig("llama", nlohmann::json::parse(
+                               R"({"rope_theta": 10000.0,
+                       "rope_parameters": {"rope_type": "llama3",
+                         "rope_theta": 500000.0, "factor": 32.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}})")));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_theta, 500000.0);
+  EXPECT_EQ(c->rope_scaling.rope_type, "llama3");
+  EXPECT_EQ(c->rope_scaling.factor, 32.0);
+  EXPECT_EQ(c->rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
+
+  absl::StatusOr<LlamaConfig> plain = LlamaConfig::FromHfJson(
+      SmallConfig("qwen3", nlohmann::json::parse(
+                               R"({"rope_parameters": {"rope_type": "default",
+                                           "rope_theta": 1000000.0}})")));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->rope_theta, 1000000.0);
+  EXPECT_TRUE(plain->rope_scaling.rope_type.empty());
 }
 
 // A config-only CreateModel: the ModelConfig fields of the families reach
