@@ -7,7 +7,12 @@
 namespace tally {
 
 torch::ScalarType ToScalarType(DType dtype) {
-  return dtype == DType::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  return MasterDType(dtype) == DType::kFloat64 ? torch::kFloat64
+                                               : torch::kFloat32;
+}
+
+torch::ScalarType ComputeScalarType(DType dtype) {
+  return dtype == DType::kBFloat16 ? torch::kBFloat16 : ToScalarType(dtype);
 }
 
 Parameter* CausalLm::Find(const std::string& name) {
@@ -27,6 +32,17 @@ int CausalLm::Freeze(const std::string& pattern) {
     ++frozen;
   }
   return frozen;
+}
+
+absl::Status CausalLm::set_recompute_layers(bool recompute) {
+  if (recompute && routed_experts() > 0) {
+    return absl::InvalidArgumentError(
+        "activation_checkpointing is not implemented for mixture-of-experts "
+        "models (their layers return routing statistics besides the hidden "
+        "states)");
+  }
+  recompute_layers_ = recompute;
+  return absl::OkStatus();
 }
 
 uint64_t CausalLm::NumParameters() const {

@@ -32,7 +32,11 @@
 
 namespace tally {
 
+// The dtype of a model's parameters and gradients (MasterDType's) ...
 torch::ScalarType ToScalarType(DType dtype);
+// ... and of its matmuls and activations: bfloat16 for a mixed-precision
+// model, else the same.
+torch::ScalarType ComputeScalarType(DType dtype);
 
 // A term a model adds to each token's training loss, weighted by
 // `coefficient` (MoE load balancing). Its statistics travel with the hidden
@@ -68,6 +72,7 @@ class CausalLm {
   const LlamaConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }
   torch::ScalarType scalar_type() const { return ToScalarType(dtype_); }
+  torch::ScalarType compute_type() const { return ComputeScalarType(dtype_); }
   const ModelSharding& sharding() const { return sharding_; }
 
   std::vector<Parameter>& parameters() { return parameters_; }
@@ -81,6 +86,13 @@ class CausalLm {
   int Freeze(const std::string& pattern);
   // Of this stage's parameters, unsharded (the whole model when pp = 1).
   uint64_t NumParameters() const;
+
+  // Activation checkpointing: each decoder layer keeps only its input and
+  // runs again in backward (recompute.h); same results, bitwise. Models
+  // whose layers write StageIo (routing statistics) refuse it,
+  // INVALID_ARGUMENT.
+  absl::Status set_recompute_layers(bool recompute);
+  bool recompute_layers() const { return recompute_layers_; }
 
   int pp_stage() const { return sharding_.pp_stage; }
   bool first_stage() const { return sharding_.pp_stage == 0; }
@@ -162,6 +174,9 @@ class CausalLm {
   DType dtype_;
   ModelSharding sharding_;
   std::vector<Parameter> parameters_;
+
+ private:
+  bool recompute_layers_ = false;
 };
 
 // The family `config` names (config.json's model_type), built and placed for

@@ -88,6 +88,7 @@ std::string ManifestToJson(const CheckpointManifest& m) {
                          {"tokens", m.unsaved_window.tokens},
                          {"samples", m.unsaved_window.samples}};
   if (m.trainable_only) j["trainable_only"] = true;
+  if (m.activation_checkpointing) j["activation_checkpointing"] = true;
   return j.dump(2) + "\n";
 }
 
@@ -145,8 +146,8 @@ absl::StatusOr<CheckpointManifest> ManifestFromJson(const std::string& text,
 
   std::string name;
   TALLY_RETURN_IF_ERROR(read_string("dtype", name));
-  const std::optional<DType> dtype =
-      ParseEnum(name, {DType::kFloat32, DType::kFloat64}, &DTypeName);
+  const std::optional<DType> dtype = ParseEnum(
+      name, {DType::kFloat32, DType::kFloat64, DType::kBFloat16}, &DTypeName);
   if (!dtype) return bad("dtype", "\"float32\" or \"float64\"");
   m.dtype = *dtype;
   TALLY_RETURN_IF_ERROR(read_string("optimizer", name));
@@ -195,9 +196,13 @@ absl::StatusOr<CheckpointManifest> ManifestFromJson(const std::string& text,
     }
     *field = v->get<int64_t>();
   }
-  if (const auto it = j.find("trainable_only"); it != j.end()) {
-    if (!it->is_boolean()) return bad("trainable_only", "a boolean");
-    m.trainable_only = it->get<bool>();
+  for (auto [key, field] :
+       {std::pair<const char*, bool*>{"trainable_only", &m.trainable_only},
+        {"activation_checkpointing", &m.activation_checkpointing}}) {
+    if (const auto it = j.find(key); it != j.end()) {
+      if (!it->is_boolean()) return bad(key, "a boolean");
+      *field = it->get<bool>();
+    }
   }
   return m;
 }
@@ -433,7 +438,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
   TALLY_ASSIGN_OR_RETURN(SerializedSafetensors optimizer_file,
                          SerializeSafetensors(optimizer.StateTensors()));
   const std::string config_json =
-      model.config().ToHfJson(DTypeName(model.dtype())) + "\n";
+      model.config().ToHfJson(DTypeName(MasterDType(model.dtype()))) + "\n";
   const std::string manifest_json = ManifestToJson(written);
 
   return PublishDirectory(target,

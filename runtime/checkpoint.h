@@ -61,6 +61,9 @@ struct CheckpointManifest {
   // Holds the weights (and optimizer state) of the trainable parameters
   // only: loading it leaves the frozen ones as they are.
   bool trainable_only = false;
+  // The model's activation checkpointing setting (a --resume re-creates the
+  // model with it); absent in older checkpoints: off.
+  bool activation_checkpointing = false;
   std::string tally_version;  // of the writer
   int format_version = 2;
 };

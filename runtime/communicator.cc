@@ -91,8 +91,7 @@ class ProcessGroupCommunicator : public Communicator {
  public:
   explicit ProcessGroupCommunicator(
       c10::intrusive_ptr<c10d::ProcessGroup> group)
-      : group_(std::move(group)),
-        native_reduce_scatter_(group_->getBackendName() == "nccl") {}
+      : group_(std::move(group)), nccl_(group_->getBackendName() == "nccl") {}
 
   int rank() const override { return group_->getRank(); }
   int size() const override { return group_->getSize(); }
@@ -105,6 +104,16 @@ class ProcessGroupCommunicator : public Communicator {
   // timeout applies there, so Wait() fails (never hangs) when a peer is gone.
   PendingCollective AllReduceAsync(torch::Tensor tensor, ReduceOp op) override {
     stats_.Record(CommOp::kAllReduce, Bytes(tensor));
+    if (GlooBFloat16(tensor)) {  // synchronously, through float32
+      torch::Tensor wide = tensor.to(torch::kFloat32);
+      absl::Status status = StartAllReduce(wide, op).Wait();
+      if (status.ok()) tensor.copy_(wide);
+      return PendingCollective::Done(status);
+    }
+    return StartAllReduce(tensor, op);
+  }
+
+  PendingCollective StartAllReduce(torch::Tensor tensor, ReduceOp op) {
     c10::intrusive_ptr<c10d::Work> work;
     absl::Status started = CatchTorch("all_reduce", [&] {
       std::vector<at::Tensor> tensors = {tensor};
@@ -123,14 +132,14 @@ class ProcessGroupCommunicator : public Communicator {
     stats_.Record(CommOp::kAllGather, Bytes(input));
     return Latch(
         CatchTorch("all_gather", [&]() -> absl::StatusOr<torch::Tensor> {
-          torch::Tensor contiguous = input.contiguous();
+          torch::Tensor contiguous = Wire(input.contiguous());
           std::vector<std::vector<at::Tensor>> outputs(1);
           for (int r = 0; r < size(); ++r) {
             outputs[0].push_back(torch::empty_like(contiguous));
           }
           std::vector<at::Tensor> inputs = {contiguous};
           group_->allgather(outputs, inputs)->wait();
-          return torch::cat(outputs[0], 0);
+          return torch::cat(outputs[0], 0).view(input.scalar_type());
         }));
   }
 
@@ -145,7 +154,14 @@ class ProcessGroupCommunicator : public Communicator {
     return Latch(
         CatchTorch("reduce_scatter", [&]() -> absl::StatusOr<torch::Tensor> {
           int64_t chunk = input.size(0) / size();
-          if (native_reduce_scatter_) {
+          if (GlooBFloat16(input)) {
+            std::vector<at::Tensor> tensors = {input.to(torch::kFloat32)};
+            group_->allreduce(tensors)->wait();
+            return tensors[0]
+                .narrow(0, rank() * chunk, chunk)
+                .to(input.scalar_type());
+          }
+          if (nccl_) {
             torch::Tensor contiguous = input.contiguous();
             torch::Tensor output =
                 torch::empty_like(contiguous.narrow(0, 0, chunk));
@@ -161,7 +177,7 @@ class ProcessGroupCommunicator : public Communicator {
   absl::Status Broadcast(torch::Tensor& tensor, int root) override {
     stats_.Record(CommOp::kBroadcast, Bytes(tensor));
     return Latch(CatchTorch("broadcast", [&] {
-      std::vector<at::Tensor> tensors = {tensor};
+      std::vector<at::Tensor> tensors = {Wire(tensor)};
       c10d::BroadcastOptions options;
       options.rootRank = root;
       group_->broadcast(tensors, options)->wait();
@@ -171,7 +187,7 @@ class ProcessGroupCommunicator : public Communicator {
   absl::Status Send(const torch::Tensor& tensor, int dst) override {
     stats_.Record(CommOp::kSend, Bytes(tensor));
     return Latch(CatchTorch("send", [&] {
-      std::vector<at::Tensor> tensors = {tensor.contiguous()};
+      std::vector<at::Tensor> tensors = {Wire(tensor.contiguous())};
       group_->send(tensors, dst, /*tag=*/0)->wait();
     }));
   }
@@ -179,7 +195,7 @@ class ProcessGroupCommunicator : public Communicator {
   absl::Status Recv(torch::Tensor& tensor, int src) override {
     stats_.Record(CommOp::kRecv, Bytes(tensor));
     return Latch(CatchTorch("recv", [&] {
-      std::vector<at::Tensor> tensors = {tensor};
+      std::vector<at::Tensor> tensors = {Wire(tensor)};
       group_->recv(tensors, src, /*tag=*/0)->wait();
     }));
   }
@@ -189,8 +205,8 @@ class ProcessGroupCommunicator : public Communicator {
     stats_.Record(CommOp::kSend, Bytes(send));
     stats_.Record(CommOp::kRecv, Bytes(recv));
     return Latch(CatchTorch("send_recv", [&] {
-      std::vector<at::Tensor> incoming = {recv};
-      std::vector<at::Tensor> outgoing = {send.contiguous()};
+      std::vector<at::Tensor> incoming = {Wire(recv)};
+      std::vector<at::Tensor> outgoing = {Wire(send.contiguous())};
       auto received = group_->recv(incoming, src, /*tag=*/0);
       auto sent = group_->send(outgoing, dst, /*tag=*/0);
       sent->wait();
@@ -199,8 +215,19 @@ class ProcessGroupCommunicator : public Communicator {
   }
 
  private:
+  // Gloo in LibTorch 1.13 takes no bfloat16. Data that only moves goes as
+  // float16 of the same bits (a view: nothing is converted); sums run in
+  // float32 and are rounded back once.
+  bool GlooBFloat16(const torch::Tensor& t) const {
+    return !nccl_ && t.scalar_type() == torch::kBFloat16;
+  }
+  torch::Tensor Wire(const torch::Tensor& t) const {
+    return GlooBFloat16(t) ? t.view(torch::kHalf) : t;
+  }
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  bool native_reduce_scatter_;
+  // NCCL: bfloat16 and a native reduce-scatter; Gloo: neither.
+  bool nccl_;
 };
 
 }  // namespace

@@ -266,6 +266,7 @@ ModelSummary Engine::Summarize(const ModelState& state) {
   s.default_adam = state.spec.default_adam;
   s.default_max_grad_norm = state.spec.default_max_grad_norm;
   s.grad_sync = state.spec.grad_sync;
+  s.activation_checkpointing = state.spec.activation_checkpointing;
   s.damage = state.damage;
   return s;
 }
@@ -324,6 +325,13 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   TALLY_ASSIGN_OR_RETURN(state->model, CreateCausalLm(spec.config, spec.dtype,
                                                       spec.seed, sharding));
   TALLY_RETURN_IF_ERROR(FreezeParameters(spec.frozen, *state->model));
+  TALLY_RETURN_IF_ERROR(
+      state->model->set_recompute_layers(spec.activation_checkpointing));
+  if (spec.dtype == DType::kBFloat16 && state->model->routed_experts() > 0) {
+    return absl::InvalidArgumentError(
+        "dtype DTYPE_BFLOAT16 is not implemented for mixture-of-experts "
+        "models (their routing statistics travel with the activations)");
+  }
   if (init) {
     if (Staged(*state->model, groups_)) {
       TALLY_RETURN_IF_ERROR(
@@ -428,7 +436,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     const torch::Tensor& ids = plan.packed[b].inputs;
     const int64_t channels = config.hidden_size + AuxiliaryChannels(auxiliary);
     return torch::empty({ids.size(0), ids.size(1), channels},
-                        torch::TensorOptions().dtype(model.scalar_type()));
+                        torch::TensorOptions().dtype(model.compute_type()));
   };
   stage.forward = [&](size_t b, const torch::Tensor& received) {
     return ForwardMicroBatch(model, plan, b, received, last, args, auxiliary,
@@ -719,6 +727,7 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   manifest.default_adam = state->spec.default_adam;
   manifest.default_max_grad_norm = state->spec.default_max_grad_norm;
   manifest.grad_sync = state->spec.grad_sync;
+  manifest.activation_checkpointing = state->spec.activation_checkpointing;
   manifest.seed = state->spec.seed;
   manifest.trainable_only = options.trainable_only;
   manifest.unsaved_window = pending;

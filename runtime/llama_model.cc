@@ -11,9 +11,19 @@
 #include "runtime/moe_block.h"
 #include "runtime/parallel_ops.h"
 #include "runtime/pipeline.h"
+#include "runtime/recompute.h"
 #include "runtime/rope.h"
 
 namespace tally {
+namespace {
+
+// float32 for the reduced-precision dtypes, else `type` itself.
+torch::ScalarType AtLeastFloat32(torch::ScalarType type) {
+  return type == torch::kBFloat16 || type == torch::kHalf ? torch::kFloat32
+                                                          : type;
+}
+
+}  // namespace
 
 absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp) {
   for (auto [field, value] :
@@ -339,8 +349,12 @@ absl::StatusOr<NamedTensors> LlamaModel::FromHfTensors(
 torch::Tensor LlamaModel::Weight(int index) {
   if (index < 0) return torch::Tensor();
   const Parameter& p = parameters_[index];
-  if (!p.placements.at(MeshDim::kDpShard).is_shard()) return p.tensor;
-  return GatherShardedParameter(p.tensor, p.tp_local_shape[0],
+  // Mixed precision: the float32 master's bfloat16 copy, made before a
+  // dp_shard gather (which then moves half the bytes); the cast's backward
+  // hands the gradient back to the master in float32.
+  const torch::Tensor local = p.tensor.to(compute_type());
+  if (!p.placements.at(MeshDim::kDpShard).is_shard()) return local;
+  return GatherShardedParameter(local, p.tp_local_shape[0],
                                 *sharding_.dp_shard);
 }
 
@@ -367,8 +381,12 @@ torch::Tensor LlamaModel::LeaveRowParallel(const torch::Tensor& x, int bias) {
 
 torch::Tensor LlamaModel::RmsNorm(const torch::Tensor& x,
                                   const torch::Tensor& w) const {
-  torch::Tensor variance = x.pow(2).mean(-1, /*keepdim=*/true);
-  return w * (x * torch::rsqrt(variance + config_.rms_norm_eps));
+  // As HF: in float32 at least, the normalized values rounded back to the
+  // input's dtype before the weight (no-ops for float32 and float64).
+  const torch::Tensor wide = x.to(AtLeastFloat32(x.scalar_type()));
+  torch::Tensor variance = wide.pow(2).mean(-1, /*keepdim=*/true);
+  return w * (wide * torch::rsqrt(variance + config_.rms_norm_eps))
+                 .to(x.scalar_type());
 }
 
 torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
@@ -408,7 +426,11 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   torch::Tensor scores =
       torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
   scores = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
-  torch::Tensor out = torch::matmul(torch::softmax(scores, -1), v);
+  // The softmax in float32 at least, as HF's eager attention.
+  torch::Tensor out = torch::matmul(
+      torch::softmax(scores, -1, AtLeastFloat32(scores.scalar_type()))
+          .to(v.scalar_type()),
+      v);
   out = out.transpose(1, 2).reshape({batch, seq, heads * d});
   return LeaveRowParallel(Project(out, slot[kO]), slot[kOBias]);
 }
@@ -444,8 +466,11 @@ torch::Tensor LlamaModel::Embed(const torch::Tensor& input,
 torch::Tensor LlamaModel::TargetLogprobsFromHidden(const torch::Tensor& x,
                                                    const torch::Tensor& targets,
                                                    int64_t vocab_start) {
-  torch::Tensor logits = torch::linear(
-      EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), Weight(lm_head_));
+  // Log-probabilities in float32 at least (HF upcasts logits for the loss).
+  torch::Tensor logits =
+      torch::linear(EnterTensorParallel(RmsNorm(x, Weight(final_norm_))),
+                    Weight(lm_head_))
+          .to(AtLeastFloat32(compute_type()));
   if (sharding_.tp_size() > 1) {
     return VocabParallelTargetLogprobs(logits, targets, vocab_start,
                                        *sharding_.tp);
@@ -479,6 +504,18 @@ std::map<int64_t, torch::Tensor> LlamaModel::AttentionMasks(
   return masks;
 }
 
+torch::Tensor LlamaModel::DecoderLayer(int layer, torch::Tensor x,
+                                       const torch::Tensor& cos,
+                                       const torch::Tensor& sin,
+                                       const torch::Tensor& mask,
+                                       int64_t ep_rows, StageIo* io) {
+  const int* slot = layers_[layer].slot;
+  x = x + Attention(layer,
+                    EnterTensorParallel(RmsNorm(x, Weight(slot[kInputNorm]))),
+                    cos, sin, mask);
+  return x + Mlp(layer, RmsNorm(x, Weight(slot[kPostNorm])), ep_rows, io);
+}
+
 torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
                                        const torch::Tensor& targets,
                                        const AttentionLayout& layout,
@@ -495,7 +532,7 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
   }
   // Rotary tables at each token's position in its sample.
   const auto [cos, sin] =
-      RotaryTables(config_, layout.positions, scalar_type());
+      RotaryTables(config_, layout.positions, compute_type());
   const std::map<int64_t, torch::Tensor> masks = AttentionMasks(layout);
 
   // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
@@ -506,15 +543,17 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
   const int64_t ep_rows = config_.is_moe()
                               ? ExpertDispatchRows(batch * seq, sharding_)
                               : batch * seq;
-  for (size_t layer = 0; layer < layers_.size(); ++layer) {
-    const int* slot = layers_[layer].slot;
-    const torch::Tensor& mask =
-        masks.at(family_.AttentionWindow(config_, first_layer_ + layer));
-    x = x + Attention(static_cast<int>(layer),
-                      EnterTensorParallel(RmsNorm(x, Weight(slot[kInputNorm]))),
-                      cos, sin, mask);
-    x = x + Mlp(static_cast<int>(layer), RmsNorm(x, Weight(slot[kPostNorm])),
-                ep_rows, io);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const int layer = static_cast<int>(i);
+    // Tensors by value: a recomputed layer runs again in backward.
+    TensorBlock block = [this, layer, cos = cos, sin = sin,
+                         mask = masks.at(family_.AttentionWindow(
+                             config_, first_layer_ + layer)),
+                         ep_rows, io](const torch::Tensor& h) {
+      return DecoderLayer(layer, h, cos, sin, mask, ep_rows, io);
+    };
+    x = recompute_layers() ? RecomputeInBackward(std::move(block), x)
+                           : block(x);
   }
   if (!last_stage()) return x;
   return TargetLogprobsFromHidden(x, targets, vocab_start);

@@ -145,6 +145,12 @@ class LlamaModel : public CausalLm {
   // The layer's MLP on h [B, T, H]: dense SwiGLU or the MoE block.
   torch::Tensor Mlp(int layer, const torch::Tensor& h, int64_t ep_rows,
                     StageIo* io);
+  // One decoder layer (this stage's `layer`) on the residual stream x:
+  // attention then MLP, each behind its RMSNorm and added back.
+  torch::Tensor DecoderLayer(int layer, torch::Tensor x,
+                             const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& mask, int64_t ep_rows,
+                             StageIo* io);
   // Embedding (first stage) or received hidden states.
   torch::Tensor Embed(const torch::Tensor& input, int64_t vocab_start);
   // The last stage's head: the target log-probabilities.

@@ -5,7 +5,12 @@
 namespace tally {
 namespace {
 
-double DTypeBytes(DType dtype) { return dtype == DType::kFloat64 ? 8 : 4; }
+// Of a parameter, its gradient or an optimizer moment (float32 masters for
+// mixed precision); activations are counted at the same width, an upper
+// bound for bfloat16's.
+double DTypeBytes(DType dtype) {
+  return MasterDType(dtype) == DType::kFloat64 ? 8 : 4;
+}
 
 }  // namespace
 

@@ -16,7 +16,19 @@ absl::Status ValidateMaxGradNorm(double max_grad_norm,
 }
 
 const char* DTypeName(DType dtype) {
-  return dtype == DType::kFloat64 ? "float64" : "float32";
+  switch (dtype) {
+    case DType::kFloat64:
+      return "float64";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat32:
+      break;
+  }
+  return "float32";
+}
+
+DType MasterDType(DType dtype) {
+  return dtype == DType::kBFloat16 ? DType::kFloat32 : dtype;
 }
 
 const char* OptimizerName(OptimizerKind optimizer) {

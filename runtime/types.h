@@ -17,7 +17,9 @@
 
 namespace tally {
 
-enum class DType { kFloat32, kFloat64 };
+// kBFloat16 is mixed precision: float32 parameters, gradients and optimizer
+// state (the master copy), matmuls and activations in bfloat16.
+enum class DType { kFloat32, kFloat64, kBFloat16 };
 enum class OptimizerKind { kAdamW, kSgd };
 enum class LossReduction { kTokenMean, kSampleMean, kSum };
 enum class NormType { kL2, kInf };
@@ -26,7 +28,10 @@ enum class NonFinitePolicy { kSkip, kError };
 // ForwardBackward (EAGER) or once at OptimStep (DEFERRED, DDP's no_sync).
 enum class GradSync { kEager, kDeferred };
 
-const char* DTypeName(DType dtype);                  // "float32"
+const char* DTypeName(DType dtype);  // "float32"
+// The dtype parameters, gradients and optimizer state are kept in: float32
+// for a kBFloat16 (mixed-precision) model, else `dtype`.
+DType MasterDType(DType dtype);
 const char* OptimizerName(OptimizerKind optimizer);  // "adamw"
 const char* ReductionName(LossReduction reduction);  // "token_mean"
 
@@ -67,6 +72,10 @@ struct ModelSpec {
   // Parameters that do not train (CausalLm::Freeze patterns, '*' for a layer
   // number); each must match a parameter of the model.
   std::vector<std::string> frozen;
+  // Recompute each decoder layer in backward instead of keeping its
+  // activations (CausalLm::set_recompute_layers): same results, less
+  // memory, one more forward per call.
+  bool activation_checkpointing = false;
 };
 
 struct Sample {
@@ -146,6 +155,7 @@ struct ModelSummary {
   AdamParams default_adam;
   double default_max_grad_norm = 0.0;
   GradSync grad_sync = GradSync::kEager;
+  bool activation_checkpointing = false;
   // Non-empty when the parameters may be partly updated (an OptimStep or a
   // LoadCheckpoint failed midway): why. Only a LoadCheckpoint repairs it.
   std::string damage;

@@ -48,7 +48,8 @@ StoredDType StoredDTypeOf(ExportDType dtype, DType model_dtype) {
     case ExportDType::kFloat16:
       return {torch::kFloat16, "float16"};
   }
-  return {ToScalarType(model_dtype), DTypeName(model_dtype)};
+  // A mixed-precision model exports what it computes with, bfloat16.
+  return {ComputeScalarType(model_dtype), DTypeName(model_dtype)};
 }
 
 // The contents of the file at `path`; nullopt when there is none.

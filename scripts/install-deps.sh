@@ -7,6 +7,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake pkg-config
   libtorch-dev libgloo-dev
+  libblis4-pthread                 # the fast BLAS behind libblas.so.3 (below)
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
@@ -27,14 +28,29 @@ for pkg in "${PACKAGES[@]}"; do
   fi
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-  echo "install-deps: all ${#PACKAGES[@]} packages present"
-  exit 0
-fi
-
-echo "install-deps: installing ${missing[*]}"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+else
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# LibTorch's fp32/fp64 matmuls call whatever libblas.so.3 points to. Debian's
+# reference BLAS runs ~5 GFLOP/s per core, BLIS 70-95 (docs/performance.md):
+# move the link off the reference one, and leave any other choice alone
+# (OpenBLAS, MKL, or an administrator's own).
+triplet=$(gcc -dumpmachine)
+BLAS_LINK=libblas.so.3-$triplet
+BLIS=/usr/lib/$triplet/blis-pthread/libblas.so.3
+current=$(update-alternatives --query "$BLAS_LINK" 2>/dev/null | sed -n 's/^Value: //p')
+case "$current" in
+  */blas/libblas.so.3|"")
+    if [ -e "$BLIS" ]; then
+      $SUDO update-alternatives --set "$BLAS_LINK" "$BLIS" >/dev/null
+      echo "install-deps: libblas.so.3 -> BLIS"
+    fi ;;
+esac

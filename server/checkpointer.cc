@@ -19,10 +19,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-v1::DType ToProto(DType dtype) {
-  return dtype == DType::kFloat64 ? v1::DTYPE_FLOAT64 : v1::DTYPE_FLOAT32;
-}
-
 // Subdirectories of `dir` that are valid model ids, sorted.
 std::vector<std::string> ModelIdsIn(const fs::path& dir) {
   std::vector<std::string> ids;
@@ -232,6 +228,7 @@ absl::Status Checkpointer::ResumeModel(const std::string& model_id,
     create.set_grad_sync(m.grad_sync == GradSync::kDeferred
                              ? v1::GRAD_SYNC_DEFERRED
                              : v1::GRAD_SYNC_EAGER);
+    create.set_activation_checkpointing(m.activation_checkpointing);
     create.set_init_checkpoint(path);
     v1::ModelInfo created;
     TALLY_RETURN_IF_ERROR(commands_.Run(kCreateModelCommand, create, &created));

@@ -153,11 +153,13 @@ absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
       spec.dtype = DType::kFloat64;
       break;
     case v1::DTYPE_BFLOAT16:
+      spec.dtype = DType::kBFloat16;
+      break;
     case v1::DTYPE_FLOAT16:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "dtype ", v1::DType_Name(r.dtype()),
-          " is a storage dtype (ExportWeights.dtype); models train in "
-          "DTYPE_FLOAT32 or DTYPE_FLOAT64"));
+      return absl::InvalidArgumentError(
+          "dtype DTYPE_FLOAT16 is a storage dtype (ExportWeights.dtype); "
+          "models train in DTYPE_FLOAT32, DTYPE_FLOAT64 or DTYPE_BFLOAT16 "
+          "(mixed precision)");
     default:
       return BadEnum("dtype", r.dtype());
   }
@@ -191,6 +193,7 @@ absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
   }
   spec.default_adam = adam.ResolveAgainst(AdamParams());
   spec.default_max_grad_norm = r.default_max_grad_norm();
+  spec.activation_checkpointing = r.activation_checkpointing();
   spec.init_checkpoint = r.init_checkpoint();
   if (!spec.init_checkpoint.empty()) {
     TALLY_RETURN_IF_ERROR(ValidateCheckpointPath(spec.init_checkpoint));
@@ -353,6 +356,18 @@ v1::LossReduction ToProto(std::optional<LossReduction> reduction) {
   return v1::LOSS_REDUCTION_UNSPECIFIED;
 }
 
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64:
+      return v1::DTYPE_FLOAT64;
+    case DType::kBFloat16:
+      return v1::DTYPE_BFLOAT16;
+    case DType::kFloat32:
+      break;
+  }
+  return v1::DTYPE_FLOAT32;
+}
+
 void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_model_id(ClientModelId(s.model_id));
   ToProto(s.config, out->mutable_config());
@@ -362,8 +377,7 @@ void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_accumulated_tokens(s.window.tokens);
   out->set_accumulated_samples(s.window.samples);
   out->set_pending_reduction(ToProto(s.window.reduction));
-  out->set_dtype(s.dtype == DType::kFloat64 ? v1::DTYPE_FLOAT64
-                                            : v1::DTYPE_FLOAT32);
+  out->set_dtype(ToProto(s.dtype));
   out->set_optimizer(s.optimizer == OptimizerKind::kSgd ? v1::OPTIMIZER_SGD
                                                         : v1::OPTIMIZER_ADAMW);
   v1::AdamParams* adam = out->mutable_default_adam();
@@ -375,6 +389,7 @@ void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_default_max_grad_norm(s.default_max_grad_norm);
   out->set_grad_sync(s.grad_sync == GradSync::kDeferred ? v1::GRAD_SYNC_DEFERRED
                                                         : v1::GRAD_SYNC_EAGER);
+  out->set_activation_checkpointing(s.activation_checkpointing);
   out->set_damage(s.damage);
 }
 

@@ -85,6 +85,10 @@ ABSL_FLAG(int64_t, max_batch_tokens, tally::Defaults().max_batch_tokens,
           "padded tokens per forward/backward micro-batch (memory bound)");
 ABSL_FLAG(int64_t, bucket_mb, tally::Defaults().bucket_mb,
           "MiB per flat bucket of the gradient all-reduce over replicas");
+ABSL_FLAG(int64_t, threads, tally::Defaults().threads,
+          "intra-op threads of this rank (LibTorch and the BLAS); 0: "
+          "OMP_NUM_THREADS if set, else the cores this process may use "
+          "divided by the ranks on the machine (LOCAL_WORLD_SIZE)");
 ABSL_FLAG(bool, overlap_grad_sync, tally::Defaults().overlap_grad_sync,
           "EAGER: sum gradient buckets during backward (=false: after it)");
 
@@ -198,6 +202,7 @@ const std::vector<FlagSection>& Sections() {
         {"rendezvous-timeout-secs", "S"}}},
       {"Training",
        {{"max-batch-tokens", "N"},
+        {"threads", "N"},
         {"bucket-mb", "N"},
         {"overlap-grad-sync", nullptr}}},
       {"Checkpoints",
@@ -422,6 +427,7 @@ absl::Status SetMeshOptions(ServerOptions& o) {
 absl::Status SetTrainingOptions(ServerOptions& o) {
   TALLY_RETURN_IF_ERROR(
       SetInt(FLAGS_max_batch_tokens, 1, int64_t{1} << 30, &o.max_batch_tokens));
+  TALLY_RETURN_IF_ERROR(SetInt(FLAGS_threads, 0, 1024, &o.threads));
   TALLY_RETURN_IF_ERROR(SetInt(FLAGS_bucket_mb, 1, 1 << 16, &o.bucket_mb));
   o.overlap_grad_sync = absl::GetFlag(FLAGS_overlap_grad_sync);
   return absl::OkStatus();

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <thread>
 
@@ -12,7 +13,24 @@
 #include "server/launcher.h"
 #include "server/server.h"
 
+namespace {
+
+// libgomp reads OMP_WAIT_POLICY once, when it loads (before main). Its
+// default spins idle OpenMP threads, which then take the cores from BLIS's
+// threads: 2-thread ForwardBackward ran 0.8x slower than with PASSIVE
+// (docs/performance.md). Unless the environment chose, set PASSIVE and
+// execute this binary again, once, before any thread starts.
+void ExecAgainWithPassiveOpenMp(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/1);
+  execv("/proc/self/exe", argv);
+  // Still here: exec failed; run on with libgomp's default.
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  ExecAgainWithPassiveOpenMp(argv);
   absl::StatusOr<tally::ParsedFlags> flags =
       tally::ParseServerFlags(argc, argv);
   if (!flags.ok()) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "runtime/compute_backend.h"
 
 namespace tally {
 namespace {
@@ -297,9 +298,18 @@ prometheus::Gauge* RegisterServerInfo(FamilyBuilder& build, const Mesh& mesh) {
   build.Gauge("tally_world_size", "Ranks in this server's world")
       ->Add({})
       .Set(mesh.world_size());
+  const ComputeBackend backend = DetectComputeBackend();
   build.Gauge("tally_build_info", "Build and rank information (value 1)")
-      ->Add({{"version", TALLY_VERSION}, {"mesh", mesh.shape().ToString()}})
+      ->Add({{"version", TALLY_VERSION},
+             {"mesh", mesh.shape().ToString()},
+             {"blas", std::string(BlasVendorName(backend.blas))},
+             {"onednn", backend.onednn ? "true" : "false"}})
       .Set(1);
+  build
+      .Gauge("tally_compute_threads",
+             "Intra-op threads of this rank (LibTorch and the BLAS)")
+      ->Add({})
+      .Set(backend.threads);
   return models;
 }
 

@@ -17,6 +17,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "runtime/address.h"
+#include "runtime/compute_backend.h"
 #include "server/admission.h"
 #include "server/commands.h"
 #include "server/token_auth_processor.h"
@@ -37,6 +38,17 @@ int LocalRanks() {
   int ranks = 1;
   if (!value || !absl::SimpleAtoi(*value, &ranks) || ranks < 1) return 1;
   return ranks;
+}
+
+// The BLAS decides LibTorch's CPU speed: say which one this rank runs.
+void LogComputeBackend(const ComputeBackend& backend) {
+  Log(LogLevel::kInfo, absl::StrCat("compute: ", backend.Describe()));
+  if (backend.slow_blas()) {
+    Log(LogLevel::kWarning,
+        "compute: the reference BLAS is active; matmuls run ~15x slower than "
+        "with BLIS (install libblis4-pthread, which Debian's alternatives "
+        "then pick for libblas.so.3; docs/performance.md)");
+  }
 }
 
 // Ranks sharing a host (the local launcher, torchrun) get distinct ports:
@@ -150,6 +162,12 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     const ServerOptions& options) {
+  // Before the first matmul: BLIS reads its thread count once, at its first
+  // call.
+  TALLY_RETURN_IF_ERROR(SetComputeThreads(
+      options.threads > 0 ? options.threads
+                          : DefaultComputeThreads(LocalRanks())));
+  LogComputeBackend(DetectComputeBackend());
   EngineOptions engine_options;
   engine_options.max_batch_tokens = options.max_batch_tokens;
   engine_options.bucket_mb = options.bucket_mb;

@@ -60,6 +60,10 @@ struct ServerOptions {
   // write theirs to "<port_file>.rank<R>".
   std::string port_file;
   int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
+  // Intra-op threads of each rank, LibTorch's and the BLAS's; 0:
+  // OMP_NUM_THREADS, else the cores this process may run on divided by the
+  // ranks on the host (DefaultComputeThreads).
+  int threads = 0;
   // Every rank needs the same value (checked at start-up).
   int64_t bucket_mb = EngineOptions().bucket_mb;
   // Micro-batches per call under pipeline parallelism; 0: --pp.

@@ -245,16 +245,26 @@ class ReliabilityE2eTest : public ::testing::Test {
   // busy for about `seconds`, sized from a timed call.
   v1::ForwardBackwardRequest LongCall(Stub& stub, const std::string& model_id,
                                       double seconds) {
-    constexpr int kTimedSamples = 32;
-    v1::ForwardBackwardRequest timed =
-        Fb(model_id, 0, Samples(77, kTimedSamples, testing::kTinyMaxPositions));
-    timed.set_forward_only(true);
-    const absl::Time start = absl::Now();
-    EXPECT_TRUE(Send(&Stub::ForwardBackward, stub, timed).ok());
-    const double per_sample =
-        absl::ToDoubleSeconds(absl::Now() - start) / kTimedSamples;
+    // Timed calls double until one takes a quarter of a second, so that the
+    // call's fixed costs (the RPC, planning) do not inflate the per-sample
+    // time: with a fast BLAS a small call is mostly overhead, and a long call
+    // sized from it would end early.
+    constexpr int kMaxSamples = 16'000;  // 1M tokens: --max-tokens-per-call
+    int timed_samples = 32;
+    double per_sample = 0;
+    for (;;) {
+      v1::ForwardBackwardRequest timed = Fb(
+          model_id, 0, Samples(77, timed_samples, testing::kTinyMaxPositions));
+      timed.set_forward_only(true);
+      const absl::Time start = absl::Now();
+      EXPECT_TRUE(Send(&Stub::ForwardBackward, stub, timed).ok());
+      const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+      per_sample = elapsed / timed_samples;
+      if (elapsed >= 0.25 || timed_samples * 2 > kMaxSamples) break;
+      timed_samples *= 2;
+    }
     const int count = std::clamp(static_cast<int>(seconds / per_sample),
-                                 kTimedSamples, 20'000);
+                                 timed_samples, kMaxSamples);
     v1::ForwardBackwardRequest long_call =
         Fb(model_id, 0, Samples(78, count, testing::kTinyMaxPositions));
     long_call.set_forward_only(true);

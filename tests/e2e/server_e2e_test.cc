@@ -11,9 +11,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
@@ -359,6 +362,35 @@ TEST_F(ServerE2eTest, ServesHealthAndCreatesTheRequestedModel) {
                              client_->ListModels(v1::ListModelsRequest()));
   ASSERT_EQ(listed.models_size(), 1);
   EXPECT_TRUE(MessageDifferencer::Equals(listed.models(0), created));
+}
+
+// The server computes with a tuned BLAS (scripts/install-deps.sh installs
+// BLIS), says so on /metrics, and runs with OpenMP's passive wait policy
+// (server/main.cc executes itself again with it when the environment did not
+// choose one).
+TEST_F(ServerE2eTest, ComputesWithATunedBlasAndPassiveOpenMpThreads) {
+  TALLY_ASSERT_OK_AND_ASSIGN(const std::string metrics,
+                             HttpGet(server_->metrics_port(), "/metrics"));
+  int tuned = 0;
+  for (const char* blas : {"blis", "openblas", "mkl"}) {
+    tuned += MetricValue(metrics, "tally_build_info",
+                         {{"blas", blas}, {"onednn", "true"}})
+                 .ok();
+  }
+  EXPECT_EQ(tuned, 1) << metrics;
+  TALLY_ASSERT_OK_AND_ASSIGN(const double threads,
+                             MetricValue(metrics, "tally_compute_threads", {}));
+  EXPECT_GE(threads, 1);
+
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) {
+    GTEST_SKIP() << "this test's environment sets OMP_WAIT_POLICY";
+  }
+  std::ifstream environ_file(
+      absl::StrCat("/proc/", server_->pid(), "/environ"));
+  const std::string environ((std::istreambuf_iterator<char>(environ_file)),
+                            std::istreambuf_iterator<char>());
+  const std::vector<std::string> variables = absl::StrSplit(environ, '\0');
+  EXPECT_THAT(variables, ::testing::Contains("OMP_WAIT_POLICY=PASSIVE"));
 }
 
 // ListModels pages through the models in id order: every model exactly once,

@@ -130,6 +130,9 @@ struct Variant {
   // Optimizer steps, each after the three Calls(), with StepArgs(step).
   int steps = 1;
   const char* family = nullptr;  // see MeshCase::family
+  // The mesh's model recomputes its layers in backward (the single-device
+  // reference keeps its activations).
+  bool activation_checkpointing = false;
 };
 
 // The steps of the large golden: hyperparameters change at every step.
@@ -143,7 +146,8 @@ std::string VariantName(const Variant& v) {
       v.tied ? "/tied" : "", v.large ? "/hidden128" : "",
       v.layers != 2 ? absl::StrCat("/", v.layers, "_layers") : "",
       v.steps != 1 ? absl::StrCat("/", v.steps, "_steps") : "",
-      v.family != nullptr ? absl::StrCat("/", v.family) : "");
+      v.family != nullptr ? absl::StrCat("/", v.family) : "",
+      v.activation_checkpointing ? "/recompute" : "");
 }
 
 // The arguments of step `step`. Step 0, the only one of most variants, clips
@@ -204,8 +208,9 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
   const bool fp32_adamw =
       v.dtype == DType::kFloat32 && v.optimizer == OptimizerKind::kAdamW;
   const double param_tol = fp32_adamw ? testing::kFp32AdamParamTolerance : tol;
-  TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
   TALLY_RETURN_IF_ERROR(reference.CreateModel(spec).status());
+  spec.activation_checkpointing = v.activation_checkpointing;
+  TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
   CausalLm& model = *engine.model(id).value();
   CausalLm& ref_model = *reference.model(id).value();
   Parameter* tied = model.SplitTiedEmbedding();
@@ -781,7 +786,9 @@ INSTANTIATE_TEST_SUITE_P(Meshes, PipelineGoldenTest, kPipelineMeshes, MeshName);
 // biases shard with their columns over tp and dp_shard, the o bias and the
 // q/k norms stay replicated over tp (the norms' gradients summed over it),
 // sliding windows see positions across cp blocks and pipeline stages; tied
-// embeddings, as the small Qwens have, and untied.
+// embeddings, as the small Qwens have, and untied. The untied variant also
+// recomputes its layers in backward, so their collectives (tp, dp_shard
+// gathers, cp) run again in backward.
 class FamilyGoldenTest : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(FamilyGoldenTest, EqualsTheSingleDeviceRun) {
@@ -803,7 +810,8 @@ TEST_P(FamilyGoldenTest, EqualsTheSingleDeviceRun) {
             {f64, adam, GradSync::kDeferred, LossReduction::kSampleMean,
              NormType::kInf, /*tied=*/true, 2, false, 1, mesh.family},
             {f64, adam, GradSync::kEager, LossReduction::kSum, NormType::kL2,
-             /*tied=*/false, 2, false, 1, mesh.family}};
+             /*tied=*/false, 2, false, 1, mesh.family,
+             /*activation_checkpointing=*/true}};
         int n = 0;
         for (const Variant& v : variants) {
           TALLY_RETURN_IF_ERROR(CheckVariant(*engine, *reference, v,
@@ -823,6 +831,86 @@ INSTANTIATE_TEST_SUITE_P(
         MeshCase{"pp2_tp2_qwen3", PipelineShape(2, 1, 2), false, false,
                  "qwen3"},
         MeshCase{"cp2_qwen3", Shape(1, 1, 1, 2), false, false, "qwen3"}),
+    MeshName);
+
+// bf16 mixed precision on meshes that split it (bf16 gathers, tp and cp
+// collectives through float32 sums on Gloo, pipeline sends): the mesh's
+// bf16 model equals the single device's bf16 model within the distance
+// between the single device's bf16 and float32 models on the same data —
+// losses of each call, the norm, and the loss after the step.
+class MixedPrecisionGoldenTest : public ::testing::TestWithParam<MeshCase> {};
+
+TEST_P(MixedPrecisionGoldenTest, EqualsTheSingleDeviceRunWithinBf16Rounding) {
+  const MeshCase& mesh = GetParam();
+  testing::RunOnRanks(
+      mesh.shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+        EngineOptions options;
+        options.max_batch_tokens = 96;
+        TALLY_ASSIGN_OR_RETURN(auto engine,
+                               RankEngine(mesh.shape, env, options));
+        TALLY_ASSIGN_OR_RETURN(auto reference,
+                               Engine::CreateSingleRank(options));
+        ModelSpec bf16 = Spec("bf16", DType::kBFloat16, OptimizerKind::kAdamW,
+                              /*moe=*/false, /*tied=*/true, 2, false, "qwen3");
+        ModelSpec f32 = bf16;
+        f32.model_id = "f32";
+        f32.dtype = DType::kFloat32;
+        TALLY_RETURN_IF_ERROR(engine->CreateModel(bf16).status());
+        TALLY_RETURN_IF_ERROR(reference->CreateModel(bf16).status());
+        TALLY_RETURN_IF_ERROR(reference->CreateModel(f32).status());
+        // [mesh bf16, single bf16, single f32] per measured quantity.
+        std::vector<std::array<double, 3>> measured;
+        auto measure = [&](auto fn) -> absl::Status {
+          std::array<double, 3> values;
+          int i = 0;
+          for (auto [e, id] : {std::pair{engine.get(), "bf16"},
+                               {reference.get(), "bf16"},
+                               {reference.get(), "f32"}}) {
+            TALLY_ASSIGN_OR_RETURN(values[i++], fn(*e, id));
+          }
+          measured.push_back(values);
+          return absl::OkStatus();
+        };
+        for (const std::vector<Sample>& call : Calls()) {
+          TALLY_RETURN_IF_ERROR(
+              measure([&](Engine& e, const char* id) -> absl::StatusOr<double> {
+                TALLY_ASSIGN_OR_RETURN(auto r, e.ForwardBackward(id, {call}));
+                return r.loss_sum;
+              }));
+        }
+        OptimStepArgs step;
+        step.max_grad_norm = 0.05;
+        TALLY_RETURN_IF_ERROR(
+            measure([&](Engine& e, const char* id) -> absl::StatusOr<double> {
+              TALLY_ASSIGN_OR_RETURN(auto r, e.OptimStep(id, step));
+              return r.grad_norm;
+            }));
+        TALLY_RETURN_IF_ERROR(
+            measure([&](Engine& e, const char* id) -> absl::StatusOr<double> {
+              ForwardBackwardArgs eval{Calls()[1]};
+              eval.forward_only = true;
+              TALLY_ASSIGN_OR_RETURN(auto r, e.ForwardBackward(id, eval));
+              return r.loss_sum;
+            }));
+        double mesh_distance = 0, dtype_distance = 0;
+        for (const auto& [mesh_bf16, bf16, f32] : measured) {
+          mesh_distance =
+              std::max(mesh_distance, RelativeDiff(mesh_bf16, bf16));
+          dtype_distance = std::max(dtype_distance, RelativeDiff(bf16, f32));
+        }
+        EXPECT_GT(dtype_distance, 0) << "bf16 computed in float32?";
+        EXPECT_LE(mesh_distance, dtype_distance)
+            << "mesh vs single bf16 " << mesh_distance
+            << ", single bf16 vs float32 " << dtype_distance;
+        return absl::OkStatus();
+      });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, MixedPrecisionGoldenTest,
+    ::testing::Values(MeshCase{"dp_shard2_tp2", Shape(1, 2, 2)},
+                      MeshCase{"pp2_tp2", PipelineShape(2, 1, 2)},
+                      MeshCase{"dp_replicate2_cp2", Shape(2, 1, 1, 2)}),
     MeshName);
 
 // The bug this design rules out: clipping each stage by its own norm. A
