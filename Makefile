@@ -26,6 +26,7 @@ bench: build
 	$(BUILD_DIR)/bench/bench_comm
 	$(BUILD_DIR)/bench/bench_optim_step
 	$(BUILD_DIR)/bench/bench_rpc
+	$(BUILD_DIR)/bench/bench_train
 
 format:
 	find server runtime kernels client tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' \

@@ -18,6 +18,7 @@
 #ifndef TALLY_BENCH_BENCH_MAIN_H_
 #define TALLY_BENCH_BENCH_MAIN_H_
 
+#include <algorithm>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -30,6 +31,14 @@
 #include "absl/strings/str_join.h"
 
 namespace tally {
+
+// The median of `values` (the mean of the middle two for an even count);
+// benches report medians of their timed rounds.
+inline double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
 
 // `arg` with the '-' of a `--kebab-name[=value]` flag name turned into '_'
 // (the value is left alone); anything else unchanged.

@@ -90,12 +90,6 @@ double Seconds(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
-
 // Median seconds of `repeats` timed calls of `run`, after one untimed warm-up
 // (first touch of the optimizer state); `prepare` runs untimed before each.
 template <typename Prepare, typename Run>

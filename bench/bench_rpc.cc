@@ -8,7 +8,7 @@
 //   build/bench/bench_rpc --rounds=5 --calls=4 --samples=4 --tokens=64
 //
 // Flags (absl; each >= 1, --help lists them): --rounds (5), --calls (3),
-// --samples (8), --tokens (64).
+// --samples (8), --tokens (64), --threads (1).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -40,6 +40,9 @@ ABSL_FLAG(int, rounds, 5,
 ABSL_FLAG(int, calls, 3, "ForwardBackward calls per round (>= 1)");
 ABSL_FLAG(int, samples, 8, "samples per ForwardBackward call (>= 1)");
 ABSL_FLAG(int, tokens, 64, "tokens per sample (>= 1)");
+ABSL_FLAG(int, threads, 1,
+          "compute threads (tally-server's --threads; >= 1): the demo model's "
+          "matmuls are too small to gain from a second one");
 
 namespace tally {
 namespace {
@@ -47,6 +50,7 @@ namespace {
 constexpr char kUsage[] =
     "ForwardBackward through gRPC on loopback vs in process.\n"
     "usage: bench_rpc [--rounds=N] [--calls=N] [--samples=N] [--tokens=N] "
+    "[--threads=N] "
     "(each >= 1)";
 
 // The flags' values.
@@ -55,13 +59,8 @@ struct Options {
   int calls = 0;    // ForwardBackward calls per round
   int samples = 0;  // per call
   int tokens = 0;   // per sample
+  int threads = 0;  // compute threads
 };
-
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
 
 // Byte tokens of a fixed pseudo-random text, every target valid.
 std::vector<Sample> MakeBatch(const Options& options) {
@@ -114,6 +113,7 @@ absl::Status Run(const Options& options) {
   server_options.metrics_port = 0;
   server_options.demo_model = true;
   server_options.log_level = "warning";
+  server_options.threads = options.threads;
   TALLY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> served_engine,
                          CreateRankEngine(server_options));
   TALLY_ASSIGN_OR_RETURN(
@@ -187,7 +187,8 @@ absl::Status CheckOptions(const Options& options) {
   for (const auto& [flag, value] :
        {std::pair{"rounds", options.rounds}, std::pair{"calls", options.calls},
         std::pair{"samples", options.samples},
-        std::pair{"tokens", options.tokens}}) {
+        std::pair{"tokens", options.tokens},
+        std::pair{"threads", options.threads}}) {
     if (value < 1) {
       return absl::InvalidArgumentError(
           absl::StrCat("--", flag, " must be >= 1, got ", value));
@@ -202,6 +203,7 @@ absl::StatusOr<Options> OptionsFromFlags() {
   options.calls = absl::GetFlag(FLAGS_calls);
   options.samples = absl::GetFlag(FLAGS_samples);
   options.tokens = absl::GetFlag(FLAGS_tokens);
+  options.threads = absl::GetFlag(FLAGS_threads);
   TALLY_RETURN_IF_ERROR(CheckOptions(options));
   return options;
 }
