@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "runtime/engine.h"
+#include "server/convert.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -129,6 +130,22 @@ TEST(MixedPrecisionTest, CheckpointsKeepTheMastersAndReloadExactly) {
   EXPECT_TRUE(testing::AllEqual(
       saved, testing::ParameterValues(*engine->model("r").value())))
       << "float32 masters, not their bf16 copies";
+}
+
+// Through the API: CreateModel's DTYPE_BFLOAT16 is a mixed-precision model
+// and ModelInfo says so.
+TEST(MixedPrecisionTest, TheApiCallsItDtypeBfloat16) {
+  v1::CreateModelRequest request;
+  request.set_model_id("m");
+  request.set_dtype(v1::DTYPE_BFLOAT16);
+  absl::StatusOr<ModelSpec> spec = ParseCreateModel(request);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->dtype, DType::kBFloat16);
+  ModelSummary summary;
+  summary.dtype = DType::kBFloat16;
+  v1::ModelInfo info;
+  ToProto(summary, &info);
+  EXPECT_EQ(info.dtype(), v1::DTYPE_BFLOAT16);
 }
 
 TEST(MixedPrecisionTest, MixtureOfExpertsRefusesIt) {

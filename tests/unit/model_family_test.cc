@@ -281,32 +281,31 @@ TEST(ModelFamilyTest, FamiliesFillTransformersDefaultsForOmittedFields) {
   EXPECT_EQ(mixtral->load_balancing_coefficient(), 0.0);
 }
 
-TEST(ModelFamilyTest, QwenLayerTypesSetTheFullAttentionPrefix) {
-  absl::StatusOr<LlamaConfig> c = LlamaConfig::FromHfJson(SmallConfig(
-      "qwen2", nlohmann::json::parse(
-                   R"({"use_sliding_window": true, "sliding_window": 4,
-                       "max_window_layers": 0,
-                       "layer_types": ["full_attention",
-                                       "sliding_attention"]})")));
-  ASSERT_TRUE(c.ok()) << c.status();
-  const ModelFamily& family = **FindModelFamily("qwen2");
-  EXPECT_EQ(family.AttentionWindow(*c, 0), 0);
-  EXPECT_EQ(family.AttentionWindow(*c, 1), 4);
-}
-
-TEST(ModelFamilyTest, QwenLayerTypesWithoutASlidingLayerSlideNowhere) {
-  // transformers takes layer_types over use_sliding_window and
-  // max_window_layers: every layer attends fully.
-  absl::StatusOr<LlamaConfig> c = LlamaConfig::FromHfJson(SmallConfig(
-      "qwen2", nlohmann::json::parse(
-                   R"({"use_sliding_window": true, "sliding_window": 4,
-                       "max_window_layers": 1,
-                       "layer_types": ["full_attention",
-                                       "full_attention"]})")));
-  ASSERT_TRUE(c.ok()) << c.status();
-  const ModelFamily& family = **FindModelFamily("qwen2");
-  EXPECT_EQ(family.AttentionWindow(*c, 0), 0);
-  EXPECT_EQ(family.AttentionWindow(*c, 1), 0);
+// layer_types decides which layers slide, as in transformers: its
+// full-attention prefix, or no layer when it lists no sliding one (whatever
+// use_sliding_window and max_window_layers say).
+TEST(ModelFamilyTest, QwenLayerTypesDecideWhichLayersSlide) {
+  struct Case {
+    const char* layer_types;
+    int64_t max_window_layers;
+    std::vector<int64_t> windows;
+  };
+  for (const Case& c :
+       {Case{R"(["full_attention", "sliding_attention"])", 0, {0, 4}},
+        Case{R"(["full_attention", "full_attention"])", 1, {0, 0}}}) {
+    nlohmann::json fields = {{"use_sliding_window", true},
+                             {"sliding_window", 4},
+                             {"max_window_layers", c.max_window_layers}};
+    fields["layer_types"] = nlohmann::json::parse(c.layer_types);
+    absl::StatusOr<LlamaConfig> config =
+        LlamaConfig::FromHfJson(SmallConfig("qwen2", fields));
+    ASSERT_TRUE(config.ok()) << config.status();
+    const ModelFamily& family = **FindModelFamily("qwen2");
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      EXPECT_EQ(family.AttentionWindow(*config, layer), c.windows[layer])
+          << c.layer_types << " layer " << layer;
+    }
+  }
 }
 
 // transformers 5 moves rope_theta and the scaling into rope_parameters; it

@@ -178,6 +178,23 @@ absl::StatusOr<std::unique_ptr<Engine>> RankEngine(
   return Engine::Create(options, mesh, std::move(groups));
 }
 
+// This rank's engine on `shape` and a single-device reference, both with
+// micro-batches of at most 96 tokens (several per call).
+struct GoldenEngines {
+  std::unique_ptr<Engine> mesh;
+  std::unique_ptr<Engine> reference;
+};
+
+absl::StatusOr<GoldenEngines> CreateGoldenEngines(const MeshShape& shape,
+                                                  const RankEnv& env) {
+  EngineOptions options;
+  options.max_batch_tokens = 96;
+  GoldenEngines engines;
+  TALLY_ASSIGN_OR_RETURN(engines.mesh, RankEngine(shape, env, options));
+  TALLY_ASSIGN_OR_RETURN(engines.reference, Engine::CreateSingleRank(options));
+  return engines;
+}
+
 // Three calls of very uneven size: the first holds one valid token (so
 // every data rank but one has nothing), the others mix long, short and
 // fully ignored samples. For context parallelism the second also holds
@@ -396,11 +413,10 @@ TEST_P(MultiRankGoldenTest, EqualsTheSingleDeviceRun) {
   const bool moe = GetParam().moe;
   testing::RunOnRanks(
       shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        EngineOptions options;
-        options.max_batch_tokens = 96;  // several micro-batches per call
-        TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(shape, env, options));
-        TALLY_ASSIGN_OR_RETURN(auto reference,
-                               Engine::CreateSingleRank(options));
+        TALLY_ASSIGN_OR_RETURN(GoldenEngines engines,
+                               CreateGoldenEngines(shape, env));
+        std::unique_ptr<Engine>& engine = engines.mesh;
+        std::unique_ptr<Engine>& reference = engines.reference;
         const DType f64 = DType::kFloat64;
         const OptimizerKind adam = OptimizerKind::kAdamW;
         std::vector<Variant> variants;
@@ -715,11 +731,10 @@ TEST_P(PipelineGoldenTest, EqualsTheSingleDeviceRun) {
   const bool small = shape.world_size() <= 4;
   testing::RunOnRanks(
       shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        EngineOptions options;
-        options.max_batch_tokens = 96;
-        TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(shape, env, options));
-        TALLY_ASSIGN_OR_RETURN(auto reference,
-                               Engine::CreateSingleRank(options));
+        TALLY_ASSIGN_OR_RETURN(GoldenEngines engines,
+                               CreateGoldenEngines(shape, env));
+        std::unique_ptr<Engine>& engine = engines.mesh;
+        std::unique_ptr<Engine>& reference = engines.reference;
         const DType f64 = DType::kFloat64;
         const OptimizerKind adam = OptimizerKind::kAdamW;
         std::vector<Variant> variants = {
@@ -795,12 +810,10 @@ TEST_P(FamilyGoldenTest, EqualsTheSingleDeviceRun) {
   const MeshCase& mesh = GetParam();
   testing::RunOnRanks(
       mesh.shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        EngineOptions options;
-        options.max_batch_tokens = 96;
-        TALLY_ASSIGN_OR_RETURN(auto engine,
-                               RankEngine(mesh.shape, env, options));
-        TALLY_ASSIGN_OR_RETURN(auto reference,
-                               Engine::CreateSingleRank(options));
+        TALLY_ASSIGN_OR_RETURN(GoldenEngines engines,
+                               CreateGoldenEngines(mesh.shape, env));
+        std::unique_ptr<Engine>& engine = engines.mesh;
+        std::unique_ptr<Engine>& reference = engines.reference;
         const DType f64 = DType::kFloat64;
         const OptimizerKind adam = OptimizerKind::kAdamW;
         const std::vector<Variant> variants = {
@@ -844,12 +857,10 @@ TEST_P(MixedPrecisionGoldenTest, EqualsTheSingleDeviceRunWithinBf16Rounding) {
   const MeshCase& mesh = GetParam();
   testing::RunOnRanks(
       mesh.shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        EngineOptions options;
-        options.max_batch_tokens = 96;
-        TALLY_ASSIGN_OR_RETURN(auto engine,
-                               RankEngine(mesh.shape, env, options));
-        TALLY_ASSIGN_OR_RETURN(auto reference,
-                               Engine::CreateSingleRank(options));
+        TALLY_ASSIGN_OR_RETURN(GoldenEngines engines,
+                               CreateGoldenEngines(mesh.shape, env));
+        std::unique_ptr<Engine>& engine = engines.mesh;
+        std::unique_ptr<Engine>& reference = engines.reference;
         ModelSpec bf16 = Spec("bf16", DType::kBFloat16, OptimizerKind::kAdamW,
                               /*moe=*/false, /*tied=*/true, 2, false, "qwen3");
         ModelSpec f32 = bf16;
