@@ -85,6 +85,13 @@ absl::StatusOr<v1::ModelInfo> TrainerClient::GetModel(
   });
 }
 
+absl::StatusOr<v1::ServerInfo> TrainerClient::GetServerInfo() {
+  return Invoke<v1::ServerInfo>(true, [&](auto* context, auto* response) {
+    return trainer_->GetServerInfo(context, v1::GetServerInfoRequest(),
+                                   response);
+  });
+}
+
 absl::StatusOr<v1::ListModelsResponse> TrainerClient::ListModels(
     const v1::ListModelsRequest& request) {
   return Invoke<v1::ListModelsResponse>(

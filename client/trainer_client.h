@@ -83,6 +83,7 @@ class TrainerClient {
   absl::StatusOr<v1::ModelInfo> CreateModel(
       const v1::CreateModelRequest& request);
   absl::StatusOr<v1::ModelInfo> GetModel(const v1::GetModelRequest& request);
+  absl::StatusOr<v1::ServerInfo> GetServerInfo();
   absl::StatusOr<v1::ListModelsResponse> ListModels(
       const v1::ListModelsRequest& request);
   // Every page of ListModels in one response (next_page_token empty).

@@ -22,6 +22,7 @@
 #include "server/commands.h"
 #include "server/convert.h"
 #include "server/path_confinement.h"
+#include "server/server_info.h"
 
 namespace tally {
 namespace {
@@ -449,6 +450,39 @@ grpc::ServerUnaryReactor* TrainerService::GetModel(
                    FillNextSeqId(engine_id, response);
                    return absl::OkStatus();
                  });
+}
+
+grpc::ServerUnaryReactor* TrainerService::GetServerInfo(
+    grpc::CallbackServerContext* context,
+    const v1::GetServerInfoRequest* /*request*/, v1::ServerInfo* response) {
+  // Static facts: answered on the gRPC thread, after authentication.
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const absl::StatusOr<std::string> tenant = Authenticate(*context);
+  if (tenant.ok()) {
+    FillServerInfo(engine_->mesh(), ServerInfoLimits(),
+                   options_.authenticator != nullptr, response);
+  } else {
+    metrics_->RecordAuthFailure(
+        context->client_metadata().count("authorization") ? "invalid_token"
+                                                          : "missing_token");
+  }
+  Finish("GetServerInfo", reactor, tenant.status());
+  return reactor;
+}
+
+v1::ServerInfo::Limits TrainerService::ServerInfoLimits() const {
+  v1::ServerInfo::Limits limits;
+  limits.set_max_message_bytes(options_.max_message_bytes);
+  limits.set_max_tokens_per_call(options_.max_tokens_per_call);
+  limits.set_max_batch_tokens(options_.max_batch_tokens);
+  limits.set_max_memory_bytes(
+      static_cast<int64_t>(options_.memory.limit_bytes));
+  limits.set_max_memory_bytes_per_tenant(
+      static_cast<int64_t>(options_.memory.per_tenant_bytes));
+  limits.set_max_queued_requests(options_.budget.total);
+  limits.set_max_queued_requests_per_model(options_.budget.per_model);
+  limits.set_max_queued_requests_per_tenant(options_.budget.per_tenant);
+  return limits;
 }
 
 grpc::ServerUnaryReactor* TrainerService::ListModels(

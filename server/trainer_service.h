@@ -114,6 +114,10 @@ class TrainerService final : public v1::Trainer::CallbackService {
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
                                      const v1::GetModelRequest* request,
                                      v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(
+      grpc::CallbackServerContext* context,
+      const v1::GetServerInfoRequest* request,
+      v1::ServerInfo* response) override;
   grpc::ServerUnaryReactor* ListModels(
       grpc::CallbackServerContext* context,
       const v1::ListModelsRequest* request,
@@ -197,6 +201,8 @@ class TrainerService final : public v1::Trainer::CallbackService {
   void OnRankFailure(const absl::Status& failure);
   // `engine_id`: the model's id in the engine (info holds the client's).
   void FillNextSeqId(const std::string& engine_id, v1::ModelInfo* info) const;
+  // The limits this service was started with, for GetServerInfo.
+  v1::ServerInfo::Limits ServerInfoLimits() const;
   // `not_found` for `engine_id`, saying why when --resume could not restore
   // that model.
   absl::Status ExplainUnresumed(const std::string& engine_id,

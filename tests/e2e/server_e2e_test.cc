@@ -915,6 +915,51 @@ TEST_F(ServerE2eTest, FailedPreconditionsKeepTheWindow) {
   ExpectServing(*server_);
 }
 
+// GetServerInfo reports the flags the server was started with, the
+// compute backend and what CreateModel and ForwardBackward accept.
+TEST_F(ServerE2eTest, ServerInfoReportsTheServersFlagsAndCapabilities) {
+  ServerProcess* server =
+      StartServer({"--max-message-bytes", "12345678", "--max-tokens-per-call",
+                   "5000", "--max-batch-tokens", "640", "--max-queued-requests",
+                   "77", "--max-memory-bytes", "3000000000", "--threads", "1"});
+  ASSERT_NE(server, nullptr);
+  std::unique_ptr<TrainerClient> client = Connect(*server);
+  ASSERT_TRUE(client->WaitForServing(absl::Seconds(30)).ok());
+  TALLY_ASSERT_OK_AND_ASSIGN(const v1::ServerInfo info,
+                             client->GetServerInfo());
+  EXPECT_EQ(info.version(), TALLY_VERSION);
+  EXPECT_EQ(info.limits().max_message_bytes(), 12345678);
+  EXPECT_EQ(info.limits().max_tokens_per_call(), 5000);
+  EXPECT_EQ(info.limits().max_batch_tokens(), 640);
+  EXPECT_EQ(info.limits().max_queued_requests(), 77);
+  EXPECT_EQ(info.limits().max_memory_bytes(), 3000000000);
+  EXPECT_FALSE(info.authentication());
+  EXPECT_EQ(info.mesh().world_size(), 1);
+  EXPECT_EQ(info.mesh().tp(), 1);
+  EXPECT_EQ(info.compute().threads(), 1);
+  EXPECT_THAT(info.compute().blas(),
+              ::testing::AnyOf("blis", "openblas", "mkl"));
+  EXPECT_FALSE(info.compute().blas_library().empty());
+  EXPECT_THAT(info.model_types(),
+              ::testing::IsSupersetOf(
+                  {"llama", "mistral", "mixtral", "qwen2", "qwen3"}));
+  EXPECT_THAT(info.dtypes(), ::testing::Contains(v1::DTYPE_BFLOAT16));
+  EXPECT_THAT(info.dtypes(),
+              ::testing::Not(::testing::Contains(v1::DTYPE_FLOAT16)));
+  EXPECT_THAT(info.losses(), ::testing::ElementsAre("cross_entropy"));
+  EXPECT_THAT(info.features(),
+              ::testing::IsSupersetOf({"seq_id", "activation_checkpointing"}));
+  // What it says is what CreateModel takes: a bf16 model with
+  // checkpointing of each listed family's shape.
+  v1::CreateModelRequest bf16 = TinyModelRequest("bf16", 1);
+  bf16.set_dtype(v1::DTYPE_BFLOAT16);
+  bf16.set_activation_checkpointing(true);
+  TALLY_ASSERT_OK_AND_ASSIGN(const v1::ModelInfo created,
+                             client->CreateModel(bf16));
+  EXPECT_EQ(created.dtype(), v1::DTYPE_BFLOAT16);
+  EXPECT_TRUE(created.activation_checkpointing());
+}
+
 TEST_F(ServerE2eTest, ServerRefusesMessagesAboveItsLimit) {
   ServerProcess* small = StartServer({"--max-message-bytes", "65536"});
   ASSERT_NE(small, nullptr);

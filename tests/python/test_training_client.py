@@ -41,6 +41,14 @@ class TrainingClientTest(ClientServerTestCase):
              for step, calls in futures], expected)
         self.assertEqual(client.get_model().step, 2)
 
+    def test_server_info_describes_the_2_rank_server(self):
+        info = self.new_model("info").server_info()
+        self.assertEqual(info.mesh.world_size, 2)
+        self.assertIn("qwen3", info.model_types)
+        self.assertIn("cross_entropy", info.losses)
+        self.assertIn("seq_id", info.features)
+        self.assertNotEqual(info.compute.blas, "reference", info.compute)
+
     def test_samples_from_a_padded_batch(self):
         rows = samples_from_batch(np.array([[1, 2, 3], [4, 5, 0]]),
                                   torch.tensor([[2, 3, 4], [5, -100, -100]]))

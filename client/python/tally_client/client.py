@@ -205,6 +205,12 @@ class TrainingClient:
         request = pb.CreateModelRequest(model_id=self.model_id, **fields)
         return self._call("CreateModel", request, retryable=False).result()
 
+    def server_info(self):
+        """GetServerInfo: the server's version, compute backend, mesh,
+        model families, dtypes, losses, features and limits."""
+        return self._call("GetServerInfo", pb.GetServerInfoRequest(),
+                          retryable=True).result()
+
     def get_model(self):
         return self._call("GetModel", pb.GetModelRequest(model_id=self.model_id),
                           retryable=True).result()

@@ -1,0 +1,63 @@
+#include "server/server_info.h"
+
+#include <torch/torch.h>
+
+#include <string>
+
+#include "runtime/compute_backend.h"
+#include "runtime/model_family.h"
+#include "runtime/token_loss.h"
+
+namespace tally {
+namespace {
+
+void FillCompute(v1::ServerInfo::Compute* compute) {
+  const ComputeBackend backend = DetectComputeBackend();
+  compute->set_blas(std::string(BlasVendorName(backend.blas)));
+  compute->set_blas_library(backend.blas_library);
+  compute->set_onednn(backend.onednn);
+  compute->set_threads(backend.threads);
+  compute->set_cuda_available(torch::cuda::is_available());
+}
+
+void FillMesh(const Mesh& mesh, v1::ServerInfo::Mesh* out) {
+  const MeshShape& shape = mesh.shape();
+  out->set_world_size(shape.world_size());
+  out->set_dp_replicate(shape.dp_replicate);
+  out->set_dp_shard(shape.dp_shard);
+  out->set_cp(shape.cp);
+  out->set_ep(shape.ep);
+  out->set_pp(shape.pp);
+  out->set_tp(shape.tp);
+}
+
+}  // namespace
+
+void FillServerInfo(const Mesh& mesh, const v1::ServerInfo::Limits& limits,
+                    bool authentication, v1::ServerInfo* info) {
+  info->set_version(TALLY_VERSION);
+  FillCompute(info->mutable_compute());
+  FillMesh(mesh, info->mutable_mesh());
+  for (const std::string& type : SupportedModelTypes()) {
+    info->add_model_types(type);
+  }
+  for (const v1::DType dtype :
+       {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT64, v1::DTYPE_BFLOAT16}) {
+    info->add_dtypes(dtype);
+  }
+  for (const v1::LossReduction reduction :
+       {v1::LOSS_REDUCTION_TOKEN_MEAN, v1::LOSS_REDUCTION_SAMPLE_MEAN,
+        v1::LOSS_REDUCTION_SUM}) {
+    info->add_reductions(reduction);
+  }
+  info->add_losses(DefaultTokenLoss().name());
+  for (const char* feature :
+       {"seq_id", "activation_checkpointing", "bf16_mixed_precision",
+        "export_weights", "list_models_pagination"}) {
+    info->add_features(feature);
+  }
+  *info->mutable_limits() = limits;
+  info->set_authentication(authentication);
+}
+
+}  // namespace tally
