@@ -148,7 +148,7 @@ absl::StatusOr<CheckpointManifest> ManifestFromJson(const std::string& text,
   TALLY_RETURN_IF_ERROR(read_string("dtype", name));
   const std::optional<DType> dtype = ParseEnum(
       name, {DType::kFloat32, DType::kFloat64, DType::kBFloat16}, &DTypeName);
-  if (!dtype) return bad("dtype", "\"float32\" or \"float64\"");
+  if (!dtype) return bad("dtype", "\"float32\", \"float64\" or \"bfloat16\"");
   m.dtype = *dtype;
   TALLY_RETURN_IF_ERROR(read_string("optimizer", name));
   const std::optional<OptimizerKind> optimizer = ParseEnum(

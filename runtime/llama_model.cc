@@ -15,15 +15,6 @@
 #include "runtime/rope.h"
 
 namespace tally {
-namespace {
-
-// float32 for the reduced-precision dtypes, else `type` itself.
-torch::ScalarType AtLeastFloat32(torch::ScalarType type) {
-  return type == torch::kBFloat16 || type == torch::kHalf ? torch::kFloat32
-                                                          : type;
-}
-
-}  // namespace
 
 absl::Status ValidateTensorParallel(const LlamaConfig& config, int tp) {
   for (auto [field, value] :
@@ -85,6 +76,12 @@ ShardingPlan LlamaShardingPlan(const LlamaConfig& config) {
 }
 
 namespace {
+
+// float32 for the reduced-precision dtypes, else `type` itself.
+torch::ScalarType AtLeastFloat32(torch::ScalarType type) {
+  return type == torch::kBFloat16 || type == torch::kHalf ? torch::kFloat32
+                                                          : type;
+}
 
 // HF names of a layer's parameters under "model.layers.<i>.", by
 // LlamaModel::Slot.

@@ -313,6 +313,17 @@ absl::StatusOr<std::string> TrainerService::Authenticate(
       absl::string_view(it->second.data(), it->second.size()));
 }
 
+absl::StatusOr<std::string> TrainerService::AuthenticateCall(
+    const grpc::CallbackServerContext& context) {
+  absl::StatusOr<std::string> tenant = Authenticate(context);
+  if (!tenant.ok()) {
+    metrics_->RecordAuthFailure(context.client_metadata().count("authorization")
+                                    ? "invalid_token"
+                                    : "missing_token");
+  }
+  return tenant;
+}
+
 absl::Status TrainerService::ConfinePath(
     const grpc::CallbackServerContext& context, std::string* path) {
   if (options_.checkpoint_root.empty()) return absl::OkStatus();
@@ -348,11 +359,8 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
     std::function<absl::Status()> command) {
   grpc::CallbackServerContext* context = call.context;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::StatusOr<std::string> tenant = Authenticate(*context);
+  const absl::StatusOr<std::string> tenant = AuthenticateCall(*context);
   if (!tenant.ok()) {
-    metrics_->RecordAuthFailure(
-        context->client_metadata().count("authorization") ? "invalid_token"
-                                                          : "missing_token");
     Finish(call.method, reactor, tenant.status());
     return reactor;
   }
@@ -457,14 +465,10 @@ grpc::ServerUnaryReactor* TrainerService::GetServerInfo(
     const v1::GetServerInfoRequest* /*request*/, v1::ServerInfo* response) {
   // Static facts: answered on the gRPC thread, after authentication.
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::StatusOr<std::string> tenant = Authenticate(*context);
+  const absl::StatusOr<std::string> tenant = AuthenticateCall(*context);
   if (tenant.ok()) {
     FillServerInfo(engine_->mesh(), ServerInfoLimits(),
                    options_.authenticator != nullptr, response);
-  } else {
-    metrics_->RecordAuthFailure(
-        context->client_metadata().count("authorization") ? "invalid_token"
-                                                          : "missing_token");
   }
   Finish("GetServerInfo", reactor, tenant.status());
   return reactor;

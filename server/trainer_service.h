@@ -216,6 +216,10 @@ class TrainerService final : public v1::Trainer::CallbackService {
   // The caller's tenant ("" without authentication).
   absl::StatusOr<std::string> Authenticate(
       const grpc::CallbackServerContext& context);
+  // Authenticate at a call's entry: a refusal is also counted
+  // (tally_auth_failures_total).
+  absl::StatusOr<std::string> AuthenticateCall(
+      const grpc::CallbackServerContext& context);
   // Rewrites a checkpoint path (of the server's copy of a request) to its
   // confined absolute form; PERMISSION_DENIED when it escapes
   // --checkpoint-root.
