@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from hf_reference import (IGNORE, ReferenceCausalLM, SampleTerms, attention_biases,
-                          default_inv_freq, has_qk_norm, head_dim, hf_config,
-                          hf_weight_files, layer_windows, llama3_bands, mlp_bias,
-                          num_experts, num_kv_heads, parameter_names,
+                          default_inv_freq, float32_to_bf16_bits, has_qk_norm, head_dim,
+                          hf_config, hf_weight_files, layer_windows, llama3_bands,
+                          mlp_bias, num_experts, num_kv_heads, parameter_names,
                           parameter_shapes, random_weights, read_hf_directory,
                           read_safetensors_raw, rms_norm_eps, rope_inv_freq,
                           rope_settings, tie_word_embeddings, window_loss,
@@ -206,13 +206,6 @@ def effective_config(config):
             output_router_logits=bool(config.get("output_router_logits", False)),
             router_jitter_noise=config.get("router_jitter_noise", 0.0))
     return meaning
-
-
-def bf16_rne_bits(values):
-    """The bf16 bits of `values` rounded to nearest even, by torch's cast
-    (from float64 through float32, exact for values that are fp16 or bf16)."""
-    values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
-    return values.to(torch.bfloat16).view(torch.int16).numpy().view("<u2")
 
 
 def bf16_ties(values):
@@ -548,7 +541,7 @@ class HfFamiliesTest(ServerTestCase):
             self.assertEqual(dtype, "BF16", f"{name}: exported {n}")
             self.assertEqual(shape, source[n][1], f"{name}: exported {n} shape")
             got = np.frombuffer(raw, dtype="<u2")
-            want = bf16_rne_bits(values[n]).reshape(-1)
+            want = float32_to_bf16_bits(values[n]).reshape(-1)
             self.assertEqual(got.size, want.size, f"{name}: exported {n}")
             mismatched = int(np.sum(got != want))
             self.assertEqual(mismatched, 0, f"{name}: exported {n}: {mismatched} of "
