@@ -15,6 +15,8 @@
 #include "runtime/checkpoint.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/loss.h"
+#include "runtime/loss_registry.h"
+#include "runtime/loss_report.h"
 #include "runtime/pipeline.h"
 #include "runtime/pipeline_executor.h"
 #include "runtime/token_loss.h"
@@ -117,6 +119,7 @@ int64_t AuxiliaryChannels(const std::vector<AuxiliaryLoss>& auxiliary) {
 torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
                                 const torch::Tensor& received, bool last,
                                 const ForwardBackwardArgs& args,
+                                const TokenLoss& loss,
                                 const std::vector<AuxiliaryLoss>& auxiliary,
                                 CallResults& results) {
   const PackedBatch& batch = plan.packed[b];
@@ -153,11 +156,10 @@ torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
     loss_logprobs =
         loss_logprobs - auxiliary[a].coefficient * auxiliary_terms[a];
   }
-  const LossTerms terms =
-      ComputeLoss(args.loss ? *args.loss : DefaultTokenLoss(), loss_logprobs,
-                  batch, args.reduction, plan.RowTokens(b));
+  const LossTerms terms = ComputeLoss(loss, loss_logprobs, batch,
+                                      args.reduction, plan.RowTokens(b));
   if (plan.real(b)) {
-    RecordSamples(output, batch, plan.layouts[b], terms, args.return_logprobs,
+    RecordSamples(output, batch, plan.layouts[b], terms, WantsLogprobs(args),
                   results);
   }
   return terms.raw_loss;
@@ -369,13 +371,14 @@ absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   TALLY_RETURN_IF_ERROR(CheckIntact(*state));
   TALLY_RETURN_IF_ERROR(ValidateSamples(state->spec.config, args.samples));
-  TALLY_RETURN_IF_ERROR(ValidateLossInputs(
-      args.loss ? *args.loss : DefaultTokenLoss(), args.samples));
+  TALLY_ASSIGN_OR_RETURN(const std::shared_ptr<const TokenLoss> loss,
+                         MakeTokenLoss(args.loss));
+  TALLY_RETURN_IF_ERROR(ValidateLossInputs(*loss, args.samples));
   if (!args.forward_only) {
     TALLY_RETURN_IF_ERROR(state->window.CheckReduction(args.reduction));
   }
   absl::StatusOr<ForwardBackwardResult> result =
-      RunForwardBackward(*state, args);
+      RunForwardBackward(*state, args, *loss);
   // Validation passed, so a failure here happened mid-computation, possibly
   // after some micro-batches added their gradients.
   if (!result.ok() && !args.forward_only &&
@@ -388,7 +391,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
 }
 
 absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
-    ModelState& state, const ForwardBackwardArgs& args) {
+    ModelState& state, const ForwardBackwardArgs& args, const TokenLoss& loss) {
   const absl::Time start = absl::Now();
   CausalLm& model = *state.model;
   const LlamaConfig& config = model.config();
@@ -426,7 +429,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     }
   }
 
-  CallResults results(args.samples, args.return_logprobs,
+  CallResults results(args.samples, WantsLogprobs(args),
                       config.num_hidden_layers, model.routed_experts());
   const bool last = groups_.pp->rank() == groups_.pp->size() - 1;
   const std::vector<AuxiliaryLoss> auxiliary = model.auxiliary_losses();
@@ -439,8 +442,8 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
                         torch::TensorOptions().dtype(model.compute_type()));
   };
   stage.forward = [&](size_t b, const torch::Tensor& received) {
-    return ForwardMicroBatch(model, plan, b, received, last, args, auxiliary,
-                             results);
+    return ForwardMicroBatch(model, plan, b, received, last, args, loss,
+                             auxiliary, results);
   };
   stage.before_backward = [&](size_t b) {
     // Earlier backwards only accumulate into what the last one sums.
@@ -458,6 +461,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   }
 
   ForwardBackwardResult result = results.Unpack(args.reduction);
+  ReportLoss(loss, args, result);
   if (!args.forward_only) {
     state.window.Add(args.reduction, result.valid_tokens, result.num_samples);
   }

@@ -30,6 +30,7 @@
 #include "runtime/grad_buckets.h"
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
+#include "runtime/token_loss.h"
 #include "runtime/types.h"
 #include "runtime/weights_export.h"
 
@@ -190,8 +191,10 @@ class Engine {
   static ModelSummary Summarize(const ModelState& state);
   // Everything CreateModel does that may fail, before the model is added.
   absl::StatusOr<std::unique_ptr<ModelState>> BuildModel(ModelSpec spec);
+  // `loss` is the one args.loss describes.
   absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
-      ModelState& state, const ForwardBackwardArgs& args);
+      ModelState& state, const ForwardBackwardArgs& args,
+      const TokenLoss& loss);
   // Whether gradients must be summed across ranks before a step: over
   // groups_.replicas (expert ones over groups_.expert_replicas), and between
   // the tied embedding's copies on the first and last pipeline stage.

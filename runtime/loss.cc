@@ -33,14 +33,13 @@ absl::Status ValidateSamples(const LlamaConfig& config,
     for (const auto& [name, values] : s.token_inputs) {
       if (values.size() != s.input_tokens.size()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            field, ".token_inputs[\"", name, "\"] has ", values.size(),
+            field, ".", name, " has ", values.size(),
             " entries but input_tokens has ", s.input_tokens.size()));
       }
       for (size_t t = 0; t < values.size(); ++t) {
         if (!std::isfinite(values[t])) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(field, ".token_inputs[\"", name, "\"][", t,
-                           "] = ", values[t], " must be finite"));
+          return absl::InvalidArgumentError(absl::StrCat(
+              field, ".", name, "[", t, "] = ", values[t], " must be finite"));
         }
       }
     }
@@ -64,11 +63,9 @@ absl::Status ValidateSamples(const LlamaConfig& config,
             field, ".target_tokens[", t, "] = ", target, " is outside [0, ",
             config.vocab_size, ") and is not ", kIgnoreIndex));
       }
-      if (!s.weights.empty() &&
-          (!std::isfinite(s.weights[t]) || s.weights[t] < 0)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ".weights[", t, "] = ", s.weights[t],
-                         " must be finite and >= 0"));
+      if (!s.weights.empty() && !std::isfinite(s.weights[t])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".weights[", t, "] = ", s.weights[t], " must be finite"));
       }
     }
   }
@@ -104,7 +101,7 @@ PackedBatch PackRows(const std::vector<Sample>& samples,
       targets[b][t] = s.target_tokens[t];
       has_target[b][t] = true;
       const double weight = s.weights.empty() ? 1.0 : s.weights[t];
-      if (weight > 0) {
+      if (weight != 0) {
         w[b][t] = weight;
         valid[b][t] = true;
       }
@@ -154,7 +151,7 @@ std::vector<std::vector<int>> PartitionSamples(
     const Sample& s = samples[i];
     for (size_t t = 0; t < s.target_tokens.size(); ++t) {
       valid[i] += s.target_tokens[t] != kIgnoreIndex &&
-                  (s.weights.empty() || s.weights[t] > 0);
+                  (s.weights.empty() || s.weights[t] != 0);
     }
   }
   std::vector<int> order(samples.size());

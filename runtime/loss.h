@@ -35,8 +35,8 @@ namespace tally {
 
 // INVALID_ARGUMENT naming `samples[i].<field>` for an empty list, length
 // mismatches, empty samples, samples longer than max_position_embeddings,
-// tokens outside [0, vocab) (targets may also be -100), and weights that are
-// negative or non-finite.
+// tokens outside [0, vocab) (targets may also be -100), and non-finite
+// weights or token inputs. Weights may be negative.
 absl::Status ValidateSamples(const LlamaConfig& config,
                              const std::vector<Sample>& samples);
 
@@ -48,7 +48,7 @@ struct PackedBatch {
   torch::Tensor targets;          // [B, T] int64, -100 and padding -> 0
   torch::Tensor has_target;       // [B, T] bool: a real target, not -100
   torch::Tensor weights;          // [B, T] model dtype, 0 where not valid
-  torch::Tensor valid;            // [B, T] bool: has_target and weight > 0
+  torch::Tensor valid;            // [B, T] bool: has_target and weight != 0
   // Sample::token_inputs by name, [B, T] model dtype, 0 at padding; each
   // present when any of the rows' samples has it.
   std::map<std::string, torch::Tensor> token_inputs;

@@ -12,6 +12,10 @@ torch::Tensor CrossEntropyLoss::TokenLosses(
   return (-target_logprobs).masked_fill(~batch.valid, 0.0) * batch.weights;
 }
 
+torch::Tensor TokenLoss::Clipped(const torch::Tensor& ratio) const {
+  return torch::zeros_like(ratio, torch::kBool);
+}
+
 const TokenLoss& DefaultTokenLoss() {
   static const CrossEntropyLoss* const kCrossEntropy = new CrossEntropyLoss;
   return *kCrossEntropy;
@@ -23,8 +27,8 @@ absl::Status ValidateLossInputs(const TokenLoss& loss,
     for (size_t i = 0; i < samples.size(); ++i) {
       if (samples[i].token_inputs.count(name) == 0) {
         return absl::InvalidArgumentError(
-            absl::StrCat("samples[", i, "].token_inputs[\"", name,
-                         "\"] is required by the ", loss.name(), " loss"));
+            absl::StrCat("samples[", i, "].", name, " is required by the ",
+                         loss.name(), " loss"));
       }
     }
   }

@@ -8,7 +8,8 @@
 // ComputeLoss (loss.h) masks it to the valid tokens and reduces it to the
 // raw, un-normalized sums the accumulation window normalizes once at
 // OptimStep, so every loss obeys the window rule in the same way, on every
-// mesh. A new loss is a new file with a TokenLoss subclass.
+// mesh. A new loss is a new file with a TokenLoss subclass, named in
+// loss_registry.cc; policy_losses.h holds the RL ones.
 //
 //   const tally::CrossEntropyLoss cross_entropy;
 //   tally::LossTerms terms =
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "runtime/loss_spec.h"
 #include "runtime/types.h"
 
 namespace tally {
@@ -42,9 +44,14 @@ class TokenLoss {
   // log-probability there is not finite.
   virtual torch::Tensor TokenLosses(const torch::Tensor& target_logprobs,
                                     const PackedBatch& batch) const = 0;
+  // Where the loss clips the importance ratio `ratio` (PolicyStats::
+  // clipped_fraction): a bool tensor of its shape; none by default.
+  virtual torch::Tensor Clipped(const torch::Tensor& ratio) const;
 };
 
 // Supervised fine-tuning's weighted cross-entropy: -w_t * log p(target_t).
+// Weights of either sign: a negative one pushes the token's probability
+// down (REINFORCE, and any loss sent as its gradient w.r.t. logp).
 class CrossEntropyLoss final : public TokenLoss {
  public:
   std::string name() const override { return "cross_entropy"; }
@@ -55,8 +62,8 @@ class CrossEntropyLoss final : public TokenLoss {
 // The loss of a call that names none: cross-entropy.
 const TokenLoss& DefaultTokenLoss();
 
-// INVALID_ARGUMENT naming `samples[i].token_inputs["<name>"]` when a sample
-// lacks an input `loss` requires.
+// INVALID_ARGUMENT naming `samples[i].<name>` when a sample lacks an input
+// `loss` requires.
 absl::Status ValidateLossInputs(const TokenLoss& loss,
                                 const std::vector<Sample>& samples);
 

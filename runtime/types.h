@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "runtime/llama_config.h"
+#include "runtime/loss_spec.h"
 
 namespace tally {
 
@@ -87,21 +88,36 @@ struct Sample {
   std::map<std::string, std::vector<float>> token_inputs;
 };
 
-class TokenLoss;  // token_loss.h
-
 struct ForwardBackwardArgs {
   std::vector<Sample> samples;
   LossReduction reduction = LossReduction::kTokenMean;
   bool forward_only = false;
   bool return_logprobs = false;
-  // The per-token objective; null: cross-entropy (DefaultTokenLoss).
-  std::shared_ptr<const TokenLoss> loss;
+  // The per-token objective (loss_registry.h builds it).
+  LossSpec loss;
+};
+
+// How far the trainer's policy is from the sampler's over valid tokens
+// (v1::PolicyStats): with d = logp - sampling_logp and ratio = exp(d).
+struct PolicyStats {
+  int64_t tokens = 0;  // 0: every other field is 0
+  double ratio_mean = 0.0;
+  double ratio_min = 0.0;
+  double ratio_max = 0.0;
+  double clipped_fraction = 0.0;  // ratio outside the loss's clip range
+  double logprob_gap_mean = 0.0;  // mean |d|
+  double logprob_gap_max = 0.0;   // max |d|
+  double kl_k1 = 0.0;             // mean(-d)
+  double kl_k3 = 0.0;             // mean(ratio - 1 - d)
 };
 
 struct SampleResult {
   double loss_sum = 0.0;
   int64_t valid_tokens = 0;
-  std::vector<double> logprobs;
+  std::vector<double> logprobs;      // with return_logprobs
+  std::vector<double> token_losses;  // with return_logprobs: w * loss
+  // When every sample of the call carries sampling_logprobs.
+  std::optional<PolicyStats> policy;
 };
 
 // The pending accumulation window of a model.
@@ -120,6 +136,7 @@ struct ForwardBackwardResult {
   std::vector<SampleResult> samples;
   WindowCounts window;  // after this call
   std::map<std::string, double> metrics;
+  std::optional<PolicyStats> policy;  // over every sample, as SampleResult's
 };
 
 struct OptimStepArgs {

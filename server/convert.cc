@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "runtime/loss_spec.h"
 
 namespace tally {
 namespace {
@@ -207,6 +209,32 @@ absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
   return spec;
 }
 
+namespace {
+
+// The TokenLoss name of `loss_fn`: its enum name, lower case, without the
+// prefix (LOSS_FN_PPO: "ppo").
+absl::StatusOr<std::string> LossFnName(v1::LossFn loss_fn) {
+  if (loss_fn == v1::LOSS_FN_UNSPECIFIED) return LossSpec().name;
+  if (!v1::LossFn_IsValid(loss_fn)) return BadEnum("loss_fn", loss_fn);
+  constexpr absl::string_view kPrefix = "LOSS_FN_";
+  return absl::AsciiStrToLower(
+      absl::string_view(v1::LossFn_Name(loss_fn)).substr(kPrefix.size()));
+}
+
+void ToProto(const PolicyStats& s, v1::PolicyStats* out) {
+  out->set_tokens(s.tokens);
+  out->set_ratio_mean(s.ratio_mean);
+  out->set_ratio_min(s.ratio_min);
+  out->set_ratio_max(s.ratio_max);
+  out->set_clipped_fraction(s.clipped_fraction);
+  out->set_logprob_gap_mean(s.logprob_gap_mean);
+  out->set_logprob_gap_max(s.logprob_gap_max);
+  out->set_kl_k1(s.kl_k1);
+  out->set_kl_k3(s.kl_k3);
+}
+
+}  // namespace
+
 absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
     const v1::ForwardBackwardRequest& r) {
   ForwardBackwardArgs args;
@@ -226,6 +254,11 @@ absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
   }
   args.forward_only = r.forward_only();
   args.return_logprobs = r.return_logprobs();
+  TALLY_ASSIGN_OR_RETURN(const std::string loss_name, LossFnName(r.loss_fn()));
+  TALLY_ASSIGN_OR_RETURN(
+      args.loss, ParseLossSpec(loss_name, std::map<std::string, double>(
+                                              r.loss_fn_config().begin(),
+                                              r.loss_fn_config().end())));
   args.samples.reserve(r.samples_size());
   for (const v1::Sample& s : r.samples()) {
     Sample sample;
@@ -234,6 +267,12 @@ absl::StatusOr<ForwardBackwardArgs> ParseForwardBackward(
     sample.target_tokens.assign(s.target_tokens().begin(),
                                 s.target_tokens().end());
     sample.weights.assign(s.weights().begin(), s.weights().end());
+    for (const auto& [name, values] :
+         {std::pair{kAdvantages, &s.advantages()},
+          std::pair{kSamplingLogprobs, &s.sampling_logprobs()}}) {
+      if (values->empty()) continue;
+      sample.token_inputs[name].assign(values->begin(), values->end());
+    }
     args.samples.push_back(std::move(sample));
   }
   // The engine refuses it too (see convert.h).
@@ -404,11 +443,15 @@ int64_t ForwardBackwardResponseBound(const v1::ForwardBackwardRequest& request,
   // entry a map message of a key of at most 32 bytes and a double.
   constexpr int64_t kMetricEntry = kNested + (1 + 1 + 32) + (1 + 8);
   const int64_t metrics = 3 + (num_experts > 0 ? num_experts + 2 : 0);
-  int64_t bound = 8 * kScalar + metrics * kMetricEntry;
+  // PolicyStats: 8 doubles and a count.
+  constexpr int64_t kPolicy = kNested + 9 * kScalar;
+  int64_t bound = 8 * kScalar + metrics * kMetricEntry + kPolicy;
   for (const v1::Sample& sample : request.samples()) {
-    bound += kNested + 2 * kScalar;
+    bound += kNested + 2 * kScalar + kPolicy;
     if (request.return_logprobs()) {
-      bound += kNested + 8 * static_cast<int64_t>(sample.input_tokens_size());
+      // logprobs and token_losses.
+      bound +=
+          2 * (kNested + 8 * static_cast<int64_t>(sample.input_tokens_size()));
     }
   }
   return bound;
@@ -424,7 +467,11 @@ void ToProto(const ForwardBackwardResult& r, v1::ForwardBackwardResponse* out) {
     sample->set_loss_sum(s.loss_sum);
     sample->set_valid_tokens(s.valid_tokens);
     sample->mutable_logprobs()->Add(s.logprobs.begin(), s.logprobs.end());
+    sample->mutable_token_losses()->Add(s.token_losses.begin(),
+                                        s.token_losses.end());
+    if (s.policy) ToProto(*s.policy, sample->mutable_policy());
   }
+  if (r.policy) ToProto(*r.policy, out->mutable_policy());
   out->set_accumulated_calls(r.window.calls);
   out->set_accumulated_tokens(r.window.tokens);
   out->set_accumulated_samples(r.window.samples);

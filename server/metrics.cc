@@ -47,6 +47,22 @@ prometheus::Histogram::BucketBoundaries CheckpointBuckets() {
   return DoublingFromOneMs(25);
 }
 
+// The series of tally_policy: label stat, and the v1::PolicyStats field.
+struct PolicyStat {
+  const char* name;
+  double (v1::PolicyStats::*value)() const;
+};
+constexpr PolicyStat kPolicyStats[] = {
+    {"ratio_mean", &v1::PolicyStats::ratio_mean},
+    {"ratio_min", &v1::PolicyStats::ratio_min},
+    {"ratio_max", &v1::PolicyStats::ratio_max},
+    {"clipped_fraction", &v1::PolicyStats::clipped_fraction},
+    {"logprob_gap_mean", &v1::PolicyStats::logprob_gap_mean},
+    {"logprob_gap_max", &v1::PolicyStats::logprob_gap_max},
+    {"kl_k1", &v1::PolicyStats::kl_k1},
+    {"kl_k3", &v1::PolicyStats::kl_k3},
+};
+
 // The `phase` of a ForwardBackward: "train" (accumulating) or "eval"
 // (forward_only).
 prometheus::Labels PhaseLabels(const std::string& model_id, const char* phase) {
@@ -160,6 +176,7 @@ struct TrainingFamilies {
   prometheus::Family<prometheus::Gauge>* pending_tokens;
   prometheus::Family<prometheus::Gauge>* loss;
   prometheus::Family<prometheus::Gauge>* window_loss;
+  prometheus::Family<prometheus::Gauge>* policy;
   prometheus::Family<prometheus::Gauge>* model_step;
   prometheus::Family<prometheus::Histogram>* forward_backward_seconds;
   prometheus::Family<prometheus::Histogram>* optim_step_seconds;
@@ -199,6 +216,11 @@ TrainingFamilies RegisterTrainingFamilies(FamilyBuilder& build) {
       "tally_window_loss",
       "Loss of the last OptimStep's window: its loss sum over the step's "
       "normalizer");
+  f.policy = build.Gauge(
+      "tally_policy",
+      "Trainer vs sampler policy over the valid tokens of the last "
+      "ForwardBackward call whose samples carried sampling_logprobs "
+      "(PolicyStats), by stat");
   f.model_step =
       build.Gauge("tally_model_step", "Optimizer steps applied to the model");
   f.forward_backward_seconds =
@@ -359,6 +381,9 @@ struct ServerMetrics::ModelSeries {
   // never evaluated carry no eval series.
   prometheus::Counter* eval_valid_tokens;
   prometheus::Counter* eval_loss_sum;
+  // tally_policy by kPolicyStats' order: empty until the model's first call
+  // with sampling_logprobs.
+  std::vector<prometheus::Gauge*> policy;
   // The loss of the pending window so far (WindowLossTerm of each call):
   // what tally_window_loss divides by the step's normalizer.
   double window_loss_sum;
@@ -401,6 +426,7 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   m->pending_tokens_ = training.pending_tokens;
   m->loss_ = training.loss;
   m->window_loss_ = training.window_loss;
+  m->policy_ = training.policy;
   m->model_step_ = training.model_step;
   m->forward_backward_seconds_ = training.forward_backward_seconds;
   m->optim_step_seconds_ = training.optim_step_seconds;
@@ -449,7 +475,7 @@ ServerMetrics::ModelSeries& ServerMetrics::Series(const std::string& id) {
         &duplicate_requests_->Add(l), &poisoned_windows_->Add(l),
         &loss_sum_->Add(PhaseLabels(id, "train")), &window_loss_->Add(l),
         /*eval_valid_tokens=*/nullptr, /*eval_loss_sum=*/nullptr,
-        /*window_loss_sum=*/0.0});
+        /*policy=*/{}, /*window_loss_sum=*/0.0});
   }
   return *slot;
 }
@@ -492,12 +518,29 @@ void ServerMetrics::RecordForwardBackward(
   if (std::isfinite(result.loss_sum())) {
     (accumulated ? s.loss_sum : s.eval_loss_sum)->Increment(result.loss_sum());
   }
+  if (result.has_policy()) RecordPolicy(model_id, result.policy(), s);
   if (accumulated) {
     s.samples->Increment(static_cast<double>(result.num_samples()));
     s.pending_tokens->Set(static_cast<double>(result.accumulated_tokens()));
     s.window_loss_sum += WindowLossTerm(result, reduction);
   }
   RecordRankStateLocked();
+}
+
+void ServerMetrics::RecordPolicy(const std::string& model_id,
+                                 const v1::PolicyStats& policy,
+                                 ModelSeries& s) {
+  if (s.policy.empty()) {
+    for (const PolicyStat& stat : kPolicyStats) {
+      s.policy.push_back(
+          &policy_->Add({{"model_id", model_id}, {"stat", stat.name}}));
+    }
+  }
+  // A call without valid tokens has no statistics to show.
+  if (policy.tokens() == 0) return;
+  for (size_t i = 0; i < std::size(kPolicyStats); ++i) {
+    s.policy[i]->Set((policy.*kPolicyStats[i].value)());
+  }
 }
 
 void ServerMetrics::RecordOptimStep(const std::string& model_id,
@@ -583,6 +626,7 @@ void ServerMetrics::RemoveModel(const std::string& model_id) {
   poisoned_windows_->Remove(s.poisoned_windows);
   loss_sum_->Remove(s.loss_sum);
   window_loss_->Remove(s.window_loss);
+  for (prometheus::Gauge* gauge : s.policy) policy_->Remove(gauge);
   if (s.eval_valid_tokens != nullptr) {
     valid_tokens_->Remove(s.eval_valid_tokens);
     loss_sum_->Remove(s.eval_loss_sum);

@@ -116,6 +116,9 @@ class ServerMetrics {
   void RemoveRankSeries(const std::string& model_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecordRankStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets tally_policy of `s`, the series of model_id.
+  void RecordPolicy(const std::string& model_id, const v1::PolicyStats& policy,
+                    ModelSeries& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Engine* engine_ = nullptr;
   std::shared_ptr<prometheus::Registry> registry_;
@@ -132,6 +135,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>* loss_ = nullptr;
   prometheus::Family<prometheus::Counter>* loss_sum_ = nullptr;
   prometheus::Family<prometheus::Gauge>* window_loss_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* policy_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_step_ = nullptr;
   prometheus::Family<prometheus::Histogram>* forward_backward_seconds_ =
       nullptr;

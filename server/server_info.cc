@@ -5,8 +5,8 @@
 #include <string>
 
 #include "runtime/compute_backend.h"
+#include "runtime/loss_spec.h"
 #include "runtime/model_family.h"
-#include "runtime/token_loss.h"
 
 namespace tally {
 namespace {
@@ -50,7 +50,7 @@ void FillServerInfo(const Mesh& mesh, const v1::ServerInfo::Limits& limits,
         v1::LOSS_REDUCTION_SUM}) {
     info->add_reductions(reduction);
   }
-  info->add_losses(DefaultTokenLoss().name());
+  for (const std::string& loss : LossNames()) info->add_losses(loss);
   for (const char* feature :
        {"seq_id", "activation_checkpointing", "bf16_mixed_precision",
         "export_weights", "list_models_pagination"}) {

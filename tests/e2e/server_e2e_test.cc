@@ -27,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -712,12 +713,62 @@ TEST_F(ServerE2eTest, InvalidArgumentsNameTheFieldAndChangeNothing) {
        }),
        kInvalid,
        {"samples[0].weights[1]"}},
-      {"negative weight",
+      {"infinite weight",
        "ForwardBackward",
-       forward_backward(
-           [&](auto& r) { weights(r.mutable_samples(0))->Set(4, -0.5f); }),
+       forward_backward([&](auto& r) {
+         weights(r.mutable_samples(0))
+             ->Set(4, -std::numeric_limits<float>::infinity());
+       }),
        kInvalid,
        {"samples[0].weights[4]"}},
+      {"unknown loss_fn",
+       "ForwardBackward",
+       forward_backward(
+           [](auto& r) { r.set_loss_fn(static_cast<v1::LossFn>(42)); }),
+       kInvalid,
+       {"loss_fn", "42"}},
+      {"a loss_fn_config key the loss does not read",
+       "ForwardBackward",
+       forward_backward([](auto& r) {
+         r.set_loss_fn(v1::LOSS_FN_PPO);
+         (*r.mutable_loss_fn_config())["clip_epsilon"] = 0.2;
+       }),
+       kInvalid,
+       {"loss_fn_config[\"clip_epsilon\"]", "clip_low_threshold"}},
+      {"dro without beta",
+       "ForwardBackward",
+       forward_backward([](auto& r) { r.set_loss_fn(v1::LOSS_FN_DRO); }),
+       kInvalid,
+       {"loss_fn_config[\"beta\"]", "required"}},
+      {"ppo without advantages",
+       "ForwardBackward",
+       forward_backward([](auto& r) {
+         r.set_loss_fn(v1::LOSS_FN_PPO);
+         for (v1::Sample& sample : *r.mutable_samples()) {
+           for (int t = 0; t < sample.input_tokens_size(); ++t) {
+             sample.add_sampling_logprobs(-1.0f);
+           }
+         }
+       }),
+       kInvalid,
+       {"samples[0].advantages", "ppo"}},
+      {"NaN sampling_logprobs",
+       "ForwardBackward",
+       forward_backward([](auto& r) {
+         v1::Sample* sample = r.mutable_samples(1);
+         for (int t = 0; t < sample->input_tokens_size(); ++t) {
+           sample->add_sampling_logprobs(
+               t == 2 ? std::numeric_limits<float>::quiet_NaN() : -1.0f);
+         }
+       }),
+       kInvalid,
+       {"samples[1].sampling_logprobs[2]"}},
+      {"advantages length mismatch",
+       "ForwardBackward",
+       forward_backward(
+           [](auto& r) { r.mutable_samples(0)->add_advantages(1.0f); }),
+       kInvalid,
+       {"samples[0].advantages has 1 entries"}},
       {"model id with a space and a slash",
        "ForwardBackward",
        forward_backward([](auto& r) { r.set_model_id("bad id/x"); }),
@@ -946,7 +997,15 @@ TEST_F(ServerE2eTest, ServerInfoReportsTheServersFlagsAndCapabilities) {
   EXPECT_THAT(info.dtypes(), ::testing::Contains(v1::DTYPE_BFLOAT16));
   EXPECT_THAT(info.dtypes(),
               ::testing::Not(::testing::Contains(v1::DTYPE_FLOAT16)));
-  EXPECT_THAT(info.losses(), ::testing::ElementsAre("cross_entropy"));
+  // Every LossFn by its name, in the enum's order.
+  std::vector<std::string> losses;
+  for (int v = v1::LossFn_MIN + 1; v <= v1::LossFn_MAX; ++v) {
+    losses.push_back(absl::AsciiStrToLower(
+        v1::LossFn_Name(static_cast<v1::LossFn>(v)).substr(8)));
+  }
+  EXPECT_THAT(info.losses(), ::testing::ElementsAreArray(losses));
+  EXPECT_EQ(losses.front(), "cross_entropy");
+  EXPECT_EQ(losses.back(), "dro");
   EXPECT_THAT(info.features(),
               ::testing::IsSupersetOf({"seq_id", "activation_checkpointing"}));
   // What it says is what CreateModel takes: a bf16 model with

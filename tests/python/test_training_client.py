@@ -57,6 +57,28 @@ class TrainingClientTest(ClientServerTestCase):
         with self.assertRaisesRegex(ValueError, "target_tokens has 1"):
             sample([1, 2], [3])
 
+    def test_rl_losses_read_advantages_and_sampling_logprobs(self):
+        client = self.new_model("rl-loss")
+        inputs, targets = [1, 2, 3, 4], [2, 3, 4, 5]
+        logprobs = client.forward_backward(
+            [sample(inputs, targets)], forward_only=True,
+            return_logprobs=True).result().samples[0].logprobs
+        advantages = [1.0, -1.0, 0.5, 2.0]
+        # On policy (the sampler's logprobs are the trainer's): ratio 1.
+        rl = client.forward_backward(
+            [{"input_tokens": inputs, "target_tokens": targets,
+              "advantages": advantages, "sampling_logprobs": list(logprobs)}],
+            reduction="sum", forward_only=True, return_logprobs=True,
+            loss_fn="importance_sampling").result()
+        np.testing.assert_allclose(rl.samples[0].token_losses,
+                                   -np.array(advantages), rtol=1e-5)
+        self.assertAlmostEqual(rl.policy.ratio_mean, 1.0, delta=1e-5)
+        self.assertEqual(rl.policy.tokens, 4)
+        with self.assertRaisesRegex(ValueError, "unknown loss_fn 'grpo'"):
+            client.forward_backward([sample(inputs, targets)], loss_fn="grpo")
+        with self.assertRaisesRegex(ValueError, "advantages has 1 values"):
+            sample(inputs, targets, advantages=[1.0])
+
     def test_dropped_requests_are_retried_with_the_same_seq_id(self):
         expected = self.reference_steps("reference-requests", 2)
         proxy = self.proxy()

@@ -1,6 +1,7 @@
 // ForwardBackwardResponseBound against real serialization: for requests of
 // many shapes, the largest response the engine can produce (every varint at
-// its longest, every sample and logprob present, the engine's metric names
+// its longest, every sample, logprob, token loss and policy statistic
+// present, the engine's metric names
 // for a dense or MoE model) never exceeds the bound, and the bound stays
 // close to it.
 #include <gtest/gtest.h>
@@ -28,7 +29,21 @@ v1::ForwardBackwardRequest Request(int samples, int length, bool logprobs) {
   return request;
 }
 
-// The largest response to `request`: negative int64s take 10 bytes.
+// Statistics whose every field is set, the count at its longest varint.
+PolicyStats LargestPolicyStats() {
+  PolicyStats stats;
+  stats.tokens = -1;
+  for (double* value : {&stats.ratio_mean, &stats.ratio_min, &stats.ratio_max,
+                        &stats.clipped_fraction, &stats.logprob_gap_mean,
+                        &stats.logprob_gap_max, &stats.kl_k1, &stats.kl_k3}) {
+    *value = 0.5;
+  }
+  return stats;
+}
+
+// The largest response to `request`: negative int64s take 10 bytes; every
+// sample's logprobs and token losses (return_logprobs) and policy
+// statistics, and the call's.
 v1::ForwardBackwardResponse LargestResponse(
     const v1::ForwardBackwardRequest& request, int64_t experts) {
   ForwardBackwardResult result;
@@ -41,9 +56,12 @@ v1::ForwardBackwardResponse LargestResponse(
     s.valid_tokens = -1;
     if (request.return_logprobs()) {
       s.logprobs.assign(sample.input_tokens_size(), -1.5);
+      s.token_losses.assign(sample.input_tokens_size(), 1.5);
     }
+    s.policy = LargestPolicyStats();
     result.samples.push_back(s);
   }
+  result.policy = LargestPolicyStats();
   for (const char* name : {"micro_batches", "padded_tokens", "seconds"}) {
     result.metrics[name] = 1;
   }

@@ -71,6 +71,25 @@ Sample MakeSampleValidAt(int64_t vocab, int length,
   return s;
 }
 
+void AddPolicyInputs(std::vector<Sample>& samples, double logprob,
+                     uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (Sample& s : samples) {
+    const size_t n = s.input_tokens.size();
+    std::vector<float>& advantages = s.token_inputs[kAdvantages];
+    std::vector<float>& sampling = s.token_inputs[kSamplingLogprobs];
+    advantages.resize(n);
+    sampling.resize(n);
+    if (s.weights.empty()) s.weights.assign(n, 1.0f);
+    for (size_t t = 0; t < n; ++t) {
+      advantages[t] = unit(rng);
+      sampling[t] = static_cast<float>(logprob + 0.5 * unit(rng));
+      if (t % 3 == 2) s.weights[t] = -s.weights[t];
+    }
+  }
+}
+
 ModelSpec TinySpec(const std::string& id, DType dtype, OptimizerKind optimizer,
                    uint64_t seed) {
   ModelSpec spec;

@@ -37,6 +37,13 @@ std::vector<Sample> MakeSamples(int64_t vocab,
                                 const std::vector<int>& valid_per_sample,
                                 uint64_t seed);
 
+// Gives every sample the RL losses' inputs: advantages in [-1, 1] and
+// sampling_logprobs of `logprob` + [-0.5, 0.5] (near a fresh model's
+// logprobs: ratios fall inside and outside PPO's default clip range), and
+// turns every third weight negative.
+void AddPolicyInputs(std::vector<Sample>& samples, double logprob,
+                     uint64_t seed);
+
 ModelSpec TinySpec(const std::string& id, DType dtype, OptimizerKind optimizer,
                    uint64_t seed = 1234);
 

@@ -24,6 +24,7 @@
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
 #include "runtime/grad_norm.h"
+#include "runtime/loss_spec.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
@@ -133,6 +134,9 @@ struct Variant {
   // The mesh's model recomputes its layers in backward (the single-device
   // reference keeps its activations).
   bool activation_checkpointing = false;
+  // The calls carry the RL losses' inputs and signed weights, and each
+  // names its own loss (PolicyLossOfCall).
+  bool policy_losses = false;
 };
 
 // The steps of the large golden: hyperparameters change at every step.
@@ -147,7 +151,8 @@ std::string VariantName(const Variant& v) {
       v.layers != 2 ? absl::StrCat("/", v.layers, "_layers") : "",
       v.steps != 1 ? absl::StrCat("/", v.steps, "_steps") : "",
       v.family != nullptr ? absl::StrCat("/", v.family) : "",
-      v.activation_checkpointing ? "/recompute" : "");
+      v.activation_checkpointing ? "/recompute" : "",
+      v.policy_losses ? "/policy_losses" : "");
 }
 
 // The arguments of step `step`. Step 0, the only one of most variants, clips
@@ -211,6 +216,48 @@ std::vector<std::vector<Sample>> Calls() {
           MakeSamples(vocab, {120, 2, 9, 30, 1}, 23)};
 }
 
+// The loss of call `call` of step `step` of a policy_losses variant: each
+// window mixes three losses, and two steps name all five, with settings
+// away from the defaults.
+LossSpec PolicyLossOfCall(int step, int call) {
+  const std::vector<std::string> names = LossNames();
+  LossSpec spec = ParseLossSpec(names[(3 * step + call) % names.size()], {})
+                      .value_or(LossSpec());
+  if (spec.name == "ppo" || spec.name == "cispo") {
+    spec.settings = {{"clip_low_threshold", 0.9},
+                     {"clip_high_threshold", 1.15}};
+  }
+  if (spec.name == "dro") spec.settings = {{"beta", 0.3}};
+  return spec;
+}
+
+// The calls of `v`'s windows (Calls(), with the RL inputs for
+// policy_losses).
+std::vector<std::vector<Sample>> VariantCalls(const Variant& v) {
+  std::vector<std::vector<Sample>> calls = Calls();
+  if (!v.policy_losses) return calls;
+  const double uniform_logprob = -std::log(testing::TinyConfig().vocab_size);
+  for (size_t c = 0; c < calls.size(); ++c) {
+    testing::AddPolicyInputs(calls[c], uniform_logprob, 40 + c);
+  }
+  return calls;
+}
+
+// The per-token losses and policy statistics of a call's sample.
+void ExpectSameLossReport(const SampleResult& got, const SampleResult& want,
+                          double tol) {
+  ASSERT_EQ(got.token_losses.size(), want.token_losses.size());
+  for (size_t t = 0; t < got.token_losses.size(); ++t) {
+    EXPECT_NEAR(got.token_losses[t], want.token_losses[t], tol * 10) << t;
+  }
+  ASSERT_EQ(got.policy.has_value(), want.policy.has_value());
+  if (!got.policy) return;
+  EXPECT_EQ(got.policy->tokens, want.policy->tokens);
+  EXPECT_EQ(got.policy->clipped_fraction, want.policy->clipped_fraction);
+  EXPECT_LT(RelativeDiff(got.policy->ratio_max, want.policy->ratio_max), tol);
+  EXPECT_LT(RelativeDiff(got.policy->kl_k3, want.policy->kl_k3), tol + 1e-300);
+}
+
 // Checks one variant on this rank, step by step; gtest failures are
 // reported by the rank.
 absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
@@ -234,11 +281,15 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
   const int tied_peer =
       model.first_stage() ? engine.groups().pp->size() - 1 : 0;
 
+  const std::vector<std::vector<Sample>> calls = VariantCalls(v);
   for (int step = 0; step < v.steps; ++step) {
     SCOPED_TRACE(absl::StrCat("step ", step));
-    for (const std::vector<Sample>& call : Calls()) {
+    for (size_t c = 0; c < calls.size(); ++c) {
+      const std::vector<Sample>& call = calls[c];
       ForwardBackwardArgs args{call, v.reduction};
       args.return_logprobs = true;
+      if (v.policy_losses) args.loss = PolicyLossOfCall(step, c);
+      SCOPED_TRACE(args.loss.name);
       TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult got,
                              engine.ForwardBackward(id, args));
       TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult want,
@@ -270,7 +321,9 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
           EXPECT_NEAR(got.samples[i].logprobs[t], want.samples[i].logprobs[t],
                       tol * 10);
         }
+        ExpectSameLossReport(got.samples[i], want.samples[i], tol);
       }
+      EXPECT_EQ(got.policy.has_value(), v.policy_losses);
     }
     // EAGER: summed over the replicas (dp_replicate x cp; experts: the
     // expert-data-parallel ranks) after every call, so this rank's gradient
@@ -796,6 +849,42 @@ const auto kPipelineMeshes = ::testing::Values(
     MeshCase{"pp2_dp_shard2_cp2", PipelineShape(2, 2, 1, 2)});
 
 INSTANTIATE_TEST_SUITE_P(Meshes, PipelineGoldenTest, kPipelineMeshes, MeshName);
+
+// The RL losses obey the window rule like cross-entropy: every loss under
+// every reduction, three losses mixed in each window, signed weights, ratios
+// inside and outside the clip range; losses, per-token losses, policy
+// statistics, gradients, norm and update equal the single device's on the
+// meshes that split a sample's tokens (cp) and its samples (dp_shard), both
+// with tp.
+class PolicyLossGoldenTest : public ::testing::TestWithParam<MeshCase> {};
+
+TEST_P(PolicyLossGoldenTest, EqualsTheSingleDeviceRun) {
+  const MeshShape shape = GetParam().shape;
+  testing::RunOnRanks(
+      shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+        TALLY_ASSIGN_OR_RETURN(GoldenEngines engines,
+                               CreateGoldenEngines(shape, env));
+        int n = 0;
+        for (LossReduction reduction :
+             {LossReduction::kTokenMean, LossReduction::kSampleMean,
+              LossReduction::kSum}) {
+          Variant v{DType::kFloat64, OptimizerKind::kAdamW, GradSync::kEager,
+                    reduction};
+          v.steps = 2;
+          v.policy_losses = true;
+          TALLY_RETURN_IF_ERROR(CheckVariant(*engines.mesh, *engines.reference,
+                                             v, absl::StrCat("rl", n++),
+                                             /*moe=*/false));
+        }
+        return absl::OkStatus();
+      });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, PolicyLossGoldenTest,
+    ::testing::Values(MeshCase{"dp_shard2_tp2", Shape(1, 2, 2)},
+                      MeshCase{"cp2_tp2", Shape(1, 1, 2, 2)}),
+    MeshName);
 
 // The families' features on meshes that split them (FamilyConfig): q/k/v
 // biases shard with their columns over tp and dp_shard, the o bias and the

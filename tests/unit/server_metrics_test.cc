@@ -2,7 +2,8 @@
 // shard sizes against the model's own tensors, the collective counters
 // against the communicator's CommStats, and the series of a deleted model
 // gone. Also the loss series against the engine's results (train and eval
-// apart, the window's normalized loss) and the latency histograms' buckets.
+// apart, the window's normalized loss, the RL policy statistics) and the
+// latency histograms' buckets.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -197,30 +198,45 @@ TEST(ServerMetricsTest, ExitCheckpointsAreSuccessfulWrites) {
 // apart; tally_loss is the last call's mean, eval included; tally_window_loss
 // is the window's loss over the step's normalizer, and an aborted window
 // leaves nothing in the next one.
-TEST(ServerMetricsTest, LossSumsByPhaseAndTheWindowLoss) {
-  auto engine = Engine::CreateSingleRank({});
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  auto metrics = ServerMetrics::Create("127.0.0.1:0", engine->get());
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
-  Engine& e = **engine;
-  ServerMetrics& m = **metrics;
-  const ModelSpec spec = TinySpec("m", DType::kFloat32, OptimizerKind::kAdamW);
-  ASSERT_TRUE(e.CreateModel(spec).ok());
-  m.SetPendingTokens("m", 0);  // what CreateModel records
-  const int64_t vocab = spec.config.vocab_size;
+// A single-rank engine holding model "m" (TinySpec, float32) and the
+// metrics of it, scraped on a free port.
+class ModelMetricsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    engine_ = Engine::CreateSingleRank({}).value();
+    metrics_ = ServerMetrics::Create("127.0.0.1:0", engine_.get()).value();
+    const ModelSpec spec =
+        TinySpec("m", DType::kFloat32, OptimizerKind::kAdamW);
+    ASSERT_TRUE(engine_->CreateModel(spec).ok());
+    metrics_->SetPendingTokens("m", 0);  // what CreateModel records
+    vocab_ = spec.config.vocab_size;
+  }
 
   // Runs a call on the engine and records it as the server's command does.
-  auto call = [&](std::vector<Sample> samples, LossReduction reduction,
-                  bool forward_only) {
-    ForwardBackwardArgs args{std::move(samples), reduction, forward_only};
-    absl::StatusOr<ForwardBackwardResult> result = e.ForwardBackward("m", args);
+  v1::ForwardBackwardResponse Call(const ForwardBackwardArgs& args) {
+    absl::StatusOr<ForwardBackwardResult> result =
+        engine_->ForwardBackward("m", args);
     EXPECT_TRUE(result.ok()) << result.status();
     v1::ForwardBackwardResponse response;
     if (result.ok()) ToProto(*result, &response);
-    m.RecordForwardBackward("m", response, !forward_only,
-                            ToProto(std::optional<LossReduction>(reduction)),
-                            0.5);
+    metrics_->RecordForwardBackward(
+        "m", response, !args.forward_only,
+        ToProto(std::optional<LossReduction>(args.reduction)), 0.5);
     return response;
+  }
+
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  int64_t vocab_ = 0;
+};
+
+TEST_F(ModelMetricsTest, LossSumsByPhaseAndTheWindowLoss) {
+  Engine& e = *engine_;
+  ServerMetrics& m = *metrics_;
+  const int64_t vocab = vocab_;
+  auto call = [&](std::vector<Sample> samples, LossReduction reduction,
+                  bool forward_only) {
+    return Call({std::move(samples), reduction, forward_only});
   };
   auto step = [&] {
     absl::StatusOr<OptimStepResult> result = e.OptimStep("m", {});
@@ -331,6 +347,45 @@ TEST(ServerMetricsTest, LossSumsByPhaseAndTheWindowLoss) {
   m.RemoveModel("m");
   text = Scrape(m.port());
   EXPECT_EQ(text.find("model_id=\"m\""), std::string::npos) << text;
+}
+
+// tally_policy: absent until a call carries sampling_logprobs, then the
+// call's PolicyStats per stat (eight series per model), kept by calls
+// without them, and dropped with the model.
+TEST_F(ModelMetricsTest, PolicyStatisticsOfTheLastRlCall) {
+  ServerMetrics& m = *metrics_;
+  auto call = [&](std::vector<Sample> samples, const char* loss) {
+    ForwardBackwardArgs args{std::move(samples)};
+    args.loss = ParseLossSpec(loss, {}).value();
+    return Call(args);
+  };
+  auto stat = [](const std::string& text, const char* name) {
+    return Value(text, absl::StrCat("tally_policy{rank=\"0\",model_id=\"m\","
+                                    "stat=\"",
+                                    name, "\"}"));
+  };
+  call(MakeSamples(vocab_, {3, 5}, 7), "cross_entropy");
+  EXPECT_EQ(Scrape(m.port()).find("tally_policy{"), std::string::npos);
+
+  std::vector<Sample> rl = MakeSamples(vocab_, {4, 6}, 8);
+  testing::AddPolicyInputs(rl, -std::log(vocab_), 9);
+  const v1::PolicyStats policy = call(rl, "ppo").policy();
+  ASSERT_EQ(policy.tokens(), 10);
+  call(MakeSamples(vocab_, {2}, 10), "cross_entropy");  // keeps them
+  const std::string text = Scrape(m.port());
+  EXPECT_NEAR(stat(text, "ratio_mean"), policy.ratio_mean(), 1e-15);
+  EXPECT_NEAR(stat(text, "ratio_min"), policy.ratio_min(), 1e-15);
+  EXPECT_NEAR(stat(text, "ratio_max"), policy.ratio_max(), 1e-15);
+  EXPECT_NEAR(stat(text, "clipped_fraction"), policy.clipped_fraction(), 1e-15);
+  EXPECT_GT(policy.clipped_fraction(), 0);
+  EXPECT_NEAR(stat(text, "logprob_gap_mean"), policy.logprob_gap_mean(), 1e-15);
+  EXPECT_NEAR(stat(text, "logprob_gap_max"), policy.logprob_gap_max(), 1e-15);
+  EXPECT_NEAR(stat(text, "kl_k1"), policy.kl_k1(), 1e-15);
+  EXPECT_NEAR(stat(text, "kl_k3"), policy.kl_k3(), 1e-15);
+
+  ASSERT_TRUE(engine_->DeleteModel("m").ok());
+  m.RemoveModel("m");
+  EXPECT_EQ(Scrape(m.port()).find("tally_policy{"), std::string::npos);
 }
 
 // The largest finite buckets docs/metrics.md states: ForwardBackward and

@@ -116,7 +116,7 @@ TEST(TokenLossTest, InputsAreValidatedNamingTheField) {
   const absl::Status missing = ValidateLossInputs(loss, samples);
   EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(missing.message()),
-              HasSubstr("samples[1].token_inputs[\"scale\"] is required by "
+              HasSubstr("samples[1].scale is required by "
                         "the scaled loss"));
 
   LlamaConfig config;
@@ -125,11 +125,11 @@ TEST(TokenLossTest, InputsAreValidatedNamingTheField) {
   samples = Samples();
   samples[2].token_inputs["scale"].pop_back();
   EXPECT_THAT(std::string(ValidateSamples(config, samples).message()),
-              HasSubstr("samples[2].token_inputs[\"scale\"] has 6 entries"));
+              HasSubstr("samples[2].scale has 6 entries"));
   samples = Samples();
   samples[0].token_inputs["scale"][3] = std::nanf("");
   EXPECT_THAT(std::string(ValidateSamples(config, samples).message()),
-              HasSubstr("samples[0].token_inputs[\"scale\"][3] = nan must be "
+              HasSubstr("samples[0].scale[3] = nan must be "
                         "finite"));
 }
 

@@ -5,6 +5,8 @@
     fb = client.forward_backward([sample([1, 2, 3], [2, 3, 4])])
     step = client.optim_step(max_grad_norm=1.0)
     print(fb.result().loss_mean, step.result().grad_norm)
+
+Tinker's Python SDK on tally: tally_client.tinker.
 """
 
 from tally_client.client import (PendingWindowError, RetryPolicy, TallyError,

@@ -54,6 +54,16 @@ _REDUCTIONS = {
     "sum": pb.LOSS_REDUCTION_SUM,
 }
 
+# forward_backward's per-token objectives by Tinker's names (the proto's
+# LossFn has the formulas).
+_LOSS_FNS = {
+    "cross_entropy": pb.LOSS_FN_CROSS_ENTROPY,
+    "importance_sampling": pb.LOSS_FN_IMPORTANCE_SAMPLING,
+    "ppo": pb.LOSS_FN_PPO,
+    "cispo": pb.LOSS_FN_CISPO,
+    "dro": pb.LOSS_FN_DRO,
+}
+
 # export_weights dtypes by name; None: the model's.
 _EXPORT_DTYPES = {
     None: pb.DTYPE_UNSPECIFIED,
@@ -223,15 +233,26 @@ class TrainingClient:
     # ---- training (sequenced) --------------------------------------------
 
     def forward_backward(self, samples, reduction="token_mean",
-                         forward_only=False):
+                         forward_only=False, return_logprobs=False,
+                         loss_fn="cross_entropy", loss_fn_config=None):
         """Future of a ForwardBackwardResponse. `samples`: pb.Sample objects,
-        (input_tokens, target_tokens[, weights]) tuples or dicts, with tokens
-        as lists, numpy arrays or torch tensors (see samples.to_samples)."""
+        tuples or dicts of samples.sample()'s arguments, with tokens and
+        per-token values as lists, numpy arrays or torch tensors.
+        `reduction`: "token_mean", "sample_mean", "sum" or a
+        pb.LossReduction. `forward_only`: losses (and logprobs) only, nothing
+        accumulates. `return_logprobs`: each SampleResult carries its
+        per-token logprobs and token_losses. `loss_fn`: "cross_entropy",
+        "importance_sampling", "ppo", "cispo", "dro" (Tinker's losses; the
+        RL ones read each sample's advantages and sampling_logprobs) or a
+        pb.LossFn. `loss_fn_config`: the loss's hyperparameters by name,
+        e.g. {"clip_low_threshold": 0.9} for "ppo", {"beta": 0.05} for
+        "dro"."""
         request = pb.ForwardBackwardRequest(
             model_id=self.model_id, samples=to_samples(samples),
-            reduction=_REDUCTIONS[reduction] if isinstance(reduction, str)
-            else reduction,
-            forward_only=forward_only)
+            reduction=_enum_value(_REDUCTIONS, reduction, "reduction"),
+            forward_only=forward_only, return_logprobs=return_logprobs,
+            loss_fn=_enum_value(_LOSS_FNS, loss_fn, "loss_fn"),
+            loss_fn_config=loss_fn_config or {})
         return self._send_sequenced("ForwardBackward", request, in_window=True)
 
     def optim_step(self, adam=None, max_grad_norm=None, **fields):
@@ -425,6 +446,17 @@ class TrainingClient:
 
         attempt(1)
         return result
+
+
+def _enum_value(values, name, what):
+    """The proto enum value `values[name]` for a str `name`; any other
+    `name` is taken to be the enum value itself."""
+    if not isinstance(name, str):
+        return name
+    if name not in values:
+        raise ValueError(f"unknown {what} {name!r}; valid: "
+                         f"{', '.join(sorted(values))}")
+    return values[name]
 
 
 def _chain(source, target):

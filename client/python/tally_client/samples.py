@@ -2,6 +2,8 @@
 tally.v1 Samples.
 
     sample([1, 2, 3], [2, 3, -100])
+    sample(prompt + completion[:-1], prompt[1:] + completion,
+           advantages=advantages, sampling_logprobs=sampler_logprobs)
     to_samples([(np.array([1, 2]), np.array([2, 5]))])
     samples_from_batch(tokens, targets)  # 2-D; -100 targets are ignored
 """
@@ -20,26 +22,36 @@ def to_list(values):
     return list(values)
 
 
-def sample(input_tokens, target_tokens, weights=None):
+def sample(input_tokens, target_tokens, weights=None, advantages=None,
+           sampling_logprobs=None):
     """A Sample; target_tokens[i] follows input_tokens[:i + 1], -100 ignores
-    a position; weights (optional) scale each position's loss."""
+    a position. The optional per-token values, one per token: weights scale
+    each position's loss (any sign; 0 ignores it), advantages and
+    sampling_logprobs (the sampler's log-probability of each target) are the
+    inputs of the RL losses (TrainingClient.forward_backward's loss_fn)."""
     inputs, targets = to_list(input_tokens), to_list(target_tokens)
     if len(inputs) != len(targets):
         raise ValueError(f"input_tokens has {len(inputs)} tokens but "
                          f"target_tokens has {len(targets)}")
     result = pb.Sample(input_tokens=inputs, target_tokens=targets)
-    if weights is not None:
-        weights = to_list(weights)
-        if len(weights) != len(inputs):
-            raise ValueError(f"weights has {len(weights)} values for "
+    per_token = {"weights": weights, "advantages": advantages,
+                 "sampling_logprobs": sampling_logprobs}
+    for name, values in per_token.items():
+        if values is None:
+            continue
+        values = to_list(values)
+        if len(values) != len(inputs):
+            raise ValueError(f"{name} has {len(values)} values for "
                              f"{len(inputs)} tokens")
-        result.weights.extend(weights)
+        getattr(result, name).extend(values)
     return result
 
 
 def to_samples(samples):
-    """Samples from pb.Sample objects, (inputs, targets[, weights]) tuples or
-    {"input_tokens", "target_tokens"[, "weights"]} dicts."""
+    """Samples from pb.Sample objects, (inputs, targets[, weights[,
+    advantages[, sampling_logprobs]]]) tuples, or dicts of sample()'s
+    arguments ({"input_tokens", "target_tokens"[, "weights", "advantages",
+    "sampling_logprobs"]})."""
     out = []
     for item in samples:
         if isinstance(item, pb.Sample):

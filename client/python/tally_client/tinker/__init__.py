@@ -1,0 +1,37 @@
+"""Tinker's Python SDK on a tally server: a Tinker training loop runs on
+tally by changing its import and its ServiceClient's constructor.
+
+    from tally_client import tinker          # was: import tinker
+    from tally_client.tinker import types    # was: from tinker import types
+
+    service = tinker.ServiceClient(base_url="localhost:50051")
+    training = service.create_lora_training_client(
+        base_model="/data/Qwen3-0.6B")       # a server-side HF directory
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
+    fwd_bwd = training.forward_backward([datum], "cross_entropy")
+    step = training.optim_step(types.AdamParams(learning_rate=1e-4))
+    print(fwd_bwd.result().metrics["loss:sum"], step.result().metrics)
+
+What differs from Tinker (client/python/README.md has the whole list): no
+LoRA yet (create_lora_training_client fine-tunes every parameter, with a
+warning), no sampling (save_weights_for_sampler writes an HF directory for
+vLLM or transformers), checkpoint paths are server-side directories, and
+failures raise tally_client's TallyError.
+"""
+
+from tally_client.client import TallyError, WindowAbortedError
+from tally_client.tinker import types
+from tally_client.tinker.clients import (DEMO_MODEL, REDUCTIONS, APIFuture,
+                                         ServiceClient, TrainingClient)
+from tally_client.tinker.types import (AdamParams, Datum, EncodedTextChunk,
+                                       ForwardBackwardOutput, LossFnType,
+                                       ModelInput, OptimStepResponse,
+                                       TensorData)
+
+__all__ = ["APIFuture", "AdamParams", "DEMO_MODEL", "Datum",
+           "EncodedTextChunk", "ForwardBackwardOutput", "LossFnType",
+           "ModelInput", "OptimStepResponse", "REDUCTIONS", "ServiceClient",
+           "TallyError", "TensorData", "TrainingClient", "WindowAbortedError",
+           "types"]

@@ -1,0 +1,541 @@
+"""Tinker's ServiceClient, TrainingClient and APIFuture on a tally server.
+
+The calls, arguments and results of Tinker's Python SDK, each mapped to the
+tally RPC that does the same work, through tally_client.TrainingClient: every
+request takes the model's next seq_id when it is made and is sent at once,
+so calls are pipelined, execute in call order, and are retried without
+being applied twice.
+
+| Tinker                                   | tally                            |
+|------------------------------------------|----------------------------------|
+| create_lora_training_client(base_model)  | CreateModel (full fine-tuning)   |
+| forward_backward(data, loss_fn, config)  | ForwardBackward, return_logprobs |
+| forward(data, loss_fn, config)           | ForwardBackward, forward_only    |
+| forward_backward_custom(data, fn)        | forward, then cross_entropy with |
+|                                          | weights -dfn/dlogprobs           |
+| optim_step(AdamParams)                   | OptimStep                        |
+| save_state / load_state[_with_optimizer] | SaveCheckpoint / LoadCheckpoint  |
+| save_weights_for_sampler(name)           | ExportWeights (HF directory)     |
+| get_info()                               | GetModel                         |
+
+Losses sum over tokens as Tinker's do (reduction "sum"); a TrainingClient
+made with reduction="token_mean" or "sample_mean" has tally normalize the
+gradients of a whole accumulation window at optim_step instead.
+"""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import os
+import warnings
+
+from tally.v1 import trainer_pb2 as pb
+
+from tally_client import client as tally
+from tally_client.tinker.types import (Datum, ForwardBackwardOutput,
+                                       GetInfoResponse,
+                                       GetServerCapabilitiesResponse,
+                                       LoadWeightsResponse, ModelData,
+                                       OptimStepResponse,
+                                       SaveWeightsForSamplerResponse,
+                                       SaveWeightsResponse, SupportedModel,
+                                       TensorData)
+
+# The base_model that names no checkpoint: the server builds the model, as
+# the embedded default (a small byte-level Llama) or of the `config` passed.
+DEMO_MODEL = "tally/demo"
+
+REDUCTIONS = ("sum", "token_mean", "sample_mean")
+
+# tally Sample fields by Tinker's loss_fn_inputs keys.
+# Datum.loss_fn_inputs keys -> Sample fields. "mask" (the cookbook's RL
+# datums carry one: 0 on prompt positions) is a weight, so that prompt
+# positions count neither in token_mean nor in the policy statistics.
+_SAMPLE_FIELDS = {"target_tokens": "target_tokens", "weights": "weights",
+                  "mask": "weights", "advantages": "advantages",
+                  "logprobs": "sampling_logprobs"}
+
+_NO_SAMPLER = ("tally trains and has no sampler: write the weights with "
+               "save_weights_for_sampler(name) and serve that HF directory "
+               "with vLLM or transformers; forward() returns the trainer's "
+               "logprobs")
+
+
+class APIFuture:
+    """The result of a submitted request, like Tinker's APIFuture:
+    result() blocks, `await future` (or result_async()) waits in asyncio.
+    A submitted request cannot be cancelled."""
+
+    def __init__(self, source, convert):
+        """The result of concurrent.futures.Future `source`, passed through
+        `convert`."""
+        self._future = concurrent.futures.Future()
+        self._future.set_running_or_notify_cancel()
+
+        def done(finished):
+            try:
+                value = convert(finished.result())
+            # The request's error, or converting's: either completes it.
+            except Exception as error:  # pylint: disable=broad-except
+                self._future.set_exception(error)
+            else:
+                self._future.set_result(value)
+
+        source.add_done_callback(done)
+
+    def result(self, timeout=None):
+        """The result; raises TimeoutError after `timeout` seconds (None:
+        waits as long as it takes) and the request's error if it failed."""
+        return self._future.result(timeout)
+
+    async def result_async(self, timeout=None):
+        """result() for asyncio."""
+        return await asyncio.wait_for(asyncio.wrap_future(self._future),
+                                      timeout)
+
+    def __await__(self):
+        return self.result_async().__await__()
+
+    def future(self):
+        """The underlying concurrent.futures.Future."""
+        return self._future
+
+
+def _unsupported(name, instead):
+    """A method that raises NotImplementedError naming what to use."""
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"{name}: {instead}")
+    method.__name__ = name
+    method.__doc__ = f"Not supported by tally: {instead}."
+    return method
+
+
+class TrainingClient:
+    """One model on a tally server, driven with Tinker's TrainingClient
+    calls. Made by ServiceClient; thread-safe."""
+
+    def __init__(self, client, model_name, reduction="sum"):
+        """`client`: the tally_client.TrainingClient of the model.
+        `model_name`: the base_model it was created from. `reduction`: how
+        forward_backward's losses reduce (see REDUCTIONS)."""
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"unknown reduction {reduction!r}; valid: "
+                             f"{', '.join(REDUCTIONS)}")
+        self._client = client
+        self._model_name = model_name
+        self._reduction = reduction
+        self.model_id = client.model_id
+
+    # ---- forward and backward -------------------------------------------
+
+    def forward_backward(self, data, loss_fn, loss_fn_config=None):
+        """Future of a ForwardBackwardOutput: accumulates the gradient of
+        `loss_fn` ("cross_entropy", "importance_sampling", "ppo", "cispo",
+        "dro") over the Datums `data` until the next optim_step.
+        `loss_fn_config`: e.g. {"clip_low_threshold": 0.9,
+        "clip_high_threshold": 1.1} for ppo and cispo, {"beta": 0.05} for
+        dro."""
+        return self._forward_backward(data, loss_fn, loss_fn_config,
+                                      forward_only=False)
+
+    def forward(self, data, loss_fn, loss_fn_config=None):
+        """Future of a ForwardBackwardOutput without gradients: the logprobs
+        and losses only."""
+        return self._forward_backward(data, loss_fn, loss_fn_config,
+                                      forward_only=True)
+
+    def forward_backward_custom(self, data, loss_fn):
+        """Future of the ForwardBackwardOutput of an arbitrary loss of the
+        logprobs: `loss_fn(data, logprobs)` (one torch tensor per datum)
+        returns (loss tensor, metrics). Runs forward() and waits for it,
+        differentiates `loss_fn` locally, then sends cross_entropy with
+        weights -d(loss)/d(logprobs), which has the same gradient. Needs
+        torch. With reduction "token_mean" or "sample_mean" the surrogate is
+        normalized like any other call of the window."""
+        data = list(data)
+        return self._custom_backward(
+            data, loss_fn, self.forward(_targets_only(data),
+                                        "cross_entropy").result())
+
+    async def forward_backward_custom_async(self, data, loss_fn):
+        """forward_backward_custom for asyncio."""
+        data = list(data)
+        forward = await self.forward(_targets_only(data), "cross_entropy")
+        return self._custom_backward(data, loss_fn, forward)
+
+    def _forward_backward(self, data, loss_fn, loss_fn_config, forward_only):
+        call = self._client.forward_backward(
+            [_to_sample(datum) for datum in data], reduction=self._reduction,
+            forward_only=forward_only, return_logprobs=True, loss_fn=loss_fn,
+            loss_fn_config=loss_fn_config)
+        return APIFuture(call,
+                         lambda response: _forward_backward_output(loss_fn,
+                                                                   response))
+
+    def _custom_backward(self, data, loss_fn, forward):
+        """Sends the linear surrogate of `loss_fn` at the logprobs of
+        `forward`."""
+        logprobs = [output["logprobs"].to_torch().requires_grad_()
+                    for output in forward.loss_fn_outputs]
+        loss, metrics = loss_fn(data, logprobs)
+        loss.backward()
+        surrogate = [
+            Datum(model_input=datum.model_input, loss_fn_inputs={
+                "target_tokens": datum.loss_fn_inputs["target_tokens"],
+                # A datum the loss does not read has no gradient: weight 0.
+                "weights": [0.0] * len(logprob) if logprob.grad is None
+                           else -logprob.grad})
+            for datum, logprob in zip(data, logprobs)]
+        call = self.forward_backward(surrogate, "cross_entropy")
+        return APIFuture(call.future(), lambda output: dataclasses.replace(
+            output, metrics={**output.metrics, **metrics}))
+
+    # ---- optimizer --------------------------------------------------------
+
+    def optim_step(self, adam_params):
+        """Future of an OptimStepResponse: one AdamW step on the gradients
+        accumulated since the last one, with AdamParams `adam_params` (every
+        field sent, Tinker's defaults included; grad_clip_norm 0: no
+        clipping). Its metrics hold grad_norm (before clipping), clip_coef,
+        learning_rate, step, normalizer and skipped (1 when a non-finite
+        gradient skipped the step)."""
+        call = self._client.optim_step(
+            adam={"learning_rate": adam_params.learning_rate,
+                  "beta1": adam_params.beta1, "beta2": adam_params.beta2,
+                  "eps": adam_params.eps,
+                  "weight_decay": adam_params.weight_decay},
+            max_grad_norm=adam_params.grad_clip_norm)
+        return APIFuture(call, _optim_step_response)
+
+    # ---- checkpoints ------------------------------------------------------
+
+    def save_state(self, name, ttl_seconds=None):
+        """Future of a SaveWeightsResponse: weights, optimizer state and step
+        as a checkpoint at `name` (absolute, or relative: under
+        <model_id>/weights/ of the server's --checkpoint-root). tally refuses
+        to save a pending accumulation window: save between optim_step and
+        the next forward_backward."""
+        _warn_ttl(ttl_seconds)
+        call = self._client.save(self._path(name, "weights"))
+        return APIFuture(call, lambda response: SaveWeightsResponse(
+            path=response.path))
+
+    def load_state(self, path):
+        """Future of a LoadWeightsResponse: weights and step from the
+        checkpoint `path` (a save_state path); the optimizer restarts from
+        zero moments. Discards the pending window."""
+        return self._load(path, load_optimizer=False)
+
+    def load_state_with_optimizer(self, path):
+        """load_state that also restores the optimizer state."""
+        return self._load(path, load_optimizer=True)
+
+    def save_weights_for_sampler(self, name, ttl_seconds=None):
+        """Future of a SaveWeightsForSamplerResponse: the weights as an HF
+        model directory (transformers, vLLM) at `name` (absolute, or under
+        <model_id>/sampler_weights/ of --checkpoint-root). Does not touch
+        the pending window."""
+        _warn_ttl(ttl_seconds)
+        call = self._client.export_weights(self._path(name,
+                                                      "sampler_weights"))
+        return APIFuture(call, lambda response: SaveWeightsForSamplerResponse(
+            path=response.path))
+
+    def _load(self, path, load_optimizer):
+        call = self._client.load(path, load_optimizer=load_optimizer)
+        return APIFuture(call, lambda _: LoadWeightsResponse(path=path))
+
+    def _path(self, name, kind):
+        """The server-side directory for checkpoint `name` of `kind`, named
+        like Tinker's tinker://<model_id>/<kind>/<name>."""
+        return name if name.startswith("/") else \
+            f"{self.model_id}/{kind}/{name}"
+
+    # ---- information ------------------------------------------------------
+
+    def get_info(self):
+        """A GetInfoResponse (blocks)."""
+        info = self._client.get_model()
+        return GetInfoResponse(
+            model_data=ModelData(arch=info.config.model_type or "llama",
+                                 model_name=self._model_name),
+            model_id=info.model_id, model_name=self._model_name,
+            model_info=info)
+
+    async def get_info_async(self):
+        """get_info for asyncio."""
+        return await asyncio.to_thread(self.get_info)
+
+    # ---- the *_async variants: coroutines that submit and return the
+    # future, as Tinker's do -----------------------------------------------
+
+    async def forward_backward_async(self, data, loss_fn, loss_fn_config=None):
+        """forward_backward for asyncio."""
+        return self.forward_backward(data, loss_fn, loss_fn_config)
+
+    async def forward_async(self, data, loss_fn, loss_fn_config=None):
+        """forward for asyncio."""
+        return self.forward(data, loss_fn, loss_fn_config)
+
+    async def optim_step_async(self, adam_params):
+        """optim_step for asyncio."""
+        return self.optim_step(adam_params)
+
+    async def save_state_async(self, name, ttl_seconds=None):
+        """save_state for asyncio."""
+        return self.save_state(name, ttl_seconds)
+
+    async def load_state_async(self, path):
+        """load_state for asyncio."""
+        return self.load_state(path)
+
+    async def load_state_with_optimizer_async(self, path):
+        """load_state_with_optimizer for asyncio."""
+        return self.load_state_with_optimizer(path)
+
+    async def save_weights_for_sampler_async(self, name, ttl_seconds=None):
+        """save_weights_for_sampler for asyncio."""
+        return self.save_weights_for_sampler(name, ttl_seconds)
+
+    # ---- not in tally -----------------------------------------------------
+
+    get_tokenizer = _unsupported(
+        "get_tokenizer", "tally serves no tokenizers: load the base model's "
+        "with transformers.AutoTokenizer.from_pretrained(<its HF directory>)")
+    create_sampling_client = _unsupported("create_sampling_client",
+                                          _NO_SAMPLER)
+    create_sampling_client_async = _unsupported(
+        "create_sampling_client_async", _NO_SAMPLER)
+    save_weights_and_get_sampling_client = _unsupported(
+        "save_weights_and_get_sampling_client", _NO_SAMPLER)
+    save_weights_and_get_sampling_client_async = _unsupported(
+        "save_weights_and_get_sampling_client_async", _NO_SAMPLER)
+
+
+class ServiceClient:
+    """The entry point of Tinker's SDK on a tally server: makes
+    TrainingClients, which share its gRPC channel.
+
+        service = ServiceClient(base_url="localhost:50051")
+        training = service.create_lora_training_client("/data/Qwen3-0.6B")
+    """
+
+    def __init__(self, base_url=None, api_key=None, tls=None,
+                 user_metadata=None, *, timeout=600.0, retry=None):
+        """`base_url`: "host:port", "grpc://host:port", or
+        "grpcs://host:port" for TLS with the system's roots (default
+        "localhost:50051"). `api_key`: the bearer token (default: the
+        TALLY_TOKEN environment variable). `tls`: as tally_client's
+        TrainingClient (True, a Tls, or grpc.ChannelCredentials).
+        `user_metadata`: accepted for Tinker compatibility, not stored.
+        `timeout`, `retry`: per-attempt seconds and RetryPolicy of every
+        call."""
+        del user_metadata  # tally keeps no run metadata
+        self._target, url_tls = _parse_base_url(base_url or "localhost:50051")
+        self._token = api_key if api_key is not None else os.environ.get(
+            "TALLY_TOKEN")
+        self._channel = tally.make_channel(self._target,
+                                           url_tls if tls is None else tls)
+        self._timeout = timeout
+        self._retry = retry
+
+    def get_server_capabilities(self):
+        """A GetServerCapabilitiesResponse: the base_model names that need
+        no checkpoint (DEMO_MODEL; any server-side HF directory works too)
+        and the server's ServerInfo."""
+        return GetServerCapabilitiesResponse(
+            supported_models=[SupportedModel(model_name=DEMO_MODEL)],
+            server_info=self._tally_client("").server_info())
+
+    def create_lora_training_client(self, base_model, rank=32, seed=None,
+                                    train_mlp=True, train_attn=True,
+                                    train_unembed=True, user_metadata=None, *,
+                                    reduction="sum", **create_model_fields):
+        """A TrainingClient of a new model. tally has no LoRA yet (issue
+        19): the model is FULLY fine-tuned, and a warning says so; rank and
+        train_* are ignored. `base_model`: a server-side HF model directory
+        (or tally checkpoint), read as CreateModel's init_checkpoint, or
+        DEMO_MODEL for a model the server builds. `seed`: the
+        initialization seed. `reduction`: see TrainingClient.
+        `create_model_fields`: more CreateModelRequest fields, e.g.
+        config={"vocab_size": 32, ...} (a ModelConfig dict), dtype,
+        model_id (default: the server picks one)."""
+        del rank, train_mlp, train_attn, train_unembed, user_metadata
+        warnings.warn(
+            f"tally has no LoRA yet (issue 19): create_lora_training_client "
+            f"fine-tunes every parameter of {base_model!r}", stacklevel=2)
+        fields = dict(create_model_fields)
+        if base_model != DEMO_MODEL:
+            fields["init_checkpoint"] = base_model
+        if seed is not None:
+            fields["seed"] = seed
+        return self._create(base_model, fields, reduction)
+
+    def create_training_client_from_state(self, path, user_metadata=None, *,
+                                          reduction="sum",
+                                          **create_model_fields):
+        """A TrainingClient of a new model with the weights and step of the
+        tally checkpoint `path` (a save_state path); the optimizer starts
+        from zero moments. `create_model_fields` as
+        create_lora_training_client's (dtype= for a bfloat16 model's
+        checkpoint)."""
+        del user_metadata
+        client = self._create(path, {"init_checkpoint": path,
+                                     **create_model_fields}, reduction)
+        client.load_state(path).result()
+        return client
+
+    def create_training_client_from_state_with_optimizer(
+            self, path, user_metadata=None, *, reduction="sum",
+            **create_model_fields):
+        """create_training_client_from_state that also restores the
+        optimizer state."""
+        del user_metadata
+        client = self._create(path, {"init_checkpoint": path,
+                                     **create_model_fields}, reduction)
+        client.load_state_with_optimizer(path).result()
+        return client
+
+    async def get_server_capabilities_async(self):
+        """get_server_capabilities for asyncio."""
+        return await asyncio.to_thread(self.get_server_capabilities)
+
+    async def create_lora_training_client_async(self, *args, **kwargs):
+        """create_lora_training_client for asyncio."""
+        return await asyncio.to_thread(self.create_lora_training_client,
+                                       *args, **kwargs)
+
+    async def create_training_client_from_state_async(self, *args, **kwargs):
+        """create_training_client_from_state for asyncio."""
+        return await asyncio.to_thread(self.create_training_client_from_state,
+                                       *args, **kwargs)
+
+    async def create_training_client_from_state_with_optimizer_async(
+            self, *args, **kwargs):
+        """create_training_client_from_state_with_optimizer for asyncio."""
+        return await asyncio.to_thread(
+            self.create_training_client_from_state_with_optimizer,
+            *args, **kwargs)
+
+    create_sampling_client = _unsupported("create_sampling_client",
+                                          _NO_SAMPLER)
+    create_sampling_client_async = _unsupported(
+        "create_sampling_client_async", _NO_SAMPLER)
+    create_rest_client = _unsupported(
+        "create_rest_client", "tally has no REST API: list models with "
+        "tallyctl or the Trainer service's ListModels, checkpoints are "
+        "directories under the server's --checkpoint-root")
+
+    def close(self):
+        """Closes the channel every TrainingClient of this ServiceClient
+        uses."""
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _create(self, model_name, fields, reduction):
+        """A TrainingClient of a model made by CreateModel(`fields`)."""
+        model_id = fields.pop("model_id", "")
+        info = self._tally_client(model_id).create_model(**fields)
+        # A new model executes seq_id 1 first: no GetModel on the first call.
+        return TrainingClient(
+            self._tally_client(info.model_id,
+                               first_seq_id=max(1, info.next_seq_id)),
+            model_name, reduction)
+
+    def _tally_client(self, model_id, first_seq_id=None):
+        return tally.TrainingClient(
+            self._target, model_id, token=self._token, channel=self._channel,
+            timeout=self._timeout, retry=self._retry,
+            first_seq_id=first_seq_id)
+
+
+def _parse_base_url(base_url):
+    """(gRPC target, TLS default) of a base_url."""
+    scheme, separator, target = base_url.partition("://")
+    if not separator:
+        return base_url, None
+    if scheme in ("grpc", "grpcs"):
+        return target.rstrip("/"), scheme == "grpcs" or None
+    raise ValueError(f"base_url {base_url!r}: tally speaks gRPC; give "
+                     f"host:port, grpc://host:port or grpcs://host:port")
+
+
+def _warn_ttl(ttl_seconds):
+    if ttl_seconds is not None:
+        warnings.warn("tally keeps checkpoints until they are deleted: "
+                      "ttl_seconds is ignored", stacklevel=3)
+
+
+def _to_sample(datum):
+    """The tally Sample of a Datum."""
+    tokens = datum.model_input.to_ints()
+    fields = {}
+    for key, tensor in datum.loss_fn_inputs.items():
+        if key not in _SAMPLE_FIELDS:
+            raise ValueError(
+                f"loss_fn_inputs key {key!r} is not supported; tally reads "
+                f"{', '.join(_SAMPLE_FIELDS)}")
+        if len(tensor.data) != len(tokens) or tensor.shape not in (
+                None, [len(tokens)]):
+            raise ValueError(
+                f"loss_fn_inputs[{key!r}] has shape "
+                f"{tensor.shape or [len(tensor.data)]}; a model_input of "
+                f"{len(tokens)} tokens needs ({len(tokens)},)")
+        if _SAMPLE_FIELDS[key] in fields:
+            raise ValueError("loss_fn_inputs holds both 'weights' and 'mask'")
+        fields[_SAMPLE_FIELDS[key]] = tensor.data
+    if "target_tokens" not in fields:
+        raise ValueError("loss_fn_inputs needs 'target_tokens'")
+    return pb.Sample(input_tokens=tokens, **fields)
+
+
+def _targets_only(data):
+    """`data` with only the target_tokens of each Datum (what forward needs
+    for cross_entropy's logprobs)."""
+    return [Datum(model_input=datum.model_input,
+                  loss_fn_inputs={"target_tokens":
+                                  datum.loss_fn_inputs["target_tokens"]})
+            for datum in data]
+
+
+def _forward_backward_output(loss_fn, response):
+    """The ForwardBackwardOutput of a ForwardBackwardResponse."""
+    outputs = [{"logprobs": _vector(result.logprobs),
+                "elementwise_loss": _vector(result.token_losses)}
+               for result in response.samples]
+    metrics = {"loss:sum": response.loss_sum,
+               "valid_tokens:sum": float(response.valid_tokens)}
+    policy = response.policy
+    if policy.tokens:
+        metrics.update({
+            "policy_tokens:sum": float(policy.tokens),
+            "ratio:mean": policy.ratio_mean,
+            "ratio:min": policy.ratio_min,
+            "ratio:max": policy.ratio_max,
+            "clipped_fraction:mean": policy.clipped_fraction,
+            "logprob_gap:mean": policy.logprob_gap_mean,
+            "logprob_gap:max": policy.logprob_gap_max,
+            "kl_k1:mean": policy.kl_k1,
+            "kl_k3:mean": policy.kl_k3,
+        })
+    return ForwardBackwardOutput(loss_fn_output_type=loss_fn,
+                                 loss_fn_outputs=outputs, metrics=metrics)
+
+
+def _vector(values):
+    return TensorData(data=list(values), dtype="float32", shape=[len(values)])
+
+
+def _optim_step_response(response):
+    """The OptimStepResponse of a tally OptimStepResponse."""
+    metrics = dict(response.metrics)
+    metrics.update(grad_norm=response.grad_norm, clip_coef=response.clip_coef,
+                   learning_rate=response.learning_rate,
+                   step=float(response.step), normalizer=response.normalizer,
+                   skipped=float(response.skipped))
+    return OptimStepResponse(metrics=metrics)
