@@ -5,17 +5,24 @@
 //   tallyctl train demo --steps 30 --calls-per-step 4
 //   tallyctl save demo /tmp/ckpt && tallyctl list
 //   tallyctl export demo /tmp/demo-hf --dtype bfloat16
+//   tallyctl list --target tally:50051 --ca-cert ca.pem --token "$TOKEN"
+//
+// Every call of a model that changes it carries a seq_id, the model's next
+// one as the server reports it, so a retried call is answered from the
+// server's cache and never applied twice.
 //
 // Exit status: 0 on success, 1 when the server or a file fails (the gRPC
 // code and message go to stderr), 2 on a command-line error.
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -26,6 +33,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/file_text.h"
 #include "base/status.h"
 #include "client/command_line.h"
 #include "client/text_batcher.h"
@@ -95,6 +103,32 @@ void PrintModelInfo(const v1::ModelInfo& info) {
       adam.beta1(), adam.beta2(), adam.eps(), adam.weight_decay(),
       info.default_max_grad_norm(), info.accumulated_calls(),
       info.accumulated_tokens(), info.accumulated_samples());
+}
+
+// The seq_ids of one model's mutating calls, counted from the model's
+// next_seq_id: each call takes the next one.
+class SeqIds {
+ public:
+  static absl::StatusOr<SeqIds> Of(TrainerClient& client,
+                                   const std::string& model_id) {
+    v1::GetModelRequest request;
+    request.set_model_id(model_id);
+    TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.GetModel(request));
+    return SeqIds(info.next_seq_id());
+  }
+  uint64_t Next() { return next_++; }
+
+ private:
+  explicit SeqIds(uint64_t next) : next_(next) {}
+  uint64_t next_;
+};
+
+// "<what>: 3 calls, 120 tokens, 4 samples" when calls > 0.
+void PrintWindow(const std::string& what, int64_t calls, int64_t tokens,
+                 int64_t samples) {
+  if (calls == 0) return;
+  std::cout << absl::StrFormat("%s: %d calls, %d tokens, %d samples\n", what,
+                               calls, tokens, samples);
 }
 
 // One subcommand: binds its flags, then runs against a connected client.
@@ -211,16 +245,50 @@ class DeleteCommand : public Command {
 
 class SaveCommand : public Command {
  public:
+  void AddFlags(FlagParser& flags) override {
+    flags.Add("allow-pending", &allow_pending_,
+              "save even with a pending accumulation window (whose gradients "
+              "the checkpoint does not hold; the model keeps them)");
+  }
+
   absl::Status Run(TrainerClient& client,
                    const std::vector<std::string>& args) override {
+    TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, args[0]));
     v1::SaveCheckpointRequest request;
     request.set_model_id(args[0]);
+    request.set_seq_id(seq_ids.Next());
     request.set_path(args[1]);
+    request.set_allow_pending(allow_pending_);
     TALLY_ASSIGN_OR_RETURN(v1::SaveCheckpointResponse response,
                            client.SaveCheckpoint(request));
     std::cout << absl::StrFormat("saved model %s at step %d to %s (%d bytes)\n",
                                  args[0], response.step(), response.path(),
                                  response.bytes_written());
+    PrintWindow("without the pending window", response.unsaved_calls(),
+                response.unsaved_tokens(), response.unsaved_samples());
+    return absl::OkStatus();
+  }
+
+ private:
+  bool allow_pending_ = false;
+};
+
+class AbortCommand : public Command {
+ public:
+  absl::Status Run(TrainerClient& client,
+                   const std::vector<std::string>& args) override {
+    TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, args[0]));
+    v1::AbortAccumulationRequest request;
+    request.set_model_id(args[0]);
+    request.set_seq_id(seq_ids.Next());
+    TALLY_ASSIGN_OR_RETURN(v1::AbortAccumulationResponse response,
+                           client.AbortAccumulation(request));
+    if (response.discarded_calls() == 0) {
+      std::cout << "model " << args[0] << " had no pending window\n";
+    }
+    PrintWindow(absl::StrCat("discarded the pending window of model ", args[0]),
+                response.discarded_calls(), response.discarded_tokens(),
+                response.discarded_samples());
     return absl::OkStatus();
   }
 };
@@ -235,8 +303,10 @@ class ExportCommand : public Command {
 
   absl::Status Run(TrainerClient& client,
                    const std::vector<std::string>& args) override {
+    TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, args[0]));
     v1::ExportWeightsRequest request;
     request.set_model_id(args[0]);
+    request.set_seq_id(seq_ids.Next());
     request.set_path(args[1]);
     if (!dtype_.empty()) {
       TALLY_ASSIGN_OR_RETURN(
@@ -267,8 +337,10 @@ class LoadCommand : public Command {
 
   absl::Status Run(TrainerClient& client,
                    const std::vector<std::string>& args) override {
+    TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, args[0]));
     v1::LoadCheckpointRequest request;
     request.set_model_id(args[0]);
+    request.set_seq_id(seq_ids.Next());
     request.set_path(args[1]);
     request.set_load_optimizer(!no_optimizer_);
     TALLY_ASSIGN_OR_RETURN(v1::LoadCheckpointResponse response,
@@ -277,12 +349,8 @@ class LoadCommand : public Command {
         "loaded %s into model %s (%s): now at step %d\n", args[1], args[0],
         no_optimizer_ ? "weights only" : "weights and optimizer state",
         response.model().step());
-    if (response.discarded_calls() > 0) {
-      std::cout << absl::StrFormat(
-          "discarded the pending window: %d calls, %d tokens, %d samples\n",
-          response.discarded_calls(), response.discarded_tokens(),
-          response.discarded_samples());
-    }
+    PrintWindow("discarded the pending window", response.discarded_calls(),
+                response.discarded_tokens(), response.discarded_samples());
     return absl::OkStatus();
   }
 
@@ -335,6 +403,7 @@ class TrainCommand : public Command {
     get.set_model_id(model_id);
     TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.GetModel(get));
     TALLY_ASSIGN_OR_RETURN(TextBatcher batcher, MakeBatcher(info));
+    TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, model_id));
 
     std::cout << absl::StrFormat(
         "training model %s (%d parameters, step %d) on %s (%d bytes): "
@@ -354,6 +423,7 @@ class TrainCommand : public Command {
       for (size_t c = 0; c < calls.size(); ++c) {
         v1::ForwardBackwardRequest request;
         request.set_model_id(model_id);
+        request.set_seq_id(seq_ids.Next());
         request.set_reduction(v1::LOSS_REDUCTION_TOKEN_MEAN);
         for (v1::Sample& sample : calls[c]) {
           *request.add_samples() = std::move(sample);
@@ -370,6 +440,7 @@ class TrainCommand : public Command {
       }
       v1::OptimStepRequest optim;
       optim.set_model_id(model_id);
+      optim.set_seq_id(seq_ids.Next());
       if (lr_.has_value()) optim.mutable_adam()->set_learning_rate(*lr_);
       if (max_grad_norm_.has_value()) optim.set_max_grad_norm(*max_grad_norm_);
       absl::StatusOr<v1::OptimStepResponse> stepped = client.OptimStep(optim);
@@ -442,6 +513,62 @@ class TrainCommand : public Command {
   std::string metrics_url_;
 };
 
+// How to reach and authenticate to the server: every command's flags.
+class ConnectionFlags {
+ public:
+  void Add(FlagParser& flags) {
+    flags.Add("target", &options_.target, "server address host:port");
+    flags.Add("deadline-seconds", &deadline_seconds_, "deadline of each call");
+    flags.Add("token", &token_,
+              "bearer token of --auth-tokens-file (default: $TALLY_TOKEN)");
+    flags.Add("tls", &tls_, "connect over TLS (implied by the flags below)");
+    flags.Add("ca-cert", &ca_cert_,
+              "PEM file of the server's CA (default: the system roots)");
+    flags.Add("client-cert", &client_cert_,
+              "PEM certificate chain of this client, for mutual TLS");
+    flags.Add("client-key", &client_key_, "PEM private key of --client-cert");
+    flags.Add("tls-server-name", &server_name_,
+              "name the server's certificate must carry (default: the "
+              "--target host)");
+  }
+
+  // The client options the flags describe, the PEM files read.
+  absl::StatusOr<TrainerClientOptions> Options() const {
+    TrainerClientOptions options = options_;
+    options.deadline = absl::Seconds(deadline_seconds_);
+    options.token = token_;
+    if (options.token.empty()) {
+      const char* env = std::getenv("TALLY_TOKEN");
+      if (env != nullptr) options.token = env;
+    }
+    if (client_cert_.empty() != client_key_.empty()) {
+      return absl::InvalidArgumentError(
+          "flags --client-cert and --client-key go together");
+    }
+    if (!tls_ && ca_cert_.empty() && client_cert_.empty() &&
+        server_name_.empty()) {
+      return options;
+    }
+    ClientTlsOptions& tls = options.tls.emplace();
+    tls.server_name = server_name_;
+    for (auto [path, flag, pem] :
+         {std::tuple{&ca_cert_, "--ca-cert", &tls.ca_pem},
+          {&client_cert_, "--client-cert", &tls.cert_chain_pem},
+          {&client_key_, "--client-key", &tls.private_key_pem}}) {
+      if (path->empty()) continue;
+      TALLY_ASSIGN_OR_RETURN(*pem, ReadFileText(*path, flag));
+    }
+    return options;
+  }
+
+ private:
+  TrainerClientOptions options_;
+  double deadline_seconds_ = absl::ToDoubleSeconds(options_.deadline);
+  std::string token_;
+  bool tls_ = false;
+  std::string ca_cert_, client_cert_, client_key_, server_name_;
+};
+
 struct CommandSpec {
   std::string name;
   std::vector<std::string> positional;
@@ -479,6 +606,13 @@ const std::vector<CommandSpec>& Commands() {
        "Saves a checkpoint.",
        "Saves a checkpoint of MODEL into the server-side directory PATH.",
        [] { return std::make_unique<SaveCommand>(); }},
+      {"abort",
+       {"MODEL"},
+       "Discards the pending window.",
+       "Discards the pending accumulation window of MODEL (its "
+       "ForwardBackward calls since the last OptimStep), e.g. after a "
+       "client died mid-window.",
+       [] { return std::make_unique<AbortCommand>(); }},
       {"export",
        {"MODEL", "PATH"},
        "Exports the weights for inference.",
@@ -548,12 +682,10 @@ int Main(std::vector<std::string> args) {
     return kExitUsage;
   }
 
-  TrainerClientOptions options;
-  double deadline_seconds = absl::ToDoubleSeconds(options.deadline);
+  ConnectionFlags connection;
   FlagParser flags(absl::StrCat("tallyctl ", spec->name), spec->positional,
                    spec->description);
-  flags.Add("target", &options.target, "server address host:port");
-  flags.Add("deadline-seconds", &deadline_seconds, "deadline of each call");
+  connection.Add(flags);
   std::unique_ptr<Command> command = spec->make();
   command->AddFlags(flags);
 
@@ -570,9 +702,14 @@ int Main(std::vector<std::string> args) {
               << " --help' for details.\n";
     return kExitUsage;
   }
-  options.deadline = absl::Seconds(deadline_seconds);
+  absl::StatusOr<TrainerClientOptions> options = connection.Options();
+  if (!options.ok()) {
+    std::cerr << "tallyctl " << spec->name << ": " << options.status().message()
+              << "\n";
+    return kExitUsage;
+  }
 
-  TrainerClient client(options);
+  TrainerClient client(*options);
   if (absl::Status status = command->Run(client, *positional); !status.ok()) {
     std::cerr << "tallyctl " << spec->name << ": " << status.ToString() << "\n";
     return kExitFailure;

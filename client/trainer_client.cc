@@ -17,13 +17,16 @@
 namespace tally {
 
 TrainerClient::TrainerClient(const TrainerClientOptions& options)
-    : TrainerClient(MakeChannel(options), options.deadline, options.retry) {}
+    : TrainerClient(MakeChannel(options), options.deadline, options.retry,
+                    options.token) {}
 
 TrainerClient::TrainerClient(std::shared_ptr<grpc::Channel> channel,
-                             absl::Duration deadline, RetryPolicy retry)
+                             absl::Duration deadline, RetryPolicy retry,
+                             std::string token)
     : channel_(std::move(channel)),
       deadline_(deadline),
       retry_(retry),
+      token_(std::move(token)),
       trainer_(v1::Trainer::NewStub(channel_)),
       health_(grpc::health::v1::Health::NewStub(channel_)) {}
 
@@ -32,8 +35,25 @@ std::shared_ptr<grpc::Channel> TrainerClient::MakeChannel(
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  return grpc::CreateCustomChannel(options.target,
-                                   grpc::InsecureChannelCredentials(), args);
+  if (!options.tls.has_value()) {
+    return grpc::CreateCustomChannel(options.target,
+                                     grpc::InsecureChannelCredentials(), args);
+  }
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = options.tls->ca_pem;
+  ssl.pem_cert_chain = options.tls->cert_chain_pem;
+  ssl.pem_private_key = options.tls->private_key_pem;
+  if (!options.tls->server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls->server_name);
+  }
+  return grpc::CreateCustomChannel(options.target, grpc::SslCredentials(ssl),
+                                   args);
+}
+
+void TrainerClient::Authorize(grpc::ClientContext& context) const {
+  if (!token_.empty()) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", token_));
+  }
 }
 
 void TrainerClient::SetDeadline(grpc::ClientContext& context,
@@ -49,6 +69,7 @@ absl::StatusOr<Response> TrainerClient::Invoke(bool retryable, Rpc rpc) {
   for (int attempt = 1;; ++attempt) {
     grpc::ClientContext context;
     SetDeadline(context, absl::Now() + deadline_);
+    Authorize(context);
     Response response;
     const absl::Status status = FromGrpcStatus(rpc(&context, &response));
     if (status.ok()) return response;

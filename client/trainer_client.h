@@ -39,6 +39,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -56,8 +57,24 @@ struct RetryPolicy {
   absl::Duration max_backoff = absl::Seconds(5);
 };
 
+// A TLS channel: PEM text, not file names.
+struct ClientTlsOptions {
+  std::string ca_pem;  // the server's CA; empty: the system roots
+  // Mutual TLS (the server's --tls-client-ca): this client's certificate
+  // chain and key; both or neither.
+  std::string cert_chain_pem;
+  std::string private_key_pem;
+  // The name the server's certificate must carry; empty: the target's host.
+  std::string server_name;
+};
+
 struct TrainerClientOptions {
   std::string target = "localhost:50051";
+  // Unset: plaintext (the server accepts it on loopback only, unless told).
+  std::optional<ClientTlsOptions> tls;
+  // Sent with every call as "authorization: Bearer <token>" (the server's
+  // --auth-tokens-file); empty: none.
+  std::string token;
   // Applied to every call; absl::InfiniteDuration() sets no deadline.
   absl::Duration deadline = absl::Minutes(10);
   // Large batches and logprobs overflow gRPC's default 4 MiB limit, so the
@@ -68,13 +85,13 @@ struct TrainerClientOptions {
 
 class TrainerClient {
  public:
-  // Opens an insecure channel to options.target. Connecting is lazy: an
-  // unreachable server surfaces as UNAVAILABLE on the first call.
+  // Opens a channel to options.target (TLS with options.tls). Connecting is
+  // lazy: an unreachable server surfaces as UNAVAILABLE on the first call.
   explicit TrainerClient(const TrainerClientOptions& options);
-  // Uses an existing channel (e.g. an in-process server's); `deadline` and
-  // `retry` as in TrainerClientOptions.
+  // Uses an existing channel (e.g. an in-process server's); `deadline`,
+  // `retry` and `token` as in TrainerClientOptions.
   TrainerClient(std::shared_ptr<grpc::Channel> channel, absl::Duration deadline,
-                RetryPolicy retry = {});
+                RetryPolicy retry = {}, std::string token = "");
 
   // The channel TrainerClient(options) would open.
   static std::shared_ptr<grpc::Channel> MakeChannel(
@@ -115,10 +132,13 @@ class TrainerClient {
   absl::StatusOr<Response> Invoke(bool retryable, Rpc rpc);
 
   void SetDeadline(grpc::ClientContext& context, absl::Time deadline) const;
+  // The bearer token, when there is one.
+  void Authorize(grpc::ClientContext& context) const;
 
   std::shared_ptr<grpc::Channel> channel_;
   absl::Duration deadline_;
   RetryPolicy retry_;
+  std::string token_;
   std::unique_ptr<v1::Trainer::Stub> trainer_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/file_text.h"
 #include "server/convert.h"
 
 namespace tally {
@@ -23,23 +24,11 @@ std::string Sha256(absl::string_view data) {
   return std::string(reinterpret_cast<const char*>(digest), size);
 }
 
-absl::StatusOr<std::string> ReadSecretFile(const std::string& path,
-                                           absl::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot read the ", what, " ", path));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 }  // namespace
 
 absl::StatusOr<BasicCredentials> BasicCredentials::FromFile(
     const std::string& path) {
-  absl::StatusOr<std::string> text = ReadSecretFile(path, "metrics auth file");
+  absl::StatusOr<std::string> text = ReadFileText(path, "metrics auth file");
   if (!text.ok()) return text.status();
   return FromText(*text, path);
 }
@@ -69,7 +58,7 @@ bool BasicCredentials::Matches(absl::string_view user,
 
 absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(
     const std::string& path) {
-  absl::StatusOr<std::string> text = ReadSecretFile(path, "tokens file");
+  absl::StatusOr<std::string> text = ReadFileText(path, "tokens file");
   if (!text.ok()) return text.status();
   return FromText(*text, path);
 }

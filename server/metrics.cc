@@ -30,9 +30,10 @@ prometheus::Histogram::BucketBoundaries DoublingFromOneMs(int count) {
   return b;
 }
 
-// 1 ms .. 65.536 s (17 buckets): seq_id gap waits.
-prometheus::Histogram::BucketBoundaries LatencyBuckets() {
-  return DoublingFromOneMs(17);
+// 1 ms .. 4194.304 s, ~70 min (23 buckets): seq_id gap waits, up to the
+// longest --seq-gap-timeout-secs (3600).
+prometheus::Histogram::BucketBoundaries SeqGapBuckets() {
+  return DoublingFromOneMs(23);
 }
 
 // 1 ms .. 2097.152 s, ~35 min (22 buckets): ForwardBackward and OptimStep,
@@ -268,6 +269,7 @@ struct ReliabilityMetrics {
   prometheus::Family<prometheus::Counter>* poisoned_windows;
   prometheus::Histogram* seq_gap_wait_seconds;
   prometheus::Gauge* queue_depth;
+  prometheus::Family<prometheus::Histogram>* queue_wait_seconds;
   prometheus::Counter* rank_failures;
   prometheus::Family<prometheus::Histogram>* checkpoint_seconds;
   prometheus::Gauge* checkpoint_last_success;
@@ -287,11 +289,16 @@ ReliabilityMetrics RegisterReliabilityMetrics(FamilyBuilder& build) {
       &build
            .Histogram("tally_seq_gap_wait_seconds",
                       "How long a missing seq_id held back later requests")
-           ->Add({}, LatencyBuckets());
+           ->Add({}, SeqGapBuckets());
   f.queue_depth = &build
                        .Gauge("tally_queue_depth",
                               "Requests held: waiting, queued or executing")
                        ->Add({});
+  f.queue_wait_seconds = build.Histogram(
+      "tally_queue_wait_seconds",
+      "Time accepted requests waited before executing, by method (the "
+      "execution itself: tally_forward_backward_seconds, "
+      "tally_optim_step_seconds)");
   f.rank_failures = &build
                          .Counter("tally_rank_failures_total",
                                   "Collectives that failed or timed out")
@@ -442,6 +449,7 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   m->poisoned_windows_ = reliability.poisoned_windows;
   m->seq_gap_wait_seconds_ = reliability.seq_gap_wait_seconds;
   m->queue_depth_ = reliability.queue_depth;
+  m->queue_wait_seconds_ = reliability.queue_wait_seconds;
   m->rank_failures_ = reliability.rank_failures;
   m->checkpoint_seconds_ = reliability.checkpoint_seconds;
   m->checkpoint_last_success_ = reliability.checkpoint_last_success;
@@ -717,6 +725,12 @@ void ServerMetrics::RecordSeqGapWait(double seconds) {
 
 void ServerMetrics::SetQueueDepth(size_t depth) {
   queue_depth_->Set(static_cast<double>(depth));
+}
+
+void ServerMetrics::ObserveQueueWait(const std::string& method,
+                                     double seconds) {
+  queue_wait_seconds_->Add({{"method", method}}, CommandBuckets())
+      .Observe(seconds);
 }
 
 void ServerMetrics::RecordRankFailure() { rank_failures_->Increment(); }

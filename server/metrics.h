@@ -43,7 +43,8 @@ class ServerMetrics {
   // Binds `address` ("host:port", port 0 picks a free one). `engine` (not
   // owned, outlives the metrics, only read) gives the `rank` label and the rank
   // state. The request-flow recorders (RecordRequest, RecordDuplicate,
-  // RecordPoisonedWindow, RecordSeqGapWait, SetQueueDepth, RecordRankFailure,
+  // RecordPoisonedWindow, RecordSeqGapWait, SetQueueDepth, ObserveQueueWait,
+  // RecordRankFailure,
   // RecordAuthFailure) may run on any thread; every other method runs on the
   // engine's command thread (the engine is not thread-safe) and refreshes the
   // rank state after recording. With `scraper`, /metrics answers 401 to
@@ -101,6 +102,9 @@ class ServerMetrics {
   void RecordSeqGapWait(double seconds);
   // Requests held (waiting, queued or executing).
   void SetQueueDepth(size_t depth);
+  // How long an accepted `method` request waited (behind the queue, a
+  // seq_id gap or its model's earlier requests) before it began to execute.
+  void ObserveQueueWait(const std::string& method, double seconds);
   void RecordRankFailure();
 
  private:
@@ -151,6 +155,7 @@ class ServerMetrics {
   prometheus::Gauge* models_ = nullptr;
   prometheus::Histogram* seq_gap_wait_seconds_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* queue_wait_seconds_ = nullptr;
   prometheus::Counter* rank_failures_ = nullptr;
   prometheus::Family<prometheus::Histogram>* checkpoint_seconds_ = nullptr;
   prometheus::Gauge* checkpoint_last_success_ = nullptr;

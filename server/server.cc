@@ -14,6 +14,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/file_text.h"
 #include "base/log.h"
 #include "base/status.h"
 #include "runtime/address.h"
@@ -113,14 +114,13 @@ absl::Status CheckSameOnEveryRank(Communicator& world,
 }
 
 absl::StatusOr<std::string> ReadPem(const char* flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (!in || text.str().empty()) {
+  const std::string what = absl::StrCat("--", flag);
+  TALLY_ASSIGN_OR_RETURN(std::string text, ReadFileText(path, what));
+  if (text.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--", flag, ": cannot read ", path));
+        absl::StrCat(what, ": cannot read ", path, " (empty)"));
   }
-  return text.str();
+  return text;
 }
 
 // TLS (mutual with --tls-client-ca) or plaintext, which only a loopback

@@ -8,8 +8,8 @@
 #ifndef TALLY_SERVER_SERVER_INFO_H_
 #define TALLY_SERVER_SERVER_INFO_H_
 
-#include "tally/v1/trainer.pb.h"
 #include "runtime/mesh.h"
+#include "tally/v1/trainer.pb.h"
 
 namespace tally {
 

@@ -376,6 +376,13 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
     Finish(call.method, reactor, validation);
     return reactor;
   }
+  // From here the request waits (queue, seq_id order) until it runs.
+  command = [this, command = std::move(command), method = call.method,
+             accepted = absl::Now()] {
+    metrics_->ObserveQueueWait(method,
+                               absl::ToDoubleSeconds(absl::Now() - accepted));
+    return command();
+  };
   ScheduledRequest scheduled;
   scheduled.tenant = *tenant;
   scheduled.model_id = model_id;

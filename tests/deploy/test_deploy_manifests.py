@@ -20,9 +20,12 @@ auth from a mounted Secret and the PodMonitor scrapes with that Secret's keys
 renders; the alert rules pass `promtool check rules` and `promtool test
 rules` (tests/deploy/alerts_test.yml) and use metrics server/metrics.cc
 registers and docs/metrics.md quotes verbatim; the Grafana dashboard only
-queries metrics docs/metrics.md documents.
+queries metrics docs/metrics.md documents, in valid PromQL, through its
+namespace, model_id and rank variables, and has panels for the RL policy
+statistics and memory admission.
 """
 
+import itertools
 import json
 import math
 import os
@@ -733,17 +736,170 @@ class AlertRuleTest(unittest.TestCase):
         # is an alert.
         self.assertIn("for", self.alerts["TallyGradNormSpike"])
 
-    def test_dashboard_queries_documented_metrics(self):
+
+def documented_metrics(markdown):
+    """The metrics docs/metrics.md's two tables document.
+
+    Args:
+        markdown: the text of docs/metrics.md.
+
+    Returns:
+        {name: (labels, per_rank)}: the labels the table names for the metric
+        (`rank` and the scrape's `namespace` go without saying) and whether
+        every rank exports it ("Rank-level metrics") or rank 0 alone
+        ("Request-level metrics").
+    """
+    metrics = {}
+    for section in re.split(r"^## ", markdown, flags=re.M):
+        per_rank = section.startswith("Rank-level metrics")
+        if not per_rank and not section.startswith("Request-level metrics"):
+            continue
+        # | name | type | labels | ... or | name | type | unit | labels | ...
+        labels_cell = 2 if per_rank else 1
+        for name, rest in re.findall(r"^\| `(tally_[a-z0-9_]+)` \|(.*)$", section,
+                                     re.M):
+            labels = set(re.findall(r"`([a-z_]+)`", rest.split("|")[labels_cell]))
+            metrics[name] = (labels, per_rank)
+    return metrics
+
+
+def selectors(expr):
+    """The tally metrics `expr` selects, each with its label matchers.
+
+    Args:
+        expr: a PromQL expression (Grafana variables left in).
+
+    Returns:
+        [(metric name, {label: (operator, value)})], in order of appearance.
+    """
+    return [(name, {label: (op, value) for label, op, value in re.findall(
+        r'([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"', matchers)})
+            for name, matchers in re.findall(
+                r"\b(tally_[a-z0-9_]+)(?:\{([^}]*)\})?", expr)]
+
+
+class DashboardTest(unittest.TestCase):
+    """deploy/k8s/base/grafana-dashboard.json against docs/metrics.md.
+
+    The dashboard has `namespace`, `model_id` and `rank` variables and every
+    query honours them: `namespace` everywhere, `model_id` wherever the metric
+    has that label, `rank` on the per-rank metrics (and not on rank 0's
+    request-level ones, which a rank filter would blank); it queries only
+    documented metrics, in valid PromQL; its RL panels plot every statistic
+    of `tally_policy` and its memory admission panels the resident bytes and
+    the refusals.
+    """
+
+    VARIABLES = ("namespace", "model_id", "rank")
+    POLICY_STATS = {"ratio_mean", "ratio_min", "ratio_max", "clipped_fraction",
+                    "logprob_gap_mean", "logprob_gap_max", "kl_k1", "kl_k3"}
+    MEMORY_GAUGES = {"tally_rank_parameter_bytes", "tally_rank_gradient_bytes",
+                     "tally_rank_optimizer_state_bytes"}
+
+    @classmethod
+    def setUpClass(cls):
         with open(os.path.join(K8S_DIR, "base", "grafana-dashboard.json"),
                   encoding="utf-8") as f:
-            dashboard = json.load(f)
-        with open(os.path.join(SOURCE_DIR, "docs", "metrics.md"), encoding="utf-8") as f:
-            documented = set(re.findall(r"^\| `(tally_[a-z_]+)`", f.read(), re.M))
-        exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-        self.assertGreater(len(exprs), 10)
-        for expr in exprs:
-            for name in re.findall(r"\btally_[a-z_]+", expr):
-                self.assertIn(re.sub(r"_bucket$", "", name), documented, expr)
+            cls.dashboard = json.load(f)
+        with open(os.path.join(SOURCE_DIR, "docs", "metrics.md"),
+                  encoding="utf-8") as f:
+            cls.doc = f.read()
+        cls.documented = documented_metrics(cls.doc)
+        cls.variables = {v["name"]: v for v in cls.dashboard["templating"]["list"]}
+        cls.panels = cls.dashboard["panels"]
+
+    def metric(self, name):
+        """The documented metric `name` is a series of (a histogram's `_bucket`...)."""
+        if name not in self.documented:
+            name = re.sub(r"_(bucket|count|sum)$", "", name)
+        self.assertTrue(name in self.documented, f"{name}: not in docs/metrics.md")
+        return name
+
+    def panel_selectors(self, title_prefix=""):
+        """(panel title, expr, metric, matchers) of the panels' tally selectors."""
+        return [(p["title"], t["expr"], self.metric(name), matchers)
+                for p in self.panels if p["title"].startswith(title_prefix)
+                for t in p["targets"] for name, matchers in selectors(t["expr"])]
+
+    def test_namespace_model_and_rank_variables(self):
+        for name in self.VARIABLES:
+            with self.subTest(variable=name):
+                variable = self.variables[name]
+                self.assertEqual(variable["type"], "query")
+                self.assertEqual(variable["label"], name)
+                self.assertEqual(variable["datasource"]["uid"], "${datasource}")
+                # Several values or all; "All" also matches a series without
+                # the label (a Prometheus outside Kubernetes: no namespace).
+                self.assertTrue(variable["multi"] and variable["includeAll"])
+                self.assertEqual(variable["allValue"], ".*")
+                query = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"])
+                self.assertIsNotNone(query, variable["query"])
+                self.assertEqual(query.group(2), name)
+                (metric, matchers), = selectors(query.group(1))
+                self.metric(metric)
+                if name != "namespace":
+                    self.assertEqual(matchers.get("namespace"), ("=~", "$namespace"))
+        self.assertIn("model_id", self.documented["tally_model_step"][0])
+
+    def test_every_query_honours_the_variables(self):
+        queried = self.panel_selectors()
+        self.assertGreater(len({expr for _, expr, _, _ in queried}), 10)
+        for title, expr, metric, matchers in queried:
+            with self.subTest(panel=title, metric=metric):
+                labels, per_rank = self.documented[metric]
+                self.assertEqual(matchers.get("namespace"), ("=~", "$namespace"), expr)
+                if "model_id" in labels:
+                    self.assertEqual(matchers.get("model_id"), ("=~", "$model_id"), expr)
+                if per_rank:
+                    self.assertEqual(matchers.get("rank"), ("=~", "$rank"), expr)
+                else:
+                    self.assertNotIn("rank", matchers, f"{expr}: rank 0 only")
+
+    def test_queries_are_valid_promql(self):
+        exprs = [t["expr"] for p in self.panels for t in p["targets"]]
+        exprs += [re.fullmatch(r"label_values\((.*), \w+\)", self.variables[name]["query"])
+                  .group(1) for name in self.VARIABLES]
+        # What Grafana sends with every variable at "All".
+        rules = {"groups": [{"name": "dashboard", "rules": [
+            {"record": f"dashboard:query{i}",
+             "expr": re.sub(r"\$(namespace|model_id|rank)\b", ".*", expr)
+                     .replace("$__rate_interval", "1m")}
+            for i, expr in enumerate(exprs)]}]}
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "dashboard.yml"), "w", encoding="utf-8") as f:
+                yaml.safe_dump(rules, f)
+            result = subprocess.run(["promtool", "check", "rules", "dashboard.yml"],
+                                    cwd=tmp, capture_output=True, text=True,
+                                    check=False)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+
+    def test_rl_panels_plot_every_policy_stat(self):
+        row = re.search(r"^\| `tally_policy` \|.*$", self.doc, re.M).group(0)
+        listed = re.search(r"`stat` is one of ([^(]*)", row).group(1)
+        self.assertEqual(set(re.findall(r"`(\w+)`", listed)), self.POLICY_STATS)
+        plotted = set()
+        for title, expr, metric, matchers in self.panel_selectors("RL:"):
+            self.assertEqual(metric, "tally_policy", title)
+            operator, value = matchers["stat"]
+            plotted.update(value.split("|") if operator == "=~" else [value])
+        self.assertEqual(plotted, self.POLICY_STATS)
+
+    def test_memory_admission_panels(self):
+        queried = self.panel_selectors("Memory admission:")
+        self.assertTrue(self.MEMORY_GAUGES <= {metric for _, _, metric, _ in queried})
+        self.assertIn(("tally_requests_total", ("=", "RESOURCE_EXHAUSTED")),
+                      [(metric, matchers.get("code")) for _, _, metric, matchers in queried])
+
+    def test_panels_have_distinct_ids_and_do_not_overlap(self):
+        self.assertEqual(len({p["id"] for p in self.panels}), len(self.panels))
+        for panel in self.panels:
+            self.assertLessEqual(panel["gridPos"]["x"] + panel["gridPos"]["w"], 24,
+                                 panel["title"])
+        for a, b in itertools.combinations(self.panels, 2):
+            ga, gb = a["gridPos"], b["gridPos"]
+            self.assertTrue(ga["x"] + ga["w"] <= gb["x"] or gb["x"] + gb["w"] <= ga["x"]
+                            or ga["y"] + ga["h"] <= gb["y"] or gb["y"] + gb["h"] <= ga["y"],
+                            f"{a['title']} overlaps {b['title']}")
 
 
 if __name__ == "__main__":

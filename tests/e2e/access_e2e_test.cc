@@ -216,6 +216,22 @@ TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
     ASSERT_EQ(listed->models_size(), 1);
     EXPECT_EQ(listed->models(0).model_id(), "m1");
     EXPECT_EQ(listed->models(0).config().hidden_size(), 16);  // alice's own
+    // tallyctl with the same credentials, and without the token.
+    const char* tallyctl = std::getenv("TALLY_CTL");
+    ASSERT_NE(tallyctl, nullptr) << "TALLY_CTL must name the tallyctl binary";
+    const std::string ctl_tls =
+        absl::StrCat(tallyctl, " list --target localhost:", server->grpc_port(),
+                     " --ca-cert ", dir_, "/ca.pem --client-cert ", dir_,
+                     "/client.pem --client-key ", dir_, "/client.key");
+    const auto [listed_code, listed_text] =
+        testing::RunCommand(absl::StrCat(ctl_tls, " --token ", kAliceToken));
+    EXPECT_EQ(listed_code, 0) << listed_text;
+    EXPECT_NE(listed_text.find("m1 "), std::string::npos) << listed_text;
+    const auto [refused_code, refused_text] =
+        testing::RunCommand("env -u TALLY_TOKEN " + ctl_tls);
+    EXPECT_EQ(refused_code, 1) << refused_text;
+    EXPECT_NE(refused_text.find("UNAUTHENTICATED"), std::string::npos)
+        << refused_text;
     EXPECT_EQ(alice.CreateModel(TinyModel("bad/id")).status().code(),
               absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(alice.CreateModel(TinyModel("..")).status().code(),
@@ -266,13 +282,13 @@ TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
                      absl::Base64Escape("prometheus:scrape-secret"), "\r\n"));
     ASSERT_TRUE(metrics.ok()) << metrics.status();
     EXPECT_NE(metrics->find("model_id=\"alice/m1\""), std::string::npos);
-    // Three calls without a token (the raw body among them), one with a
-    // wrong one (the call without a client certificate never reached the
-    // server).
+    // Four calls without a token (the raw body and tallyctl's among them),
+    // one with a wrong one (the call without a client certificate never
+    // reached the server).
     EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
                           {{"reason", "missing_token"}})
                   .value_or(-1),
-              3);
+              4);
     EXPECT_EQ(MetricValue(*metrics, "tally_auth_failures_total",
                           {{"reason", "invalid_token"}})
                   .value_or(-1),

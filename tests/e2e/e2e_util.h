@@ -7,11 +7,13 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -58,7 +60,7 @@ inline constexpr int32_t kIgnoredTarget = -100;
 inline int64_t ValidTokens(const v1::Sample& sample) {
   int64_t valid = 0;
   for (int i = 0; i < sample.target_tokens_size(); ++i) {
-    const bool weighted = sample.weights_size() == 0 || sample.weights(i) > 0;
+    const bool weighted = sample.weights_size() == 0 || sample.weights(i) != 0;
     if (sample.target_tokens(i) != kIgnoredTarget && weighted) ++valid;
   }
   return valid;
@@ -123,6 +125,21 @@ inline void Train(TrainerClient& client, const std::string& model_id,
     ASSERT_TRUE(stepped.ok()) << stepped.status();
     ASSERT_EQ(stepped->step(), step);
   }
+}
+
+// `command` run by the shell with stderr joined to stdout: its exit status
+// (-1 when it did not exit) and output.
+inline std::pair<int, std::string> RunCommand(const std::string& command) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return {-1, "popen failed"};
+  std::string output;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) {
+    output.append(buffer, n);
+  }
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
 }
 
 // The whole file; empty when it cannot be read.

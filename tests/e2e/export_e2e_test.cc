@@ -35,7 +35,10 @@ namespace {
 namespace fs = std::filesystem;
 
 using ::google::protobuf::util::MessageDifferencer;
+using ::tally::testing::kTinyVocab;
+using ::tally::testing::MakeSample;
 using ::tally::testing::ReadFileBytes;
+using ::tally::testing::RunCommand;
 using ::tally::testing::ServerProcess;
 using ::tally::testing::StartServerOrFail;
 using ::testing::HasSubstr;
@@ -111,6 +114,16 @@ class ExportE2eTest : public ::testing::Test {
     dir_ = pattern;
     root_ = dir_ + "/root";
   }
+  // `tallyctl ARGS --target <the last server started>`: its exit status and
+  // output.
+  std::pair<int, std::string> Tallyctl(const std::string& args) {
+    const char* tallyctl = std::getenv("TALLY_CTL");
+    EXPECT_NE(tallyctl, nullptr) << "TALLY_CTL must name the tallyctl binary";
+    if (tallyctl == nullptr || servers_.empty()) return {-1, ""};
+    return RunCommand(absl::StrCat(tallyctl, " ", args, " --target ",
+                                   servers_.back()->grpc_target()));
+  }
+
   void TearDown() override {
     clients_.clear();  // idle connections would hold the shutdown
     testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
@@ -471,40 +484,68 @@ TEST_F(ExportE2eTest, TensorParallelServerWritesTheSingleRankBytes) {
   }
 }
 
-// `command` with stderr, and its exit status.
-std::pair<int, std::string> RunCommand(const std::string& command) {
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return {-1, "popen failed"};
-  std::string output;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) {
-    output.append(buffer, n);
-  }
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
-
 TEST_F(ExportE2eTest, TallyctlExportsWithADtype) {
-  const char* tallyctl = std::getenv("TALLY_CTL");
-  ASSERT_NE(tallyctl, nullptr) << "TALLY_CTL must name the tallyctl binary";
   TrainerClient* client = Start();
   ASSERT_NE(client, nullptr);
   ASSERT_TRUE(client->CreateModel(TinyModel("m")).ok());
-  const std::string target = servers_.back()->grpc_target();
-  const auto [exit_code, output] = RunCommand(absl::StrCat(
-      tallyctl, " export m ctl --dtype bfloat16 --target ", target));
+  const auto [exit_code, output] = Tallyctl("export m ctl --dtype bfloat16");
   EXPECT_EQ(exit_code, 0) << output;
   EXPECT_THAT(output,
               HasSubstr("exported the weights of model m to " + InRoot("ctl")));
   EXPECT_EQ(ReadJson(InRoot("ctl/config.json")).value("torch_dtype", ""),
             "bfloat16");
-  const auto [refused_code, refused] = RunCommand(
-      absl::StrCat(tallyctl, " export m ctl2 --dtype int8 --target ", target));
+  const auto [refused_code, refused] = Tallyctl("export m ctl2 --dtype int8");
   EXPECT_EQ(refused_code, 1) << refused;
   EXPECT_THAT(refused,
               HasSubstr("'int8' is not float32, float64, bfloat16 or float16"));
   EXPECT_FALSE(fs::exists(InRoot("ctl2")));
+}
+
+// tallyctl's mutating commands carry the model's next seq_ids (a retry is
+// answered from the server's cache), save refuses a pending window unless
+// --allow-pending, and abort discards it.
+TEST_F(ExportE2eTest, TallyctlSequencesItsCallsAndHandlesAPendingWindow) {
+  TrainerClient* client = Start();
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->CreateModel(TinyModel("m")).ok());
+  auto next_seq_id = [&] {
+    v1::GetModelRequest get;
+    get.set_model_id("m");
+    absl::StatusOr<v1::ModelInfo> info = client->GetModel(get);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->next_seq_id() : 0;
+  };
+  ASSERT_EQ(next_seq_id(), 1u);
+
+  std::mt19937 rng(5);
+  v1::ForwardBackwardRequest pending;
+  pending.set_model_id("m");
+  *pending.add_samples() = MakeSample(rng, kTinyVocab, 9, 2);
+  ASSERT_TRUE(client->ForwardBackward(pending).ok());  // unsequenced
+
+  const auto [refused_code, refused] = Tallyctl("save m saved");
+  EXPECT_EQ(refused_code, 1) << refused;
+  EXPECT_THAT(refused, HasSubstr("FAILED_PRECONDITION"));
+  EXPECT_EQ(next_seq_id(), 2u);  // a refused call consumes its seq_id
+
+  const auto [saved_code, saved] = Tallyctl("save m saved --allow-pending");
+  EXPECT_EQ(saved_code, 0) << saved;
+  EXPECT_THAT(saved,
+              HasSubstr("without the pending window: 1 calls, 7 tokens"));
+  EXPECT_EQ(next_seq_id(), 3u);
+
+  const auto [exported_code, exported] = Tallyctl("export m exported");
+  EXPECT_EQ(exported_code, 0) << exported;
+  EXPECT_EQ(next_seq_id(), 4u);
+
+  const auto [aborted_code, aborted] = Tallyctl("abort m");
+  EXPECT_EQ(aborted_code, 0) << aborted;
+  EXPECT_THAT(aborted, HasSubstr("discarded the pending window of model m: 1 "
+                                 "calls, 7 tokens, 1 samples"));
+  EXPECT_EQ(next_seq_id(), 5u);
+  const auto [resaved_code, resaved] = Tallyctl("save m saved");
+  EXPECT_EQ(resaved_code, 0) << resaved;
+  EXPECT_EQ(next_seq_id(), 6u);
 }
 
 }  // namespace

@@ -341,6 +341,14 @@ TEST_F(ReliabilityE2eTest, SequencedRequestsRunOnceInOrderAndRetriesReplay) {
   EXPECT_EQ(Info(*stub, "clean").next_seq_id(), 1u);  // unsequenced
 
   EXPECT_EQ(Metric("tally_duplicate_requests_total", {{"model_id", "seq"}}), 2);
+  // The third call waited at least 0.5 s for the second before it ran;
+  // every executed call was observed: the window's three, "clean"'s three
+  // and the two probes (retries answered from the cache never ran).
+  const std::map<std::string, std::string> fb = {{"method", "ForwardBackward"}};
+  EXPECT_GE(Metric("tally_queue_wait_seconds_sum", fb), 0.5);
+  EXPECT_EQ(Metric("tally_queue_wait_seconds_count", fb), 8);
+  EXPECT_EQ(Metric("tally_queue_wait_seconds_count", {{"method", "OptimStep"}}),
+            2);
 }
 
 TEST_F(ReliabilityE2eTest, AGapTimesOutIntoAPoisonedWindowUntilAborted) {
