@@ -344,29 +344,6 @@ prometheus::Gauge* RegisterServerInfo(FamilyBuilder& build, const Mesh& mesh) {
 
 // Serves `registry` on `address` (behind HTTP Basic auth with `scraper`);
 // UNAVAILABLE when it did not bind.
-absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(
-    const std::string& address, std::shared_ptr<prometheus::Registry> registry,
-    std::optional<BasicCredentials> scraper) {
-  std::unique_ptr<prometheus::Exposer> exposer;
-  TALLY_RETURN_IF_ERROR(CatchTorch("metrics exposer", [&] {
-    exposer = std::make_unique<prometheus::Exposer>(address);
-  }));
-  if (scraper.has_value()) {
-    exposer->RegisterAuth(
-        [scraper = *std::move(scraper)](const std::string& user,
-                                        const std::string& password) {
-          return scraper.Matches(user, password);
-        },
-        "tally metrics");
-  }
-  exposer->RegisterCollectable(registry);
-  if (exposer->GetListeningPorts().empty()) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics exposer did not bind ", address));
-  }
-  return exposer;
-}
-
 }  // namespace
 
 struct ServerMetrics::ModelSeries {
@@ -456,8 +433,7 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   m->auth_failures_ = reliability.auth_failures;
   m->models_ = RegisterServerInfo(build, engine->mesh());
   TALLY_ASSIGN_OR_RETURN(
-      m->exposer_, StartExposer(address, m->registry_, std::move(scraper)));
-  m->port_ = m->exposer_->GetListeningPorts().front();
+      m->http_, HttpEndpoint::Start(address, m->registry_, std::move(scraper)));
   absl::MutexLock lock(&m->mu_);
   m->RecordRankStateLocked();
   return m;

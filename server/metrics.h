@@ -1,5 +1,6 @@
 // ServerMetrics: the Prometheus metrics of one tally rank, exposed over HTTP
-// on their own port. Every rank serves its own /metrics (so a PodMonitor or a
+// on their own port with the rank's probes (/healthz, /readyz: see
+// http_endpoint.h). Every rank serves its own /metrics (so a PodMonitor or a
 // scrape config listing every rank sees each one); every series carries a
 // constant `rank` label. Rank 0 adds the request-level metrics of the gRPC
 // front end (tokens, losses, grad norms, RPC codes, queue depth); every rank
@@ -20,7 +21,6 @@
 #define TALLY_SERVER_METRICS_H_
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
@@ -34,6 +34,7 @@
 #include "absl/synchronization/mutex.h"
 #include "runtime/engine.h"
 #include "server/auth.h"
+#include "server/http_endpoint.h"
 #include "tally/v1/trainer.pb.h"
 
 namespace tally {
@@ -44,19 +45,22 @@ class ServerMetrics {
   // owned, outlives the metrics, only read) gives the `rank` label and the rank
   // state. The request-flow recorders (RecordRequest, RecordDuplicate,
   // RecordPoisonedWindow, RecordSeqGapWait, SetQueueDepth, ObserveQueueWait,
-  // RecordRankFailure,
-  // RecordAuthFailure) may run on any thread; every other method runs on the
-  // engine's command thread (the engine is not thread-safe) and refreshes the
-  // rank state after recording. With `scraper`, /metrics answers 401 to
-  // requests without its HTTP Basic credentials (the series name every tenant's
-  // models).
+  // RecordRankFailure, RecordAuthFailure, SetReady) may run on any thread;
+  // every other method runs on the engine's command thread (the engine is not
+  // thread-safe) and refreshes the rank state after recording. With `scraper`,
+  // /metrics answers 401 to requests without its HTTP Basic credentials (the
+  // series name every tenant's models).
   static absl::StatusOr<std::unique_ptr<ServerMetrics>> Create(
       const std::string& address, Engine* engine,
       std::optional<BasicCredentials> scraper = std::nullopt);
 
   ~ServerMetrics();
 
-  int port() const { return port_; }
+  int port() const { return http_->port(); }
+  // What the port's /readyz answers (not ready until the first call).
+  void SetReady(bool ready, const std::string& reason) {
+    http_->SetReady(ready, reason);
+  }
 
   // Front end (rank 0).
   void RecordRequest(const std::string& method, const std::string& code);
@@ -126,8 +130,7 @@ class ServerMetrics {
 
   Engine* engine_ = nullptr;
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
-  int port_ = 0;
+  std::unique_ptr<HttpEndpoint> http_;
 
   prometheus::Family<prometheus::Gauge>* grad_norm_ = nullptr;
   prometheus::Family<prometheus::Histogram>* grad_norm_distribution_ = nullptr;

@@ -113,6 +113,14 @@ absl::Status CheckSameOnEveryRank(Communicator& world,
   return absl::OkStatus();
 }
 
+// A rank's serving state as its probes see it: gRPC health (service "")
+// and the metrics port's /readyz, `reason` saying why when not serving.
+void SetServing(grpc::Server& server, ServerMetrics& metrics, bool serving,
+                const std::string& reason = "") {
+  server.GetHealthCheckService()->SetServingStatus(serving);
+  metrics.SetReady(serving, reason);
+}
+
 absl::StatusOr<std::string> ReadPem(const char* flag, const std::string& path) {
   const std::string what = absl::StrCat("--", flag);
   TALLY_ASSIGN_OR_RETURN(std::string text, ReadFileText(path, what));
@@ -397,7 +405,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
     return absl::UnavailableError(absl::StrCat(
         "cannot listen on ", options.host, ":", options.grpc_port));
   }
-  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  SetServing(*s->server_, *s->metrics_, true);
   Log(LogLevel::kInfo,
       absl::StrCat("serving tally.v1.Trainer on ", options.host, ":",
                    s->grpc_port_, ", metrics on http://", options.host, ":",
@@ -437,7 +445,7 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.host, ":", grpc_port));
   }
-  health->GetHealthCheckService()->SetServingStatus(true);
+  SetServing(*health, *metrics, true);
   Log(LogLevel::kInfo,
       absl::StrCat("rank ", rank, ": health on ", options.host, ":",
                    bound_grpc_port, ", metrics on http://", options.host, ":",
@@ -448,7 +456,8 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
                       bound_grpc_port, metrics->port()));
   }
   absl::Status status = CommandLoop(*engine, engine->control(), metrics.get());
-  health->GetHealthCheckService()->SetServingStatus(false);
+  SetServing(*health, *metrics, false,
+             absl::StrCat("rank ", rank, " stopped: ", status.ToString()));
   health->Shutdown();
   return status;
 }
@@ -464,7 +473,8 @@ void TallyServer::OnRankFailure(const absl::Status& failure) {
     failure_ = failure;
   }
   // Probes see it at once; Shutdown follows from main.
-  server_->GetHealthCheckService()->SetServingStatus(false);
+  SetServing(*server_, *metrics_, false,
+             absl::StrCat("a rank failed: ", failure.ToString()));
 }
 
 // How long gRPC's shutdown may wait for clients to go once every request
@@ -477,7 +487,7 @@ absl::Status TallyServer::Shutdown() {
   const absl::Status failed = failure();
   if (server_) {
     // Load balancers and probes see NOT_SERVING before anything is refused.
-    server_->GetHealthCheckService()->SetServingStatus(false);
+    SetServing(*server_, *metrics_, false, "shutting down");
     if (failed.ok() && options_.shutdown_drain_secs > 0) {
       Log(LogLevel::kInfo,
           absl::StrCat("shutting down: NOT_SERVING, still serving for ",

@@ -5,8 +5,8 @@ kustomize_lite without kubectl) and checks: yamllint passes; every flag the
 pods pass exists in tally-server (its --help, or server/flags.cc before the
 build) and the server accepts the whole argument list; each flag appears once
 and exactly one transport is chosen (plaintext or TLS); the named container
-ports match the port flags and the rendezvous port; probes call
-grpc.health.v1 on the `grpc` port; no Service takes the name of the
+ports match the port flags and the rendezvous port; the probes are HTTP
+GETs of /healthz and /readyz on the `metrics` port; no Service takes the name of the
 workload's headless Service (the LWS name, or a StatefulSet's serviceName);
 the client Service reaches rank 0 only; the PodMonitor scrapes the `metrics`
 port of every rank; each pod gets a distinct rank in [0, world size) with the
@@ -331,23 +331,18 @@ class ManifestTest(unittest.TestCase):
                                  env_of(container)["MASTER_PORT"]["value"])
 
     def test_probes(self):
+        """Every rank's probes are HTTP on its metrics port, whatever the
+        gRPC transport: /healthz for startup and liveness, /readyz (503 while
+        draining or after a rank failed) for readiness."""
+        paths = {"startupProbe": "/healthz", "readinessProbe": "/readyz",
+                 "livenessProbe": "/healthz"}
         for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
                 container = self.container(overlay)
-                grpc_port = next(p["containerPort"] for p in container["ports"]
-                                 if p["name"] == "grpc")
-                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                for probe, path in paths.items():
                     self.assertIn(probe, container)
-                    if self.uses_tls(overlay):
-                        # Kubernetes gRPC probes cannot do TLS: check the port.
-                        self.assertEqual(container[probe]["tcpSocket"]["port"],
-                                         "grpc", probe)
-                    else:
-                        self.assertEqual(container[probe]["grpc"]["port"],
-                                         grpc_port, probe)
-                        # Service "" is the server's overall health.
-                        self.assertEqual(
-                            container[probe]["grpc"].get("service", ""), "")
+                    self.assertEqual(container[probe]["httpGet"],
+                                     {"path": path, "port": "metrics"}, probe)
                 # The startup probe outlasts the rendezvous timeout.
                 startup = container["startupProbe"]
                 self.assertGreaterEqual(

@@ -282,6 +282,15 @@ TEST_F(AccessE2eTest, MutualTlsTokensTenantsAndCheckpointRoot) {
                      absl::Base64Escape("prometheus:scrape-secret"), "\r\n"));
     ASSERT_TRUE(metrics.ok()) << metrics.status();
     EXPECT_NE(metrics->find("model_id=\"alice/m1\""), std::string::npos);
+    // The series need the scraper's credentials; the probes need none, and
+    // answer whatever the gRPC port's transport.
+    EXPECT_THAT(
+        std::string(
+            HttpGet(server->metrics_port(), "/metrics").status().message()),
+        ::testing::HasSubstr(" 401 "));
+    EXPECT_EQ(HttpGet(server->metrics_port(), "/readyz").value_or("?"), "ok\n");
+    EXPECT_EQ(HttpGet(server->metrics_port(), "/healthz").value_or("?"),
+              "ok\n");
     // Four calls without a token (the raw body and tallyctl's among them),
     // one with a wrong one (the call without a client certificate never
     // reached the server).

@@ -502,12 +502,20 @@ TEST_F(ReliabilityE2eTest, SigtermDrainsWhileNotServingThenExitsZero) {
   Stub* stub = Start({"--shutdown-drain-secs", "2"});
   ASSERT_NE(stub, nullptr);
   Create(*stub, "m");
+  // The metrics port's probes: live and ready, then live and not ready.
+  const int http = server_->metrics_port();
+  EXPECT_EQ(HttpGet(http, "/healthz").value_or("?"), "ok\n");
+  EXPECT_EQ(HttpGet(http, "/readyz").value_or("?"), "ok\n");
   const absl::Time sent = absl::Now();
   ASSERT_EQ(kill(server_->pid(), SIGTERM), 0);
   absl::SleepFor(absl::Milliseconds(500));
   const auto health = CheckHealth(server_->grpc_target());
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, HealthCheckResponse::NOT_SERVING);
+  const absl::StatusOr<std::string> ready = HttpGet(http, "/readyz");
+  EXPECT_THAT(ready.status().message(), HasSubstr(" 503 "));
+  EXPECT_THAT(ready.status().message(), HasSubstr("not ready: shutting down"));
+  EXPECT_EQ(HttpGet(http, "/healthz").value_or("?"), "ok\n");
   // Still serving while the load balancer catches up.
   EXPECT_TRUE(Send(&Stub::GetModel, *stub, Get("m")).ok());
   stubs_.clear();

@@ -1,0 +1,69 @@
+// HttpEndpoint: a rank's HTTP port — Prometheus' /metrics and the
+// Kubernetes probes.
+//
+//   GET /metrics  the registry in Prometheus' text format; behind HTTP Basic
+//                 credentials when given (401 otherwise)
+//   GET /healthz  200 while the process serves HTTP (liveness)
+//   GET /readyz   200 while the rank is ready for work, else 503 with the
+//                 reason (draining, a failed rank, not started)
+//
+// The probes need no credentials and work whatever the gRPC port's
+// transport, so TLS servers get honest readiness from plain httpGet probes.
+//
+//   TALLY_ASSIGN_OR_RETURN(auto http, tally::HttpEndpoint::Start(
+//       "0.0.0.0:9090", registry, std::nullopt));
+//   http->SetReady(true, "");
+//   ...
+//   http->SetReady(false, "draining");
+#ifndef TALLY_SERVER_HTTP_ENDPOINT_H_
+#define TALLY_SERVER_HTTP_ENDPOINT_H_
+
+#include <prometheus/registry.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/auth.h"
+
+class CivetServer;
+
+namespace tally {
+
+class HttpEndpoint {
+ public:
+  // Listens on `address` ("host:port"; port 0 picks a free one). Not ready
+  // until SetReady(true, ...).
+  static absl::StatusOr<std::unique_ptr<HttpEndpoint>> Start(
+      const std::string& address,
+      std::shared_ptr<prometheus::Registry> registry,
+      std::optional<BasicCredentials> scraper);
+  ~HttpEndpoint();
+
+  int port() const { return port_; }
+  // What /readyz answers; `reason` says why when not ready.
+  void SetReady(bool ready, const std::string& reason);
+  // /readyz's answer: OK, or UNAVAILABLE with the reason.
+  absl::Status Readiness() const;
+
+ private:
+  class MetricsHandler;
+  class ProbeHandler;
+
+  HttpEndpoint() = default;
+
+  std::unique_ptr<CivetServer> server_;
+  std::unique_ptr<MetricsHandler> metrics_;
+  std::unique_ptr<ProbeHandler> healthz_;
+  std::unique_ptr<ProbeHandler> readyz_;
+  int port_ = 0;
+  mutable absl::Mutex mu_;
+  absl::Status readiness_ ABSL_GUARDED_BY(mu_) =
+      absl::UnavailableError("starting");
+};
+
+}  // namespace tally
+
+#endif  // TALLY_SERVER_HTTP_ENDPOINT_H_
