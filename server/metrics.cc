@@ -226,9 +226,12 @@ TrainingFamilies RegisterTrainingFamilies(FamilyBuilder& build) {
       build.Gauge("tally_model_step", "Optimizer steps applied to the model");
   f.forward_backward_seconds =
       build.Histogram("tally_forward_backward_seconds",
-                      "ForwardBackward execution time on this rank");
+                      "ForwardBackward execution time on this rank (by "
+                      "model on rank 0, all models together elsewhere)");
   f.optim_step_seconds = build.Histogram(
-      "tally_optim_step_seconds", "OptimStep execution time on this rank");
+      "tally_optim_step_seconds",
+      "OptimStep execution time on this rank (by model on rank 0, all models "
+      "together elsewhere)");
   f.requests =
       build.Counter("tally_requests_total", "RPCs by method and status code");
   return f;
@@ -464,16 +467,21 @@ ServerMetrics::ModelSeries& ServerMetrics::Series(const std::string& id) {
   return *slot;
 }
 
+prometheus::Labels ServerMetrics::TimingLabels(const std::string& id) const {
+  if (engine_->mesh().rank() == 0) return {{"model_id", id}};
+  return {};
+}
+
 ServerMetrics::RankModelSeries& ServerMetrics::RankSeries(
     const std::string& id) {
   auto& slot = rank_series_[id];
   if (!slot) {
     const prometheus::Labels l = {{"model_id", id}};
-    slot = std::make_unique<RankModelSeries>(
-        RankModelSeries{&forward_backward_seconds_->Add(l, CommandBuckets()),
-                        &optim_step_seconds_->Add(l, CommandBuckets()),
-                        &parameter_bytes_->Add(l), &gradient_bytes_->Add(l),
-                        &optimizer_state_bytes_->Add(l)});
+    slot = std::make_unique<RankModelSeries>(RankModelSeries{
+        &forward_backward_seconds_->Add(TimingLabels(id), CommandBuckets()),
+        &optim_step_seconds_->Add(TimingLabels(id), CommandBuckets()),
+        &parameter_bytes_->Add(l), &gradient_bytes_->Add(l),
+        &optimizer_state_bytes_->Add(l)});
   }
   return *slot;
 }
@@ -622,8 +630,10 @@ void ServerMetrics::RemoveRankSeries(const std::string& model_id) {
   auto it = rank_series_.find(model_id);
   if (it == rank_series_.end()) return;
   const RankModelSeries& s = *it->second;
-  forward_backward_seconds_->Remove(s.forward_backward_seconds);
-  optim_step_seconds_->Remove(s.optim_step_seconds);
+  if (!TimingLabels(model_id).empty()) {  // not the rank's shared series
+    forward_backward_seconds_->Remove(s.forward_backward_seconds);
+    optim_step_seconds_->Remove(s.optim_step_seconds);
+  }
   parameter_bytes_->Remove(s.parameter_bytes);
   gradient_bytes_->Remove(s.gradient_bytes);
   optimizer_state_bytes_->Remove(s.optimizer_state_bytes);

@@ -123,6 +123,10 @@ class ServerMetrics {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveRankSeries(const std::string& model_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The labels of model `id`'s execution-time histograms: model_id on rank
+  // 0; none on the other ranks, whose histograms every model shares (they
+  // would otherwise multiply each model's 50 series by the world size).
+  prometheus::Labels TimingLabels(const std::string& id) const;
   void RecordRankStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets tally_policy of `s`, the series of model_id.
   void RecordPolicy(const std::string& model_id, const v1::PolicyStats& policy,

@@ -190,9 +190,11 @@ class PrometheusEndToEndTest(unittest.TestCase):
         self.assertEqual(last.step, STEPS)
         p = self.prometheus
         model = f'model_id="{MODEL}"'
-        wait_for(lambda: [v for _, v in p.query(
-            f'tally_optim_step_seconds_count{{{model}}}')] == [STEPS] * RANKS,
-            20, "a scrape of every rank after the last step")
+        # Rank 0 times by model; the others (one model here) for all models.
+        steps_timed = (f'tally_optim_step_seconds_count{{{model}, rank="0"}} '
+                       'or tally_optim_step_seconds_count{rank!="0"}')
+        wait_for(lambda: [v for _, v in p.query(steps_timed)] == [STEPS] * RANKS,
+                 20, "a scrape of every rank after the last step")
 
         self.assertEqual(p.value("count(up{job=\"tally\"} == 1)"), RANKS)
         # Request-level series come from rank 0 only.
@@ -214,14 +216,19 @@ class PrometheusEndToEndTest(unittest.TestCase):
         self.assertEqual(p.value(
             'sum(tally_requests_total{method="ForwardBackward", code="OK"})'),
             STEPS * CALLS_PER_STEP)
-        # Every rank timed each command once.
+        # Every rank timed each command once: rank 0 by model, the others
+        # in one histogram for all their models (no model_id label).
         for metric, count in [("tally_forward_backward_seconds",
                                STEPS * CALLS_PER_STEP),
                               ("tally_optim_step_seconds", STEPS)]:
-            per_rank = dict((l["rank"], v) for l, v in
-                            p.query(f"{metric}_count{{{model}}}"))
+            per_rank = dict((l["rank"], v) for l, v in p.query(
+                f'{metric}_count{{{model}, rank="0"}} or '
+                f'{metric}_count{{rank!="0", model_id=""}}'))
             self.assertEqual(per_rank, {str(r): count for r in range(RANKS)})
-            inf_bucket = p.query(f'{metric}_bucket{{{model}, le="+Inf"}}')
+            self.assertEqual(
+                [l["rank"] for l, _ in p.query(f"{metric}_count{{{model}}}")],
+                ["0"])
+            inf_bucket = p.query(f'{metric}_bucket{{le="+Inf"}}')
             self.assertEqual([v for _, v in inf_bucket], [count] * RANKS)
         self.assertEqual(p.value(
             f"tally_grad_norm_distribution_count{{{model}}}"), STEPS)

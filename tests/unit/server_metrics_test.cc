@@ -388,6 +388,37 @@ TEST_F(ModelMetricsTest, PolicyStatisticsOfTheLastRlCall) {
   EXPECT_EQ(Scrape(m.port()).find("tally_policy{"), std::string::npos);
 }
 
+// The series one model adds to rank 0, as docs/metrics.md counts them: 102
+// once it trained and stepped (the grad norm histogram's 36, the execution
+// histograms' 2 x 25, 13 gauges and counters, 3 shard sizes), 2 more once
+// evaluated, 8 more once a call carries sampling_logprobs.
+TEST_F(ModelMetricsTest, SeriesPerModelAreBoundedAsDocumented) {
+  auto count = [&] {
+    const std::string text = Scrape(metrics_->port());
+    int64_t series = 0;
+    for (size_t at = text.find("model_id=\"m\""); at != std::string::npos;
+         at = text.find("model_id=\"m\"", at + 1)) {
+      ++series;
+    }
+    return series;
+  };
+  std::vector<Sample> samples = MakeSamples(vocab_, {3, 5}, 7);
+  Call({samples});
+  ASSERT_TRUE(engine_->OptimStep("m", {}).ok());
+  v1::OptimStepResponse stepped;
+  metrics_->RecordOptimStep("m", stepped, 0.5);
+  const int64_t trained = count();
+  Call({samples, LossReduction::kTokenMean, /*forward_only=*/true});
+  const int64_t evaluated = count();
+  testing::AddPolicyInputs(samples, -std::log(vocab_), 9);
+  ForwardBackwardArgs rl{samples};
+  rl.loss = ParseLossSpec("ppo", {}).value();
+  Call(rl);
+  EXPECT_EQ(trained, 102);
+  EXPECT_EQ(evaluated - trained, 2);
+  EXPECT_EQ(count() - evaluated, 8);
+}
+
 // The largest finite buckets docs/metrics.md states: ForwardBackward and
 // OptimStep 1 ms .. 2097.152 s (~35 min, 22 buckets), checkpoints 1 ms ..
 // 16777.216 s (~4.7 h, 25 buckets), seq_id gap waits 1 ms ..
