@@ -42,6 +42,26 @@ double CgroupLimitBytes(const char* path) {
 absl::Status MemoryAdmission::CheckModel(const std::string& tenant,
                                          double bytes) const {
   absl::MutexLock lock(&mu_);
+  return Report(ModelShortfall(tenant, bytes), "model");
+}
+
+absl::Status MemoryAdmission::CheckCall(double bytes) const {
+  absl::MutexLock lock(&mu_);
+  return Report(CallShortfall(bytes), "call");
+}
+
+absl::Status MemoryAdmission::Report(absl::Status status,
+                                     const char* what) const {
+  if (!status.ok() && options_.on_refusal) options_.on_refusal(what);
+  return status;
+}
+
+void MemoryAdmission::ReportResident() const {
+  if (options_.on_resident) options_.on_resident(total_);
+}
+
+absl::Status MemoryAdmission::ModelShortfall(const std::string& tenant,
+                                             double bytes) const {
   if (options_.limit_bytes > 0 && total_ + bytes > options_.limit_bytes) {
     return ReasonError(
         ErrorReason::kMemoryLimit,
@@ -71,6 +91,7 @@ void MemoryAdmission::Add(const std::string& model_id,
   Held& held = models_[model_id];
   total_ += bytes - held.bytes;
   held = {tenant, bytes};
+  ReportResident();
 }
 
 void MemoryAdmission::Remove(const std::string& model_id) {
@@ -79,10 +100,10 @@ void MemoryAdmission::Remove(const std::string& model_id) {
   if (it == models_.end()) return;
   total_ -= it->second.bytes;
   models_.erase(it);
+  ReportResident();
 }
 
-absl::Status MemoryAdmission::CheckCall(double bytes) const {
-  absl::MutexLock lock(&mu_);
+absl::Status MemoryAdmission::CallShortfall(double bytes) const {
   if (options_.limit_bytes <= 0 || total_ + bytes <= options_.limit_bytes) {
     return absl::OkStatus();
   }

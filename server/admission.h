@@ -20,6 +20,7 @@
 #define TALLY_SERVER_ADMISSION_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -31,6 +32,10 @@ namespace tally {
 struct MemoryAdmissionOptions {
   double limit_bytes = 0;       // 0: no limit
   double per_tenant_bytes = 0;  // 0: no quota per tenant
+  // Observers (metrics): the resident total after every Add and Remove, and
+  // "model" or "call" at every refusal. Called under the ledger's lock.
+  std::function<void(double resident_bytes)> on_resident;
+  std::function<void(const char* refused)> on_refusal;
 };
 
 class MemoryAdmission {
@@ -57,6 +62,13 @@ class MemoryAdmission {
   };
   double TenantBytes(const std::string& tenant) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ModelShortfall(const std::string& tenant, double bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CallShortfall(double bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells on_refusal of a refusal of `what`; returns `status`.
+  absl::Status Report(absl::Status status, const char* what) const;
+  void ReportResident() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const MemoryAdmissionOptions options_;
   mutable absl::Mutex mu_;

@@ -273,6 +273,9 @@ struct ReliabilityMetrics {
   prometheus::Histogram* seq_gap_wait_seconds;
   prometheus::Gauge* queue_depth;
   prometheus::Family<prometheus::Histogram>* queue_wait_seconds;
+  prometheus::Family<prometheus::Gauge>* memory_limit_bytes;
+  prometheus::Gauge* memory_admitted_bytes;
+  prometheus::Family<prometheus::Counter>* memory_refusals;
   prometheus::Counter* rank_failures;
   prometheus::Family<prometheus::Histogram>* checkpoint_seconds;
   prometheus::Gauge* checkpoint_last_success;
@@ -302,6 +305,21 @@ ReliabilityMetrics RegisterReliabilityMetrics(FamilyBuilder& build) {
       "Time accepted requests waited before executing, by method (the "
       "execution itself: tally_forward_backward_seconds, "
       "tally_optim_step_seconds)");
+  f.memory_limit_bytes = build.Gauge(
+      "tally_memory_limit_bytes",
+      "Memory admission's limits per rank by scope: server "
+      "(--max-memory-bytes) and tenant (--max-memory-bytes-per-tenant); 0: "
+      "none");
+  f.memory_admitted_bytes =
+      &build
+           .Gauge("tally_memory_admitted_bytes",
+                  "Estimated resident bytes per rank (parameters, gradients, "
+                  "optimizer state) of the models memory admission holds")
+           ->Add({});
+  f.memory_refusals = build.Counter(
+      "tally_memory_refusals_total",
+      "CreateModel (refused=model) and ForwardBackward (refused=call) "
+      "requests memory admission refused RESOURCE_EXHAUSTED");
   f.rank_failures = &build
                          .Counter("tally_rank_failures_total",
                                   "Collectives that failed or timed out")
@@ -430,6 +448,9 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   m->seq_gap_wait_seconds_ = reliability.seq_gap_wait_seconds;
   m->queue_depth_ = reliability.queue_depth;
   m->queue_wait_seconds_ = reliability.queue_wait_seconds;
+  m->memory_limit_bytes_ = reliability.memory_limit_bytes;
+  m->memory_admitted_bytes_ = reliability.memory_admitted_bytes;
+  m->memory_refusals_ = reliability.memory_refusals;
   m->rank_failures_ = reliability.rank_failures;
   m->checkpoint_seconds_ = reliability.checkpoint_seconds;
   m->checkpoint_last_success_ = reliability.checkpoint_last_success;
@@ -717,6 +738,20 @@ void ServerMetrics::ObserveQueueWait(const std::string& method,
                                      double seconds) {
   queue_wait_seconds_->Add({{"method", method}}, CommandBuckets())
       .Observe(seconds);
+}
+
+void ServerMetrics::SetMemoryLimits(double limit_bytes,
+                                    double per_tenant_bytes) {
+  memory_limit_bytes_->Add({{"scope", "server"}}).Set(limit_bytes);
+  memory_limit_bytes_->Add({{"scope", "tenant"}}).Set(per_tenant_bytes);
+}
+
+void ServerMetrics::SetMemoryAdmitted(double bytes) {
+  memory_admitted_bytes_->Set(bytes);
+}
+
+void ServerMetrics::RecordMemoryRefusal(const std::string& refused) {
+  memory_refusals_->Add({{"refused", refused}}).Increment();
 }
 
 void ServerMetrics::RecordRankFailure() { rank_failures_->Increment(); }

@@ -45,7 +45,8 @@ class ServerMetrics {
   // owned, outlives the metrics, only read) gives the `rank` label and the rank
   // state. The request-flow recorders (RecordRequest, RecordDuplicate,
   // RecordPoisonedWindow, RecordSeqGapWait, SetQueueDepth, ObserveQueueWait,
-  // RecordRankFailure, RecordAuthFailure, SetReady) may run on any thread;
+  // RecordRankFailure, RecordAuthFailure, SetReady, the memory admission
+  // ones) may run on any thread;
   // every other method runs on the engine's command thread (the engine is not
   // thread-safe) and refreshes the rank state after recording. With `scraper`,
   // /metrics answers 401 to requests without its HTTP Basic credentials (the
@@ -106,6 +107,11 @@ class ServerMetrics {
   void RecordSeqGapWait(double seconds);
   // Requests held (waiting, queued or executing).
   void SetQueueDepth(size_t depth);
+  // Memory admission (server/admission.h): the limits (0: none), the
+  // estimated resident bytes admitted, and a refused "model" or "call".
+  void SetMemoryLimits(double limit_bytes, double per_tenant_bytes);
+  void SetMemoryAdmitted(double bytes);
+  void RecordMemoryRefusal(const std::string& refused);
   // How long an accepted `method` request waited (behind the queue, a
   // seq_id gap or its model's earlier requests) before it began to execute.
   void ObserveQueueWait(const std::string& method, double seconds);
@@ -163,6 +169,9 @@ class ServerMetrics {
   prometheus::Histogram* seq_gap_wait_seconds_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Family<prometheus::Histogram>* queue_wait_seconds_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* memory_limit_bytes_ = nullptr;
+  prometheus::Gauge* memory_admitted_bytes_ = nullptr;
+  prometheus::Family<prometheus::Counter>* memory_refusals_ = nullptr;
   prometheus::Counter* rank_failures_ = nullptr;
   prometheus::Family<prometheus::Histogram>* checkpoint_seconds_ = nullptr;
   prometheus::Gauge* checkpoint_last_success_ = nullptr;

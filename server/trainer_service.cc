@@ -60,6 +60,22 @@ absl::Status FirstError(absl::Status first, const absl::Status& second) {
 
 }  // namespace
 
+namespace {
+
+// `options` with its observers reporting to `metrics`.
+MemoryAdmissionOptions ObservedBy(MemoryAdmissionOptions options,
+                                  ServerMetrics* metrics) {
+  options.on_resident = [metrics](double bytes) {
+    metrics->SetMemoryAdmitted(bytes);
+  };
+  options.on_refusal = [metrics](const char* refused) {
+    metrics->RecordMemoryRefusal(refused);
+  };
+  return options;
+}
+
+}  // namespace
+
 TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
                                ServerMetrics* metrics,
                                TrainerServiceOptions options)
@@ -86,7 +102,9 @@ TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
               [metrics](double seconds) {
                 metrics->RecordSeqGapWait(seconds);
               }}),
-      admission_(options_.memory) {
+      admission_(ObservedBy(options_.memory, metrics)) {
+  metrics->SetMemoryLimits(options_.memory.limit_bytes,
+                           options_.memory.per_tenant_bytes);
   for (const ModelSummary& model : engine_->ListModels()) {
     scheduler_.sequencer().AddModel(model.model_id);
     admission_.Add(

@@ -612,6 +612,14 @@ TEST_F(ReliabilityE2eTest, MemoryAdmissionRefusesWhatDoesNotFit) {
   ASSERT_TRUE(Send(&Stub::ForwardBackward, *stub, Fb("m", 0, Samples(6))).ok());
   ASSERT_TRUE(Send(&Stub::OptimStep, *stub, Step("m", 0)).ok());
   EXPECT_EQ(Info(*stub, "m").step(), 1);
+
+  // What the dashboard's memory panels show.
+  EXPECT_EQ(Metric("tally_memory_limit_bytes", {{"scope", "server"}}), 2e8);
+  EXPECT_EQ(Metric("tally_memory_limit_bytes", {{"scope", "tenant"}}), 0);
+  const double admitted = Metric("tally_memory_admitted_bytes", {});
+  EXPECT_GT(admitted, 0);
+  EXPECT_LT(admitted, 2e8);
+  EXPECT_EQ(Metric("tally_memory_refusals_total", {{"refused", "model"}}), 2);
 }
 
 // A drain that would use up the whole exit budget is refused at start,

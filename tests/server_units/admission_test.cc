@@ -6,6 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
 #include "runtime/memory_estimate.h"
 
 namespace tally {
@@ -37,6 +40,27 @@ TEST(MemoryAdmissionTest, ModelsHoldTheirBytesAgainstTheLimitAndQuota) {
   MemoryAdmission unlimited({0, 0});
   EXPECT_TRUE(unlimited.CheckModel("", 1e30).ok());
   EXPECT_TRUE(unlimited.CheckCall(1e30).ok());
+}
+
+// The observers see every change of the total and every refusal, by kind;
+// an admitted model or call is no refusal.
+TEST(MemoryAdmissionTest, ObserversSeeTheTotalAndEachRefusal) {
+  std::vector<double> totals;
+  std::vector<std::string> refusals;
+  MemoryAdmissionOptions options{/*limit_bytes=*/100, /*per_tenant_bytes=*/0};
+  options.on_resident = [&](double bytes) { totals.push_back(bytes); };
+  options.on_refusal = [&](const char* what) { refusals.push_back(what); };
+  MemoryAdmission admission(options);
+  ASSERT_TRUE(admission.CheckModel("", 70).ok());
+  admission.Add("a", "", 70);
+  EXPECT_FALSE(admission.CheckModel("", 40).ok());
+  EXPECT_TRUE(admission.CheckCall(30).ok());
+  EXPECT_FALSE(admission.CheckCall(31).ok());
+  admission.Add("b", "", 20);
+  admission.Remove("a");
+  admission.Remove("missing");  // changes nothing, tells nothing
+  EXPECT_EQ(totals, (std::vector<double>{70, 90, 20}));
+  EXPECT_EQ(refusals, (std::vector<std::string>{"model", "call"}));
 }
 
 TEST(MemoryEstimateTest, HostileSizesDoNotWrapAround) {
