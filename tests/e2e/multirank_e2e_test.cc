@@ -540,8 +540,9 @@ TEST_F(MultiRankE2eTest, KilledRankStopsTheLauncherWithANonZeroExit) {
 
 // A hung rank (SIGSTOP) blocks the collectives of the next command: rank 0
 // keeps answering health checks meanwhile, answers the command UNAVAILABLE
-// once --collective-timeout-secs passed, turns NOT_SERVING and exits 1, so
-// the launcher exits non-zero for its supervisor to restart the group.
+// once --collective-timeout-secs passed, turns NOT_SERVING (and /readyz not
+// ready) and exits 1, so the launcher exits non-zero for its supervisor to
+// restart the group.
 TEST_F(MultiRankE2eTest, HungRankIsUnavailableWithinTheCollectiveTimeout) {
   absl::StatusOr<std::unique_ptr<ServerProcess>> started = ServerProcess::Start(
       ServerBinaryFromEnv(),
@@ -554,6 +555,8 @@ TEST_F(MultiRankE2eTest, HungRankIsUnavailableWithinTheCollectiveTimeout) {
   ASSERT_TRUE(client->CreateModel(TinyModelRequest()).ok());
   const std::map<int, pid_t> ranks = RankProcesses(launcher.pid());
   ASSERT_EQ(ranks.size(), 2u) << launcher.ReadLog();
+  EXPECT_EQ(testing::HttpGet(launcher.metrics_port(), "/readyz").value_or("?"),
+            "ok\n");
   ASSERT_EQ(kill(ranks.at(1), SIGSTOP), 0) << std::strerror(errno);
 
   const absl::Time sent = absl::Now();
@@ -576,6 +579,8 @@ TEST_F(MultiRankE2eTest, HungRankIsUnavailableWithinTheCollectiveTimeout) {
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable)
       << failed.status();
   EXPECT_LT(absl::Now() - sent, absl::Seconds(20));
+  // Not ready from then on: 503 until rank 0 exits, then no answer at all.
+  EXPECT_FALSE(testing::HttpGet(launcher.metrics_port(), "/readyz").ok());
   // The hung rank wakes up to a group that is gone.
   kill(ranks.at(1), SIGCONT);
   bool exited = false;
