@@ -90,10 +90,9 @@ struct Options {
   bool row = false;
 };
 
-absl::StatusOr<DType> DTypeNamed(const std::string& name) {
-  for (const DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat64}) {
-    if (name == DTypeName(dtype)) return dtype;
-  }
+absl::StatusOr<DType> DTypeFlag(const std::string& name) {
+  const std::optional<DType> dtype = DTypeNamed(name);
+  if (dtype) return *dtype;
   return absl::InvalidArgumentError(absl::StrCat(
       "--dtypes must list float32, bfloat16 or float64, got '", name, "'"));
 }
@@ -198,7 +197,7 @@ absl::Status RunRow(const Options& options) {
   ModelSpec spec;
   spec.model_id = "bench";
   spec.config = config;
-  spec.dtype = *DTypeNamed(options.dtypes.front());
+  spec.dtype = *DTypeFlag(options.dtypes.front());
   spec.activation_checkpointing = options.act_ckpt.front();
   TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
   const int64_t model_rss = RssBytes();
@@ -219,8 +218,8 @@ absl::Status RunRow(const Options& options) {
   line["peak_rss_bytes"] = PeakRssBytes();
   // What a call adds to the model: gradients, activations, workspace.
   line["call_peak_bytes"] = PeakRssBytes() - model_rss;
-  line["gemm_peak_gflops_per_s"] = GemmPeakGflops(
-      ComputeScalarType(spec.dtype));
+  line["gemm_peak_gflops_per_s"] =
+      GemmPeakGflops(ComputeScalarType(spec.dtype));
   line["blas"] = std::string(BlasVendorName(DetectComputeBackend().blas));
   std::cout << line.dump() << std::endl;
   return absl::OkStatus();
@@ -270,11 +269,10 @@ struct Row {
 
 absl::StatusOr<nlohmann::ordered_json> MeasureRow(const Options& options,
                                                   const Row& r) {
-  const std::string shape =
-      absl::StrCat(" --config=", options.config, " --steps=", options.steps,
-                   " --samples=", options.samples, " --tokens=", options.tokens,
-                   " --threads=", r.threads,
-                   " --act-ckpt=", r.act_ckpt ? "on" : "off");
+  const std::string shape = absl::StrCat(
+      " --config=", options.config, " --steps=", options.steps,
+      " --samples=", options.samples, " --tokens=", options.tokens,
+      " --threads=", r.threads, " --act-ckpt=", r.act_ckpt ? "on" : "off");
   TALLY_ASSIGN_OR_RETURN(
       nlohmann::json tally,
       LastJsonLine(absl::StrCat(ThreadEnvironment(r.threads), SelfPath(),
@@ -298,10 +296,9 @@ absl::StatusOr<nlohmann::ordered_json> MeasureRow(const Options& options,
   if (!options.pytorch) return row;
   TALLY_ASSIGN_OR_RETURN(
       nlohmann::json torch_row,
-      LastJsonLine(absl::StrCat(ThreadEnvironment(r.threads),
-                                TALLY_BENCH_PYTHON, " ",
-                                TALLY_BENCH_TRAIN_SCRIPT, " --dtype=", r.dtype,
-                                shape)));
+      LastJsonLine(
+          absl::StrCat(ThreadEnvironment(r.threads), TALLY_BENCH_PYTHON, " ",
+                       TALLY_BENCH_TRAIN_SCRIPT, " --dtype=", r.dtype, shape)));
   row["pytorch_tokens_per_s"] = torch_row["tokens_per_s"];
   row["pytorch_mfu"] = torch_row["tokens_per_s"].get<double>() * flops / 1e9 /
                        tally["gemm_peak_gflops_per_s"].get<double>();
@@ -378,7 +375,7 @@ absl::StatusOr<Options> OptionsFromFlags() {
   }
   for (absl::string_view dtype :
        absl::StrSplit(absl::GetFlag(FLAGS_dtypes), ',')) {
-    TALLY_RETURN_IF_ERROR(DTypeNamed(std::string(dtype)).status());
+    TALLY_RETURN_IF_ERROR(DTypeFlag(std::string(dtype)).status());
     o.dtypes.emplace_back(dtype);
   }
   o.steps = absl::GetFlag(FLAGS_steps);

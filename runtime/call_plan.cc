@@ -48,7 +48,8 @@ absl::StatusOr<CallPlan> PlanCall(const std::vector<Sample>& samples,
   std::vector<std::vector<int>> batches;
   const size_t num_batches =
       PlanBatchesOfRank(samples, options, data.size(), data.rank(), &batches);
-  static const std::vector<Sample> kEmpty = {Sample{{0}, {kIgnoreIndex}, {}}};
+  static const std::vector<Sample> kEmpty = {
+      Sample{{0}, {kIgnoreIndex}, {}, {}}};
   const bool split_samples =
       cp.size() > 1 && options.reduction == LossReduction::kSampleMean;
   CallPlan plan;

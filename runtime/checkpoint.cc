@@ -146,8 +146,7 @@ absl::StatusOr<CheckpointManifest> ManifestFromJson(const std::string& text,
 
   std::string name;
   TALLY_RETURN_IF_ERROR(read_string("dtype", name));
-  const std::optional<DType> dtype = ParseEnum(
-      name, {DType::kFloat32, DType::kFloat64, DType::kBFloat16}, &DTypeName);
+  const std::optional<DType> dtype = DTypeNamed(name);
   if (!dtype) return bad("dtype", "\"float32\", \"float64\" or \"bfloat16\"");
   m.dtype = *dtype;
   TALLY_RETURN_IF_ERROR(read_string("optimizer", name));

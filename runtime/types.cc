@@ -27,6 +27,13 @@ const char* DTypeName(DType dtype) {
   return "float32";
 }
 
+std::optional<DType> DTypeNamed(absl::string_view name) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+    if (name == DTypeName(dtype)) return dtype;
+  }
+  return std::nullopt;
+}
+
 DType MasterDType(DType dtype) {
   return dtype == DType::kBFloat16 ? DType::kFloat32 : dtype;
 }

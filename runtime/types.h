@@ -30,6 +30,8 @@ enum class NonFinitePolicy { kSkip, kError };
 enum class GradSync { kEager, kDeferred };
 
 const char* DTypeName(DType dtype);  // "float32"
+// The DType DTypeName calls `name`; nullopt for any other name.
+std::optional<DType> DTypeNamed(absl::string_view name);
 // The dtype parameters, gradients and optimizer state are kept in: float32
 // for a kBFloat16 (mixed-precision) model, else `dtype`.
 DType MasterDType(DType dtype);

@@ -16,8 +16,15 @@ namespace {
 
 using ::testing::HasSubstr;
 
+MemoryAdmissionOptions Limits(double limit_bytes, double per_tenant_bytes) {
+  MemoryAdmissionOptions options;
+  options.limit_bytes = limit_bytes;
+  options.per_tenant_bytes = per_tenant_bytes;
+  return options;
+}
+
 TEST(MemoryAdmissionTest, ModelsHoldTheirBytesAgainstTheLimitAndQuota) {
-  MemoryAdmission admission({/*limit_bytes=*/100, /*per_tenant_bytes=*/60});
+  MemoryAdmission admission(Limits(100, 60));
   EXPECT_TRUE(admission.CheckModel("alice", 50).ok());
   admission.Add("alice/a", "alice", 50);
   const absl::Status quota = admission.CheckModel("alice", 20);
@@ -37,7 +44,7 @@ TEST(MemoryAdmissionTest, ModelsHoldTheirBytesAgainstTheLimitAndQuota) {
   EXPECT_TRUE(admission.CheckModel("alice", 55).ok());
   EXPECT_TRUE(admission.CheckCall(55).ok());
   // Without a limit nothing is refused.
-  MemoryAdmission unlimited({0, 0});
+  MemoryAdmission unlimited(Limits(0, 0));
   EXPECT_TRUE(unlimited.CheckModel("", 1e30).ok());
   EXPECT_TRUE(unlimited.CheckCall(1e30).ok());
 }
@@ -47,7 +54,7 @@ TEST(MemoryAdmissionTest, ModelsHoldTheirBytesAgainstTheLimitAndQuota) {
 TEST(MemoryAdmissionTest, ObserversSeeTheTotalAndEachRefusal) {
   std::vector<double> totals;
   std::vector<std::string> refusals;
-  MemoryAdmissionOptions options{/*limit_bytes=*/100, /*per_tenant_bytes=*/0};
+  MemoryAdmissionOptions options = Limits(100, 0);
   options.on_resident = [&](double bytes) { totals.push_back(bytes); };
   options.on_refusal = [&](const char* what) { refusals.push_back(what); };
   MemoryAdmission admission(options);
