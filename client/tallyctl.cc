@@ -7,12 +7,15 @@
 //   tallyctl export demo /tmp/demo-hf --dtype bfloat16
 //   tallyctl list --target tally:50051 --ca-cert ca.pem --token "$TOKEN"
 //
-// Every call of a model that changes it carries a seq_id, the model's next
-// one as the server reports it, so a retried call is answered from the
-// server's cache and never applied twice.
+// The commands that change a model (train, load, abort) send its next
+// seq_ids as the server reports them, so a retried call is answered from the
+// server's cache and never applied twice; do not run them against a model a
+// sequenced client is training (they would take its seq_ids). save and
+// export change nothing and stay unsequenced.
 //
-// Exit status: 0 on success, 1 when the server or a file fails (the gRPC
-// code and message go to stderr), 2 on a command-line error.
+// Exit status: 0 on success, 1 when the server or a file on it fails (the
+// gRPC code and message go to stderr), 2 on a command-line error (an
+// unreadable --ca-cert, --client-cert or --client-key included).
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -253,10 +256,8 @@ class SaveCommand : public Command {
 
   absl::Status Run(TrainerClient& client,
                    const std::vector<std::string>& args) override {
-    TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, args[0]));
     v1::SaveCheckpointRequest request;
     request.set_model_id(args[0]);
-    request.set_seq_id(seq_ids.Next());
     request.set_path(args[1]);
     request.set_allow_pending(allow_pending_);
     TALLY_ASSIGN_OR_RETURN(v1::SaveCheckpointResponse response,
@@ -303,10 +304,8 @@ class ExportCommand : public Command {
 
   absl::Status Run(TrainerClient& client,
                    const std::vector<std::string>& args) override {
-    TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, args[0]));
     v1::ExportWeightsRequest request;
     request.set_model_id(args[0]);
-    request.set_seq_id(seq_ids.Next());
     request.set_path(args[1]);
     if (!dtype_.empty()) {
       TALLY_ASSIGN_OR_RETURN(

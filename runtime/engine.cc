@@ -165,6 +165,34 @@ torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
   return terms.raw_loss;
 }
 
+// A model's auxiliary losses (MoE load balancing) join each token's loss as
+// a term of its log-probability, weighted like cross-entropy: exact for
+// cross-entropy with weights >= 0. The policy losses would take the term
+// into their importance ratio, and a negative weight would flip its sign:
+// INVALID_ARGUMENT naming the field.
+absl::Status CheckAuxiliaryLossesApply(const CausalLm& model,
+                                       const ForwardBackwardArgs& args) {
+  if (model.auxiliary_losses().empty()) return absl::OkStatus();
+  constexpr char kWhy[] =
+      "is not implemented for a model with a router auxiliary loss "
+      "(output_router_logits with router_aux_loss_coef > 0)";
+  if (args.loss.name != LossSpec().name) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss_fn ", args.loss.name, " ", kWhy,
+                     "; use cross_entropy, or turn output_router_logits off"));
+  }
+  for (size_t i = 0; i < args.samples.size(); ++i) {
+    const std::vector<float>& weights = args.samples[i].weights;
+    for (size_t t = 0; t < weights.size(); ++t) {
+      if (weights[t] >= 0) continue;
+      return absl::InvalidArgumentError(
+          absl::StrCat("samples[", i, "].weights[", t, "] = ", weights[t],
+                       ": a negative weight ", kWhy));
+    }
+  }
+  return absl::OkStatus();
+}
+
 constexpr char kPoisonedTheWindowPayload[] = "tally.dev/poisoned-the-window";
 
 absl::Status MarkPoisonedTheWindow(absl::Status status) {
@@ -374,6 +402,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
   TALLY_ASSIGN_OR_RETURN(const std::shared_ptr<const TokenLoss> loss,
                          MakeTokenLoss(args.loss));
   TALLY_RETURN_IF_ERROR(ValidateLossInputs(*loss, args.samples));
+  TALLY_RETURN_IF_ERROR(CheckAuxiliaryLossesApply(*state->model, args));
   if (!args.forward_only) {
     TALLY_RETURN_IF_ERROR(state->window.CheckReduction(args.reduction));
   }

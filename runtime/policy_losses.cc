@@ -22,7 +22,10 @@ torch::Tensor PolicyLoss::TokenLosses(const torch::Tensor& target_logprobs,
   terms.logprobs = target_logprobs.masked_fill(~valid, 0.0);
   terms.advantages = input(kAdvantages);
   terms.log_ratio = terms.logprobs - input(kSamplingLogprobs);
-  terms.ratio = terms.log_ratio.exp();
+  // Capped at e^kMaxLogRatio: past float32's e^88 the ratio would be
+  // infinite and its gradient NaN; the cap is flat, so such a token pushes
+  // no gradient through the ratio.
+  terms.ratio = terms.log_ratio.clamp_max(kMaxLogRatio).exp();
   return Loss(terms).masked_fill(~valid, 0.0) * batch.weights;
 }
 

@@ -28,6 +28,11 @@
 
 namespace tally {
 
+// The largest log importance ratio the losses use: ratios above e^60
+// (~1e26; a sampler log-probability far below the trainer's, e.g. a
+// sentinel) are capped there.
+inline constexpr double kMaxLogRatio = 60.0;
+
 // A loss of the trainer's and the sampler's log-probabilities and the
 // advantages, which every sample must carry.
 class PolicyLoss : public TokenLoss {

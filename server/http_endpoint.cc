@@ -93,8 +93,11 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
     const std::string& address, std::shared_ptr<prometheus::Registry> registry,
     std::optional<BasicCredentials> scraper) {
   std::unique_ptr<HttpEndpoint> endpoint(new HttpEndpoint());
-  const std::vector<std::string> options = {"listening_ports", address,
-                                            "num_threads", "2"};
+  // Enough threads that a few slow or idle scrapers cannot starve the
+  // probes, and a request timeout that frees a thread a stalled client holds.
+  const std::vector<std::string> options = {"listening_ports",    address,
+                                            "num_threads",        "8",
+                                            "request_timeout_ms", "5000"};
   try {
     endpoint->server_ = std::make_unique<CivetServer>(options);
   } catch (const CivetException& e) {

@@ -274,7 +274,7 @@ struct ReliabilityMetrics {
   prometheus::Gauge* queue_depth;
   prometheus::Family<prometheus::Histogram>* queue_wait_seconds;
   prometheus::Family<prometheus::Gauge>* memory_limit_bytes;
-  prometheus::Gauge* memory_admitted_bytes;
+  prometheus::Family<prometheus::Gauge>* memory_admitted_bytes;
   prometheus::Family<prometheus::Counter>* memory_refusals;
   prometheus::Counter* rank_failures;
   prometheus::Family<prometheus::Histogram>* checkpoint_seconds;
@@ -310,12 +310,10 @@ ReliabilityMetrics RegisterReliabilityMetrics(FamilyBuilder& build) {
       "Memory admission's limits per rank by scope: server "
       "(--max-memory-bytes) and tenant (--max-memory-bytes-per-tenant); 0: "
       "none");
-  f.memory_admitted_bytes =
-      &build
-           .Gauge("tally_memory_admitted_bytes",
-                  "Estimated resident bytes per rank (parameters, gradients, "
-                  "optimizer state) of the models memory admission holds")
-           ->Add({});
+  f.memory_admitted_bytes = build.Gauge(
+      "tally_memory_admitted_bytes",
+      "Estimated resident bytes per rank (parameters, gradients, optimizer "
+      "state) of the models memory admission holds (rank 0's ledger)");
   f.memory_refusals = build.Counter(
       "tally_memory_refusals_total",
       "CreateModel (refused=model) and ForwardBackward (refused=call) "
@@ -747,7 +745,7 @@ void ServerMetrics::SetMemoryLimits(double limit_bytes,
 }
 
 void ServerMetrics::SetMemoryAdmitted(double bytes) {
-  memory_admitted_bytes_->Set(bytes);
+  memory_admitted_bytes_->Add({}).Set(bytes);
 }
 
 void ServerMetrics::RecordMemoryRefusal(const std::string& refused) {

@@ -170,7 +170,7 @@ class ServerMetrics {
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Family<prometheus::Histogram>* queue_wait_seconds_ = nullptr;
   prometheus::Family<prometheus::Gauge>* memory_limit_bytes_ = nullptr;
-  prometheus::Gauge* memory_admitted_bytes_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* memory_admitted_bytes_ = nullptr;
   prometheus::Family<prometheus::Counter>* memory_refusals_ = nullptr;
   prometheus::Counter* rank_failures_ = nullptr;
   prometheus::Family<prometheus::Histogram>* checkpoint_seconds_ = nullptr;

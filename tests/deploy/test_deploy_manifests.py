@@ -343,6 +343,10 @@ class ManifestTest(unittest.TestCase):
                     self.assertIn(probe, container)
                     self.assertEqual(container[probe]["httpGet"],
                                      {"path": path, "port": "metrics"}, probe)
+                # A busy metrics port must not fail a probe at once.
+                for probe in ("readinessProbe", "livenessProbe"):
+                    self.assertGreaterEqual(
+                        container[probe].get("timeoutSeconds", 1), 5, probe)
                 # The startup probe outlasts the rendezvous timeout.
                 startup = container["startupProbe"]
                 self.assertGreaterEqual(

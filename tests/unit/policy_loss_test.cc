@@ -158,6 +158,57 @@ TEST(PolicyLossTest, PpoIsImportanceSamplingWhileNoRatioIsClipped) {
   EXPECT_GT(is_grad.abs().sum().item<double>(), 0);
 }
 
+// A sampler log-probability far below the trainer's (a sentinel) caps the
+// ratio at e^kMaxLogRatio instead of overflowing float32: the losses stay
+// finite and the token's gradient through the ratio is 0, not NaN.
+TEST(PolicyLossTest, AnExtremeRatioIsCappedNotInfinite) {
+  Tokens k;
+  k.q[1] = -9999.0f;
+  const std::vector<Sample> samples = {ToSample(k)};
+  const PackedBatch batch = PackRows(samples, {0}, torch::kFloat32);
+  for (const char* name : {"importance_sampling", "ppo", "cispo"}) {
+    SCOPED_TRACE(name);
+    const auto loss = MakeTokenLoss(ParseLossSpec(name, {}).value()).value();
+    torch::Tensor logp =
+        torch::tensor(k.logp, torch::kFloat32).unsqueeze(0).requires_grad_();
+    const torch::Tensor losses = loss->TokenLosses(logp, batch);
+    losses.sum().backward();
+    EXPECT_TRUE(torch::isfinite(losses).all().item<bool>()) << losses;
+    EXPECT_TRUE(torch::isfinite(logp.grad()).all().item<bool>()) << logp.grad();
+  }
+}
+
+// A router auxiliary loss enters each token's log-probability, which the
+// policy losses' ratio and negative weights would distort: refused, naming
+// the field, before anything runs.
+TEST(PolicyLossTest, ARouterAuxiliaryLossTakesCrossEntropyWithWeightsOnly) {
+  auto engine = Engine::CreateSingleRank({}).value();
+  ModelSpec spec =
+      testing::TinySpec("moe", DType::kFloat64, OptimizerKind::kAdamW);
+  spec.config.num_local_experts = 4;
+  spec.config.num_experts_per_tok = 2;
+  spec.config.router_aux_loss_coef = 0.02;
+  spec.config.output_router_logits = true;
+  ASSERT_TRUE(engine->CreateModel(spec).ok());
+  std::vector<Sample> samples =
+      testing::MakeSamples(spec.config.vocab_size, {3, 4}, 5);
+  testing::AddPolicyInputs(samples, -3.0, 6);  // also negative weights
+  ForwardBackwardArgs ppo{samples};
+  ppo.loss = ParseLossSpec("ppo", {}).value();
+  const absl::Status refused = engine->ForwardBackward("moe", ppo).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("loss_fn ppo"));
+  const absl::Status negative =
+      engine->ForwardBackward("moe", {samples}).status();
+  EXPECT_EQ(negative.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(negative.message(), HasSubstr("].weights["));
+  EXPECT_EQ(engine->GetModel("moe")->window.calls, 0);
+  for (Sample& sample : samples) {
+    for (float& w : sample.weights) w = std::abs(w);
+  }
+  EXPECT_TRUE(engine->ForwardBackward("moe", {samples}).ok());
+}
+
 TEST(PolicyLossTest, PolicyStatisticsAreExact) {
   const Tokens k;
   ForwardBackwardArgs args;
