@@ -117,6 +117,9 @@ class SeqIds {
     v1::GetModelRequest request;
     request.set_model_id(model_id);
     TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.GetModel(request));
+    return From(info);
+  }
+  static SeqIds From(const v1::ModelInfo& info) {
     return SeqIds(info.next_seq_id());
   }
   uint64_t Next() { return next_++; }
@@ -402,7 +405,7 @@ class TrainCommand : public Command {
     get.set_model_id(model_id);
     TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.GetModel(get));
     TALLY_ASSIGN_OR_RETURN(TextBatcher batcher, MakeBatcher(info));
-    TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, model_id));
+    SeqIds seq_ids = SeqIds::From(info);
 
     std::cout << absl::StrFormat(
         "training model %s (%d parameters, step %d) on %s (%d bytes): "

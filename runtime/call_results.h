@@ -34,6 +34,9 @@ class CallResults {
   CallResults(const std::vector<Sample>& samples, bool return_logprobs,
               int64_t layers, int64_t experts);
 
+  // Whether the buffer holds the per-token log-probabilities.
+  bool with_logprobs() const { return return_logprobs_; }
+
   void SetSample(int sample, double loss_sum, int64_t valid_tokens);
   // logprobs[t] of the sample's token at positions[t], for t < count (a cp
   // rank holds its tokens out of order).

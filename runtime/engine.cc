@@ -78,11 +78,12 @@ bool Staged(const CausalLm& model, const EngineGroups& groups) {
 }
 
 // A last-stage micro-batch's per-sample results: loss sums and valid
-// tokens, and (return_logprobs) each token's log-probability, put back in
-// sample order (a cp rank holds two chunks of each sample).
+// tokens, and (when `results` holds them) each token's log-probability, put
+// back in sample order (a cp rank holds two chunks of each sample).
 void RecordSamples(const torch::Tensor& logprobs, const PackedBatch& batch,
                    const AttentionLayout& layout, const LossTerms& terms,
-                   bool return_logprobs, CallResults& results) {
+                   CallResults& results) {
+  const bool return_logprobs = results.with_logprobs();
   auto loss_sums = terms.sample_loss_sums.accessor<double, 1>();
   auto valid = terms.sample_valid_tokens.accessor<int64_t, 1>();
   torch::Tensor rows, positions;
@@ -159,8 +160,7 @@ torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
   const LossTerms terms = ComputeLoss(loss, loss_logprobs, batch,
                                       args.reduction, plan.RowTokens(b));
   if (plan.real(b)) {
-    RecordSamples(output, batch, plan.layouts[b], terms, WantsLogprobs(args),
-                  results);
+    RecordSamples(output, batch, plan.layouts[b], terms, results);
   }
   return terms.raw_loss;
 }
