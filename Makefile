@@ -27,6 +27,7 @@ bench: build
 	$(BUILD_DIR)/bench/bench_optim_step
 	$(BUILD_DIR)/bench/bench_rpc
 	$(BUILD_DIR)/bench/bench_train
+	$(BUILD_DIR)/bench/bench_lora
 
 format:
 	find server runtime kernels client tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' \

@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -106,6 +107,17 @@ void PrintModelInfo(const v1::ModelInfo& info) {
       adam.beta1(), adam.beta2(), adam.eps(), adam.weight_decay(),
       info.default_max_grad_norm(), info.accumulated_calls(),
       info.accumulated_tokens(), info.accumulated_samples());
+  if (info.has_lora()) {
+    const v1::LoraConfig& lora = info.lora();
+    std::cout << absl::StrFormat(
+        "  LoRA adapter: rank=%d alpha=%g attn=%s mlp=%s unembed=%s, %d "
+        "trainable parameters (%d bytes)\n"
+        "  base: %s\n",
+        lora.rank(), lora.alpha(), lora.train_attn() ? "true" : "false",
+        lora.train_mlp() ? "true" : "false",
+        lora.train_unembed() ? "true" : "false", info.trainable_parameters(),
+        info.trainable_bytes(), info.base());
+  }
 }
 
 // The seq_ids of one model's mutating calls, counted from the model's
@@ -157,7 +169,17 @@ class CreateCommand : public Command {
     flags.Add("max-grad-norm", &max_grad_norm_,
               "default gradient clipping norm (0: no clipping)");
     flags.Add("init-checkpoint", &init_checkpoint_,
-              "tally checkpoint or HF Llama directory to start from");
+              "tally checkpoint or HF Llama directory to start from (with "
+              "--lora-rank: the shared, frozen base)");
+    flags.Add("lora-rank", &lora_rank_,
+              "LoRA rank: the model is an adapter over a frozen base shared "
+              "with the other adapters of that base (0: a full model)");
+    flags.Add("lora-alpha", &lora_alpha_, "LoRA alpha (0: 32)");
+    flags.Add("lora-targets", &lora_targets_,
+              "comma-separated parts the adapter covers: attn, mlp, unembed");
+    flags.Add("lora-init-adapter", &lora_init_adapter_,
+              "PEFT adapter directory or tally adapter checkpoint to start "
+              "from");
   }
 
   absl::Status Run(TrainerClient& client,
@@ -182,6 +204,9 @@ class CreateCommand : public Command {
     }
     request.set_default_max_grad_norm(max_grad_norm_);
     request.set_init_checkpoint(init_checkpoint_);
+    if (lora_rank_ > 0) {
+      TALLY_RETURN_IF_ERROR(SetLora(*request.mutable_lora()));
+    }
     TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.CreateModel(request));
     std::cout << "created ";
     PrintModelInfo(info);
@@ -196,6 +221,32 @@ class CreateCommand : public Command {
   std::optional<double> lr_;
   double max_grad_norm_ = 0.0;
   std::string init_checkpoint_;
+  int lora_rank_ = 0;
+  double lora_alpha_ = 0.0;
+  std::string lora_targets_ = "attn,mlp,unembed";
+  std::string lora_init_adapter_;
+
+  absl::Status SetLora(v1::LoraConfig& lora) const {
+    lora.set_rank(lora_rank_);
+    lora.set_alpha(lora_alpha_);
+    lora.set_train_attn(false);
+    lora.set_train_mlp(false);
+    lora.set_train_unembed(false);
+    for (absl::string_view part : absl::StrSplit(lora_targets_, ',')) {
+      if (part == "attn") {
+        lora.set_train_attn(true);
+      } else if (part == "mlp") {
+        lora.set_train_mlp(true);
+      } else if (part == "unembed") {
+        lora.set_train_unembed(true);
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "flag --lora-targets: '", part, "' is not attn, mlp or unembed"));
+      }
+    }
+    lora.set_init_adapter(lora_init_adapter_);
+    return absl::OkStatus();
+  }
 };
 
 class ListCommand : public Command {
@@ -303,6 +354,9 @@ class ExportCommand : public Command {
     flags.Add("dtype", &dtype_,
               "stored dtype: float32, float64, bfloat16 or float16 (empty: "
               "the model's)");
+    flags.Add("merge", &merge_,
+              "a LoRA model: the base with the adapter merged in, as a full "
+              "HF directory (default: the adapter in PEFT's format)");
   }
 
   absl::Status Run(TrainerClient& client,
@@ -317,6 +371,7 @@ class ExportCommand : public Command {
                                   v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT16}));
       request.set_dtype(dtype);
     }
+    request.set_merge(merge_);
     TALLY_ASSIGN_OR_RETURN(v1::ExportWeightsResponse response,
                            client.ExportWeights(request));
     std::cout << absl::StrFormat(
@@ -328,6 +383,7 @@ class ExportCommand : public Command {
 
  private:
   std::string dtype_;
+  bool merge_ = false;
 };
 
 class LoadCommand : public Command {
@@ -586,7 +642,8 @@ const std::vector<CommandSpec>& Commands() {
        "Creates a model.",
        "Creates a model. tallyctl sends no architecture config, so the model "
        "is the server's embedded byte-level demo model, or the one in "
-       "--init-checkpoint.",
+       "--init-checkpoint. With --lora-rank it is a LoRA adapter over that "
+       "model, frozen and shared by every adapter of the same base.",
        [] { return std::make_unique<CreateCommand>(); }},
       {"list",
        {},
@@ -621,7 +678,9 @@ const std::vector<CommandSpec>& Commands() {
        "Writes the weights of MODEL into the server-side directory PATH as "
        "an HF model directory that transformers and vLLM load (config.json, "
        "safetensors, and the tokenizer files of the model's "
-       "init_checkpoint).",
+       "init_checkpoint); a LoRA model's adapter as PEFT's "
+       "adapter_config.json and adapter_model.safetensors, or with --merge "
+       "merged into its base.",
        [] { return std::make_unique<ExportCommand>(); }},
       {"load",
        {"MODEL", "PATH"},

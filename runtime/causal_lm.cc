@@ -2,7 +2,11 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "runtime/lora.h"
 
 namespace tally {
 
@@ -20,6 +24,22 @@ Parameter* CausalLm::Find(const std::string& name) {
     if (p.name == name) return &p;
   }
   return nullptr;
+}
+
+const Parameter* CausalLm::Find(const std::string& name) const {
+  for (const Parameter& p : parameters_) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
+void CausalLm::FreezeBase() {
+  for (Parameter& p : parameters_) {
+    if (IsLoraParameter(p.name)) continue;
+    p.trainable = false;
+    p.tensor.set_requires_grad(false);
+    p.tensor.mutable_grad() = torch::Tensor();
+  }
 }
 
 int CausalLm::Freeze(const std::string& pattern) {
@@ -80,10 +100,25 @@ absl::StatusOr<std::vector<int>> CausalLm::InitializeParameters(
     uint64_t seed) {
   torch::NoGradGuard no_grad;
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Generator adapter_generator =
+      at::make_generator<at::CPUGeneratorImpl>(lora().seed.value_or(seed));
   const auto options = torch::TensorOptions().dtype(scalar_type());
   std::vector<int> indices;
   indices.reserve(specs.size());
   for (const ParameterSpec& spec : specs) {
+    const bool adapter = IsLoraParameter(spec.name);
+    if (base() != nullptr && !adapter) {
+      // The base's tensor itself (its storage shared, frozen).
+      const Parameter* shared = base()->Find(spec.name);
+      if (spec.held != (shared != nullptr)) {
+        return absl::InternalError(absl::StrCat(
+            "the shared base does not match the model at ", spec.name));
+      }
+      if (shared != nullptr) parameters_.push_back(*shared);
+      indices.push_back(
+          shared != nullptr ? static_cast<int>(parameters_.size()) - 1 : -1);
+      continue;
+    }
     // Every stage draws every tensor, so each is the same whatever the
     // split; only the held ones are kept.
     torch::Tensor full;
@@ -91,6 +126,14 @@ absl::StatusOr<std::vector<int>> CausalLm::InitializeParameters(
       case ParameterInit::kNormal:
         full = torch::empty(spec.shape, options).normal_(0.0, 0.02, generator);
         break;
+      case ParameterInit::kKaimingUniform: {
+        const double bound =
+            1.0 / std::sqrt(static_cast<double>(spec.shape[1]));
+        full = torch::empty(spec.shape, options)
+                   .uniform_(-bound, bound,
+                             adapter ? adapter_generator : generator);
+        break;
+      }
       case ParameterInit::kOnes:
         full = torch::ones(spec.shape, options);
         break;

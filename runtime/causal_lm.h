@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "runtime/attention_layout.h"
 #include "runtime/llama_config.h"
+#include "runtime/lora_config.h"
 #include "runtime/parameter.h"
 #include "runtime/safetensors.h"
 #include "runtime/sharding_plan.h"
@@ -65,6 +66,18 @@ struct StageIo {
   torch::Tensor expert_tokens;
 };
 
+class CausalLm;
+
+// The LoRA adapters a model carries (runtime/lora.h) and the frozen base
+// they adapt.
+struct ModelAdapters {
+  LoraConfig lora;  // rank 0: no adapters
+  // A model of the same config, dtype and sharding whose (frozen) parameter
+  // tensors the new model shares instead of drawing its own: one base in
+  // memory for many adapters. It lives as long as any model sharing it.
+  std::shared_ptr<const CausalLm> base;
+};
+
 class CausalLm {
  public:
   virtual ~CausalLm() = default;
@@ -79,11 +92,19 @@ class CausalLm {
   const std::vector<Parameter>& parameters() const { return parameters_; }
   // nullptr when absent.
   Parameter* Find(const std::string& name);
+  const Parameter* Find(const std::string& name) const;
   // Freezes every parameter whose name matches `pattern` (a name where '*'
   // stands for a layer number, see NameMatches): it takes no gradient from
   // then on. Returns how many this stage holds. Freeze before the optimizer
   // is built, so no state is allocated for them.
   int Freeze(const std::string& pattern);
+  // Freezes every parameter but the LoRA adapters' (all of a model without
+  // adapters): what makes a model a base.
+  void FreezeBase();
+  // The model's LoRA adapters (rank 0: none) and the base it shares
+  // parameters with (nullptr: its own).
+  const LoraConfig& lora() const { return adapters_.lora; }
+  const std::shared_ptr<const CausalLm>& base() const { return adapters_.base; }
   // Of this stage's parameters, unsharded (the whole model when pp = 1).
   uint64_t NumParameters() const;
 
@@ -158,14 +179,20 @@ class CausalLm {
 
  protected:
   CausalLm(const LlamaConfig& config, DType dtype,
-           const ModelSharding& sharding)
-      : config_(config), dtype_(dtype), sharding_(sharding) {}
+           const ModelSharding& sharding, ModelAdapters adapters)
+      : config_(config),
+        dtype_(dtype),
+        sharding_(sharding),
+        adapters_(std::move(adapters)) {}
 
   // Draws every parameter of `specs` in order from `seed` (normal(0, 0.02),
   // ones for norms), whatever the sharding, and keeps what the plan places
-  // on this rank and stage. Returns each spec's index into parameters_ (-1
-  // for a parameter this stage does not hold). INTERNAL when the plan
-  // misses a parameter.
+  // on this rank and stage. LoRA parameters are drawn from a generator of
+  // their own, seeded by lora().seed (default: `seed`), so an adapter's
+  // values do not depend on its base; with a base() the other parameters
+  // are the base's tensors, shared and frozen, not drawn. Returns each
+  // spec's index into parameters_ (-1 for a parameter this stage does not
+  // hold). INTERNAL when the plan misses a parameter or the base one.
   absl::StatusOr<std::vector<int>> InitializeParameters(
       const std::vector<ParameterSpec>& specs, const ShardingPlan& plan,
       uint64_t seed);
@@ -174,6 +201,7 @@ class CausalLm {
   DType dtype_;
   ModelSharding sharding_;
   std::vector<Parameter> parameters_;
+  ModelAdapters adapters_;
 
  private:
   bool recompute_layers_ = false;
@@ -182,9 +210,11 @@ class CausalLm {
 // The family `config` names (config.json's model_type), built and placed for
 // `sharding`. INVALID_ARGUMENT naming the config field a family or the mesh
 // cannot take.
+// With `adapters`, the model carries LoRA adapters (over adapters.base when
+// set); INVALID_ARGUMENT naming the lora field the model cannot take.
 absl::StatusOr<std::unique_ptr<CausalLm>> CreateCausalLm(
     const LlamaConfig& config, DType dtype, uint64_t seed,
-    const ModelSharding& sharding = {});
+    const ModelSharding& sharding = {}, const ModelAdapters& adapters = {});
 
 }  // namespace tally
 

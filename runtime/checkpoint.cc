@@ -89,7 +89,59 @@ std::string ManifestToJson(const CheckpointManifest& m) {
                          {"samples", m.unsaved_window.samples}};
   if (m.trainable_only) j["trainable_only"] = true;
   if (m.activation_checkpointing) j["activation_checkpointing"] = true;
+  if (m.lora.enabled()) {
+    nlohmann::ordered_json& lora = j["lora"];
+    lora["rank"] = m.lora.rank;
+    lora["alpha"] = m.lora.alpha;
+    lora["train_attn"] = m.lora.train_attn;
+    lora["train_mlp"] = m.lora.train_mlp;
+    lora["train_unembed"] = m.lora.train_unembed;
+    if (m.lora.seed) lora["seed"] = *m.lora.seed;
+    j["base_checkpoint"] = m.base_checkpoint;
+  }
   return j.dump(2) + "\n";
+}
+
+// tally.json's "lora" and "base_checkpoint", when present.
+absl::Status ReadLoraManifest(const nlohmann::json& j, const std::string& path,
+                              CheckpointManifest& m) {
+  const auto it = j.find("lora");
+  if (it == j.end()) return absl::OkStatus();
+  auto bad = [&](const char* field, const char* kind) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": lora.", field, " is missing or not ", kind));
+  };
+  const nlohmann::json& lora = *it;
+  if (!lora.is_object()) return bad("", "an object");
+  if (!lora.contains("rank") || !lora["rank"].is_number_unsigned()) {
+    return bad("rank", "a positive integer");
+  }
+  m.lora.rank = lora["rank"].get<int64_t>();
+  if (!lora.contains("alpha") || !lora["alpha"].is_number()) {
+    return bad("alpha", "a number");
+  }
+  m.lora.alpha = lora["alpha"].get<double>();
+  for (auto [key, field] :
+       {std::pair<const char*, bool*>{"train_attn", &m.lora.train_attn},
+        {"train_mlp", &m.lora.train_mlp},
+        {"train_unembed", &m.lora.train_unembed}}) {
+    if (!lora.contains(key) || !lora[key].is_boolean()) {
+      return bad(key, "a boolean");
+    }
+    *field = lora[key].get<bool>();
+  }
+  if (lora.contains("seed")) {
+    if (!lora["seed"].is_number_unsigned()) return bad("seed", "an integer");
+    m.lora.seed = lora["seed"].get<uint64_t>();
+  }
+  const auto base = j.find("base_checkpoint");
+  if (base == j.end() || !base->is_string()) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": base_checkpoint is missing or not a string"));
+  }
+  m.base_checkpoint = base->get<std::string>();
+  if (!ValidateLoraConfig(m.lora).ok()) return bad("rank", "valid");
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CheckpointManifest> ManifestFromJson(const std::string& text,
@@ -203,6 +255,7 @@ absl::StatusOr<CheckpointManifest> ManifestFromJson(const std::string& text,
       *field = it->get<bool>();
     }
   }
+  TALLY_RETURN_IF_ERROR(ReadLoraManifest(j, path, m));
   return m;
 }
 

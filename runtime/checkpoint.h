@@ -64,6 +64,11 @@ struct CheckpointManifest {
   // The model's activation checkpointing setting (a --resume re-creates the
   // model with it); absent in older checkpoints: off.
   bool activation_checkpointing = false;
+  // A LoRA adapter's checkpoint (rank > 0; trainable_only): the adapter's
+  // config, and the init_checkpoint its base came from (empty: drawn from
+  // config.json and seed).
+  LoraConfig lora;
+  std::string base_checkpoint;
   std::string tally_version;  // of the writer
   int format_version = 2;
 };

@@ -14,6 +14,7 @@
 #include "runtime/call_results.h"
 #include "runtime/checkpoint.h"
 #include "runtime/grad_buckets.h"
+#include "runtime/lora.h"
 #include "runtime/loss.h"
 #include "runtime/loss_registry.h"
 #include "runtime/loss_report.h"
@@ -52,6 +53,34 @@ absl::Status KeepLocalShards(CausalLm& model, bool staged,
       if (localize(param, t)) kept.emplace_back(name, std::move(t));
     }
     *tensors = std::move(kept);
+  }
+  return absl::OkStatus();
+}
+
+// A LoRA model loads its own kind of adapter checkpoint only: anything
+// holding base weights would write into the base its other adapters share.
+absl::Status CheckAdapterCheckpoint(const CheckpointContents& contents,
+                                    const LoraConfig& lora,
+                                    const std::string& path) {
+  const LoraConfig none;
+  const LoraConfig& saved = contents.manifest ? contents.manifest->lora : none;
+  if (!lora.enabled() && !saved.enabled()) return absl::OkStatus();
+  if (!lora.enabled()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " holds a LoRA adapter; load it into a model with that lora"));
+  }
+  if (!saved.enabled() || !contents.manifest->trainable_only) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path,
+        " is not a checkpoint of a LoRA adapter; a LoRA model loads only "
+        "those (its base is shared)"));
+  }
+  if (saved.rank != lora.rank || saved.alpha != lora.alpha ||
+      LoraTargetModules(saved) != LoraTargetModules(lora)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " holds an adapter of rank ", saved.rank, ", alpha ", saved.alpha,
+        " on other modules or scale than the model's (rank ", lora.rank,
+        ", alpha ", lora.alpha, ")"));
   }
   return absl::OkStatus();
 }
@@ -297,6 +326,15 @@ ModelSummary Engine::Summarize(const ModelState& state) {
   s.default_max_grad_norm = state.spec.default_max_grad_norm;
   s.grad_sync = state.spec.grad_sync;
   s.activation_checkpointing = state.spec.activation_checkpointing;
+  s.lora = state.spec.lora;
+  s.base = BaseKey(state.spec);
+  s.trainable_parameters = state.spec.lora.enabled()
+                               ? static_cast<uint64_t>(LoraParameterCount(
+                                     state.spec.config, state.spec.lora))
+                               : s.num_parameters;
+  s.trainable_bytes =
+      s.trainable_parameters *
+      (MasterDType(state.spec.dtype) == DType::kFloat64 ? 8 : 4);
   s.damage = state.damage;
   return s;
 }
@@ -322,6 +360,9 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
   absl::StatusOr<std::unique_ptr<ModelState>> built = BuildModel(spec);
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(built.status()));
   std::unique_ptr<ModelState> state = *std::move(built);
+  if (state->model->base() != nullptr) {
+    bases_[BaseKey(state->spec)] = state->model->base();
+  }
   ModelSummary summary = Summarize(*state);
   models_[state->spec.model_id] = std::move(state);
   return summary;
@@ -330,30 +371,45 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
 absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
     ModelSpec spec) {
   std::optional<CheckpointContents> init;
+  const std::string base_key = BaseKey(spec);
   if (!spec.init_checkpoint.empty()) {
-    TALLY_ASSIGN_OR_RETURN(init, ReadCheckpoint(spec.init_checkpoint,
-                                                /*read_optimizer=*/false));
+    // A LoRA base already in memory is not read again.
+    auto known = bases_.find(base_key);
+    std::shared_ptr<const CausalLm> base =
+        known == bases_.end() ? nullptr : known->second.lock();
+    if (base == nullptr) {
+      TALLY_ASSIGN_OR_RETURN(init, ReadCheckpoint(spec.init_checkpoint,
+                                                  /*read_optimizer=*/false));
+      if (init->manifest && init->manifest->lora.enabled()) {
+        const CheckpointManifest& m = *init->manifest;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "init_checkpoint ", spec.init_checkpoint,
+            " holds a LoRA adapter without its base: create the model with "
+            "init_checkpoint set to its base (",
+            m.base_checkpoint.empty() ? "drawn from its config and seed"
+                                      : m.base_checkpoint,
+            ") and lora (rank ", m.lora.rank, ", alpha ", m.lora.alpha,
+            ") with init_adapter ", spec.init_checkpoint));
+      }
+    }
+    const LlamaConfig& source = base ? base->config() : init->config;
     const bool config_given = spec.config.vocab_size != 0;
-    if (config_given && spec.config.WithDefaults() != init->config) {
+    if (config_given && spec.config.WithDefaults() != source) {
       return absl::InvalidArgumentError(absl::StrCat(
           "config differs from the config.json of init_checkpoint ",
           spec.init_checkpoint, "; omit config to use the checkpoint's"));
     }
-    spec.config = init->config;
+    spec.config = source;
   }
   spec.config = spec.config.WithDefaults();
   TALLY_RETURN_IF_ERROR(spec.config.Validate());
+  if (spec.lora.enabled()) {
+    spec.lora = spec.lora.WithDefaults();
+    if (!spec.lora.seed) spec.lora.seed = spec.seed;
+  }
 
   auto state = std::make_unique<ModelState>();
-  ModelSharding sharding;
-  sharding.tp = groups_.tp;
-  sharding.dp_shard = groups_.dp_shard;
-  sharding.cp = groups_.cp;
-  sharding.ep = groups_.ep;
-  sharding.pp_stage = groups_.pp->rank();
-  sharding.pp_stages = groups_.pp->size();
-  TALLY_ASSIGN_OR_RETURN(state->model, CreateCausalLm(spec.config, spec.dtype,
-                                                      spec.seed, sharding));
+  TALLY_ASSIGN_OR_RETURN(state->model, BuildCausalLm(spec, base_key, init));
   TALLY_RETURN_IF_ERROR(FreezeParameters(spec.frozen, *state->model));
   TALLY_RETURN_IF_ERROR(
       state->model->set_recompute_layers(spec.activation_checkpointing));
@@ -362,17 +418,74 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
         "dtype DTYPE_BFLOAT16 is not implemented for mixture-of-experts "
         "models (their routing statistics travel with the activations)");
   }
-  if (init) {
-    if (Staged(*state->model, groups_)) {
-      TALLY_RETURN_IF_ERROR(
-          KeepLocalShards(*state->model, groups_.pp->size() > 1, *init));
-    }
-    TALLY_RETURN_IF_ERROR(LoadWeightsInto(*init, *state->model));
-  }
   state->optimizer =
       std::make_unique<Optimizer>(spec.optimizer, &state->model->parameters());
   state->spec = std::move(spec);
   return state;
+}
+
+absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
+    const ModelSpec& spec, const std::string& base_key,
+    const std::optional<CheckpointContents>& init) {
+  ModelSharding sharding;
+  sharding.tp = groups_.tp;
+  sharding.dp_shard = groups_.dp_shard;
+  sharding.cp = groups_.cp;
+  sharding.ep = groups_.ep;
+  sharding.pp_stage = groups_.pp->rank();
+  sharding.pp_stages = groups_.pp->size();
+  // Loads `contents` into this rank's shards of `model`.
+  auto load = [&](const CheckpointContents& contents,
+                  CausalLm& model) -> absl::Status {
+    CheckpointContents local = contents;
+    if (Staged(model, groups_)) {
+      TALLY_RETURN_IF_ERROR(
+          KeepLocalShards(model, groups_.pp->size() > 1, local));
+    }
+    return LoadWeightsInto(local, model);
+  };
+  if (!spec.lora.enabled()) {
+    TALLY_ASSIGN_OR_RETURN(
+        std::unique_ptr<CausalLm> model,
+        CreateCausalLm(spec.config, spec.dtype, spec.seed, sharding));
+    if (init) TALLY_RETURN_IF_ERROR(load(*init, *model));
+    return model;
+  }
+  ModelAdapters adapters;
+  adapters.lora = spec.lora;
+  auto known = bases_.find(base_key);
+  if (known != bases_.end()) adapters.base = known->second.lock();
+  if (adapters.base == nullptr) {
+    ModelSpec base_spec = spec;
+    base_spec.lora = LoraConfig();
+    TALLY_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> base,
+                           BuildCausalLm(base_spec, "", init));
+    base->FreezeBase();
+    adapters.base = std::move(base);
+  }
+  TALLY_ASSIGN_OR_RETURN(
+      std::unique_ptr<CausalLm> model,
+      CreateCausalLm(spec.config, spec.dtype, spec.seed, sharding, adapters));
+  if (!spec.lora.init_adapter.empty()) {
+    CheckpointContents adapter;
+    adapter.config = spec.config;
+    adapter.manifest = CheckpointManifest();
+    adapter.manifest->trainable_only = true;
+    TALLY_ASSIGN_OR_RETURN(adapter.weights,
+                           ReadAdapter(spec.lora.init_adapter, spec.lora));
+    const absl::Status loaded = load(adapter, *model);
+    if (!loaded.ok()) {
+      return absl::Status(loaded.code(), absl::StrCat("lora.init_adapter ",
+                                                      spec.lora.init_adapter,
+                                                      ": ", loaded.message()));
+    }
+  }
+  return model;
+}
+
+bool Engine::HasBase(const std::string& base_key) const {
+  auto it = bases_.find(base_key);
+  return it != bases_.end() && !it->second.expired();
 }
 
 absl::StatusOr<ModelSummary> Engine::GetModel(
@@ -391,6 +504,10 @@ absl::StatusOr<ModelSummary> Engine::DeleteModel(const std::string& model_id) {
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
   ModelSummary summary = Summarize(*state);
   models_.erase(model_id);
+  // The last adapter of a base took it along.
+  for (auto it = bases_.begin(); it != bases_.end();) {
+    it = it->second.expired() ? bases_.erase(it) : std::next(it);
+  }
   return summary;
 }
 
@@ -762,7 +879,12 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   manifest.grad_sync = state->spec.grad_sync;
   manifest.activation_checkpointing = state->spec.activation_checkpointing;
   manifest.seed = state->spec.seed;
-  manifest.trainable_only = options.trainable_only;
+  // An adapter's checkpoint holds the adapter: its base is shared and
+  // frozen, and comes back from base_checkpoint.
+  manifest.trainable_only =
+      options.trainable_only || state->spec.lora.enabled();
+  manifest.lora = state->spec.lora;
+  manifest.base_checkpoint = state->spec.init_checkpoint;
   manifest.unsaved_window = pending;
   uint64_t bytes = 0;
   TALLY_RETURN_IF_ERROR(WriteOnRankZero(
@@ -809,11 +931,14 @@ absl::Status Engine::GatherOnWriter(
   const bool writer = mesh_.rank() == 0;
   absl::Status ready = absl::OkStatus();
   if (writer) {
+    ModelAdapters adapters;
+    adapters.lora = model.lora();
     absl::StatusOr<std::unique_ptr<CausalLm>> created =
-        CreateCausalLm(model.config(), model.dtype(), /*seed=*/0);
+        CreateCausalLm(model.config(), model.dtype(), /*seed=*/0, {}, adapters);
     ready = created.status();
     if (ready.ok()) {
       full_model = *std::move(created);
+      if (model.lora().enabled()) full_model->FreezeBase();
       ready = FreezeParameters(state.spec.frozen, *full_model);
     }
   }
@@ -900,6 +1025,8 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
                                                &state->model->parameters());
   absl::Status staged = [&]() -> absl::Status {
     TALLY_ASSIGN_OR_RETURN(contents, ReadCheckpoint(path, load_optimizer));
+    TALLY_RETURN_IF_ERROR(
+        CheckAdapterCheckpoint(contents, state->model->lora(), path));
     if (Staged(*state->model, groups_)) {
       TALLY_RETURN_IF_ERROR(
           KeepLocalShards(*state->model, groups_.pp->size() > 1, contents));

@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "runtime/accumulation.h"
 #include "runtime/causal_lm.h"
+#include "runtime/checkpoint.h"
 #include "runtime/communicator.h"
 #include "runtime/distributed.h"
 #include "runtime/grad_buckets.h"
@@ -160,6 +161,9 @@ class Engine {
   // (peers may be anywhere in the operation): the process must restart.
   absl::Status CollectiveFailure() const;
   size_t num_models() const { return models_.size(); }
+  // Whether a LoRA base of `base_key` (BaseKey) is in memory: some model
+  // shares it.
+  bool HasBase(const std::string& base_key) const;
 
  private:
   struct ModelState {
@@ -191,6 +195,12 @@ class Engine {
   static ModelSummary Summarize(const ModelState& state);
   // Everything CreateModel does that may fail, before the model is added.
   absl::StatusOr<std::unique_ptr<ModelState>> BuildModel(ModelSpec spec);
+  // The model of `spec` (its config resolved) on this rank, loaded with
+  // `init` when given. A LoRA model shares the base registered under
+  // `base_key`, building the base when none is in memory.
+  absl::StatusOr<std::unique_ptr<CausalLm>> BuildCausalLm(
+      const ModelSpec& spec, const std::string& base_key,
+      const std::optional<CheckpointContents>& init);
   // `loss` is the one args.loss describes.
   absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
       ModelState& state, const ForwardBackwardArgs& args,
@@ -244,6 +254,8 @@ class Engine {
   EngineGroups groups_;
   Communicator* control_ = nullptr;
   std::map<std::string, std::unique_ptr<ModelState>> models_;
+  // LoRA bases by BaseKey, alive while a model shares them.
+  std::map<std::string, std::weak_ptr<const CausalLm>> bases_;
   int64_t next_auto_id_ = 1;
 };
 

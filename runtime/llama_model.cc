@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "runtime/lora.h"
 #include "runtime/moe_block.h"
 #include "runtime/parallel_ops.h"
 #include "runtime/pipeline.h"
@@ -72,6 +73,7 @@ ShardingPlan LlamaShardingPlan(const LlamaConfig& config) {
       {"model.norm.weight", S::kReplicate},
       {"lm_head.weight", S::kColumnwise},
   };
+  AddLoraRules(plan);
   return plan;
 }
 
@@ -113,22 +115,27 @@ constexpr const char* kLayerSlotNames[] = {
 }  // namespace
 
 LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype,
-                       const ModelSharding& sharding, const ModelFamily& family)
-    : CausalLm(config, dtype, sharding),
+                       const ModelSharding& sharding,
+                       const ModelAdapters& adapters, const ModelFamily& family)
+    : CausalLm(config, dtype, sharding, adapters),
       family_(family),
       features_(family.Features(config)) {}
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
     const LlamaConfig& config, DType dtype, uint64_t seed,
-    const ModelSharding& sharding) {
+    const ModelSharding& sharding, const ModelAdapters& adapters) {
   TALLY_RETURN_IF_ERROR(config.Validate());
+  if (adapters.lora.enabled()) {
+    TALLY_RETURN_IF_ERROR(ValidateLoraConfig(adapters.lora));
+    TALLY_RETURN_IF_ERROR(ValidateLoraForModel(config, adapters.lora));
+  }
   TALLY_RETURN_IF_ERROR(ValidateTensorParallel(config, sharding.tp_size()));
   TALLY_RETURN_IF_ERROR(ValidateExpertParallel(config, sharding.ep_size()));
   TALLY_RETURN_IF_ERROR(ValidatePipelineParallel(config, sharding.pp_stages));
   TALLY_ASSIGN_OR_RETURN(const ModelFamily* family,
                          FindModelFamily(config.ResolvedModelType()));
   std::unique_ptr<LlamaModel> model(
-      new LlamaModel(config, dtype, sharding, *family));
+      new LlamaModel(config, dtype, sharding, adapters, *family));
   TALLY_RETURN_IF_ERROR(CatchTorch("model init", [&]() -> absl::Status {
     const std::vector<ParameterSpec> specs = model->ParameterSpecs();
     TALLY_ASSIGN_OR_RETURN(
@@ -240,6 +247,9 @@ std::vector<ParameterSpec> LlamaModel::ParameterSpecs() const {
     specs.push_back(
         {"lm_head.weight", {c.vocab_size, h}, ParameterInit::kNormal, last});
   }
+  for (ParameterSpec& spec : LoraParameterSpecs(c, lora(), held_layers, last)) {
+    specs.push_back(std::move(spec));
+  }
   return specs;
 }
 
@@ -251,10 +261,13 @@ void LlamaModel::IndexParameters(const std::vector<ParameterSpec>& specs,
   layers_.assign(held.end - held.begin, LayerIndex{});
   for (LayerIndex& layer : layers_) std::fill_n(layer.slot, kNumSlots, -1);
   const std::string layer_prefix = "model.layers.";
+  std::map<std::string, int> index_of;
   for (size_t s = 0; s < specs.size(); ++s) {
     const int index = spec_indices[s];
     if (index < 0) continue;
     const std::string& name = specs[s].name;
+    index_of[name] = index;
+    if (IsLoraParameter(name)) continue;  // indexed below, by base weight
     if (name == "model.embed_tokens.weight") {
       if (first_stage()) embed_ = index;
       if (config_.tie_word_embeddings && last_stage()) lm_head_ = index;
@@ -276,6 +289,17 @@ void LlamaModel::IndexParameters(const std::vector<ParameterSpec>& specs,
         }
       }
     }
+  }
+  lora_.assign(parameters_.size(), LoraIndex{});
+  for (const auto& [name, index] : index_of) {
+    if (!IsLoraParameter(name)) continue;
+    // "<module>.lora_A.weight": the module's weight, or a tied lm_head's
+    // embedding.
+    const std::string module = name.substr(0, name.rfind(".lora_"));
+    const int base =
+        module == "lm_head" ? lm_head_ : index_of.at(module + ".weight");
+    (name.find(".lora_A.") != std::string::npos ? lora_[base].a
+                                                : lora_[base].b) = index;
   }
 }
 
@@ -305,7 +329,7 @@ int64_t LlamaModel::routed_experts() const { return config_.num_local_experts; }
 int LlamaModel::OwningStage(const std::string& name, int stages) const {
   const int64_t num_layers = config_.num_hidden_layers;
   if (name == "model.embed_tokens.weight") return 0;
-  if (name == "model.norm.weight" || name == "lm_head.weight") {
+  if (name == "model.norm.weight" || absl::StartsWith(name, "lm_head.")) {
     return stages - 1;
   }
   constexpr char kPrefix[] = "model.layers.";
@@ -368,7 +392,16 @@ torch::Tensor LlamaModel::LeaveTensorParallel(const torch::Tensor& x) {
 }
 
 torch::Tensor LlamaModel::Project(const torch::Tensor& x, int index, int bias) {
-  return torch::linear(x, Weight(index), Weight(bias));
+  torch::Tensor out = torch::linear(x, Weight(index), Weight(bias));
+  if (lora_[index].a < 0) return out;
+  return out + LoraDelta(x, LoraFactor(lora_[index].a),
+                         LoraFactor(lora_[index].b), lora().scaling());
+}
+
+torch::Tensor LlamaModel::LoraFactor(int index) {
+  const bool whole_over_tp =
+      !parameters_[index].placements.at(MeshDim::kTp).is_shard();
+  return whole_over_tp ? EnterTensorParallel(Weight(index)) : Weight(index);
 }
 
 torch::Tensor LlamaModel::LeaveRowParallel(const torch::Tensor& x, int bias) {
@@ -465,8 +498,7 @@ torch::Tensor LlamaModel::TargetLogprobsFromHidden(const torch::Tensor& x,
                                                    int64_t vocab_start) {
   // Log-probabilities in float32 at least (HF upcasts logits for the loss).
   torch::Tensor logits =
-      torch::linear(EnterTensorParallel(RmsNorm(x, Weight(final_norm_))),
-                    Weight(lm_head_))
+      Project(EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), lm_head_)
           .to(AtLeastFloat32(compute_type()));
   if (sharding_.tp_size() > 1) {
     return VocabParallelTargetLogprobs(logits, targets, vocab_start,

@@ -61,9 +61,11 @@ class LlamaModel : public CausalLm {
   // rank draws the full tensors and keeps its shard. Under pp only the
   // stage's parameters are kept (a tied embedding is held by the first and
   // last stage, counted by the norm on the first).
+  // With adapters.lora, every projection it targets carries LoRA factors
+  // (lora.h), applied at the projection seam.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Create(
       const LlamaConfig& config, DType dtype, uint64_t seed,
-      const ModelSharding& sharding = {});
+      const ModelSharding& sharding = {}, const ModelAdapters& adapters = {});
 
   std::vector<std::string> ParameterNames() const override;
   std::vector<AuxiliaryLoss> auxiliary_losses() const override;
@@ -81,7 +83,8 @@ class LlamaModel : public CausalLm {
 
  private:
   LlamaModel(const LlamaConfig& config, DType dtype,
-             const ModelSharding& sharding, const ModelFamily& family);
+             const ModelSharding& sharding, const ModelAdapters& adapters,
+             const ModelFamily& family);
 
   // A layer's parameters, by role; kLayerSlotNames holds their HF names
   // under "model.layers.<i>.".
@@ -126,9 +129,13 @@ class LlamaModel : public CausalLm {
   // gathered (differentiably: the backward reduce-scatters). An undefined
   // tensor for index -1.
   torch::Tensor Weight(int index);
-  // The projection seam: every x W^T (+ b) of a block goes through here
-  // (where an adapter attaches to the projection `index`).
+  // The projection seam: every x W^T (+ b) of a block and the unembedding
+  // go through here, with the LoRA term of the projection `index` when it
+  // has one.
   torch::Tensor Project(const torch::Tensor& x, int index, int bias = -1);
+  // A LoRA factor, entering the tp region when it is whole on every tp rank
+  // (so its partial gradients sum over tp).
+  torch::Tensor LoraFactor(int index);
   // Megatron's f and g: enter / leave a tensor-parallel region.
   torch::Tensor EnterTensorParallel(const torch::Tensor& x);
   torch::Tensor LeaveTensorParallel(const torch::Tensor& x);
@@ -167,6 +174,11 @@ class LlamaModel : public CausalLm {
     int slot[kNumSlots];
   };
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
+  // By a base weight's index: its LoRA factors' indices (-1: none).
+  struct LoraIndex {
+    int a = -1, b = -1;
+  };
+  std::vector<LoraIndex> lora_;
   std::vector<LayerIndex> layers_;
   // The global index of layers_[0] (its layer number in the whole model).
   int64_t first_layer_ = 0;

@@ -12,6 +12,18 @@ double DTypeBytes(DType dtype) {
   return MasterDType(dtype) == DType::kFloat64 ? 8 : 4;
 }
 
+// `copies` dp_shard-sharded copies of `params` bytes, and the full
+// parameters gathered for a forward.
+double ShardedStateBytes(double params, double copies, int dp_shard) {
+  const double shards = std::max(dp_shard, 1);
+  return copies * params / shards + (shards > 1 ? params : 0);
+}
+
+// Parameters, gradients and AdamW's two moments, or SGD's none.
+double StateCopies(OptimizerKind optimizer) {
+  return optimizer == OptimizerKind::kAdamW ? 4 : 2;
+}
+
 }  // namespace
 
 double ParameterCount(const LlamaConfig& config) {
@@ -32,11 +44,20 @@ double ParameterCount(const LlamaConfig& config) {
 
 double ModelResidentBytes(const LlamaConfig& config, DType dtype,
                           OptimizerKind optimizer, int dp_shard) {
-  const double params = ParameterCount(config) * DTypeBytes(dtype);
-  const double copies = optimizer == OptimizerKind::kAdamW ? 4 : 2;
-  const double shards = std::max(dp_shard, 1);
-  // Sharded state, and the full parameters gathered for a forward.
-  return copies * params / shards + (shards > 1 ? params : 0);
+  return ShardedStateBytes(ParameterCount(config) * DTypeBytes(dtype),
+                           StateCopies(optimizer), dp_shard);
+}
+
+double AdapterResidentBytes(const LlamaConfig& config, const LoraConfig& lora,
+                            DType dtype, OptimizerKind optimizer,
+                            int dp_shard) {
+  return ShardedStateBytes(LoraParameterCount(config, lora) * DTypeBytes(dtype),
+                           StateCopies(optimizer), dp_shard);
+}
+
+double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard) {
+  return ShardedStateBytes(ParameterCount(config) * DTypeBytes(dtype),
+                           /*copies=*/1, dp_shard);
 }
 
 double CallActivationBytes(const LlamaConfig& config, DType dtype,

@@ -39,6 +39,13 @@ double ParameterCount(const LlamaConfig& config);
 // of one rank, in bytes; `config` with defaults applied.
 double ModelResidentBytes(const LlamaConfig& config, DType dtype,
                           OptimizerKind optimizer, int dp_shard);
+// The same for a LoRA model's own state: the adapter's parameters,
+// gradients and optimizer state. Its base is counted apart, once for all
+// the adapters sharing it: parameters only (frozen), with the gathered copy
+// under dp_shard.
+double AdapterResidentBytes(const LlamaConfig& config, const LoraConfig& lora,
+                            DType dtype, OptimizerKind optimizer, int dp_shard);
+double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard);
 
 // The activations one ForwardBackward keeps for backward at its peak, in
 // bytes: its largest micro-batch (PlanBatches packs at most

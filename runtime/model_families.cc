@@ -8,10 +8,10 @@ namespace tally {
 
 absl::StatusOr<std::unique_ptr<CausalLm>> CreateCausalLm(
     const LlamaConfig& config, DType dtype, uint64_t seed,
-    const ModelSharding& sharding) {
+    const ModelSharding& sharding, const ModelAdapters& adapters) {
   // "llama" and "mixtral" (a Llama whose MLPs are MoE blocks) today.
   absl::StatusOr<std::unique_ptr<LlamaModel>> llama =
-      LlamaModel::Create(config, dtype, seed, sharding);
+      LlamaModel::Create(config, dtype, seed, sharding, adapters);
   if (!llama.ok()) return llama.status();
   return std::unique_ptr<CausalLm>(*std::move(llama));
 }

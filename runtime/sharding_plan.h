@@ -92,8 +92,9 @@ struct ShardingPlan {
 // initialized, and whether this pipeline stage holds it.
 // How CausalLm::InitializeParameters fills a parameter (as HF's
 // _init_weights: matrices normal(0, initializer_range 0.02), norm weights
-// ones, biases zeros).
-enum class ParameterInit { kNormal, kOnes, kZeros };
+// ones, biases zeros; a LoRA A matrix as PEFT's, Kaiming-uniform with
+// a = sqrt(5): uniform in +-1/sqrt(in_features)).
+enum class ParameterInit { kNormal, kOnes, kZeros, kKaimingUniform };
 
 struct ParameterSpec {
   std::string name;

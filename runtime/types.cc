@@ -64,4 +64,15 @@ AdamParams AdamOverrides::ResolveAgainst(const AdamParams& defaults) const {
   return p;
 }
 
+std::string BaseKey(const ModelSpec& spec) {
+  if (!spec.lora.enabled()) return "";
+  const std::string source =
+      spec.init_checkpoint.empty()
+          ? absl::StrCat(
+                "seed ", spec.seed, " config ",
+                spec.config.WithDefaults().ToHfJson(DTypeName(spec.dtype)))
+          : absl::StrCat("checkpoint ", spec.init_checkpoint);
+  return absl::StrCat(DTypeName(spec.dtype), " ", source);
+}
+
 }  // namespace tally

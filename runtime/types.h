@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "runtime/llama_config.h"
+#include "runtime/lora_config.h"
 #include "runtime/loss_spec.h"
 
 namespace tally {
@@ -79,7 +80,16 @@ struct ModelSpec {
   // activations (CausalLm::set_recompute_layers): same results, less
   // memory, one more forward per call.
   bool activation_checkpointing = false;
+  // rank > 0: the model is a LoRA adapter over a frozen base, built from
+  // init_checkpoint (or config and seed) and shared by every adapter with
+  // the same BaseKey.
+  LoraConfig lora;
 };
+
+// What identifies the frozen base a LoRA model shares with others: its
+// init_checkpoint (or config and seed) and dtype. Empty for a model without
+// an adapter.
+std::string BaseKey(const ModelSpec& spec);
 
 struct Sample {
   std::vector<int32_t> input_tokens;
@@ -175,6 +185,12 @@ struct ModelSummary {
   double default_max_grad_norm = 0.0;
   GradSync grad_sync = GradSync::kEager;
   bool activation_checkpointing = false;
+  LoraConfig lora;   // rank 0: a full model
+  std::string base;  // a LoRA model's BaseKey, else empty
+  // What trains (an adapter's parameters; all but the frozen ones), in
+  // parameters and in bytes of the model's dtype.
+  uint64_t trainable_parameters = 0;
+  uint64_t trainable_bytes = 0;
   // Non-empty when the parameters may be partly updated (an OptimStep or a
   // LoadCheckpoint failed midway): why. Only a LoadCheckpoint repairs it.
   std::string damage;

@@ -17,6 +17,7 @@
 #include "runtime/atomic_directory.h"
 #include "runtime/causal_lm.h"
 #include "runtime/checkpoint.h"
+#include "runtime/lora.h"
 #include "runtime/safetensors.h"
 
 namespace tally {
@@ -172,6 +173,44 @@ absl::StatusOr<ShardedWeights> SerializeShards(const NamedTensors& weights,
   return out;
 }
 
+// The weights an HF directory of `model` holds, stored as `stored`: a LoRA
+// model's merged into its base (computed in the model's dtype, then cast).
+absl::StatusOr<NamedTensors> ExportedWeights(const CausalLm& model,
+                                             torch::ScalarType stored) {
+  if (!model.lora().enabled()) {
+    return HfWeights(model, stored, /*trainable_only=*/false);
+  }
+  TALLY_ASSIGN_OR_RETURN(
+      NamedTensors weights,
+      HfWeights(model, model.scalar_type(), /*trainable_only=*/false));
+  TALLY_ASSIGN_OR_RETURN(weights,
+                         MergeLora(std::move(weights), model.lora().scaling()));
+  return CatchTorch("export cast", [&]() -> absl::StatusOr<NamedTensors> {
+    for (auto& [name, t] : weights) t = t.to(stored);
+    return std::move(weights);
+  });
+}
+
+// The files of a PEFT adapter directory of `model`'s LoRA factors.
+absl::StatusOr<std::vector<DirectoryFile>> PeftFiles(
+    const CausalLm& model, torch::ScalarType stored,
+    const std::string& source_dir, std::string& config,
+    SerializedSafetensors& weights_file) {
+  TALLY_ASSIGN_OR_RETURN(const NamedTensors weights,
+                         HfWeights(model, stored, /*trainable_only=*/false));
+  NamedTensors factors;
+  for (const auto& [name, t] : weights) {
+    if (IsLoraParameter(name)) {
+      factors.emplace_back(absl::StrCat(kPeftKeyPrefix, name), t);
+    }
+  }
+  TALLY_ASSIGN_OR_RETURN(weights_file,
+                         SerializeSafetensors(factors, {{"format", "pt"}}));
+  config = PeftAdapterConfig(model.lora(), source_dir);
+  return std::vector<DirectoryFile>{{kPeftConfigFile, {config}},
+                                    {kPeftWeightsFile, weights_file.Pieces()}};
+}
+
 }  // namespace
 
 std::vector<std::vector<size_t>> SplitIntoShards(
@@ -203,25 +242,41 @@ absl::StatusOr<ExportResult> WriteWeightsExport(const std::string& dir,
   if (options.max_shard_bytes == 0) {
     return absl::InvalidArgumentError("max_shard_bytes must be positive");
   }
+  if (options.merge && !model.lora().enabled()) {
+    return absl::InvalidArgumentError(
+        "merge: the model has no LoRA adapter to merge");
+  }
   TALLY_ASSIGN_OR_RETURN(const std::string target,
                          PublishTarget(dir, DirectoryKind::kWeightsExport));
   const StoredDType stored = StoredDTypeOf(options.dtype, model.dtype());
-  TALLY_ASSIGN_OR_RETURN(
-      const NamedTensors weights,
-      HfWeights(model, stored.type, /*trainable_only=*/false));
-  TALLY_ASSIGN_OR_RETURN(const ShardedWeights shards,
-                         SerializeShards(weights, options.max_shard_bytes));
   TALLY_ASSIGN_OR_RETURN(const SourceFiles source, ReadSourceFiles(source_dir));
-  TALLY_ASSIGN_OR_RETURN(
-      const std::string config,
-      MergedConfig(model.config().ToHfJson(stored.name), source));
-
-  std::vector<DirectoryFile> files = {{kConfigFile, {config}}};
-  for (size_t s = 0; s < shards.files.size(); ++s) {
-    files.push_back({shards.names[s], shards.files[s].Pieces()});
-  }
-  if (!shards.index_json.empty()) {
-    files.push_back({kShardIndexFile, {shards.index_json}});
+  std::vector<DirectoryFile> files;
+  // Views of these stay in `files` until the directory is published.
+  std::string config;
+  SerializedSafetensors adapter_file;
+  ShardedWeights shards;
+  if (model.lora().enabled() && !options.merge) {
+    TALLY_ASSIGN_OR_RETURN(
+        files, PeftFiles(model, stored.type, source_dir, config, adapter_file));
+  } else {
+    TALLY_ASSIGN_OR_RETURN(const NamedTensors weights,
+                           ExportedWeights(model, stored.type));
+    TALLY_ASSIGN_OR_RETURN(shards,
+                           SerializeShards(weights, options.max_shard_bytes));
+    LlamaConfig written = model.config();
+    // A merged head of a tied model is a weight of its own.
+    written.tie_word_embeddings &=
+        std::none_of(weights.begin(), weights.end(),
+                     [](const auto& w) { return w.first == "lm_head.weight"; });
+    TALLY_ASSIGN_OR_RETURN(config,
+                           MergedConfig(written.ToHfJson(stored.name), source));
+    files.push_back({kConfigFile, {config}});
+    for (size_t s = 0; s < shards.files.size(); ++s) {
+      files.push_back({shards.names[s], shards.files[s].Pieces()});
+    }
+    if (!shards.index_json.empty()) {
+      files.push_back({kShardIndexFile, {shards.index_json}});
+    }
   }
   for (const auto& [name, text] : source.copied) {
     files.push_back({name, {text}});

@@ -52,6 +52,10 @@ struct ExportOptions {
   // The largest shard in tensor bytes (> 0); a single tensor larger than this
   // gets a shard of its own, as in HF.
   uint64_t max_shard_bytes = kDefaultMaxShardBytes;
+  // A LoRA model: false writes the adapter in PEFT's format (lora.h), true
+  // the base with the adapter merged in (W + alpha / rank * B A) as a full
+  // HF directory. Models without an adapter refuse true.
+  bool merge = false;
 };
 
 struct ExportResult {

@@ -229,7 +229,24 @@ absl::Status Checkpointer::ResumeModel(const std::string& model_id,
                              ? v1::GRAD_SYNC_DEFERRED
                              : v1::GRAD_SYNC_EAGER);
     create.set_activation_checkpointing(m.activation_checkpointing);
-    create.set_init_checkpoint(path);
+    if (m.lora.enabled()) {
+      // An adapter's checkpoint holds the adapter only: its base comes back
+      // from where it came from, the adapter by the load below.
+      v1::LoraConfig* lora = create.mutable_lora();
+      lora->set_rank(static_cast<int32_t>(m.lora.rank));
+      lora->set_alpha(m.lora.alpha);
+      lora->set_train_attn(m.lora.train_attn);
+      lora->set_train_mlp(m.lora.train_mlp);
+      lora->set_train_unembed(m.lora.train_unembed);
+      if (m.lora.seed) lora->set_seed(*m.lora.seed);
+      if (m.base_checkpoint.empty()) {
+        ToProto(info.config, create.mutable_config());
+      } else {
+        create.set_init_checkpoint(m.base_checkpoint);
+      }
+    } else {
+      create.set_init_checkpoint(path);
+    }
     v1::ModelInfo created;
     TALLY_RETURN_IF_ERROR(commands_.Run(kCreateModelCommand, create, &created));
   }

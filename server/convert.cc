@@ -65,6 +65,8 @@ AdamOverrides ParseAdam(const v1::AdamParams& p) {
   return o;
 }
 
+}  // namespace
+
 void ToProto(const LlamaConfig& c, v1::ModelConfig* out) {
   out->set_vocab_size(c.vocab_size);
   out->set_hidden_size(c.hidden_size);
@@ -96,8 +98,6 @@ void ToProto(const LlamaConfig& c, v1::ModelConfig* out) {
   out->set_sliding_window(c.sliding_window);
   out->set_max_window_layers(c.max_window_layers);
 }
-
-}  // namespace
 
 absl::Status ValidateModelId(const std::string& model_id,
                              const std::string& field) {
@@ -141,6 +141,32 @@ std::string CreatedModelId(const v1::CreateModelRequest& request,
   if (!requested.empty() && requested.back() != '/') return requested;
   return requested + response.model_id();
 }
+
+namespace {
+
+// INVALID_ARGUMENT naming the lora field.
+absl::StatusOr<LoraConfig> ParseLora(const v1::LoraConfig& r) {
+  LoraConfig lora;
+  lora.rank = r.rank();
+  lora.alpha = r.alpha();
+  lora.train_attn = !r.has_train_attn() || r.train_attn();
+  lora.train_mlp = !r.has_train_mlp() || r.train_mlp();
+  lora.train_unembed = !r.has_train_unembed() || r.train_unembed();
+  if (r.has_seed()) lora.seed = r.seed();
+  lora.init_adapter = r.init_adapter();
+  if (!lora.init_adapter.empty()) {
+    absl::Status path = ValidateCheckpointPath(lora.init_adapter);
+    if (!path.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("lora.init_adapter: ", path.message()));
+    }
+  }
+  lora = lora.WithDefaults();
+  TALLY_RETURN_IF_ERROR(ValidateLoraConfig(lora));
+  return lora;
+}
+
+}  // namespace
 
 absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
   ModelSpec spec;
@@ -199,6 +225,9 @@ absl::StatusOr<ModelSpec> ParseCreateModel(const v1::CreateModelRequest& r) {
   spec.init_checkpoint = r.init_checkpoint();
   if (!spec.init_checkpoint.empty()) {
     TALLY_RETURN_IF_ERROR(ValidateCheckpointPath(spec.init_checkpoint));
+  }
+  if (r.has_lora()) {
+    TALLY_ASSIGN_OR_RETURN(spec.lora, ParseLora(r.lora()));
   }
   if (r.has_config()) {
     // With init_checkpoint as well, the file's config.json must agree.
@@ -360,6 +389,7 @@ absl::StatusOr<ExportOptions> ParseExportWeights(
     const v1::ExportWeightsRequest& r) {
   TALLY_RETURN_IF_ERROR(ValidateCheckpointPath(r.path()));
   ExportOptions options;
+  options.merge = r.merge();
   switch (r.dtype()) {
     case v1::DTYPE_UNSPECIFIED:
       options.dtype = ExportDType::kModel;
@@ -429,6 +459,19 @@ void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_grad_sync(s.grad_sync == GradSync::kDeferred ? v1::GRAD_SYNC_DEFERRED
                                                         : v1::GRAD_SYNC_EAGER);
   out->set_activation_checkpointing(s.activation_checkpointing);
+  if (s.lora.enabled()) {
+    v1::LoraConfig* lora = out->mutable_lora();
+    lora->set_rank(static_cast<int32_t>(s.lora.rank));
+    lora->set_alpha(s.lora.alpha);
+    lora->set_train_attn(s.lora.train_attn);
+    lora->set_train_mlp(s.lora.train_mlp);
+    lora->set_train_unembed(s.lora.train_unembed);
+    if (s.lora.seed) lora->set_seed(*s.lora.seed);
+    lora->set_init_adapter(s.lora.init_adapter);
+  }
+  out->set_base(s.base);
+  out->set_trainable_parameters(s.trainable_parameters);
+  out->set_trainable_bytes(s.trainable_bytes);
   out->set_damage(s.damage);
 }
 

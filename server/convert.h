@@ -85,6 +85,7 @@ int64_t ForwardBackwardResponseBound(const v1::ForwardBackwardRequest& request,
 
 // model_id is the client's (ClientModelId).
 void ToProto(const ModelSummary& summary, v1::ModelInfo* out);
+void ToProto(const LlamaConfig& config, v1::ModelConfig* out);
 v1::DType ToProto(DType dtype);
 void ToProto(const ForwardBackwardResult& result,
              v1::ForwardBackwardResponse* out);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <system_error>
 
@@ -105,13 +106,7 @@ TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
       admission_(ObservedBy(options_.memory, metrics)) {
   metrics->SetMemoryLimits(options_.memory.limit_bytes,
                            options_.memory.per_tenant_bytes);
-  for (const ModelSummary& model : engine_->ListModels()) {
-    scheduler_.sequencer().AddModel(model.model_id);
-    admission_.Add(
-        model.model_id, TenantOf(model.model_id),
-        ModelResidentBytes(model.config, model.dtype, model.optimizer,
-                           engine_->mesh().shape().dp_shard));
-  }
+  AdmitExistingModels();
   if (options_.checkpointer != nullptr) {
     options_.checkpointer->set_server_state_source(
         [this](const std::string& model_id) {
@@ -293,21 +288,65 @@ absl::Status TrainerService::CheckTokensPerCall(
       options_.max_tokens_per_call, "); split the call"));
 }
 
-double TrainerService::CreatedModelBytes(
+namespace {
+
+// The admission ledger's id of a LoRA base (model ids hold no spaces).
+std::string BaseLedgerId(const std::string& base_key) {
+  return absl::StrCat("lora base ", base_key);
+}
+
+}  // namespace
+
+void TrainerService::AdmitExistingModels() {
+  const int dp_shard = engine_->mesh().shape().dp_shard;
+  std::set<std::string> bases;
+  for (const ModelSummary& model : engine_->ListModels()) {
+    scheduler_.sequencer().AddModel(model.model_id);
+    const std::string tenant = TenantOf(model.model_id);
+    if (!model.lora.enabled()) {
+      admission_.Add(model.model_id, tenant,
+                     ModelResidentBytes(model.config, model.dtype,
+                                        model.optimizer, dp_shard));
+      continue;
+    }
+    admission_.Add(model.model_id, tenant,
+                   AdapterResidentBytes(model.config, model.lora, model.dtype,
+                                        model.optimizer, dp_shard));
+    if (bases.insert(model.base).second) {
+      admission_.Add(BaseLedgerId(model.base), tenant,
+                     BaseResidentBytes(model.config, model.dtype, dp_shard));
+    }
+  }
+}
+
+TrainerService::CreatedBytes TrainerService::CreatedModelBytes(
     const v1::CreateModelRequest& request) const {
   absl::StatusOr<ModelSpec> spec = ParseCreateModel(request);
-  if (!spec.ok()) return 0;
+  if (!spec.ok()) return {};
   LlamaConfig config = spec->config;
   if (config.vocab_size == 0 && !spec->init_checkpoint.empty()) {
     std::ifstream in(spec->init_checkpoint + "/config.json");
     std::ostringstream text;
     text << in.rdbuf();
     absl::StatusOr<LlamaConfig> read = LlamaConfig::FromHfJson(text.str());
-    if (!read.ok()) return 0;
+    if (!read.ok()) return {};
     config = *read;
   }
-  return ModelResidentBytes(config.WithDefaults(), spec->dtype, spec->optimizer,
-                            engine_->mesh().shape().dp_shard);
+  config = config.WithDefaults();
+  const int dp_shard = engine_->mesh().shape().dp_shard;
+  CreatedBytes bytes;
+  if (!spec->lora.enabled()) {
+    bytes.model =
+        ModelResidentBytes(config, spec->dtype, spec->optimizer, dp_shard);
+    return bytes;
+  }
+  bytes.model = AdapterResidentBytes(config, spec->lora, spec->dtype,
+                                     spec->optimizer, dp_shard);
+  bytes.base_key = BaseKey(*spec);
+  if (!engine_->HasBase(bytes.base_key)) {
+    bytes.new_base = BaseResidentBytes(config, spec->dtype, dp_shard);
+  }
+  return bytes;
 }
 
 std::string TrainerService::TenantOf(const std::string& engine_id) const {
@@ -448,23 +487,31 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
   if (validation.ok() && !request->init_checkpoint().empty()) {
     validation = ConfinePath(*context, server_form->mutable_init_checkpoint());
   }
-  return Execute({"CreateModel", context, server_form->mutable_model_id()},
-                 validation, [this, server_form, response]() -> absl::Status {
-                   const v1::CreateModelRequest& request = *server_form;
-                   // Before anything is allocated, on any rank.
-                   const double bytes = CreatedModelBytes(request);
-                   const std::string tenant = TenantOf(request.model_id());
-                   TALLY_RETURN_IF_ERROR(admission_.CheckModel(tenant, bytes));
-                   TALLY_RETURN_IF_ERROR(
-                       commands_.Run(kCreateModelCommand, request, response));
-                   const std::string engine_id =
-                       CreatedModelId(request, *response);
-                   admission_.Add(engine_id, tenant, bytes);
-                   unresumed_.erase(engine_id);
-                   scheduler_.sequencer().AddModel(engine_id);
-                   FillNextSeqId(engine_id, response);
-                   return absl::OkStatus();
-                 });
+  if (validation.ok() && !request->lora().init_adapter().empty()) {
+    validation = ConfinePath(
+        *context, server_form->mutable_lora()->mutable_init_adapter());
+  }
+  return Execute(
+      {"CreateModel", context, server_form->mutable_model_id()}, validation,
+      [this, server_form, response]() -> absl::Status {
+        const v1::CreateModelRequest& request = *server_form;
+        // Before anything is allocated, on any rank.
+        const CreatedBytes bytes = CreatedModelBytes(request);
+        const std::string tenant = TenantOf(request.model_id());
+        TALLY_RETURN_IF_ERROR(
+            admission_.CheckModel(tenant, bytes.model + bytes.new_base));
+        TALLY_RETURN_IF_ERROR(
+            commands_.Run(kCreateModelCommand, request, response));
+        const std::string engine_id = CreatedModelId(request, *response);
+        admission_.Add(engine_id, tenant, bytes.model);
+        if (bytes.new_base > 0) {
+          admission_.Add(BaseLedgerId(bytes.base_key), tenant, bytes.new_base);
+        }
+        unresumed_.erase(engine_id);
+        scheduler_.sequencer().AddModel(engine_id);
+        FillNextSeqId(engine_id, response);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::GetModel(
@@ -559,6 +606,10 @@ grpc::ServerUnaryReactor* TrainerService::DeleteModel(
                    FillNextSeqId(engine_id, response->mutable_model());
                    scheduler_.sequencer().RemoveModel(engine_id);
                    admission_.Remove(engine_id);
+                   const std::string& base = response->model().base();
+                   if (!base.empty() && !engine_->HasBase(base)) {
+                     admission_.Remove(BaseLedgerId(base));
+                   }
                    if (options_.checkpointer != nullptr) {
                      options_.checkpointer->ForgetModel(engine_id);
                    }

@@ -189,9 +189,19 @@ class TrainerService final : public v1::Trainer::CallbackService {
   // INVALID_ARGUMENT over --max-tokens-per-call, on the gRPC thread.
   absl::Status CheckTokensPerCall(
       const v1::ForwardBackwardRequest& request) const;
-  // The resident bytes per rank of the model `request` creates (0 when its
-  // config cannot be read: the engine then refuses it).
-  double CreatedModelBytes(const v1::CreateModelRequest& request) const;
+  // The resident bytes per rank the model `request` creates adds (0 when its
+  // config cannot be read: the engine then refuses it): its own, and for a
+  // LoRA model whose base is not in memory yet, the base's, under the
+  // ledger id BaseLedgerId(base key).
+  struct CreatedBytes {
+    double model = 0;
+    std::string base_key;  // a LoRA model's BaseKey, else empty
+    double new_base = 0;
+  };
+  CreatedBytes CreatedModelBytes(const v1::CreateModelRequest& request) const;
+  // Charges the models the engine holds at start (resumed ones) to the
+  // ledger, each LoRA base once.
+  void AdmitExistingModels();
   // The tenant of an engine id ("" without authentication).
   std::string TenantOf(const std::string& engine_id) const;
   void PoisonForGap(const std::string& model_id);

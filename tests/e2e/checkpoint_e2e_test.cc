@@ -290,6 +290,60 @@ TEST_F(CheckpointE2eTest, MultiRankResumeAfterKillIsExact) {
   ExpectExactResumeAfterKill({"--nproc-per-node", "2", "--dp-shard", "2"});
 }
 
+// Two LoRA adapters of different ranks over one base, checkpointed (the
+// adapters only), killed and resumed: they come back over one shared base
+// and continue bit for bit as adapters trained without the restart.
+TEST_F(CheckpointE2eTest, LoraAdaptersResumeOverTheirSharedBaseExactly) {
+  ServerProcess* reference = StartServerOrFail({}, servers_);
+  ASSERT_NE(reference, nullptr);
+  std::unique_ptr<TrainerClient> reference_client = ClientOf(*reference);
+  const std::vector<std::string> flags = {
+      "--checkpoint-dir", dir_ + "/periodic", "--checkpoint-every-steps", "2"};
+  ServerProcess* first = StartServerOrFail(flags, killed_);
+  ASSERT_NE(first, nullptr);
+  std::unique_ptr<TrainerClient> first_client = ClientOf(*first);
+  const std::pair<const char*, int> adapters[] = {{"lora-a", 2}, {"lora-b", 4}};
+  uint64_t seq_ids[2] = {0, 0};
+  for (int m = 0; m < 2; ++m) {
+    v1::CreateModelRequest create =
+        TinyModel(adapters[m].first, v1::DTYPE_FLOAT64);
+    create.mutable_lora()->set_rank(adapters[m].second);
+    create.mutable_lora()->set_alpha(8);
+    ASSERT_TRUE(reference_client->CreateModel(create).ok());
+    Train(*reference_client, adapters[m].first, 1, 4);
+    ASSERT_TRUE(first_client->CreateModel(create).ok());
+    Train(*first_client, adapters[m].first, 1, 2, &seq_ids[m]);
+  }
+  first_client.reset();
+  ServerProcess* second = KillAndResume(*first, flags);
+  ASSERT_NE(second, nullptr);
+  std::unique_ptr<TrainerClient> client = ClientOf(*second);
+  std::string base;
+  for (int m = 0; m < 2; ++m) {
+    const std::string id = adapters[m].first;
+    SCOPED_TRACE(id);
+    absl::StatusOr<v1::ModelInfo> info = Info(*client, id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->step(), 2);
+    EXPECT_EQ(info->lora().rank(), adapters[m].second);
+    EXPECT_EQ(info->lora().alpha(), 8);
+    if (m == 1) EXPECT_EQ(info->base(), base);
+    base = info->base();
+    Train(*client, id, 3, 4, &seq_ids[m]);
+    const std::string expected = Save(*reference_client, id, id + "-ref");
+    const std::string actual = Save(*client, id, id + "-resumed");
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+      const std::string want = testing::ReadFileBytes(expected + "/" + file);
+      ASSERT_FALSE(want.empty()) << file;
+      EXPECT_TRUE(want == testing::ReadFileBytes(actual + "/" + file))
+          << file << " differs";
+    }
+  }
+  reference_client.reset();
+  client.reset();
+  testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+}
+
 // --checkpoint-on-exit without periodic checkpoints: SIGTERM saves every
 // model at its step and exits 0; --resume brings back exactly those
 // parameters and optimizer moments, and the seq_ids. The window pending at

@@ -484,6 +484,67 @@ TEST_F(ExportE2eTest, TensorParallelServerWritesTheSingleRankBytes) {
   }
 }
 
+// A LoRA adapter exports as PEFT's two files (the factors under PEFT's key
+// names) or, with merge, as a full HF directory; a 2-rank --tp 2 server,
+// whose factors are split and gathered, writes the single rank's bytes.
+TEST_F(ExportE2eTest, LoraAdapterExportsAsPeftOrMergedWhateverTheMesh) {
+  TrainerClient* single = Start();
+  ASSERT_NE(single, nullptr);
+  TrainerClient* multi = Start({"--nproc-per-node", "2", "--tp", "2"});
+  ASSERT_NE(multi, nullptr);
+  v1::CreateModelRequest create = TinyModel("a");
+  create.mutable_lora()->set_rank(4);
+  create.mutable_lora()->set_alpha(8);
+  create.mutable_lora()->set_train_mlp(false);
+  for (TrainerClient* client : {single, multi}) {
+    ASSERT_TRUE(client->CreateModel(create).ok());
+  }
+  for (const char* path : {"single", "multi"}) {
+    TrainerClient* client = path == std::string("single") ? single : multi;
+    ASSERT_TRUE(client->ExportWeights(ExportRequest("a", path)).ok());
+    v1::ExportWeightsRequest merged =
+        ExportRequest("a", absl::StrCat(path, "-merged"));
+    merged.set_merge(true);
+    ASSERT_TRUE(client->ExportWeights(merged).ok());
+  }
+  const nlohmann::json config = ReadJson(InRoot("single/adapter_config.json"));
+  EXPECT_EQ(config.value("r", 0), 4);
+  EXPECT_EQ(config.value("lora_alpha", 0.0), 8.0);
+  EXPECT_EQ(
+      config["target_modules"],
+      nlohmann::json({"q_proj", "k_proj", "v_proj", "o_proj", "lm_head"}));
+  const auto factors = ReadTensors(InRoot("single/adapter_model.safetensors"));
+  ASSERT_FALSE(factors.empty());
+  for (const auto& [name, t] : factors) {
+    EXPECT_THAT(name, ::testing::StartsWith("base_model.model."));
+    EXPECT_THAT(name, ::testing::AnyOf(HasSubstr(".lora_A.weight"),
+                                       HasSubstr(".lora_B.weight")));
+  }
+  EXPECT_TRUE(ReadTensors(InRoot("single-merged/model.safetensors"))
+                  .count("model.layers.0.self_attn.q_proj.weight"));
+  for (const char* file :
+       {"adapter_model.safetensors", "adapter_config.json"}) {
+    EXPECT_TRUE(ReadFileBytes(InRoot("single/") + file) ==
+                ReadFileBytes(InRoot("multi/") + file))
+        << file << " differs";
+  }
+  EXPECT_TRUE(ReadFileBytes(InRoot("single-merged/model.safetensors")) ==
+              ReadFileBytes(InRoot("multi-merged/model.safetensors")));
+  // tallyctl creates adapters and says what they are.
+  const auto [created, output] =
+      Tallyctl("create --model-id c --lora-rank 2 --lora-targets attn,unembed");
+  EXPECT_EQ(created, 0) << output;
+  EXPECT_THAT(output, HasSubstr("LoRA adapter: rank=2 alpha=32 attn=true "
+                                "mlp=false unembed=true"));
+  const auto [exported, export_output] = Tallyctl("export c ctl --merge");
+  EXPECT_EQ(exported, 0) << export_output;
+  EXPECT_TRUE(fs::exists(InRoot("ctl/config.json")));
+  const auto [refused, refused_output] =
+      Tallyctl("create --model-id d --lora-rank 2 --lora-targets attn,ffn");
+  EXPECT_EQ(refused, 1);
+  EXPECT_THAT(refused_output, HasSubstr("'ffn' is not attn, mlp or unembed"));
+}
+
 TEST_F(ExportE2eTest, TallyctlExportsWithADtype) {
   TrainerClient* client = Start();
   ASSERT_NE(client, nullptr);

@@ -622,6 +622,54 @@ TEST_F(ReliabilityE2eTest, MemoryAdmissionRefusesWhatDoesNotFit) {
   EXPECT_EQ(Metric("tally_memory_refusals_total", {{"refused", "model"}}), 2);
 }
 
+// LoRA adapters on one base: the ledger charges the base once, with the
+// first adapter, and frees it with the last; each adapter costs its own
+// state only. Adapters of one base share it (ModelInfo.base) and train
+// independently.
+TEST_F(ReliabilityE2eTest, LoraAdaptersChargeTheirSharedBaseOnce) {
+  Stub* stub = Start({"--max-memory-bytes", "200000000"});
+  ASSERT_NE(stub, nullptr);
+  auto adapter = [&](const std::string& model_id) {
+    v1::CreateModelRequest request;
+    request.set_model_id(model_id);
+    *request.mutable_config() = testing::TinyModelConfig();
+    request.set_seed(3);
+    request.set_dtype(v1::DTYPE_FLOAT64);
+    request.mutable_lora()->set_rank(2);
+    const auto created = Send(&Stub::CreateModel, *stub, request);
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created.value_or(v1::ModelInfo());
+  };
+  auto admitted = [&] { return Metric("tally_memory_admitted_bytes", {}); };
+  const v1::ModelInfo a = adapter("a");
+  const double with_a = admitted();
+  const v1::ModelInfo b = adapter("b");
+  const double with_b = admitted();
+  EXPECT_EQ(a.lora().rank(), 2);
+  EXPECT_EQ(a.lora().alpha(), 32);
+  EXPECT_FALSE(a.base().empty());
+  EXPECT_EQ(a.base(), b.base());
+  EXPECT_GT(a.trainable_parameters(), 0u);
+  EXPECT_LT(a.trainable_parameters(), a.num_parameters());
+  // "b" brought its adapter only; "a" brought the base as well.
+  const double per_adapter = with_b - with_a;
+  EXPECT_GT(per_adapter, 0);
+  EXPECT_GT(with_a, per_adapter + 8.0 * a.num_parameters() * 0.9);
+
+  ASSERT_TRUE(Send(&Stub::ForwardBackward, *stub, Fb("a", 0, Samples(6))).ok());
+  ASSERT_TRUE(Send(&Stub::OptimStep, *stub, Step("a", 0)).ok());
+  EXPECT_EQ(Info(*stub, "a").step(), 1);
+  EXPECT_EQ(Info(*stub, "b").step(), 0);
+
+  v1::DeleteModelRequest remove;
+  remove.set_model_id("a");
+  ASSERT_TRUE(Send(&Stub::DeleteModel, *stub, remove).ok());
+  EXPECT_EQ(admitted(), with_b - per_adapter);  // the base stays for "b"
+  remove.set_model_id("b");
+  ASSERT_TRUE(Send(&Stub::DeleteModel, *stub, remove).ok());
+  EXPECT_EQ(admitted(), 0);
+}
+
 // A drain that would use up the whole exit budget is refused at start,
 // naming both flags: it could only ever end in the watchdog's exit 1.
 TEST_F(ReliabilityE2eTest, ADrainAsLongAsTheExitTimeoutIsRefusedAtStart) {

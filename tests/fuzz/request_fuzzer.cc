@@ -37,9 +37,15 @@ void FuzzCreateModel(const v1::CreateModelRequest& request) {
   Require(spec->config.Validate().ok() || !spec->init_checkpoint.empty());
   Require(std::isfinite(spec->default_adam.learning_rate) ||
           !request.default_adam().has_learning_rate());
+  Require(spec->lora.enabled() == request.has_lora());
+  if (spec->lora.enabled()) {
+    Require(ValidateLoraConfig(spec->lora).ok());
+    Require(!BaseKey(*spec).empty());
+  }
   ModelSummary summary;
   summary.model_id = spec->model_id;
   summary.config = spec->config;
+  summary.lora = spec->lora;
   v1::ModelInfo info;
   ToProto(summary, &info);
 }

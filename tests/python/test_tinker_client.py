@@ -9,7 +9,8 @@ The RL task is tiny and exact: a policy over a 16-token vocabulary, computed
 with one forward call per step, learns to put its mass on a target set.
 Every loss's elementwise_loss and the policy metrics are checked against
 Tinker's formulas; then async variants, checkpoints, sampler weights,
-forward_backward_custom and the errors.
+forward_backward_custom and the errors. Every model is a LoRA adapter, as
+Tinker's are (test_lora.py checks the adapter's math against PEFT's).
 
 Every server requires a bearer token (the ServiceClient's api_key) and
 confines checkpoints to its --checkpoint-root.
@@ -100,10 +101,9 @@ class TinkerTestCase(ServerTestCase):
         return service
 
     def create(self, base_model=tinker.DEMO_MODEL, **fields):
-        """A TrainingClient of a new model, the LoRA warning checked."""
-        with self.assertWarnsRegex(UserWarning, "no LoRA yet.*issue 19"):
-            return self.service.create_lora_training_client(
-                base_model=base_model, **fields)
+        """A TrainingClient of a new LoRA model."""
+        return self.service.create_lora_training_client(
+            base_model=base_model, **fields)
 
     def policy(self, training_client):
         """p(token | PROMPT) for every token, from one forward call."""
@@ -177,9 +177,8 @@ class SupervisedLoopTest(TinkerTestCase):
         service_client = tinker.ServiceClient(base_url=self.base_url,
                                               api_key=TOKEN)
         self.addCleanup(service_client.close)
-        with self.assertWarnsRegex(UserWarning, "issue 19"):
-            training_client = service_client.create_lora_training_client(
-                base_model=tinker.DEMO_MODEL, seed=5)
+        training_client = service_client.create_lora_training_client(
+            base_model=tinker.DEMO_MODEL, seed=5)
         processed_examples = [process_example(ex) for ex in PIG_LATIN]
         losses = []
         for _ in range(8):
@@ -205,8 +204,8 @@ class SupervisedLoopTest(TinkerTestCase):
         # The demo model is the embedded byte-level Llama.
         info = training_client.get_info()
         self.assertEqual(info.model_info.config.vocab_size, 260)
-        self.assertEqual((info.model_data.arch, info.is_lora),
-                         ("llama", False))
+        self.assertEqual((info.model_data.arch, info.is_lora, info.lora_rank),
+                         ("llama", True, 32))
 
 
 class RlLoopTest(TinkerTestCase):
@@ -377,9 +376,8 @@ class ClientApiTest(TinkerTestCase):
             return (fwd_bwd_result, optim_result, forward, loaded, exported,
                     info, capabilities, await restored.get_info_async())
 
-        with self.assertWarnsRegex(UserWarning, "issue 19"):
-            (fwd_bwd_result, optim_result, forward, loaded, exported, info,
-             capabilities, restored_info) = asyncio.run(main())
+        (fwd_bwd_result, optim_result, forward, loaded, exported, info,
+         capabilities, restored_info) = asyncio.run(main())
         self.assertEqual(len(fwd_bwd_result.loss_fn_outputs), 1)
         self.assertEqual(optim_result.metrics["step"], 1.0)
         # The forward ran after the step: another loss on the same datum.
@@ -434,12 +432,18 @@ class ClientApiTest(TinkerTestCase):
         self.assertEqual(resumed.optim_step(adam).result().metrics["grad_norm"],
                          second_step.metrics["grad_norm"])
 
-    def test_save_weights_for_sampler_writes_an_hf_directory(self):
+    def test_save_weights_for_sampler_writes_the_adapter(self):
         training_client = self.create(config=TINY_BYTES, seed=2)
         path = training_client.save_weights_for_sampler("0000").result().path
         self.assertEqual(path, os.path.join(
             self.checkpoint_root, TENANT, training_client.model_id,
             "sampler_weights", "0000"))
+        # A PEFT adapter directory, as Tinker's sampler serves the adapter.
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            self.assertTrue(os.path.isfile(os.path.join(path, name)), name)
+        # merge=True: the base with the adapter merged in, an HF directory.
+        path = training_client.save_weights_for_sampler(
+            "0000-merged", merge=True).result().path
         self.assertTrue(os.path.isfile(os.path.join(path, "config.json")))
         self.assertTrue(os.path.isfile(os.path.join(path,
                                                     "model.safetensors")))
@@ -490,8 +494,7 @@ class ClientApiTest(TinkerTestCase):
             self.service.create_sampling_client(base_model=tinker.DEMO_MODEL)
         with self.assertRaisesRegex(NotImplementedError, "tokenizer"):
             training_client.get_tokenizer()
-        with self.assertWarns(UserWarning), \
-                self.assertRaises(tinker.TallyError) as raised:
+        with self.assertRaises(tinker.TallyError) as raised:
             self.service_client("wrong-token").create_lora_training_client(
                 tinker.DEMO_MODEL)
         self.assertEqual(raised.exception.code.name, "UNAUTHENTICATED")

@@ -11,11 +11,11 @@ Tinker's Python SDK on tally: tally_client.tinker.
 
 from tally_client.client import (PendingWindowError, RetryPolicy, TallyError,
                                  Tls, TrainingClient, WindowAbortedError,
-                                 make_channel, wait_for_serving)
+                                 lora_config, make_channel, wait_for_serving)
 from tally_client.errors import TRANSIENT_CODES, error_details, is_retryable
 from tally_client.samples import sample, samples_from_batch, to_samples
 
 __all__ = ["PendingWindowError", "RetryPolicy", "TRANSIENT_CODES", "TallyError",
            "Tls", "TrainingClient", "WindowAbortedError", "error_details",
-           "is_retryable", "make_channel", "sample", "samples_from_batch",
-           "to_samples", "wait_for_serving"]
+           "is_retryable", "lora_config", "make_channel", "sample",
+           "samples_from_batch", "to_samples", "wait_for_serving"]

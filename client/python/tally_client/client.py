@@ -207,11 +207,28 @@ class TrainingClient:
 
     def create_model(self, **fields):
         """CreateModel for this model id; `fields` as in CreateModelRequest
-        (config may be a dict). Blocks; returns ModelInfo."""
+        (config, default_adam and lora may be dicts). Blocks; returns
+        ModelInfo.
+
+        `lora` makes the model a LoRA adapter over a frozen base (built
+        from init_checkpoint, or from config and seed, in dtype) that every
+        adapter of the same base shares: a dict of LoraConfig fields, a
+        pb.LoraConfig, or an int (the rank, everything else default):
+
+            client.create_model(init_checkpoint="/data/Qwen3-0.6B",
+                                lora={"rank": 16, "alpha": 32,
+                                      "train_unembed": False})
+
+        ModelInfo.lora echoes the adapter, ModelInfo.base names the shared
+        base, trainable_parameters counts the adapter's parameters."""
         if isinstance(fields.get("config"), dict):
             fields["config"] = pb.ModelConfig(**fields["config"])
         if isinstance(fields.get("default_adam"), dict):
             fields["default_adam"] = pb.AdamParams(**fields["default_adam"])
+        if "lora" in fields:
+            lora = lora_config(fields.pop("lora"))
+            if lora is not None:
+                fields["lora"] = lora
         request = pb.CreateModelRequest(model_id=self.model_id, **fields)
         return self._call("CreateModel", request, retryable=False).result()
 
@@ -279,18 +296,28 @@ class TrainingClient:
             "SaveCheckpoint",
             pb.SaveCheckpointRequest(model_id=self.model_id, path=path))
 
-    def export_weights(self, path, dtype=None):
+    def export_weights(self, path, dtype=None, merge=False):
         """Future of an ExportWeightsResponse: writes the weights every
-        earlier optim_step produced to the server-side directory `path` as
-        an HF model directory for inference (Tinker's
-        save_weights_for_sampler). `dtype`: "bfloat16", "float16", "float32",
-        "float64", a pb.DType, or None for the model's. Weights only: it
-        neither waits for nor closes the pending window, and its failure
-        does not abort the window."""
+        earlier optim_step produced to the server-side directory `path` for
+        inference (Tinker's save_weights_for_sampler): a full model as an HF
+        model directory; a LoRA model as a PEFT adapter directory
+        (adapter_config.json + adapter_model.safetensors, for PEFT or
+        vLLM's --lora-modules over the base), or with `merge` as an HF model
+        directory of its base with the adapter merged in (W + alpha / rank *
+        B A). `merge` on a model without an adapter is INVALID_ARGUMENT.
+        `dtype`: "bfloat16", "float16", "float32", "float64", a pb.DType, or
+        None for the model's. Weights only: it neither waits for nor closes
+        the pending window, and its failure does not abort the window."""
+        if dtype is not None and not isinstance(dtype, str):
+            dtype_value = dtype
+        elif dtype in _EXPORT_DTYPES:
+            dtype_value = _EXPORT_DTYPES[dtype]
+        else:
+            valid = ", ".join(sorted(d for d in _EXPORT_DTYPES if d))
+            raise ValueError(f"unknown dtype {dtype!r}; valid: {valid}")
         request = pb.ExportWeightsRequest(
-            model_id=self.model_id, path=path,
-            dtype=_EXPORT_DTYPES[dtype] if dtype is None
-            or isinstance(dtype, str) else dtype)
+            model_id=self.model_id, path=path, dtype=dtype_value,
+            merge=bool(merge))
         return self._send_sequenced("ExportWeights", request, in_window=False)
 
     def load(self, path, load_optimizer=True):
@@ -446,6 +473,32 @@ class TrainingClient:
 
         attempt(1)
         return result
+
+
+def lora_config(lora):
+    """The pb.LoraConfig of `lora`: a pb.LoraConfig, a dict of its fields
+    (rank, alpha, train_attn, train_mlp, train_unembed, seed, init_adapter;
+    unset train_* are true, alpha 0 is 32), or an int rank. None: None (no
+    adapter, a full model). Unknown keys are a ValueError."""
+    if lora is None:
+        return None
+    if isinstance(lora, pb.LoraConfig):
+        return lora
+    if isinstance(lora, bool):
+        raise ValueError("lora must be a rank, a dict of LoraConfig fields or "
+                         "a pb.LoraConfig, not a bool")
+    if isinstance(lora, int):
+        return pb.LoraConfig(rank=lora)
+    if isinstance(lora, dict):
+        known = pb.LoraConfig.DESCRIPTOR.fields_by_name
+        unknown = sorted(set(lora) - set(known))
+        if unknown:
+            raise ValueError(f"unknown lora field(s) {', '.join(unknown)}; "
+                             f"valid: {', '.join(sorted(known))}")
+        # None leaves a field unset (train_*: true, seed: the model's).
+        return pb.LoraConfig(**{k: v for k, v in lora.items() if v is not None})
+    raise ValueError(f"lora must be a rank, a dict of LoraConfig fields or a "
+                     f"pb.LoraConfig, not {type(lora).__name__}")
 
 
 def _enum_value(values, name, what):

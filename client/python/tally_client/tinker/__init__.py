@@ -14,11 +14,13 @@ tally by changing its import and its ServiceClient's constructor.
     step = training.optim_step(types.AdamParams(learning_rate=1e-4))
     print(fwd_bwd.result().metrics["loss:sum"], step.result().metrics)
 
-What differs from Tinker (client/python/README.md has the whole list): no
-LoRA yet (create_lora_training_client fine-tunes every parameter, with a
-warning), no sampling (save_weights_for_sampler writes an HF directory for
-vLLM or transformers), checkpoint paths are server-side directories, and
-failures raise tally_client's TallyError.
+create_lora_training_client makes a LoRA adapter (PEFT's, alpha 32) over
+the frozen base_model, which the server shares among the adapters of the
+same base. What differs from Tinker (client/python/README.md has the whole
+list): no sampling (save_weights_for_sampler writes a LoRA model's PEFT
+adapter directory, or with merge=True the merged HF directory, for vLLM or
+transformers), checkpoint paths are server-side directories, and failures
+raise tally_client's TallyError.
 """
 
 from tally_client.client import TallyError, WindowAbortedError

@@ -8,14 +8,17 @@ being applied twice.
 
 | Tinker                                   | tally                            |
 |------------------------------------------|----------------------------------|
-| create_lora_training_client(base_model)  | CreateModel (full fine-tuning)   |
+| create_lora_training_client(base_model)  | CreateModel with lora (a LoRA    |
+|                                          | adapter over the frozen base)    |
 | forward_backward(data, loss_fn, config)  | ForwardBackward, return_logprobs |
 | forward(data, loss_fn, config)           | ForwardBackward, forward_only    |
 | forward_backward_custom(data, fn)        | forward, then cross_entropy with |
 |                                          | weights -dfn/dlogprobs           |
 | optim_step(AdamParams)                   | OptimStep                        |
 | save_state / load_state[_with_optimizer] | SaveCheckpoint / LoadCheckpoint  |
-| save_weights_for_sampler(name)           | ExportWeights (HF directory)     |
+| save_weights_for_sampler(name)           | ExportWeights (a LoRA model: a   |
+|                                          | PEFT adapter directory; merge:   |
+|                                          | the merged HF directory)         |
 | get_info()                               | GetModel                         |
 
 Losses sum over tokens as Tinker's do (reduction "sum"); a TrainingClient
@@ -25,8 +28,10 @@ gradients of a whole accumulation window at optim_step instead.
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
 import os
+import threading
 import warnings
 
 from tally.v1 import trainer_pb2 as pb
@@ -56,9 +61,14 @@ _SAMPLE_FIELDS = {"target_tokens": "target_tokens", "weights": "weights",
                   "logprobs": "sampling_logprobs"}
 
 _NO_SAMPLER = ("tally trains and has no sampler: write the weights with "
-               "save_weights_for_sampler(name) and serve that HF directory "
-               "with vLLM or transformers; forward() returns the trainer's "
+               "save_weights_for_sampler(name) and serve that directory (a "
+               "LoRA model's PEFT adapter, for vLLM's --lora-modules or PEFT "
+               "over the base; with merge=True an HF model directory) with "
+               "vLLM or transformers; forward() returns the trainer's "
                "logprobs")
+
+# create_lora_training_client's arguments that are LoraConfig fields.
+_LORA_ARGUMENTS = ("rank", "seed", "train_attn", "train_mlp", "train_unembed")
 
 
 class APIFuture:
@@ -114,16 +124,22 @@ class TrainingClient:
     """One model on a tally server, driven with Tinker's TrainingClient
     calls. Made by ServiceClient; thread-safe."""
 
-    def __init__(self, client, model_name, reduction="sum"):
+    def __init__(self, client, model_name, reduction="sum", *,
+                 create_fields=None, saved_states=None):
         """`client`: the tally_client.TrainingClient of the model.
         `model_name`: the base_model it was created from. `reduction`: how
-        forward_backward's losses reduce (see REDUCTIONS)."""
+        forward_backward's losses reduce (see REDUCTIONS).
+        `create_fields`: the CreateModel fields the model was made with;
+        `saved_states`: the ServiceClient's record of the LoRA states saved
+        (what create_training_client_from_state needs to rebuild one)."""
         if reduction not in REDUCTIONS:
             raise ValueError(f"unknown reduction {reduction!r}; valid: "
                              f"{', '.join(REDUCTIONS)}")
         self._client = client
         self._model_name = model_name
         self._reduction = reduction
+        self._create_fields = create_fields
+        self._saved_states = saved_states
         self.model_id = client.model_id
 
     # ---- forward and backward -------------------------------------------
@@ -212,13 +228,21 @@ class TrainingClient:
     def save_state(self, name, ttl_seconds=None):
         """Future of a SaveWeightsResponse: weights, optimizer state and step
         as a checkpoint at `name` (absolute, or relative: under
-        <model_id>/weights/ of the server's --checkpoint-root). tally refuses
-        to save a pending accumulation window: save between optim_step and
-        the next forward_backward."""
+        <model_id>/weights/ of the server's --checkpoint-root); a LoRA
+        model's holds its adapter only (the base is shared and frozen).
+        tally refuses to save a pending accumulation window: save between
+        optim_step and the next forward_backward."""
         _warn_ttl(ttl_seconds)
         call = self._client.save(self._path(name, "weights"))
-        return APIFuture(call, lambda response: SaveWeightsResponse(
-            path=response.path))
+
+        def saved(response):
+            if self._saved_states is not None and self._create_fields and \
+                    self._create_fields.get("lora") is not None:
+                self._saved_states.record(response.path, self._model_name,
+                                          self._create_fields)
+            return SaveWeightsResponse(path=response.path)
+
+        return APIFuture(call, saved)
 
     def load_state(self, path):
         """Future of a LoadWeightsResponse: weights and step from the
@@ -230,14 +254,22 @@ class TrainingClient:
         """load_state that also restores the optimizer state."""
         return self._load(path, load_optimizer=True)
 
-    def save_weights_for_sampler(self, name, ttl_seconds=None):
-        """Future of a SaveWeightsForSamplerResponse: the weights as an HF
-        model directory (transformers, vLLM) at `name` (absolute, or under
-        <model_id>/sampler_weights/ of --checkpoint-root). Does not touch
-        the pending window."""
+    def save_weights_for_sampler(self, name, ttl_seconds=None, *,
+                                 merge=False, dtype=None):
+        """Future of a SaveWeightsForSamplerResponse: the weights for
+        inference at `name` (absolute, or under
+        <model_id>/sampler_weights/ of --checkpoint-root). A LoRA model
+        writes its adapter, as Tinker's sampler serves it: a PEFT adapter
+        directory (adapter_config.json + adapter_model.safetensors) for
+        vLLM's --lora-modules or PEFT over the base model; with `merge`
+        (tally's extra), an HF model directory of the base with the adapter
+        merged in. A fully fine-tuned model (rank=None) writes an HF model
+        directory (`merge` is refused). `dtype`: as
+        tally_client.TrainingClient.export_weights (None: the model's). Does
+        not touch the pending window."""
         _warn_ttl(ttl_seconds)
-        call = self._client.export_weights(self._path(name,
-                                                      "sampler_weights"))
+        call = self._client.export_weights(
+            self._path(name, "sampler_weights"), dtype=dtype, merge=merge)
         return APIFuture(call, lambda response: SaveWeightsForSamplerResponse(
             path=response.path))
 
@@ -254,12 +286,15 @@ class TrainingClient:
     # ---- information ------------------------------------------------------
 
     def get_info(self):
-        """A GetInfoResponse (blocks)."""
+        """A GetInfoResponse (blocks): is_lora and lora_rank from the
+        model's LoraConfig, tally's whole ModelInfo as model_info."""
         info = self._client.get_model()
+        lora_rank = info.lora.rank if info.HasField("lora") else 0
         return GetInfoResponse(
             model_data=ModelData(arch=info.config.model_type or "llama",
                                  model_name=self._model_name),
-            model_id=info.model_id, model_name=self._model_name,
+            model_id=info.model_id, is_lora=lora_rank > 0,
+            lora_rank=lora_rank or None, model_name=self._model_name,
             model_info=info)
 
     async def get_info_async(self):
@@ -293,9 +328,10 @@ class TrainingClient:
         """load_state_with_optimizer for asyncio."""
         return self.load_state_with_optimizer(path)
 
-    async def save_weights_for_sampler_async(self, name, ttl_seconds=None):
+    async def save_weights_for_sampler_async(self, name, ttl_seconds=None,
+                                             **kwargs):
         """save_weights_for_sampler for asyncio."""
-        return self.save_weights_for_sampler(name, ttl_seconds)
+        return self.save_weights_for_sampler(name, ttl_seconds, **kwargs)
 
     # ---- not in tally -----------------------------------------------------
 
@@ -338,6 +374,7 @@ class ServiceClient:
                                            url_tls if tls is None else tls)
         self._timeout = timeout
         self._retry = retry
+        self._saved_states = _SavedStates()
 
     def get_server_capabilities(self):
         """A GetServerCapabilitiesResponse: the base_model names that need
@@ -350,25 +387,52 @@ class ServiceClient:
     def create_lora_training_client(self, base_model, rank=32, seed=None,
                                     train_mlp=True, train_attn=True,
                                     train_unembed=True, user_metadata=None, *,
-                                    reduction="sum", **create_model_fields):
-        """A TrainingClient of a new model. tally has no LoRA yet (issue
-        19): the model is FULLY fine-tuned, and a warning says so; rank and
-        train_* are ignored. `base_model`: a server-side HF model directory
-        (or tally checkpoint), read as CreateModel's init_checkpoint, or
-        DEMO_MODEL for a model the server builds. `seed`: the
-        initialization seed. `reduction`: see TrainingClient.
+                                    reduction="sum", base_seed=None,
+                                    **create_model_fields):
+        """A TrainingClient of a new LoRA model: PEFT's adapter of rank
+        `rank` (alpha 32, as Tinker's) on the attention's q, k, v and o
+        projections (`train_attn`), the MLP's gate, up and down projections
+        (`train_mlp`) and the unembedding (`train_unembed`), over the frozen
+        `base_model`, which every adapter of the same base shares on the
+        server. `base_model`: a server-side HF model directory (or tally
+        checkpoint), read as CreateModel's init_checkpoint, or DEMO_MODEL
+        for a base the server builds (the embedded default model, or of a
+        `config=` passed along, drawn with `base_seed`, default 0). `seed`:
+        draws the adapter's A (B starts at zero); None: the model's seed.
+        `reduction`: see TrainingClient.
+
+        tally's extras: `rank=None` fine-tunes every parameter instead (no
+        adapter; train_* must stay true). `lora={...}` adds LoraConfig
+        fields the arguments do not cover: "alpha", "init_adapter" (start
+        from a PEFT adapter directory or a tally adapter checkpoint).
         `create_model_fields`: more CreateModelRequest fields, e.g.
         config={"vocab_size": 32, ...} (a ModelConfig dict), dtype,
         model_id (default: the server picks one)."""
-        del rank, train_mlp, train_attn, train_unembed, user_metadata
-        warnings.warn(
-            f"tally has no LoRA yet (issue 19): create_lora_training_client "
-            f"fine-tunes every parameter of {base_model!r}", stacklevel=2)
+        del user_metadata
         fields = dict(create_model_fields)
+        extra = fields.pop("lora", None) or {}
+        if not isinstance(extra, dict):
+            raise ValueError("lora= takes a dict of further LoraConfig "
+                             "fields (alpha, init_adapter)")
+        repeated = sorted(set(extra) & set(_LORA_ARGUMENTS))
+        if repeated:
+            raise ValueError(f"lora= repeats {', '.join(repeated)}: pass "
+                             f"them as create_lora_training_client's "
+                             f"arguments")
         if base_model != DEMO_MODEL:
             fields["init_checkpoint"] = base_model
-        if seed is not None:
-            fields["seed"] = seed
+        if base_seed is not None:
+            fields["seed"] = base_seed
+        if rank is None:
+            if extra or not (train_mlp and train_attn and train_unembed):
+                raise ValueError("rank=None fine-tunes every parameter: "
+                                 "lora= and train_*=False need a rank")
+            if seed is not None:
+                fields.setdefault("seed", seed)
+        else:
+            fields["lora"] = dict(extra, rank=rank, seed=seed,
+                                  train_attn=train_attn, train_mlp=train_mlp,
+                                  train_unembed=train_unembed)
         return self._create(base_model, fields, reduction)
 
     def create_training_client_from_state(self, path, user_metadata=None, *,
@@ -378,10 +442,15 @@ class ServiceClient:
         tally checkpoint `path` (a save_state path); the optimizer starts
         from zero moments. `create_model_fields` as
         create_lora_training_client's (dtype= for a bfloat16 model's
-        checkpoint)."""
+        checkpoint).
+
+        A LoRA state holds the adapter only. One saved through this
+        ServiceClient is rebuilt over its base by itself; for one saved
+        elsewhere, name the base and the adapter: init_checkpoint=<the
+        base_model> (or config= and seed= of a DEMO_MODEL base) and
+        lora={"rank": ..., "alpha": ..., "train_*": ...} as created."""
         del user_metadata
-        client = self._create(path, {"init_checkpoint": path,
-                                     **create_model_fields}, reduction)
+        client = self._create_from_state(path, create_model_fields, reduction)
         client.load_state(path).result()
         return client
 
@@ -391,8 +460,7 @@ class ServiceClient:
         """create_training_client_from_state that also restores the
         optimizer state."""
         del user_metadata
-        client = self._create(path, {"init_checkpoint": path,
-                                     **create_model_fields}, reduction)
+        client = self._create_from_state(path, create_model_fields, reduction)
         client.load_state_with_optimizer(path).result()
         return client
 
@@ -439,19 +507,64 @@ class ServiceClient:
 
     def _create(self, model_name, fields, reduction):
         """A TrainingClient of a model made by CreateModel(`fields`)."""
+        fields = dict(fields)
         model_id = fields.pop("model_id", "")
-        info = self._tally_client(model_id).create_model(**fields)
+        info = self._tally_client(model_id).create_model(**copy.deepcopy(
+            fields))
         # A new model executes seq_id 1 first: no GetModel on the first call.
         return TrainingClient(
             self._tally_client(info.model_id,
                                first_seq_id=max(1, info.next_seq_id)),
-            model_name, reduction)
+            model_name, reduction, create_fields=fields,
+            saved_states=self._saved_states)
+
+    def _create_from_state(self, path, create_model_fields, reduction):
+        """The model a load of state `path` fits: a LoRA state this
+        ServiceClient saved is an adapter of the same base and LoraConfig
+        (its first values: the state, loaded again right after for the
+        step and optimizer), anything else a model with init_checkpoint
+        `path`."""
+        known = self._saved_states.get(path)
+        if known is None or "lora" in create_model_fields:
+            return self._create(path, {"init_checkpoint": path,
+                                       **create_model_fields}, reduction)
+        model_name, fields = known
+        fields = dict(fields, **create_model_fields)
+        lora = fields["lora"]
+        fields["lora"] = dict(lora) if isinstance(lora, dict) else \
+            tally.lora_config(lora)
+        if isinstance(fields["lora"], dict):
+            fields["lora"]["init_adapter"] = path
+        else:
+            fields["lora"] = copy.deepcopy(fields["lora"])
+            fields["lora"].init_adapter = path
+        return self._create(model_name, fields, reduction)
 
     def _tally_client(self, model_id, first_seq_id=None):
         return tally.TrainingClient(
             self._target, model_id, token=self._token, channel=self._channel,
             timeout=self._timeout, retry=self._retry,
             first_seq_id=first_seq_id)
+
+
+class _SavedStates:
+    """The LoRA states a ServiceClient's TrainingClients saved: server path
+    -> (model name, CreateModel fields), which rebuild the adapter's model
+    (its checkpoint holds the adapter, not the base). Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._states = {}
+
+    def record(self, path, model_name, fields):
+        fields = {k: v for k, v in fields.items() if k != "model_id"}
+        with self._lock:
+            self._states[path] = (model_name, copy.deepcopy(fields))
+
+    def get(self, path):
+        with self._lock:
+            known = self._states.get(path)
+        return None if known is None else (known[0], copy.deepcopy(known[1]))
 
 
 def _parse_base_url(base_url):

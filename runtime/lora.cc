@@ -1,0 +1,262 @@
+#include "runtime/lora.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/file_text.h"
+#include "base/status.h"
+#include "runtime/checkpoint.h"
+
+namespace tally {
+namespace {
+
+constexpr char kLoraA[] = ".lora_A.weight";
+constexpr char kLoraB[] = ".lora_B.weight";
+
+// "X.lora_A.weight" -> "X.weight".
+std::string BaseWeightOf(const std::string& factor) {
+  return absl::StrCat(factor.substr(0, factor.size() - sizeof(kLoraA) + 1),
+                      ".weight");
+}
+
+void AddFactorSpecs(const std::string& module, const LoraTarget& target,
+                    int64_t rank, bool held,
+                    std::vector<ParameterSpec>& specs) {
+  specs.push_back({absl::StrCat(module, kLoraA),
+                   {rank, target.in_features},
+                   ParameterInit::kKaimingUniform,
+                   held});
+  specs.push_back({absl::StrCat(module, kLoraB),
+                   {target.out_features, rank},
+                   ParameterInit::kZeros,
+                   held});
+}
+
+absl::Status AdapterMismatch(const std::string& dir, const std::string& what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("lora.init_adapter ", dir, ": ", what));
+}
+
+// The factors of a PEFT adapter directory after checking its config
+// against `lora`.
+absl::StatusOr<NamedTensors> ReadPeftAdapter(const std::string& dir,
+                                             const LoraConfig& lora) {
+  TALLY_ASSIGN_OR_RETURN(const std::string text,
+                         ReadFileText(absl::StrCat(dir, "/", kPeftConfigFile),
+                                      "lora.init_adapter"));
+  const nlohmann::json config =
+      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!config.is_object()) {
+    return AdapterMismatch(dir, "adapter_config.json is not a JSON object");
+  }
+  if (config.value("peft_type", "LORA") != "LORA") {
+    return AdapterMismatch(dir, "peft_type is not LORA");
+  }
+  if (config.value("use_rslora", false) || config.value("use_dora", false) ||
+      config.value("fan_in_fan_out", false) ||
+      config.value("bias", "none") != "none") {
+    return AdapterMismatch(
+        dir, "only plain LoRA (no rslora, dora, fan_in_fan_out or bias) loads");
+  }
+  // Options that would make some modules or layers differ from the one
+  // rank, alpha and target set tally applies everywhere.
+  for (const char* key :
+       {"rank_pattern", "alpha_pattern", "layers_to_transform",
+        "layers_pattern", "modules_to_save"}) {
+    const auto it = config.find(key);
+    if (it != config.end() && !it->is_null() &&
+        !(it->is_object() && it->empty()) && !(it->is_array() && it->empty())) {
+      return AdapterMismatch(dir, absl::StrCat(key, " is not implemented"));
+    }
+  }
+  if (config.value("r", int64_t{-1}) != lora.rank) {
+    return AdapterMismatch(
+        dir, absl::StrCat("r is not lora.rank (", lora.rank, ")"));
+  }
+  if (config.value("lora_alpha", -1.0) != lora.alpha) {
+    return AdapterMismatch(
+        dir, absl::StrCat("lora_alpha is not lora.alpha (", lora.alpha, ")"));
+  }
+  const nlohmann::json modules =
+      config.value("target_modules", nlohmann::json());
+  const std::vector<std::string> expected = LoraTargetModules(lora);
+  if (!modules.is_array() ||
+      std::set<nlohmann::json>(modules.begin(), modules.end()) !=
+          std::set<nlohmann::json>(expected.begin(), expected.end())) {
+    return AdapterMismatch(
+        dir,
+        absl::StrCat("target_modules is not [", absl::StrJoin(expected, ", "),
+                     "] (lora.train_attn, train_mlp, train_unembed)"));
+  }
+  TALLY_ASSIGN_OR_RETURN(
+      NamedTensors tensors,
+      ReadSafetensors(absl::StrCat(dir, "/", kPeftWeightsFile)));
+  for (auto& [name, t] : tensors) {
+    if (!absl::StartsWith(name, kPeftKeyPrefix)) {
+      return AdapterMismatch(dir, absl::StrCat("tensor ", name, " lacks the '",
+                                               kPeftKeyPrefix, "' prefix"));
+    }
+    name = name.substr(sizeof(kPeftKeyPrefix) - 1);
+  }
+  return tensors;
+}
+
+// The factors of a tally checkpoint of an adapter.
+absl::StatusOr<NamedTensors> ReadTallyAdapter(const std::string& dir,
+                                              const LoraConfig& lora) {
+  TALLY_ASSIGN_OR_RETURN(CheckpointContents contents,
+                         ReadCheckpoint(dir, /*read_optimizer=*/false));
+  const LoraConfig* saved =
+      contents.manifest ? &contents.manifest->lora : nullptr;
+  if (saved == nullptr || !saved->enabled()) {
+    return AdapterMismatch(dir, "the checkpoint holds no LoRA adapter");
+  }
+  if (saved->rank != lora.rank || saved->alpha != lora.alpha ||
+      LoraTargetModules(*saved) != LoraTargetModules(lora)) {
+    return AdapterMismatch(
+        dir, absl::StrCat("its adapter (rank ", saved->rank, ", alpha ",
+                          saved->alpha, ", ",
+                          absl::StrJoin(LoraTargetModules(*saved), ", "),
+                          ") is not lora's"));
+  }
+  return std::move(contents.weights);
+}
+
+}  // namespace
+
+bool IsLoraParameter(const std::string& name) {
+  return absl::EndsWith(name, kLoraA) || absl::EndsWith(name, kLoraB);
+}
+
+void AddLoraRules(ShardingPlan& plan) {
+  const std::vector<PlanRule> rules = plan.rules;
+  for (const PlanRule& rule : rules) {
+    const bool column = rule.style == ParallelStyle::kColumnwise;
+    if ((!column && rule.style != ParallelStyle::kRowwise) ||
+        !absl::EndsWith(rule.pattern, ".weight")) {
+      continue;
+    }
+    const std::string module =
+        rule.pattern.substr(0, rule.pattern.size() - sizeof(".weight") + 1);
+    plan.rules.push_back(
+        {absl::StrCat(module, kLoraA),
+         column ? ParallelStyle::kReplicate : ParallelStyle::kRowwise});
+    plan.rules.push_back(
+        {absl::StrCat(module, kLoraB),
+         column ? ParallelStyle::kColumnwise : ParallelStyle::kReplicate});
+  }
+}
+
+std::vector<ParameterSpec> LoraParameterSpecs(const LlamaConfig& config,
+                                              const LoraConfig& lora,
+                                              const LayerRange& held,
+                                              bool last_stage) {
+  std::vector<ParameterSpec> specs;
+  if (!lora.enabled()) return specs;
+  const std::vector<LoraTarget> targets = LoraLayerTargets(config, lora);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    for (const LoraTarget& target : targets) {
+      AddFactorSpecs(absl::StrCat("model.layers.", i, ".", target.path), target,
+                     lora.rank, i >= held.begin && i < held.end, specs);
+    }
+  }
+  if (auto head = LoraUnembedTarget(config, lora)) {
+    AddFactorSpecs(head->path, *head, lora.rank, last_stage, specs);
+  }
+  return specs;
+}
+
+torch::Tensor LoraDelta(const torch::Tensor& x, const torch::Tensor& a,
+                        const torch::Tensor& b, double scaling) {
+  return torch::linear(torch::linear(x, a), b) * scaling;
+}
+
+absl::StatusOr<NamedTensors> MergeLora(NamedTensors weights, double scaling) {
+  return CatchTorch("LoRA merge", [&]() -> absl::StatusOr<NamedTensors> {
+    std::map<std::string, torch::Tensor> factors;
+    NamedTensors out;
+    std::map<std::string, size_t> position;
+    for (auto& [name, t] : weights) {
+      if (IsLoraParameter(name)) {
+        factors[name] = t;
+      } else {
+        position[name] = out.size();
+        out.emplace_back(name, t);
+      }
+    }
+    for (const auto& [name, a] : factors) {
+      if (!absl::EndsWith(name, kLoraA)) continue;
+      // (std::map: lm_head's factors come after the layers'.)
+      const std::string module =
+          name.substr(0, name.size() - sizeof(kLoraA) + 1);
+      auto b = factors.find(absl::StrCat(module, kLoraB));
+      const std::string base = BaseWeightOf(name);
+      if (!position.count(base) && base == "lm_head.weight" &&
+          position.count("model.embed_tokens.weight")) {
+        // A tied model's head is its embedding, which the lookup must keep
+        // as it was: the merged head becomes a weight of its own.
+        position[base] = out.size();
+        out.emplace_back(
+            base, out[position["model.embed_tokens.weight"]].second.clone());
+      }
+      auto p = position.find(base);
+      if (b == factors.end() || p == position.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("LoRA factor ", name,
+                         " has no lora_B or base weight to merge into"));
+      }
+      torch::Tensor& w = out[p->second].second;
+      w = w + torch::matmul(b->second, a) * scaling;
+    }
+    return out;
+  });
+}
+
+std::string PeftAdapterConfig(const LoraConfig& lora,
+                              const std::string& base_model) {
+  nlohmann::ordered_json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = "CAUSAL_LM";
+  j["base_model_name_or_path"] = base_model;
+  j["r"] = lora.rank;
+  j["lora_alpha"] = lora.alpha;
+  j["lora_dropout"] = 0.0;
+  j["target_modules"] = LoraTargetModules(lora);
+  j["bias"] = "none";
+  j["fan_in_fan_out"] = false;
+  j["use_rslora"] = false;
+  j["use_dora"] = false;
+  j["modules_to_save"] = nullptr;
+  j["init_lora_weights"] = true;
+  j["inference_mode"] = true;
+  return j.dump(2) + "\n";
+}
+
+absl::StatusOr<NamedTensors> ReadAdapter(const std::string& dir,
+                                         const LoraConfig& lora) {
+  std::error_code error;
+  if (!std::filesystem::is_directory(dir, error)) {
+    return absl::NotFoundError(
+        absl::StrCat("lora.init_adapter ", dir, " is not a directory"));
+  }
+  TALLY_ASSIGN_OR_RETURN(
+      NamedTensors tensors,
+      std::filesystem::exists(absl::StrCat(dir, "/", kPeftConfigFile), error)
+          ? ReadPeftAdapter(dir, lora)
+          : ReadTallyAdapter(dir, lora));
+  for (const auto& [name, t] : tensors) {
+    if (!IsLoraParameter(name)) {
+      return AdapterMismatch(
+          dir, absl::StrCat("it holds ", name, ", which is no LoRA factor"));
+    }
+  }
+  return tensors;
+}
+
+}  // namespace tally

@@ -1,0 +1,93 @@
+// LoRA: PEFT's low-rank adapters on a model's projections, and the files
+// they travel in. An adapted projection computes
+//
+//   y = x W^T + b + (alpha / rank) * (x A^T) B^T
+//
+// with A [rank, in] drawn Kaiming-uniform (a = sqrt(5)) and B [out, rank]
+// zero, held as parameters named after their projection, as PEFT names them
+// ("model.layers.0.self_attn.q_proj.lora_A.weight"). The base W stays frozen
+// and may be shared by many adapters (CausalLm's ModelAdapters).
+//
+// Layout under tensor parallelism (no collective in the forward beyond the
+// base layer's): a column-parallel base (q, k, v, gate, up, lm_head) keeps A
+// whole on every tp rank and splits B by output rows like W; a row-parallel
+// base (o, down) splits A by input columns like W and keeps B whole, its
+// partial product joining the base's before the tp reduction. The whole
+// factor's gradient is partial per tp rank and is summed over tp in
+// backward, as for the replicated norms. Over dp_shard both shard on dim 0
+// like every parameter.
+//
+// Files: WriteWeightsExport (weights_export.h) writes an adapter as PEFT's
+// adapter_config.json + adapter_model.safetensors (keys prefixed
+// "base_model.model."), or merged into its base; ReadAdapter reads such a
+// directory, or a tally checkpoint of an adapter, back.
+//
+//   torch::Tensor y = torch::linear(x, w) + tally::LoraDelta(x, a, b, 2.0);
+//   TALLY_ASSIGN_OR_RETURN(tally::NamedTensors merged,
+//                          tally::MergeLora(std::move(weights), 2.0));
+#ifndef TALLY_RUNTIME_LORA_H_
+#define TALLY_RUNTIME_LORA_H_
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/llama_config.h"
+#include "runtime/lora_config.h"
+#include "runtime/pipeline.h"
+#include "runtime/safetensors.h"
+#include "runtime/sharding_plan.h"
+
+namespace tally {
+
+inline constexpr char kPeftConfigFile[] = "adapter_config.json";
+inline constexpr char kPeftWeightsFile[] = "adapter_model.safetensors";
+// What PEFT puts before a model's parameter names in its files.
+inline constexpr char kPeftKeyPrefix[] = "base_model.model.";
+
+// Whether `name` is a LoRA factor ("....lora_A.weight" / "....lora_B.weight").
+bool IsLoraParameter(const std::string& name);
+
+// Adds, for every column- or row-parallel weight rule of `plan`, the rules
+// of its LoRA factors (the layout above).
+void AddLoraRules(ShardingPlan& plan);
+
+// The LoRA factors of a Llama-family model, in order: each held layer's
+// adapted projections (LoraLayerTargets), then the unembedding's on the last
+// stage. Every layer's specs are listed; `held` layers and `last_stage` mark
+// those this stage keeps.
+std::vector<ParameterSpec> LoraParameterSpecs(const LlamaConfig& config,
+                                              const LoraConfig& lora,
+                                              const LayerRange& held,
+                                              bool last_stage);
+
+// (alpha / rank) * (x A^T) B^T for `a` [r, in] and `b` [out, r].
+torch::Tensor LoraDelta(const torch::Tensor& x, const torch::Tensor& a,
+                        const torch::Tensor& b, double scaling);
+
+// `weights` (HF names, whole tensors) with every adapted weight replaced by
+// W + scaling * B A (computed in the tensors' dtype) and the factors
+// removed. A tied model's adapted head becomes an lm_head.weight of its own
+// (the embedding stays W), so its config must then be untied.
+// INVALID_ARGUMENT naming a factor without its pair or base weight.
+absl::StatusOr<NamedTensors> MergeLora(NamedTensors weights, double scaling);
+
+// PEFT's adapter_config.json of `lora`; `base_model` (the base's
+// directory, may be empty) goes in base_model_name_or_path.
+std::string PeftAdapterConfig(const LoraConfig& lora,
+                              const std::string& base_model);
+
+// The adapter factors a LoRA model starts from: a PEFT adapter directory
+// (adapter_config.json + adapter_model.safetensors) or a tally checkpoint of
+// an adapter (tally.json with its lora section), under tally's parameter
+// names. INVALID_ARGUMENT naming "lora.init_adapter" and what differs when
+// its rank, alpha or target modules are not `lora`'s, or it holds anything
+// but LoRA factors; NOT_FOUND for a missing directory.
+absl::StatusOr<NamedTensors> ReadAdapter(const std::string& dir,
+                                         const LoraConfig& lora);
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_LORA_H_
