@@ -206,6 +206,11 @@ class CreateCommand : public Command {
     request.set_init_checkpoint(init_checkpoint_);
     if (lora_rank_ > 0) {
       TALLY_RETURN_IF_ERROR(SetLora(*request.mutable_lora()));
+    } else if (lora_alpha_ != 0 || lora_targets_ != kAllLoraTargets ||
+               !lora_init_adapter_.empty()) {
+      return absl::InvalidArgumentError(
+          "flags --lora-alpha, --lora-targets and --lora-init-adapter need "
+          "--lora-rank");
     }
     TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.CreateModel(request));
     std::cout << "created ";
@@ -223,7 +228,8 @@ class CreateCommand : public Command {
   std::string init_checkpoint_;
   int lora_rank_ = 0;
   double lora_alpha_ = 0.0;
-  std::string lora_targets_ = "attn,mlp,unembed";
+  static constexpr char kAllLoraTargets[] = "attn,mlp,unembed";
+  std::string lora_targets_ = kAllLoraTargets;
   std::string lora_init_adapter_;
 
   absl::Status SetLora(v1::LoraConfig& lora) const {

@@ -20,7 +20,10 @@ namespace tally {
 // and key_positions[b, j] <= positions[b, i]. Under context parallelism the
 // keys are those of every cp rank (K = cp * T); otherwise they are the row's
 // own tokens (K = T). Padding queries must be placed at or after their
-// sample's last position, so that they see at least one key and stay finite.
+// sample's last position, so that they see a key (under a sliding window
+// they may see none: the materialized path then lets them see their causal
+// keys, the blocked one gives zeros; either way they stay finite, and
+// padding outputs reach no loss or gradient).
 struct AttentionLayout {
   torch::Tensor positions;      // [B, T] int64
   torch::Tensor key_positions;  // [B, K] int64

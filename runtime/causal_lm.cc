@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -20,10 +21,7 @@ torch::ScalarType ComputeScalarType(DType dtype) {
 }
 
 Parameter* CausalLm::Find(const std::string& name) {
-  for (Parameter& p : parameters_) {
-    if (p.name == name) return &p;
-  }
-  return nullptr;
+  return const_cast<Parameter*>(std::as_const(*this).Find(name));
 }
 
 const Parameter* CausalLm::Find(const std::string& name) const {

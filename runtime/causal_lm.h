@@ -114,6 +114,10 @@ class CausalLm {
   // INVALID_ARGUMENT.
   absl::Status set_recompute_layers(bool recompute);
   bool recompute_layers() const { return recompute_layers_; }
+  // How attention is computed (runtime/blocked_attention.h); the results do
+  // not depend on it beyond rounding.
+  void set_attention(const AttentionOptions& options) { attention_ = options; }
+  const AttentionOptions& attention() const { return attention_; }
 
   int pp_stage() const { return sharding_.pp_stage; }
   bool first_stage() const { return sharding_.pp_stage == 0; }
@@ -205,6 +209,7 @@ class CausalLm {
 
  private:
   bool recompute_layers_ = false;
+  AttentionOptions attention_;
 };
 
 // The family `config` names (config.json's model_type), built and placed for

@@ -140,7 +140,10 @@ absl::Status ReadLoraManifest(const nlohmann::json& j, const std::string& path,
         absl::StrCat(path, ": base_checkpoint is missing or not a string"));
   }
   m.base_checkpoint = base->get<std::string>();
-  if (!ValidateLoraConfig(m.lora).ok()) return bad("rank", "valid");
+  const absl::Status valid = ValidateLoraConfig(m.lora);
+  if (!valid.ok()) {
+    return absl::DataLossError(absl::StrCat(path, ": ", valid.message()));
+  }
   return absl::OkStatus();
 }
 

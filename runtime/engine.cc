@@ -69,14 +69,16 @@ absl::Status CheckAdapterCheckpoint(const CheckpointContents& contents,
     return absl::InvalidArgumentError(absl::StrCat(
         path, " holds a LoRA adapter; load it into a model with that lora"));
   }
-  if (!saved.enabled() || !contents.manifest->trainable_only) {
+  const bool factors_only =
+      std::all_of(contents.weights.begin(), contents.weights.end(),
+                  [](const auto& w) { return IsLoraParameter(w.first); });
+  if (!saved.enabled() || !contents.manifest->trainable_only || !factors_only) {
     return absl::InvalidArgumentError(absl::StrCat(
         path,
         " is not a checkpoint of a LoRA adapter; a LoRA model loads only "
         "those (its base is shared)"));
   }
-  if (saved.rank != lora.rank || saved.alpha != lora.alpha ||
-      LoraTargetModules(saved) != LoraTargetModules(lora)) {
+  if (!SameAdapterShape(saved, lora)) {
     return absl::InvalidArgumentError(absl::StrCat(
         path, " holds an adapter of rank ", saved.rank, ", alpha ", saved.alpha,
         " on other modules or scale than the model's (rank ", lora.rank,
@@ -370,42 +372,17 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
 
 absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
     ModelSpec spec) {
-  std::optional<CheckpointContents> init;
   const std::string base_key = BaseKey(spec);
-  if (!spec.init_checkpoint.empty()) {
-    // A LoRA base already in memory is not read again.
-    auto known = bases_.find(base_key);
-    std::shared_ptr<const CausalLm> base =
-        known == bases_.end() ? nullptr : known->second.lock();
-    if (base == nullptr) {
-      TALLY_ASSIGN_OR_RETURN(init, ReadCheckpoint(spec.init_checkpoint,
-                                                  /*read_optimizer=*/false));
-      if (init->manifest && init->manifest->lora.enabled()) {
-        const CheckpointManifest& m = *init->manifest;
-        return absl::InvalidArgumentError(absl::StrCat(
-            "init_checkpoint ", spec.init_checkpoint,
-            " holds a LoRA adapter without its base: create the model with "
-            "init_checkpoint set to its base (",
-            m.base_checkpoint.empty() ? "drawn from its config and seed"
-                                      : m.base_checkpoint,
-            ") and lora (rank ", m.lora.rank, ", alpha ", m.lora.alpha,
-            ") with init_adapter ", spec.init_checkpoint));
-      }
-    }
-    const LlamaConfig& source = base ? base->config() : init->config;
-    const bool config_given = spec.config.vocab_size != 0;
-    if (config_given && spec.config.WithDefaults() != source) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config differs from the config.json of init_checkpoint ",
-          spec.init_checkpoint, "; omit config to use the checkpoint's"));
-    }
-    spec.config = source;
-  }
+  TALLY_ASSIGN_OR_RETURN(std::optional<CheckpointContents> init,
+                         ReadInitCheckpoint(spec, base_key));
   spec.config = spec.config.WithDefaults();
   TALLY_RETURN_IF_ERROR(spec.config.Validate());
   if (spec.lora.enabled()) {
     spec.lora = spec.lora.WithDefaults();
     if (!spec.lora.seed) spec.lora.seed = spec.seed;
+    // Before a base is built for it.
+    TALLY_RETURN_IF_ERROR(ValidateLoraConfig(spec.lora));
+    TALLY_RETURN_IF_ERROR(ValidateLoraForModel(spec.config, spec.lora));
   }
 
   auto state = std::make_unique<ModelState>();
@@ -413,6 +390,7 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   TALLY_RETURN_IF_ERROR(FreezeParameters(spec.frozen, *state->model));
   TALLY_RETURN_IF_ERROR(
       state->model->set_recompute_layers(spec.activation_checkpointing));
+  state->model->set_attention(options_.attention);
   if (spec.dtype == DType::kBFloat16 && state->model->routed_experts() > 0) {
     return absl::InvalidArgumentError(
         "dtype DTYPE_BFLOAT16 is not implemented for mixture-of-experts "
@@ -422,6 +400,46 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
       std::make_unique<Optimizer>(spec.optimizer, &state->model->parameters());
   state->spec = std::move(spec);
   return state;
+}
+
+absl::StatusOr<std::optional<CheckpointContents>> Engine::ReadInitCheckpoint(
+    ModelSpec& spec, const std::string& base_key) const {
+  if (spec.init_checkpoint.empty()) return std::nullopt;
+  // A LoRA base already in memory is not read again.
+  auto known = bases_.find(base_key);
+  const std::shared_ptr<const CausalLm> base =
+      known == bases_.end() ? nullptr : known->second.lock();
+  std::optional<CheckpointContents> init;
+  if (base == nullptr) {
+    TALLY_ASSIGN_OR_RETURN(init, ReadCheckpoint(spec.init_checkpoint,
+                                                /*read_optimizer=*/false));
+    const std::optional<CheckpointManifest>& m = init->manifest;
+    if (m && m->lora.enabled()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "init_checkpoint ", spec.init_checkpoint,
+          " holds a LoRA adapter without its base: create the model with "
+          "init_checkpoint set to its base (",
+          m->base_checkpoint.empty() ? "drawn from its config and seed"
+                                     : m->base_checkpoint,
+          ") and lora (rank ", m->lora.rank, ", alpha ", m->lora.alpha,
+          ") with init_adapter ", spec.init_checkpoint));
+    }
+    if (m && m->trainable_only && spec.lora.enabled()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "init_checkpoint ", spec.init_checkpoint,
+          " holds the trainable parameters only: a LoRA base must be a "
+          "whole model"));
+    }
+  }
+  const LlamaConfig& source = base ? base->config() : init->config;
+  const bool config_given = spec.config.vocab_size != 0;
+  if (config_given && spec.config.WithDefaults() != source) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config differs from the config.json of init_checkpoint ",
+        spec.init_checkpoint, "; omit config to use the checkpoint's"));
+  }
+  spec.config = source;
+  return init;
 }
 
 absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
@@ -888,7 +906,7 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   manifest.unsaved_window = pending;
   uint64_t bytes = 0;
   TALLY_RETURN_IF_ERROR(WriteOnRankZero(
-      *state, /*with_optimizer_state=*/true,
+      *state, /*with_optimizer_state=*/true, manifest.trainable_only,
       [&](const CausalLm& model, const Optimizer& optimizer) -> absl::Status {
         TALLY_ASSIGN_OR_RETURN(bytes,
                                WriteCheckpoint(path, model, optimizer, manifest,
@@ -899,7 +917,7 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
 }
 
 absl::Status Engine::WriteOnRankZero(
-    ModelState& state, bool with_optimizer_state,
+    ModelState& state, bool with_optimizer_state, bool trainable_only,
     const std::function<absl::Status(const CausalLm& model,
                                      const Optimizer& optimizer)>& write) {
   const CausalLm* model = state.model.get();
@@ -912,8 +930,8 @@ absl::Status Engine::WriteOnRankZero(
   // is the same whatever the mesh: only the writer holds the whole copy; the
   // other ranks help gather it one tensor at a time.
   if (Staged(*model, groups_)) {
-    written =
-        GatherOnWriter(state, with_optimizer_state, full_model, full_optimizer);
+    written = GatherOnWriter(state, with_optimizer_state, trainable_only,
+                             full_model, full_optimizer);
     if (writer) {
       model = full_model.get();
       optimizer = full_optimizer.get();
@@ -924,7 +942,7 @@ absl::Status Engine::WriteOnRankZero(
 }
 
 absl::Status Engine::GatherOnWriter(
-    ModelState& state, bool with_optimizer_state,
+    ModelState& state, bool with_optimizer_state, bool trainable_only,
     std::unique_ptr<CausalLm>& full_model,
     std::unique_ptr<Optimizer>& full_optimizer) {
   CausalLm& model = *state.model;
@@ -962,6 +980,7 @@ absl::Status Engine::GatherOnWriter(
   std::vector<torch::Tensor> stage_tensors;
   for (const Parameter& p : model.parameters()) {
     if (model.OwningStage(p.name, stages) != stage) continue;
+    if (trainable_only && !p.trainable) continue;
     TALLY_ASSIGN_OR_RETURN(torch::Tensor full, model.GatherFull(p, p.tensor));
     stage_tensors.push_back(std::move(full));
     if (!p.trainable) continue;
@@ -988,6 +1007,7 @@ absl::Status Engine::GatherOnWriter(
   for (int s = 0; s < stages; ++s) {
     for (Parameter& p : full_model->parameters()) {
       if (full_model->OwningStage(p.name, stages) != s) continue;
+      if (trainable_only && !p.trainable) continue;
       const size_t states = p.trainable ? state_suffixes.size() : 0;
       for (size_t k = 0; k <= states; ++k) {
         torch::Tensor full;

@@ -79,6 +79,8 @@ struct EngineOptions {
   // last backward of a call, so communication overlaps the rest of it (same
   // results, bitwise). Off: all of them after backward.
   bool overlap_grad_sync = true;
+  // How every model computes attention (CausalLm::set_attention).
+  AttentionOptions attention;
 };
 
 // A failed ForwardBackward or OptimStep that poisoned its model's window
@@ -195,6 +197,12 @@ class Engine {
   static ModelSummary Summarize(const ModelState& state);
   // Everything CreateModel does that may fail, before the model is added.
   absl::StatusOr<std::unique_ptr<ModelState>> BuildModel(ModelSpec spec);
+  // `spec`'s init_checkpoint, read unless it is a LoRA base in memory (then
+  // nullopt), and spec.config set from it. INVALID_ARGUMENT for a config
+  // that differs from the checkpoint's, an adapter's checkpoint (no base),
+  // or a trainable-only one as a LoRA base.
+  absl::StatusOr<std::optional<CheckpointContents>> ReadInitCheckpoint(
+      ModelSpec& spec, const std::string& base_key) const;
   // The model of `spec` (its config resolved) on this rank, loaded with
   // `init` when given. A LoRA model shares the base registered under
   // `base_key`, building the base when none is in memory.
@@ -224,8 +232,10 @@ class Engine {
       const std::vector<Parameter>& params) const;
   // Consolidates a sharded or staged model onto rank 0 (nullptrs elsewhere),
   // with its optimizer state or (for a weights-only export) an optimizer
-  // without state.
+  // without state; with `trainable_only` the frozen parameters are neither
+  // sent nor filled in (what is written leaves them out).
   absl::Status GatherOnWriter(ModelState& state, bool with_optimizer_state,
+                              bool trainable_only,
                               std::unique_ptr<CausalLm>& full_model,
                               std::unique_ptr<Optimizer>& full_optimizer);
   // Runs `write` on rank 0 with the whole model and its optimizer (gathered
@@ -233,7 +243,7 @@ class Engine {
   // rank helping) and returns on every rank once all agree on the outcome:
   // how a checkpoint or an export is written.
   absl::Status WriteOnRankZero(
-      ModelState& state, bool with_optimizer_state,
+      ModelState& state, bool with_optimizer_state, bool trainable_only,
       const std::function<absl::Status(const CausalLm& model,
                                        const Optimizer& optimizer)>& write);
   // Every rank returns an error if any rank's `local` is one, so no rank

@@ -14,8 +14,10 @@ absl::StatusOr<ExportResult> Engine::ExportWeights(
   // No window check: gradients are not weights, so a pending window is
   // neither exported nor touched.
   ExportResult result;
+  // A PEFT export writes the adapter only: the frozen base stays unsent.
   TALLY_RETURN_IF_ERROR(WriteOnRankZero(
       *state, /*with_optimizer_state=*/false,
+      /*trainable_only=*/state->spec.lora.enabled() && !options.merge,
       [&](const CausalLm& model, const Optimizer&) -> absl::Status {
         TALLY_ASSIGN_OR_RETURN(result,
                                WriteWeightsExport(path, model, options,

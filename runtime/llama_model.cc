@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "runtime/blocked_attention.h"
 #include "runtime/lora.h"
 #include "runtime/moe_block.h"
 #include "runtime/parallel_ops.h"
@@ -419,10 +420,29 @@ torch::Tensor LlamaModel::RmsNorm(const torch::Tensor& x,
                  .to(x.scalar_type());
 }
 
+torch::Tensor LlamaModel::AttendHeads(const torch::Tensor& q,
+                                      const torch::Tensor& k,
+                                      const torch::Tensor& v,
+                                      const AttentionMask& mask) const {
+  if (!mask.mask.defined()) {
+    return BlockedAttention(q, k, v, mask.layout, mask.window,
+                            attention().block_keys);
+  }
+  const double d = static_cast<double>(q.size(-1));
+  torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(d);
+  scores =
+      scores.masked_fill(mask.mask, -std::numeric_limits<double>::infinity());
+  // The softmax in float32 at least, as HF's eager attention.
+  return torch::matmul(
+      torch::softmax(scores, -1, AtLeastFloat32(scores.scalar_type()))
+          .to(v.scalar_type()),
+      v);
+}
+
 torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
                                     const torch::Tensor& cos,
                                     const torch::Tensor& sin,
-                                    const torch::Tensor& mask) {
+                                    const AttentionMask& mask) {
   const int* slot = layers_[layer].slot;
   const int64_t batch = h.size(0), seq = h.size(1), d = config_.HeadDim();
   // Local head counts: a tp rank holds a contiguous block of query heads and
@@ -453,15 +473,9 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
     k = k.repeat_interleave(heads / kv_heads, /*dim=*/1);
     v = v.repeat_interleave(heads / kv_heads, /*dim=*/1);
   }
-  torch::Tensor scores =
-      torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
-  scores = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
-  // The softmax in float32 at least, as HF's eager attention.
-  torch::Tensor out = torch::matmul(
-      torch::softmax(scores, -1, AtLeastFloat32(scores.scalar_type()))
-          .to(v.scalar_type()),
-      v);
-  out = out.transpose(1, 2).reshape({batch, seq, heads * d});
+  torch::Tensor out = AttendHeads(q, k, v, mask)
+                          .transpose(1, 2)
+                          .reshape({batch, seq, heads * d});
   return LeaveRowParallel(Project(out, slot[kO]), slot[kOBias]);
 }
 
@@ -536,7 +550,7 @@ std::map<int64_t, torch::Tensor> LlamaModel::AttentionMasks(
 torch::Tensor LlamaModel::DecoderLayer(int layer, torch::Tensor x,
                                        const torch::Tensor& cos,
                                        const torch::Tensor& sin,
-                                       const torch::Tensor& mask,
+                                       const AttentionMask& mask,
                                        int64_t ep_rows, StageIo* io) {
   const int* slot = layers_[layer].slot;
   x = x + Attention(layer,
@@ -562,7 +576,10 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
   // Rotary tables at each token's position in its sample.
   const auto [cos, sin] =
       RotaryTables(config_, layout.positions, compute_type());
-  const std::map<int64_t, torch::Tensor> masks = AttentionMasks(layout);
+  // The materialized masks, unless attention goes by blocks of keys.
+  const bool blocked = attention().Blocked(layout.key_positions.size(1));
+  const std::map<int64_t, torch::Tensor> masks =
+      blocked ? std::map<int64_t, torch::Tensor>() : AttentionMasks(layout);
 
   // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
   const int64_t vocab_start =
@@ -574,11 +591,14 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
                               : batch * seq;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const int layer = static_cast<int>(i);
+    const int64_t window =
+        family_.AttentionWindow(config_, first_layer_ + layer);
+    AttentionMask mask{blocked ? torch::Tensor() : masks.at(window), layout,
+                       window};
     // Tensors by value: a recomputed layer runs again in backward.
     TensorBlock block = [this, layer, cos = cos, sin = sin,
-                         mask = masks.at(family_.AttentionWindow(
-                             config_, first_layer_ + layer)),
-                         ep_rows, io](const torch::Tensor& h) {
+                         mask = std::move(mask), ep_rows,
+                         io](const torch::Tensor& h) {
       return DecoderLayer(layer, h, cos, sin, mask, ep_rows, io);
     };
     x = recompute_layers() ? RecomputeInBackward(std::move(block), x)

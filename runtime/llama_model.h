@@ -142,9 +142,21 @@ class LlamaModel : public CausalLm {
   // A row-parallel projection's output: reduced over tp, then its bias.
   torch::Tensor LeaveRowParallel(const torch::Tensor& x, int bias);
   torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w) const;
+  // What a layer's attention masks by: the materialized mask [B, 1, T, K]
+  // (true: hidden), or, for the blocked path (mask undefined), the layout
+  // and the layer's sliding window that each block's mask is built from.
+  struct AttentionMask {
+    torch::Tensor mask;
+    AttentionLayout layout;
+    int64_t window = 0;
+  };
   torch::Tensor Attention(int layer, const torch::Tensor& h,
                           const torch::Tensor& cos, const torch::Tensor& sin,
-                          const torch::Tensor& mask);
+                          const AttentionMask& mask);
+  // softmax(q kᵀ / √d) v over the visible keys, [B, heads, T, d].
+  torch::Tensor AttendHeads(const torch::Tensor& q, const torch::Tensor& k,
+                            const torch::Tensor& v,
+                            const AttentionMask& mask) const;
   // The attention masks of this stage's layers by sliding window (0: none):
   // [B, 1, T, K], true where a query must not see a key.
   std::map<int64_t, torch::Tensor> AttentionMasks(
@@ -156,7 +168,7 @@ class LlamaModel : public CausalLm {
   // attention then MLP, each behind its RMSNorm and added back.
   torch::Tensor DecoderLayer(int layer, torch::Tensor x,
                              const torch::Tensor& cos, const torch::Tensor& sin,
-                             const torch::Tensor& mask, int64_t ep_rows,
+                             const AttentionMask& mask, int64_t ep_rows,
                              StageIo* io);
   // Embedding (first stage) or received hidden states.
   torch::Tensor Embed(const torch::Tensor& input, int64_t vocab_start);

@@ -43,18 +43,11 @@ absl::Status AdapterMismatch(const std::string& dir, const std::string& what) {
       absl::StrCat("lora.init_adapter ", dir, ": ", what));
 }
 
-// The factors of a PEFT adapter directory after checking its config
-// against `lora`.
-absl::StatusOr<NamedTensors> ReadPeftAdapter(const std::string& dir,
-                                             const LoraConfig& lora) {
-  TALLY_ASSIGN_OR_RETURN(const std::string text,
-                         ReadFileText(absl::StrCat(dir, "/", kPeftConfigFile),
-                                      "lora.init_adapter"));
-  const nlohmann::json config =
-      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!config.is_object()) {
-    return AdapterMismatch(dir, "adapter_config.json is not a JSON object");
-  }
+// Checks a PEFT adapter_config.json object against `lora`. A field of the
+// wrong JSON type throws nlohmann::json::type_error.
+absl::Status CheckPeftConfig(const std::string& dir,
+                             const nlohmann::json& config,
+                             const LoraConfig& lora) {
   if (config.value("peft_type", "LORA") != "LORA") {
     return AdapterMismatch(dir, "peft_type is not LORA");
   }
@@ -75,14 +68,9 @@ absl::StatusOr<NamedTensors> ReadPeftAdapter(const std::string& dir,
       return AdapterMismatch(dir, absl::StrCat(key, " is not implemented"));
     }
   }
-  if (config.value("r", int64_t{-1}) != lora.rank) {
-    return AdapterMismatch(
-        dir, absl::StrCat("r is not lora.rank (", lora.rank, ")"));
-  }
-  if (config.value("lora_alpha", -1.0) != lora.alpha) {
-    return AdapterMismatch(
-        dir, absl::StrCat("lora_alpha is not lora.alpha (", lora.alpha, ")"));
-  }
+  LoraConfig saved = lora;
+  saved.rank = config.value("r", int64_t{-1});
+  saved.alpha = config.value("lora_alpha", -1.0);
   const nlohmann::json modules =
       config.value("target_modules", nlohmann::json());
   const std::vector<std::string> expected = LoraTargetModules(lora);
@@ -93,6 +81,34 @@ absl::StatusOr<NamedTensors> ReadPeftAdapter(const std::string& dir,
         dir,
         absl::StrCat("target_modules is not [", absl::StrJoin(expected, ", "),
                      "] (lora.train_attn, train_mlp, train_unembed)"));
+  }
+  if (!SameAdapterShape(saved, lora)) {
+    return AdapterMismatch(
+        dir, absl::StrCat("r ", saved.rank, " and lora_alpha ", saved.alpha,
+                          " are not lora.rank ", lora.rank, " and lora.alpha ",
+                          lora.alpha));
+  }
+  return absl::OkStatus();
+}
+
+// The factors of a PEFT adapter directory after checking its config
+// against `lora`.
+absl::StatusOr<NamedTensors> ReadPeftAdapter(const std::string& dir,
+                                             const LoraConfig& lora) {
+  TALLY_ASSIGN_OR_RETURN(const std::string text,
+                         ReadFileText(absl::StrCat(dir, "/", kPeftConfigFile),
+                                      "lora.init_adapter"));
+  const nlohmann::json config =
+      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!config.is_object()) {
+    return AdapterMismatch(dir, "adapter_config.json is not a JSON object");
+  }
+  try {
+    TALLY_RETURN_IF_ERROR(CheckPeftConfig(dir, config, lora));
+  } catch (const nlohmann::json::exception& e) {
+    return AdapterMismatch(
+        dir, absl::StrCat("adapter_config.json has a field of the wrong type (",
+                          e.what(), ")"));
   }
   TALLY_ASSIGN_OR_RETURN(
       NamedTensors tensors,
@@ -117,8 +133,7 @@ absl::StatusOr<NamedTensors> ReadTallyAdapter(const std::string& dir,
   if (saved == nullptr || !saved->enabled()) {
     return AdapterMismatch(dir, "the checkpoint holds no LoRA adapter");
   }
-  if (saved->rank != lora.rank || saved->alpha != lora.alpha ||
-      LoraTargetModules(*saved) != LoraTargetModules(lora)) {
+  if (!SameAdapterShape(*saved, lora)) {
     return AdapterMismatch(
         dir, absl::StrCat("its adapter (rank ", saved->rank, ", alpha ",
                           saved->alpha, ", ",
@@ -192,7 +207,6 @@ absl::StatusOr<NamedTensors> MergeLora(NamedTensors weights, double scaling) {
     }
     for (const auto& [name, a] : factors) {
       if (!absl::EndsWith(name, kLoraA)) continue;
-      // (std::map: lm_head's factors come after the layers'.)
       const std::string module =
           name.substr(0, name.size() - sizeof(kLoraA) + 1);
       auto b = factors.find(absl::StrCat(module, kLoraB));

@@ -12,11 +12,9 @@ LoraConfig LoraConfig::WithDefaults() const {
   return out;
 }
 
-bool LoraConfig::operator==(const LoraConfig& other) const {
-  return rank == other.rank && alpha == other.alpha &&
-         train_attn == other.train_attn && train_mlp == other.train_mlp &&
-         train_unembed == other.train_unembed && seed == other.seed &&
-         init_adapter == other.init_adapter;
+bool SameAdapterShape(const LoraConfig& a, const LoraConfig& b) {
+  return a.rank == b.rank && a.alpha == b.alpha &&
+         LoraTargetModules(a) == LoraTargetModules(b);
 }
 
 absl::Status ValidateLoraConfig(const LoraConfig& lora) {

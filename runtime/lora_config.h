@@ -46,14 +46,16 @@ struct LoraConfig {
   // PEFT's scaling: alpha / rank.
   double scaling() const { return alpha / static_cast<double>(rank); }
   LoraConfig WithDefaults() const;
-  bool operator==(const LoraConfig& other) const;
-  bool operator!=(const LoraConfig& other) const { return !(*this == other); }
 };
 
 // INVALID_ARGUMENT naming the field ("lora.rank", ...) of a config that
 // cannot be built: rank outside [1, kMaxLoraRank], alpha not finite and > 0,
 // no target switched on.
 absl::Status ValidateLoraConfig(const LoraConfig& lora);
+
+// Whether adapters of `a` and `b` have the same factors and scale: rank,
+// alpha and target modules (a checkpoint of one loads into the other).
+bool SameAdapterShape(const LoraConfig& a, const LoraConfig& b);
 
 // The PEFT module names (target_modules) the adapter covers, in the order of
 // a layer's projections, "lm_head" last.

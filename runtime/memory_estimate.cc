@@ -62,7 +62,8 @@ double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard) {
 
 double CallActivationBytes(const LlamaConfig& config, DType dtype,
                            const std::vector<int64_t>& sample_lengths,
-                           int64_t max_batch_tokens) {
+                           int64_t max_batch_tokens,
+                           const AttentionOptions& attention) {
   if (sample_lengths.empty()) return 0;
   const double longest = static_cast<double>(
       *std::max_element(sample_lengths.begin(), sample_lengths.end()));
@@ -78,7 +79,10 @@ double CallActivationBytes(const LlamaConfig& config, DType dtype,
   const double per_token_layer =
       kHiddenActivationsPerToken * config.hidden_size +
       kMlpActivationsPerToken * routed * config.intermediate_size +
-      2.0 * config.num_attention_heads * longest;
+      2.0 * config.num_attention_heads *
+          (attention.Blocked(static_cast<int64_t>(longest))
+               ? std::min(longest, static_cast<double>(attention.block_keys))
+               : longest);
   const double per_token =
       config.num_hidden_layers * per_token_layer + 2.0 * config.vocab_size;
   return tokens * per_token * DTypeBytes(dtype);

@@ -62,7 +62,11 @@ class StageRun {
         output_grads_[b] = callbacks_.boundary_like(b);
         Check(pp_.Recv(output_grads_[b], stage_ + 1));
       }
-      outputs_[b].backward(output_grads_[b]);
+      // A first stage with nothing to train (a LoRA adapter of the head
+      // only) has an output without a gradient to propagate.
+      if (outputs_[b].requires_grad()) {
+        outputs_[b].backward(output_grads_[b]);
+      }
     }
     if (!first_) {
       const torch::Tensor grad = inputs_[b].grad();

@@ -1,6 +1,7 @@
 #include "runtime/types.h"
 
 #include <cmath>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 
@@ -66,13 +67,40 @@ AdamParams AdamOverrides::ResolveAgainst(const AdamParams& defaults) const {
 
 std::string BaseKey(const ModelSpec& spec) {
   if (!spec.lora.enabled()) return "";
+  // One spelling per directory: "a//b/" and "a/b" are one base.
+  std::filesystem::path dir =
+      std::filesystem::path(spec.init_checkpoint).lexically_normal();
+  if (!dir.has_filename()) dir = dir.parent_path();
   const std::string source =
       spec.init_checkpoint.empty()
           ? absl::StrCat(
                 "seed ", spec.seed, " config ",
                 spec.config.WithDefaults().ToHfJson(DTypeName(spec.dtype)))
-          : absl::StrCat("checkpoint ", spec.init_checkpoint);
-  return absl::StrCat(DTypeName(spec.dtype), " ", source);
+          : absl::StrCat("checkpoint ", dir.string());
+  // A tenant's models ("<tenant>/<id>") share bases among themselves only.
+  const size_t scope = spec.model_id.find('/');
+  return absl::StrCat(
+      scope == std::string::npos ? "" : spec.model_id.substr(0, scope + 1),
+      DTypeName(spec.dtype), " ", source);
+}
+
+const char* AttentionModeName(AttentionMode mode) {
+  switch (mode) {
+    case AttentionMode::kMaterialized:
+      return "materialized";
+    case AttentionMode::kBlocked:
+      return "blocked";
+    default:
+      return "auto";
+  }
+}
+
+std::optional<AttentionMode> AttentionModeNamed(absl::string_view name) {
+  for (AttentionMode mode : {AttentionMode::kAuto, AttentionMode::kMaterialized,
+                             AttentionMode::kBlocked}) {
+    if (name == AttentionModeName(mode)) return mode;
+  }
+  return std::nullopt;
 }
 
 }  // namespace tally

@@ -39,6 +39,27 @@ DType MasterDType(DType dtype);
 const char* OptimizerName(OptimizerKind optimizer);  // "adamw"
 const char* ReductionName(LossReduction reduction);  // "token_mean"
 
+// How a model's attention is computed (runtime/blocked_attention.h): the
+// whole [T, K] score matrix per head (materialized), or blocks of keys with
+// an online softmax whose extra memory is O(T x block) per head (blocked).
+// The results are the same to rounding.
+enum class AttentionMode { kAuto, kMaterialized, kBlocked };
+const char* AttentionModeName(AttentionMode mode);  // "auto"
+std::optional<AttentionMode> AttentionModeNamed(absl::string_view name);
+
+struct AttentionOptions {
+  // kAuto: blocked when a micro-batch's rows have more than kAutoFromKeys
+  // keys (tokens, or under context parallelism the cp group's tokens).
+  static constexpr int64_t kAutoFromKeys = 2048;
+  AttentionMode mode = AttentionMode::kAuto;
+  int64_t block_keys = 512;  // keys per block of the blocked path (>= 1)
+
+  bool Blocked(int64_t keys) const {
+    return mode == AttentionMode::kBlocked ||
+           (mode == AttentionMode::kAuto && keys > kAutoFromKeys);
+  }
+};
+
 // Target value that marks a position as ignored (HF / PyTorch convention).
 inline constexpr int32_t kIgnoreIndex = -100;
 
@@ -87,8 +108,9 @@ struct ModelSpec {
 };
 
 // What identifies the frozen base a LoRA model shares with others: its
-// init_checkpoint (or config and seed) and dtype. Empty for a model without
-// an adapter.
+// tenant scope (the "<tenant>/" of a scoped model id), dtype, and its
+// init_checkpoint (normalized) or its config and seed. Empty for a model
+// without an adapter.
 std::string BaseKey(const ModelSpec& spec);
 
 struct Sample {
@@ -187,8 +209,8 @@ struct ModelSummary {
   bool activation_checkpointing = false;
   LoraConfig lora;   // rank 0: a full model
   std::string base;  // a LoRA model's BaseKey, else empty
-  // What trains (an adapter's parameters; all but the frozen ones), in
-  // parameters and in bytes of the model's dtype.
+  // What trains: a LoRA model's adapter parameters, a full model's
+  // num_parameters; in parameters and in bytes as kept (MasterDType).
   uint64_t trainable_parameters = 0;
   uint64_t trainable_bytes = 0;
   // Non-empty when the parameters may be partly updated (an OptimStep or a

@@ -197,7 +197,7 @@ absl::StatusOr<std::vector<DirectoryFile>> PeftFiles(
     const std::string& source_dir, std::string& config,
     SerializedSafetensors& weights_file) {
   TALLY_ASSIGN_OR_RETURN(const NamedTensors weights,
-                         HfWeights(model, stored, /*trainable_only=*/false));
+                         HfWeights(model, stored, /*trainable_only=*/true));
   NamedTensors factors;
   for (const auto& [name, t] : weights) {
     if (IsLoraParameter(name)) {

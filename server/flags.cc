@@ -91,6 +91,13 @@ ABSL_FLAG(int64_t, threads, tally::Defaults().threads,
           "divided by the ranks on the machine (LOCAL_WORLD_SIZE)");
 ABSL_FLAG(bool, overlap_grad_sync, tally::Defaults().overlap_grad_sync,
           "EAGER: sum gradient buckets during backward (=false: after it)");
+ABSL_FLAG(std::string, attention,
+          tally::AttentionModeName(tally::Defaults().attention.mode),
+          "auto (blocked past 2048 keys per row), materialized or blocked: "
+          "blocked attention's extra memory is O(T x block) per head, the "
+          "materialized one's O(T^2); same results to rounding");
+ABSL_FLAG(int64_t, attention_block_keys, tally::Defaults().attention.block_keys,
+          "keys per block of blocked attention");
 
 // Checkpoints (docs/checkpoints.md).
 ABSL_FLAG(std::string, checkpoint_root, tally::Defaults().checkpoint_root,
@@ -204,7 +211,9 @@ const std::vector<FlagSection>& Sections() {
        {{"max-batch-tokens", "N"},
         {"threads", "N"},
         {"bucket-mb", "N"},
-        {"overlap-grad-sync", nullptr}}},
+        {"overlap-grad-sync", nullptr},
+        {"attention", "MODE"},
+        {"attention-block-keys", "N"}}},
       {"Checkpoints",
        {{"checkpoint-root", "DIR"},
         {"checkpoint-dir", "DIR"},
@@ -430,7 +439,14 @@ absl::Status SetTrainingOptions(ServerOptions& o) {
   TALLY_RETURN_IF_ERROR(SetInt(FLAGS_threads, 0, 1024, &o.threads));
   TALLY_RETURN_IF_ERROR(SetInt(FLAGS_bucket_mb, 1, 1 << 16, &o.bucket_mb));
   o.overlap_grad_sync = absl::GetFlag(FLAGS_overlap_grad_sync);
-  return absl::OkStatus();
+  const std::string attention = absl::GetFlag(FLAGS_attention);
+  const std::optional<AttentionMode> mode = AttentionModeNamed(attention);
+  if (!mode) {
+    return BadValue("attention", attention, "auto, materialized or blocked");
+  }
+  o.attention.mode = *mode;
+  return SetInt(FLAGS_attention_block_keys, 1, int64_t{1} << 20,
+                &o.attention.block_keys);
 }
 
 absl::Status SetCheckpointOptions(ServerOptions& o) {

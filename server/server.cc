@@ -95,6 +95,9 @@ absl::Status CheckSameOnEveryRank(Communicator& world,
       {"--max-batch-tokens", static_cast<double>(options.max_batch_tokens)},
       {"--bucket-mb", static_cast<double>(options.bucket_mb)},
       {"--pp-microbatches", static_cast<double>(options.pp_microbatches)},
+      {"--attention", static_cast<double>(options.attention.mode)},
+      {"--attention-block-keys",
+       static_cast<double>(options.attention.block_keys)},
       {"--demo-model", options.demo_model ? 1.0 : 0.0}};
   std::vector<double> values;
   for (const auto& [flag, value] : settings) values.push_back(value);
@@ -181,6 +184,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
   engine_options.bucket_mb = options.bucket_mb;
   engine_options.pp_microbatches = static_cast<int>(options.pp_microbatches);
   engine_options.overlap_grad_sync = options.overlap_grad_sync;
+  engine_options.attention = options.attention;
   TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
   if (env.world_size != options.mesh.world_size()) {
     return absl::InvalidArgumentError(
@@ -334,6 +338,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   TrainerServiceOptions service_options;
   service_options.max_message_bytes = options.max_message_bytes;
   service_options.max_batch_tokens = options.max_batch_tokens;
+  service_options.attention = options.attention;
   service_options.max_tokens_per_call = options.max_tokens_per_call;
   service_options.memory.per_tenant_bytes =
       static_cast<double>(options.max_memory_bytes_per_tenant);

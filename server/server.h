@@ -60,6 +60,7 @@ struct ServerOptions {
   // write theirs to "<port_file>.rank<R>".
   std::string port_file;
   int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
+  AttentionOptions attention;
   // Intra-op threads of each rank, LibTorch's and the BLAS's; 0:
   // OMP_NUM_THREADS, else the cores this process may run on divided by the
   // ranks on the host (DefaultComputeThreads).

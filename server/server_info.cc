@@ -53,7 +53,8 @@ void FillServerInfo(const Mesh& mesh, const v1::ServerInfo::Limits& limits,
   for (const std::string& loss : LossNames()) info->add_losses(loss);
   for (const char* feature :
        {"seq_id", "activation_checkpointing", "bf16_mixed_precision",
-        "export_weights", "list_models_pagination"}) {
+        "export_weights", "list_models_pagination", "lora",
+        "blocked_attention"}) {
     info->add_features(feature);
   }
   *info->mutable_limits() = limits;

@@ -272,8 +272,9 @@ absl::Status TrainerService::CheckCallFits(
   for (const v1::Sample& sample : request.samples()) {
     lengths.push_back(sample.input_tokens_size());
   }
-  return admission_.CheckCall(CallActivationBytes(
-      model.config, model.dtype, lengths, options_.max_batch_tokens));
+  return admission_.CheckCall(
+      CallActivationBytes(model.config, model.dtype, lengths,
+                          options_.max_batch_tokens, options_.attention));
 }
 
 absl::Status TrainerService::CheckTokensPerCall(

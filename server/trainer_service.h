@@ -81,6 +81,7 @@ struct TrainerServiceOptions {
   MemoryAdmissionOptions memory;
   // The engine's micro-batch size, which bounds a call's activations.
   int64_t max_batch_tokens = EngineOptions().max_batch_tokens;
+  AttentionOptions attention;  // the engine's: its activation bound
   // Tokens of one ForwardBackward (all samples); 0: no cap.
   int64_t max_tokens_per_call = 0;
 };

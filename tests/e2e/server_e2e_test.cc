@@ -1007,7 +1007,8 @@ TEST_F(ServerE2eTest, ServerInfoReportsTheServersFlagsAndCapabilities) {
   EXPECT_EQ(losses.front(), "cross_entropy");
   EXPECT_EQ(losses.back(), "dro");
   EXPECT_THAT(info.features(),
-              ::testing::IsSupersetOf({"seq_id", "activation_checkpointing"}));
+              ::testing::IsSupersetOf({"seq_id", "activation_checkpointing",
+                                       "lora", "blocked_attention"}));
   // What it says is what CreateModel takes: a bf16 model with
   // checkpointing of each listed family's shape.
   v1::CreateModelRequest bf16 = TinyModelRequest("bf16", 1);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "runtime/checkpoint.h"
 #include "runtime/engine.h"
 #include "runtime/memory_estimate.h"
 #include "runtime/safetensors.h"
@@ -169,6 +170,24 @@ TEST_F(LoraTest, BaseLivesWhileAnAdapterUsesIt) {
   EXPECT_NE(engine->GetModel("a")->base, key);
 }
 
+TEST_F(LoraTest, BasesAreSharedWithinATenantAndOneSpellingOfAPath) {
+  auto engine = Engine::CreateSingleRank({}).value();
+  ModelSpec full = TinySpec("full", DType::kFloat32, OptimizerKind::kAdamW);
+  ASSERT_TRUE(engine->CreateModel(full).ok());
+  ASSERT_TRUE(engine->ExportWeights("full", root_ + "/base").ok());
+  auto create = [&](const std::string& id, const std::string& path) {
+    ModelSpec spec = LoraSpec(id, DType::kFloat32, 2, 1);
+    spec.config = LlamaConfig();
+    spec.init_checkpoint = path;
+    EXPECT_TRUE(engine->CreateModel(spec).ok()) << id;
+    return engine->GetModel(id)->base;
+  };
+  const std::string a = create("t1/a", root_ + "/base");
+  EXPECT_EQ(create("t1/b", root_ + "//base/"), a);
+  EXPECT_NE(create("t2/c", root_ + "/base"), a);
+  EXPECT_NE(create("d", root_ + "/base"), a);
+}
+
 TEST_F(LoraTest, SummaryCountsTheAdapter) {
   auto engine = Engine::CreateSingleRank({}).value();
   ModelSpec spec = LoraSpec("a", DType::kFloat64, 4, 1);
@@ -227,10 +246,17 @@ TEST_F(LoraTest, PeftExportReimportsBitwise) {
   ModelSpec wrong = again;
   wrong.model_id = "wrong";
   wrong.lora.rank = 2;
-  const absl::Status refused = engine->CreateModel(wrong).status();
+  absl::Status refused = engine->CreateModel(wrong).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.message(), HasSubstr("lora.init_adapter"));
   EXPECT_FALSE(engine->GetModel("wrong").ok());
+  // A field of the wrong JSON type is a refusal too, not an exception.
+  std::ofstream(dir + "/adapter_config.json")
+      << R"({"peft_type": "LORA", "r": "4", "bias": null})";
+  wrong.lora.rank = 4;
+  refused = engine->CreateModel(wrong).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("wrong type"));
 }
 
 TEST_F(LoraTest, MergedExportIsTheBasePlusTheScaledProduct) {
@@ -319,6 +345,26 @@ TEST_F(LoraTest, CheckpointHoldsTheAdapterAndLoadsOnlyIntoAnAdapter) {
   refused = engine->CreateModel(from_adapter).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.message(), HasSubstr("holds a LoRA adapter"));
+  // Nor does a checkpoint that says it holds an adapter but carries base
+  // weights too.
+  ModelAdapters unshared;
+  unshared.lora = engine->model("a").value()->lora();
+  std::unique_ptr<CausalLm> whole =
+      CreateCausalLm(TinySpec("x", DType::kFloat64, OptimizerKind::kAdamW)
+                         .config.WithDefaults(),
+                     DType::kFloat64, 5, {}, unshared)
+          .value();
+  CheckpointManifest forged;
+  forged.lora = unshared.lora;
+  forged.trainable_only = true;
+  ASSERT_TRUE(
+      WriteCheckpoint(root_ + "/forged", *whole,
+                      Optimizer(OptimizerKind::kAdamW, &whole->parameters()),
+                      forged)
+          .ok());
+  refused = engine->LoadCheckpoint("a", root_ + "/forged", false).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  ExpectBitwiseEqual(Tensors(*engine->model("a").value(), false), base);
   // Nor does an adapter of another rank load, or an adapter into a full
   // model.
   ASSERT_TRUE(engine->CreateModel(LoraSpec("c", DType::kFloat64, 4, 5)).ok());

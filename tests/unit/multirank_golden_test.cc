@@ -25,6 +25,7 @@
 #include "runtime/engine.h"
 #include "runtime/grad_norm.h"
 #include "runtime/loss_spec.h"
+#include "tests/testing/golden.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
@@ -174,15 +175,6 @@ OptimStepArgs StepArgs(const Variant& v, int step) {
   return args;
 }
 
-// This rank's engine of a deployment laid out as `shape`.
-absl::StatusOr<std::unique_ptr<Engine>> RankEngine(
-    const MeshShape& shape, const RankEnv& env, const EngineOptions& options) {
-  TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
-  TALLY_ASSIGN_OR_RETURN(auto groups,
-                         ProcessGroups::Create(env, mesh, absl::Seconds(60)));
-  return Engine::Create(options, mesh, std::move(groups));
-}
-
 // This rank's engine on `shape` and a single-device reference, both with
 // micro-batches of at most 96 tokens (several per call).
 struct GoldenEngines {
@@ -195,7 +187,8 @@ absl::StatusOr<GoldenEngines> CreateGoldenEngines(const MeshShape& shape,
   EngineOptions options;
   options.max_batch_tokens = 96;
   GoldenEngines engines;
-  TALLY_ASSIGN_OR_RETURN(engines.mesh, RankEngine(shape, env, options));
+  TALLY_ASSIGN_OR_RETURN(engines.mesh,
+                         testing::CreateRankEngine(shape, env, options));
   TALLY_ASSIGN_OR_RETURN(engines.reference, Engine::CreateSingleRank(options));
   return engines;
 }
@@ -639,7 +632,8 @@ TEST_P(MultiRankNormTest, OneCollectiveEqualsTheStagedReduction) {
   const bool moe = GetParam().moe;
   testing::RunOnRanks(
       shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(shape, env, {}));
+        TALLY_ASSIGN_OR_RETURN(auto engine,
+                               testing::CreateRankEngine(shape, env, {}));
         const Mesh& mesh = engine->mesh();
         ModelSpec spec = Spec("n", DType::kFloat64, OptimizerKind::kAdamW, moe);
         TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
@@ -1019,7 +1013,8 @@ INSTANTIATE_TEST_SUITE_P(
 // comparison that the engine's own step passes must reject it.
 TEST(PipelineGoldenTest, ClippingPerStageFailsTheGoldenComparison) {
   testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
-    TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(PipelineShape(2), env, {}));
+    TALLY_ASSIGN_OR_RETURN(
+        auto engine, testing::CreateRankEngine(PipelineShape(2), env, {}));
     TALLY_ASSIGN_OR_RETURN(auto reference, Engine::CreateSingleRank({}));
     // SGD: an update proportional to the clipped gradient (AdamW would
     // largely cancel a per-stage scale).
@@ -1100,7 +1095,8 @@ TEST(PipelineCheckpointTest, SavedWithPp2LoadsWithPp1AndPp4) {
   };
   const std::vector<std::vector<Sample>> calls = Calls();
   testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
-    TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(PipelineShape(2), env, {}));
+    TALLY_ASSIGN_OR_RETURN(
+        auto engine, testing::CreateRankEngine(PipelineShape(2), env, {}));
     TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
     for (const auto& call : calls) {
       TALLY_RETURN_IF_ERROR(engine->ForwardBackward("c", {call}).status());
@@ -1109,7 +1105,8 @@ TEST(PipelineCheckpointTest, SavedWithPp2LoadsWithPp1AndPp4) {
     return engine->SaveCheckpoint("c", dir()).status();
   });
   testing::RunOnRanks(4, [&](const RankEnv& env) -> absl::Status {
-    TALLY_ASSIGN_OR_RETURN(auto engine, RankEngine(PipelineShape(4), env, {}));
+    TALLY_ASSIGN_OR_RETURN(
+        auto engine, testing::CreateRankEngine(PipelineShape(4), env, {}));
     TALLY_ASSIGN_OR_RETURN(auto reference, Engine::CreateSingleRank({}));
     ModelSpec too_deep = TinySpec("deep", DType::kFloat64, OptimizerKind::kSgd);
     absl::Status refused = engine->CreateModel(too_deep).status();
