@@ -12,4 +12,13 @@ AttentionLayout AttentionLayout::RightPadded(
   return layout;
 }
 
+torch::Tensor AttentionLayout::VisibleKeys(int64_t window, int64_t begin,
+                                           int64_t end) const {
+  const torch::Tensor distance =
+      positions.unsqueeze(2) - key_positions.slice(1, begin, end).unsqueeze(1);
+  torch::Tensor visible =
+      key_valid.slice(1, begin, end).unsqueeze(1) & (distance >= 0);
+  return window > 0 ? visible & (distance < window) : visible;
+}
+
 }  // namespace tally

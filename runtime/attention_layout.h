@@ -33,6 +33,11 @@ struct AttentionLayout {
   // and keys valid below each row's length.
   static AttentionLayout RightPadded(const std::vector<int64_t>& lengths,
                                      int64_t seq);
+
+  // [B, T, end - begin] bool: whether each query sees each of the keys
+  // [begin, end) (real, at or before it, and with `window` > 0 less than
+  // `window` positions before it, HF's sliding window).
+  torch::Tensor VisibleKeys(int64_t window, int64_t begin, int64_t end) const;
 };
 
 }  // namespace tally

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "runtime/causal_lm.h"
+
 namespace tally {
 namespace {
 
@@ -11,12 +13,6 @@ using torch::autograd::tensor_list;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// float32 for the reduced-precision dtypes, else `type` itself.
-torch::ScalarType AccumulationType(torch::ScalarType type) {
-  return type == torch::kBFloat16 || type == torch::kHalf ? torch::kFloat32
-                                                          : type;
-}
-
 // One block of keys [begin, end) and the layout's rule for it.
 struct KeyBlock {
   int64_t begin = 0;
@@ -24,17 +20,9 @@ struct KeyBlock {
 };
 
 // [B, 1, T, b]: true where a query must not see a key of the block.
-torch::Tensor BlockMask(const torch::Tensor& positions,
-                        const torch::Tensor& key_positions,
-                        const torch::Tensor& key_valid, int64_t window,
+torch::Tensor BlockMask(const AttentionLayout& layout, int64_t window,
                         KeyBlock block) {
-  const torch::Tensor distance =
-      positions.unsqueeze(2) -
-      key_positions.slice(1, block.begin, block.end).unsqueeze(1);
-  torch::Tensor visible =
-      key_valid.slice(1, block.begin, block.end).unsqueeze(1) & (distance >= 0);
-  if (window > 0) visible = visible & (distance < window);
-  return (~visible).unsqueeze(1);
+  return (~layout.VisibleKeys(window, block.begin, block.end)).unsqueeze(1);
 }
 
 // The block's scaled, masked scores [B, H, T, b] in the accumulation type.
@@ -42,7 +30,7 @@ torch::Tensor BlockScores(const torch::Tensor& q, const torch::Tensor& k,
                           const torch::Tensor& mask, KeyBlock block) {
   const double scale = std::sqrt(static_cast<double>(q.size(-1)));
   return (torch::matmul(q, k.slice(2, block.begin, block.end).transpose(-2, -1))
-              .to(AccumulationType(q.scalar_type())) /
+              .to(AtLeastFloat32(q.scalar_type())) /
           scale)
       .masked_fill(mask, -kInf);
 }
@@ -56,7 +44,8 @@ class BlockedAttentionFunction
                                const torch::Tensor& key_positions,
                                const torch::Tensor& key_valid, int64_t window,
                                int64_t block_keys) {
-    const torch::ScalarType acc = AccumulationType(q.scalar_type());
+    const AttentionLayout layout{positions, key_positions, key_valid};
+    const torch::ScalarType acc = AtLeastFloat32(q.scalar_type());
     const auto stats = q.options().dtype(acc);
     const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2);
     // The running maximum m, sum l and unnormalized output o per query.
@@ -65,9 +54,8 @@ class BlockedAttentionFunction
     torch::Tensor o = torch::zeros({batch, heads, seq, v.size(-1)}, stats);
     for (int64_t begin = 0; begin < k.size(2); begin += block_keys) {
       const KeyBlock block{begin, std::min(begin + block_keys, k.size(2))};
-      const torch::Tensor s = BlockScores(
-          q, k, BlockMask(positions, key_positions, key_valid, window, block),
-          block);
+      const torch::Tensor s =
+          BlockScores(q, k, BlockMask(layout, window, block), block);
       const torch::Tensor m_new = torch::maximum(m, s.amax(-1));
       // A query that has seen no key yet keeps m = -inf: shift by 0 then.
       const torch::Tensor shift =
@@ -102,9 +90,11 @@ class BlockedAttentionFunction
                         &out = saved[3], &lse = saved[4];
     const int64_t window = ctx->saved_data["window"].toInt();
     const int64_t block_keys = ctx->saved_data["block_keys"].toInt();
-    const torch::ScalarType acc = AccumulationType(q.scalar_type());
+    const torch::ScalarType acc = AtLeastFloat32(q.scalar_type());
     const double scale = std::sqrt(static_cast<double>(q.size(-1)));
-    const torch::Tensor d_out = grads[0].to(q.scalar_type());
+    const AttentionLayout layout{saved[5], saved[6], saved[7]};
+    // Contiguous once, not copied by every block's matmul.
+    const torch::Tensor d_out = grads[0].to(q.scalar_type()).contiguous();
     // D_i = sum_j P_ij dP_ij = dO_i . O_i.
     const torch::Tensor delta = (d_out.to(acc) * out.to(acc)).sum(-1);
     torch::Tensor d_q = torch::zeros(q.sizes(), q.options().dtype(acc));
@@ -114,9 +104,7 @@ class BlockedAttentionFunction
       const torch::Tensor k_block = k.slice(2, block.begin, block.end);
       const torch::Tensor v_block = v.slice(2, block.begin, block.end);
       const torch::Tensor p = torch::exp(
-          BlockScores(q, k,
-                      BlockMask(saved[5], saved[6], saved[7], window, block),
-                      block) -
+          BlockScores(q, k, BlockMask(layout, window, block), block) -
           lse.unsqueeze(-1));
       d_v.push_back(
           torch::matmul(p.to(v.scalar_type()).transpose(-2, -1), d_out));
@@ -140,9 +128,11 @@ torch::Tensor BlockedAttention(const torch::Tensor& q, const torch::Tensor& k,
                                const AttentionLayout& layout, int64_t window,
                                int64_t block_keys) {
   TORCH_CHECK(block_keys >= 1, "block_keys must be >= 1");
-  return BlockedAttentionFunction::apply(q, k, v, layout.positions,
-                                         layout.key_positions, layout.key_valid,
-                                         window, block_keys);
+  // Contiguous once (q, k, v arrive as transposed views), not copied by
+  // every block's matmul.
+  return BlockedAttentionFunction::apply(
+      q.contiguous(), k.contiguous(), v.contiguous(), layout.positions,
+      layout.key_positions, layout.key_valid, window, block_keys);
 }
 
 }  // namespace tally

@@ -20,6 +20,11 @@ torch::ScalarType ComputeScalarType(DType dtype) {
   return dtype == DType::kBFloat16 ? torch::kBFloat16 : ToScalarType(dtype);
 }
 
+torch::ScalarType AtLeastFloat32(torch::ScalarType type) {
+  return type == torch::kBFloat16 || type == torch::kHalf ? torch::kFloat32
+                                                          : type;
+}
+
 Parameter* CausalLm::Find(const std::string& name) {
   return const_cast<Parameter*>(std::as_const(*this).Find(name));
 }

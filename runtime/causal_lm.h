@@ -38,6 +38,9 @@ torch::ScalarType ToScalarType(DType dtype);
 // ... and of its matmuls and activations: bfloat16 for a mixed-precision
 // model, else the same.
 torch::ScalarType ComputeScalarType(DType dtype);
+// float32 for the reduced-precision types, else `type` itself: where
+// softmaxes, norms and log-probabilities are computed.
+torch::ScalarType AtLeastFloat32(torch::ScalarType type);
 
 // A term a model adds to each token's training loss, weighted by
 // `coefficient` (MoE load balancing). Its statistics travel with the hidden

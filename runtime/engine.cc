@@ -980,7 +980,7 @@ absl::Status Engine::GatherOnWriter(
   std::vector<torch::Tensor> stage_tensors;
   for (const Parameter& p : model.parameters()) {
     if (model.OwningStage(p.name, stages) != stage) continue;
-    if (trainable_only && !p.trainable) continue;
+    if (trainable_only && !p.trainable && !IsLoraParameter(p.name)) continue;
     TALLY_ASSIGN_OR_RETURN(torch::Tensor full, model.GatherFull(p, p.tensor));
     stage_tensors.push_back(std::move(full));
     if (!p.trainable) continue;
@@ -1007,7 +1007,9 @@ absl::Status Engine::GatherOnWriter(
   for (int s = 0; s < stages; ++s) {
     for (Parameter& p : full_model->parameters()) {
       if (full_model->OwningStage(p.name, stages) != s) continue;
-      if (trainable_only && !p.trainable) continue;
+      if (trainable_only && !p.trainable && !IsLoraParameter(p.name)) {
+        continue;
+      }
       const size_t states = p.trainable ? state_suffixes.size() : 0;
       for (size_t k = 0; k <= states; ++k) {
         torch::Tensor full;

@@ -232,8 +232,9 @@ class Engine {
       const std::vector<Parameter>& params) const;
   // Consolidates a sharded or staged model onto rank 0 (nullptrs elsewhere),
   // with its optimizer state or (for a weights-only export) an optimizer
-  // without state; with `trainable_only` the frozen parameters are neither
-  // sent nor filled in (what is written leaves them out).
+  // without state; with `trainable_only` the frozen parameters (but LoRA
+  // factors) are neither sent nor filled in (what is written leaves them
+  // out).
   absl::Status GatherOnWriter(ModelState& state, bool with_optimizer_state,
                               bool trainable_only,
                               std::unique_ptr<CausalLm>& full_model,

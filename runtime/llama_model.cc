@@ -80,12 +80,6 @@ ShardingPlan LlamaShardingPlan(const LlamaConfig& config) {
 
 namespace {
 
-// float32 for the reduced-precision dtypes, else `type` itself.
-torch::ScalarType AtLeastFloat32(torch::ScalarType type) {
-  return type == torch::kBFloat16 || type == torch::kHalf ? torch::kFloat32
-                                                          : type;
-}
-
 // HF names of a layer's parameters under "model.layers.<i>.", by
 // LlamaModel::Slot.
 constexpr const char* kLayerSlotNames[] = {
@@ -525,22 +519,19 @@ torch::Tensor LlamaModel::TargetLogprobsFromHidden(const torch::Tensor& x,
 
 std::map<int64_t, torch::Tensor> LlamaModel::AttentionMasks(
     const AttentionLayout& layout) const {
-  // visible[b, i, j]: key j is a real token at or before query i.
-  const torch::Tensor distance =
-      layout.positions.unsqueeze(2) - layout.key_positions.unsqueeze(1);
-  const torch::Tensor visible = layout.key_valid.unsqueeze(1) & (distance >= 0);
+  const int64_t keys = layout.key_positions.size(1);
   std::map<int64_t, torch::Tensor> masks;
   for (int64_t layer = first_layer_;
        layer < first_layer_ + static_cast<int64_t>(layers_.size()); ++layer) {
     const int64_t window = family_.AttentionWindow(config_, layer);
     if (masks.count(window) > 0) continue;
-    // HF's sliding window: query i sees key j when i - j < window. A real
-    // query always sees itself; a padding query that would see nothing
-    // keeps its causal keys, so its (masked) output stays finite.
-    torch::Tensor seen = visible;
+    // A real query always sees itself; a padding query that would see
+    // nothing within the window keeps its causal keys, so its (masked)
+    // output stays finite.
+    torch::Tensor seen = layout.VisibleKeys(window, 0, keys);
     if (window > 0) {
-      seen = visible & (distance < window);
-      seen = seen | (visible & ~seen.any(-1, /*keepdim=*/true));
+      const torch::Tensor causal = layout.VisibleKeys(0, 0, keys);
+      seen = seen | (causal & ~seen.any(-1, /*keepdim=*/true));
     }
     masks[window] = (~seen).unsqueeze(1);  // [B, 1, T, K]: masked out
   }

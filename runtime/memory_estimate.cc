@@ -19,6 +19,25 @@ double ShardedStateBytes(double params, double copies, int dp_shard) {
   return copies * params / shards + (shards > 1 ? params : 0);
 }
 
+// The most score columns a micro-batch's attention holds per query when its
+// samples are at most `longest` tokens: each micro-batch decides by its own
+// length, so under kAuto a shorter one may still be materialized.
+double ScoreColumns(const AttentionOptions& attention, double longest) {
+  const double block =
+      std::min(longest, static_cast<double>(attention.block_keys));
+  switch (attention.mode) {
+    case AttentionMode::kMaterialized:
+      return longest;
+    case AttentionMode::kBlocked:
+      return block;
+    default:
+      return longest <= AttentionOptions::kAutoFromKeys
+                 ? longest
+                 : std::max(block, static_cast<double>(
+                                       AttentionOptions::kAutoFromKeys));
+  }
+}
+
 // Parameters, gradients and AdamW's two moments, or SGD's none.
 double StateCopies(OptimizerKind optimizer) {
   return optimizer == OptimizerKind::kAdamW ? 4 : 2;
@@ -79,10 +98,7 @@ double CallActivationBytes(const LlamaConfig& config, DType dtype,
   const double per_token_layer =
       kHiddenActivationsPerToken * config.hidden_size +
       kMlpActivationsPerToken * routed * config.intermediate_size +
-      2.0 * config.num_attention_heads *
-          (attention.Blocked(static_cast<int64_t>(longest))
-               ? std::min(longest, static_cast<double>(attention.block_keys))
-               : longest);
+      2.0 * config.num_attention_heads * ScoreColumns(attention, longest);
   const double per_token =
       config.num_hidden_layers * per_token_layer + 2.0 * config.vocab_size;
   return tokens * per_token * DTypeBytes(dtype);

@@ -51,8 +51,10 @@ double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard);
 // bytes: its largest micro-batch (PlanBatches packs at most
 // max_batch_tokens padded tokens, or one longer sample) times the layers,
 // plus each layer's attention scores and probabilities (heads x T^2 per
-// row; heads x T x block_keys when `attention` goes by blocks at that
-// length) and the logits with their log-softmax (2 x vocab per token).
+// row; under blocked attention heads x T x block_keys, and under kAuto
+// heads x T x max(block_keys, the automatic threshold) past that threshold,
+// since a shorter micro-batch of the call may still be materialized) and
+// the logits with their log-softmax (2 x vocab per token).
 double CallActivationBytes(const LlamaConfig& config, DType dtype,
                            const std::vector<int64_t>& sample_lengths,
                            int64_t max_batch_tokens,

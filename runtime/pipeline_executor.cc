@@ -64,7 +64,7 @@ class StageRun {
       }
       // A first stage with nothing to train (a LoRA adapter of the head
       // only) has an output without a gradient to propagate.
-      if (outputs_[b].requires_grad()) {
+      if (!first_ || outputs_[b].requires_grad()) {
         outputs_[b].backward(output_grads_[b]);
       }
     }

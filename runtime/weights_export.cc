@@ -196,12 +196,11 @@ absl::StatusOr<std::vector<DirectoryFile>> PeftFiles(
     const CausalLm& model, torch::ScalarType stored,
     const std::string& source_dir, std::string& config,
     SerializedSafetensors& weights_file) {
-  TALLY_ASSIGN_OR_RETURN(const NamedTensors weights,
-                         HfWeights(model, stored, /*trainable_only=*/true));
   NamedTensors factors;
-  for (const auto& [name, t] : weights) {
-    if (IsLoraParameter(name)) {
-      factors.emplace_back(absl::StrCat(kPeftKeyPrefix, name), t);
+  for (const Parameter& p : model.parameters()) {
+    if (IsLoraParameter(p.name)) {
+      factors.emplace_back(absl::StrCat(kPeftKeyPrefix, p.name),
+                           p.tensor.detach().to(stored));
     }
   }
   TALLY_ASSIGN_OR_RETURN(weights_file,

@@ -306,6 +306,55 @@ TEST_F(LoraTest, MergedExportIsTheBasePlusTheScaledProduct) {
       absl::StatusCode::kInvalidArgument);
 }
 
+// Every family the projection seam serves: a fresh adapter (B = 0)
+// computes its base exactly, and a trained one computes what its merged
+// export, a plain model of the family, computes: q/k/v biases (qwen2), q/k
+// norms and an explicit head_dim (qwen3), sliding windows (mistral, qwen2),
+// a tied head.
+class LoraFamilyTest : public LoraTest,
+                       public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(LoraFamilyTest, AdapterIsItsBaseThenItsMergedModel) {
+  auto engine = Engine::CreateSingleRank({}).value();
+  ModelSpec full = TinySpec("full", DType::kFloat64, OptimizerKind::kAdamW);
+  full.config.model_type = GetParam();
+  full.config.tie_word_embeddings = full.config.model_type == "qwen2";
+  full.config.sliding_window = full.config.model_type == "llama" ? 0 : 3;
+  if (full.config.model_type == "qwen3") {
+    full.config.head_dim = 12;
+    full.config.attention_bias = true;
+  }
+  ASSERT_TRUE(engine->CreateModel(full).ok());
+  ModelSpec spec = full;
+  spec.model_id = "a";
+  spec.lora.rank = 3;
+  spec.lora.alpha = 6;
+  ASSERT_TRUE(engine->CreateModel(spec).ok());
+  ForwardBackwardArgs probe{MakeSamples(kVocab, {7, 5}, 5)};
+  probe.forward_only = true;
+  EXPECT_EQ(engine->ForwardBackward("a", probe)->loss_sum,
+            engine->ForwardBackward("full", probe)->loss_sum);
+
+  Window(*engine, "a", 1);
+  Window(*engine, "a", 2);
+  ExportOptions merge;
+  merge.merge = true;
+  ASSERT_TRUE(engine->ExportWeights("a", root_ + "/merged", merge).ok());
+  ModelSpec merged = TinySpec("merged", DType::kFloat64, OptimizerKind::kAdamW);
+  merged.config = LlamaConfig();
+  merged.init_checkpoint = root_ + "/merged";
+  ASSERT_TRUE(engine->CreateModel(merged).ok());
+  const double adapted = engine->ForwardBackward("a", probe)->loss_sum;
+  EXPECT_NE(adapted, engine->ForwardBackward("full", probe)->loss_sum);
+  EXPECT_LT(testing::RelativeDiff(
+                engine->ForwardBackward("merged", probe)->loss_sum, adapted),
+            1e-12);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, LoraFamilyTest,
+                         ::testing::Values("llama", "qwen2", "qwen3",
+                                           "mistral"));
+
 TEST_F(LoraTest, CheckpointHoldsTheAdapterAndLoadsOnlyIntoAnAdapter) {
   auto engine = Engine::CreateSingleRank({}).value();
   ASSERT_TRUE(engine->CreateModel(LoraSpec("a", DType::kFloat64, 2, 1)).ok());
