@@ -36,25 +36,26 @@ const Parameter* CausalLm::Find(const std::string& name) const {
   return nullptr;
 }
 
-void CausalLm::FreezeBase() {
+int CausalLm::FreezeWhere(
+    const std::function<bool(const std::string& name)>& frozen) {
+  int count = 0;
   for (Parameter& p : parameters_) {
-    if (IsLoraParameter(p.name)) continue;
+    if (!frozen(p.name)) continue;
     p.trainable = false;
     p.tensor.set_requires_grad(false);
     p.tensor.mutable_grad() = torch::Tensor();
+    ++count;
   }
+  return count;
+}
+
+void CausalLm::FreezeBase() {
+  FreezeWhere([](const std::string& name) { return !IsLoraParameter(name); });
 }
 
 int CausalLm::Freeze(const std::string& pattern) {
-  int frozen = 0;
-  for (Parameter& p : parameters_) {
-    if (!NameMatches(pattern, p.name)) continue;
-    p.trainable = false;
-    p.tensor.set_requires_grad(false);
-    p.tensor.mutable_grad() = torch::Tensor();
-    ++frozen;
-  }
-  return frozen;
+  return FreezeWhere(
+      [&](const std::string& name) { return NameMatches(pattern, name); });
 }
 
 absl::Status CausalLm::set_recompute_layers(bool recompute) {

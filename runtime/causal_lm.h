@@ -18,6 +18,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -211,6 +212,9 @@ class CausalLm {
   ModelAdapters adapters_;
 
  private:
+  // Freezes the parameters whose name `frozen` holds for; returns how many.
+  int FreezeWhere(const std::function<bool(const std::string& name)>& frozen);
+
   bool recompute_layers_ = false;
   AttentionOptions attention_;
 };

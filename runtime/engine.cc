@@ -406,9 +406,7 @@ absl::StatusOr<std::optional<CheckpointContents>> Engine::ReadInitCheckpoint(
     ModelSpec& spec, const std::string& base_key) const {
   if (spec.init_checkpoint.empty()) return std::nullopt;
   // A LoRA base already in memory is not read again.
-  auto known = bases_.find(base_key);
-  const std::shared_ptr<const CausalLm> base =
-      known == bases_.end() ? nullptr : known->second.lock();
+  const std::shared_ptr<const CausalLm> base = SharedBase(base_key);
   std::optional<CheckpointContents> init;
   if (base == nullptr) {
     TALLY_ASSIGN_OR_RETURN(init, ReadCheckpoint(spec.init_checkpoint,
@@ -471,8 +469,7 @@ absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
   }
   ModelAdapters adapters;
   adapters.lora = spec.lora;
-  auto known = bases_.find(base_key);
-  if (known != bases_.end()) adapters.base = known->second.lock();
+  adapters.base = SharedBase(base_key);
   if (adapters.base == nullptr) {
     ModelSpec base_spec = spec;
     base_spec.lora = LoraConfig();
@@ -501,9 +498,14 @@ absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
   return model;
 }
 
-bool Engine::HasBase(const std::string& base_key) const {
+std::shared_ptr<const CausalLm> Engine::SharedBase(
+    const std::string& base_key) const {
   auto it = bases_.find(base_key);
-  return it != bases_.end() && !it->second.expired();
+  return it == bases_.end() ? nullptr : it->second.lock();
+}
+
+bool Engine::HasBase(const std::string& base_key) const {
+  return SharedBase(base_key) != nullptr;
 }
 
 absl::StatusOr<ModelSummary> Engine::GetModel(

@@ -265,6 +265,8 @@ class Engine {
   EngineGroups groups_;
   Communicator* control_ = nullptr;
   std::map<std::string, std::unique_ptr<ModelState>> models_;
+  // The LoRA base of `base_key` while a model shares it, else nullptr.
+  std::shared_ptr<const CausalLm> SharedBase(const std::string& base_key) const;
   // LoRA bases by BaseKey, alive while a model shares them.
   std::map<std::string, std::weak_ptr<const CausalLm>> bases_;
   int64_t next_auto_id_ = 1;

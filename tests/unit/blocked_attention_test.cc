@@ -136,6 +136,14 @@ INSTANTIATE_TEST_SUITE_P(Layouts, BlockedAttentionTest,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+// A single-rank engine computing attention by `mode`, in blocks of 3 keys.
+std::unique_ptr<Engine> EngineWith(AttentionMode mode) {
+  EngineOptions options;
+  options.attention.mode = mode;
+  options.attention.block_keys = 3;
+  return Engine::CreateSingleRank(options).value();
+}
+
 // Two engines, one per attention path, train the same model for two
 // windows: losses, norms and parameters agree at the fp64 golden tolerance.
 void ExpectSameTraining(ModelSpec spec, bool recompute) {
@@ -144,10 +152,7 @@ void ExpectSameTraining(ModelSpec spec, bool recompute) {
   std::vector<std::vector<torch::Tensor>> parameters;
   for (AttentionMode mode :
        {AttentionMode::kMaterialized, AttentionMode::kBlocked}) {
-    EngineOptions options;
-    options.attention.mode = mode;
-    options.attention.block_keys = 3;
-    auto engine = Engine::CreateSingleRank(options).value();
+    std::unique_ptr<Engine> engine = EngineWith(mode);
     ASSERT_TRUE(engine->CreateModel(spec).ok());
     std::vector<double>& run = runs.emplace_back();
     for (uint64_t window = 0; window < 2; ++window) {
@@ -191,10 +196,7 @@ TEST(BlockedAttentionModelTest, MixedPrecisionStaysCloseToTheMaterializedPath) {
   std::vector<double> norms;
   for (AttentionMode mode :
        {AttentionMode::kMaterialized, AttentionMode::kBlocked}) {
-    EngineOptions options;
-    options.attention.mode = mode;
-    options.attention.block_keys = 3;
-    auto engine = Engine::CreateSingleRank(options).value();
+    std::unique_ptr<Engine> engine = EngineWith(mode);
     ASSERT_TRUE(engine->CreateModel(spec).ok());
     calls.push_back(
         engine->ForwardBackward("m", {MakeSamples(48, {9, 4, 6}, 31)}).value());
