@@ -86,6 +86,10 @@ void ZeroGradients(std::vector<Parameter>& parameters) {
   torch::NoGradGuard no_grad;
   for (Parameter& p : parameters) {
     if (p.tensor.grad().defined()) p.tensor.mutable_grad().zero_();
+    // ZeRO-1's whole gradient, not yet reduced into the shard's.
+    if (p.gathered != nullptr && p.gathered->grad.defined()) {
+      p.gathered->grad.zero_();
+    }
   }
 }
 

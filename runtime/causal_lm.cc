@@ -44,6 +44,8 @@ int CausalLm::FreezeWhere(
     p.trainable = false;
     p.tensor.set_requires_grad(false);
     p.tensor.mutable_grad() = torch::Tensor();
+    // ZeRO-1's whole gradient goes too; the gathered copy stays.
+    if (p.gathered != nullptr) p.gathered->grad = torch::Tensor();
     ++count;
   }
   return count;

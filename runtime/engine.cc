@@ -21,6 +21,7 @@
 #include "runtime/pipeline.h"
 #include "runtime/pipeline_executor.h"
 #include "runtime/token_loss.h"
+#include "runtime/zero.h"
 
 namespace tally {
 namespace {
@@ -446,6 +447,7 @@ absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
   ModelSharding sharding;
   sharding.tp = groups_.tp;
   sharding.dp_shard = groups_.dp_shard;
+  sharding.zero_stage = options_.zero_stage;
   sharding.cp = groups_.cp;
   sharding.ep = groups_.ep;
   sharding.pp_stage = groups_.pp->rank();
@@ -465,6 +467,7 @@ absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
         std::unique_ptr<CausalLm> model,
         CreateCausalLm(spec.config, spec.dtype, spec.seed, sharding));
     if (init) TALLY_RETURN_IF_ERROR(load(*init, *model));
+    TALLY_RETURN_IF_ERROR(RefreshGathered(*model, /*all=*/true));
     return model;
   }
   ModelAdapters adapters;
@@ -495,6 +498,7 @@ absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
                                                       ": ", loaded.message()));
     }
   }
+  TALLY_RETURN_IF_ERROR(RefreshGathered(*model, /*all=*/true));
   return model;
 }
 
@@ -587,8 +591,10 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     }
     std::vector<GradientSet> replica_sets =
         ReplicaGradientSets(model.parameters());
-    // Nothing to overlap when only a tied embedding needs its stages' sum.
-    if (options_.overlap_grad_sync && !replica_sets.empty()) {
+    // Nothing to overlap when only a tied embedding needs its stages' sum,
+    // nor under ZeRO-1, whose shards get their gradients after backward.
+    if (options_.overlap_grad_sync && !replica_sets.empty() &&
+        !KeepsWholeGradients(model.parameters())) {
       TALLY_ASSIGN_OR_RETURN(
           overlapped, OverlappedGradientSum::Create(std::move(replica_sets),
                                                     options_.bucket_mb << 20));
@@ -655,7 +661,8 @@ absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
 }
 
 bool Engine::NeedsGradientSync(CausalLm& model) const {
-  return groups_.replicas->size() > 1 ||
+  return KeepsWholeGradients(model.parameters()) ||
+         groups_.replicas->size() > 1 ||
          (model.routed_experts() > 0 && groups_.expert_replicas->size() > 1) ||
          model.SplitTiedEmbedding() != nullptr;
 }
@@ -679,6 +686,12 @@ std::vector<GradientSet> Engine::ReplicaGradientSets(
 
 absl::Status Engine::SyncGradients(CausalLm& model,
                                    OverlappedGradientSum* overlapped) {
+  // ZeRO-1: the window's (or call's) whole gradients into the shards first,
+  // so that the replicas sum shards as under every other stage.
+  if (KeepsWholeGradients(model.parameters())) {
+    TALLY_RETURN_IF_ERROR(
+        ReduceWholeGradients(model.parameters(), *groups_.dp_shard));
+  }
   // Each replica set in flat buckets. Copies of a Parameter share its
   // tensor, so the sums land in the model.
   if (overlapped != nullptr) {
@@ -719,6 +732,12 @@ absl::Status Engine::SyncCallGradients(CausalLm& model,
       grad = grad.defined() ? grad.add_(earlier[i]) : earlier[i];
     }
   });
+}
+
+absl::Status Engine::RefreshGathered(CausalLm& model, bool all) {
+  return RefreshGatheredCopies(
+      model.parameters(), model.compute_type(), *groups_.dp_shard,
+      /*trainable_only=*/!all || model.lora().enabled());
 }
 
 void Engine::ClearWindow(ModelState& state) {
@@ -822,7 +841,10 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   result.metrics["window_calls"] =
       static_cast<double>(state->window.counts().calls);
   // This rank's share of the training state (1/S of it under dp_shard = S).
-  double param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  // Under ZeRO-1/2 also the gathered copies (and ZeRO-1's whole gradients).
+  const GatheredBytes gathered = GatheredStateBytes(params);
+  double param_bytes = gathered.parameters, grad_bytes = gathered.gradients;
+  double optimizer_bytes = 0;
   for (const Parameter& p : params) {
     param_bytes += p.tensor.nbytes();
     if (p.tensor.grad().defined()) grad_bytes += p.tensor.grad().nbytes();
@@ -851,6 +873,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   }
   absl::Status stepped =
       AgreeAcrossRanks(state->optimizer->Step(hp, clip.grad_scale));
+  if (stepped.ok()) stepped = RefreshGathered(*state->model, /*all=*/false);
   ClearWindow(*state);
   if (!stepped.ok()) {
     // Some parameters (on some rank) may have taken the update already.
@@ -1076,6 +1099,7 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(staged));
   // Phase 2: apply.
   absl::Status loaded = LoadWeightsInto(contents, *state->model);
+  if (loaded.ok()) loaded = RefreshGathered(*state->model, /*all=*/true);
   if (!loaded.ok()) {
     // A copy failed midway: weights are mixed, whatever the window says.
     state->damage = absl::StrCat(

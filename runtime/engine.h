@@ -81,6 +81,10 @@ struct EngineOptions {
   bool overlap_grad_sync = true;
   // How every model computes attention (CausalLm::set_attention).
   AttentionOptions attention;
+  // What dp_shard shards (runtime/zero.h): stage 3 (FSDP) gathers the
+  // parameters for every pass; stages 1 and 2 keep them gathered between
+  // steps. Checkpoints do not depend on it; every rank needs the same value.
+  ZeroStage zero_stage = ZeroStage::kParameters;
 };
 
 // A failed ForwardBackward or OptimStep that poisoned its model's window
@@ -152,6 +156,11 @@ class Engine {
   // EngineOptions::overlap_grad_sync from the next call on. Results do not
   // depend on it, so benchmarks may alternate it between calls.
   void set_overlap_grad_sync(bool on) { options_.overlap_grad_sync = on; }
+  // EngineOptions::zero_stage of the models created from now on (a model
+  // keeps the stage it was built with), so tests and benchmarks compare
+  // stages in one set of rank processes; every rank must do the same.
+  void set_zero_stage(ZeroStage stage) { options_.zero_stage = stage; }
+  ZeroStage zero_stage() const { return options_.zero_stage; }
   const Mesh& mesh() const { return mesh_; }
   Communicator& world() { return *groups_.world; }
   // Reserved for replicating commands from rank 0 (never used by training
@@ -213,17 +222,18 @@ class Engine {
   absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
       ModelState& state, const ForwardBackwardArgs& args,
       const TokenLoss& loss);
-  // Whether gradients must be summed across ranks before a step: over
-  // groups_.replicas (expert ones over groups_.expert_replicas), and between
-  // the tied embedding's copies on the first and last pipeline stage.
+  // Whether gradients must be summed across ranks before a step: ZeRO-1's
+  // whole gradients over dp_shard, then over groups_.replicas (expert ones
+  // over groups_.expert_replicas), and between the tied embedding's copies
+  // on the first and last pipeline stage.
   bool NeedsGradientSync(CausalLm& model) const;
   // Sums this call's gradients (SyncGradients), leaving earlier calls'
   // (already summed) untouched.
   absl::Status SyncCallGradients(CausalLm& model,
                                  std::vector<torch::Tensor> earlier,
                                  OverlappedGradientSum* overlapped);
-  // The replica sums (through `overlapped`, which started during backward,
-  // when set), then the tied embedding's.
+  // ZeRO-1's dp_shard reduction, the replica sums (through `overlapped`,
+  // which started during backward, when set), then the tied embedding's.
   absl::Status SyncGradients(CausalLm& model,
                              OverlappedGradientSum* overlapped = nullptr);
   // Dense gradients over the replicas, expert ones over the expert replicas;
@@ -251,6 +261,11 @@ class Engine {
   // applies what another refused.
   absl::Status AgreeAcrossRanks(absl::Status local);
   static void ClearWindow(ModelState& state);
+  // ZeRO-1/2: re-gathers the kept copies of what changed in `model`'s
+  // shards (its trainable parameters, or with `all` every parameter but a
+  // shared LoRA base's). A failure leaves stale copies: the caller marks
+  // the model damaged.
+  absl::Status RefreshGathered(CausalLm& model, bool all);
   // FAILED_PRECONDITION naming the damage when the parameters may be partly
   // updated.
   static absl::Status CheckIntact(const ModelState& state);

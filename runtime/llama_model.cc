@@ -15,6 +15,7 @@
 #include "runtime/pipeline.h"
 #include "runtime/recompute.h"
 #include "runtime/rope.h"
+#include "runtime/zero.h"
 
 namespace tally {
 
@@ -365,6 +366,8 @@ absl::StatusOr<NamedTensors> LlamaModel::FromHfTensors(
 torch::Tensor LlamaModel::Weight(int index) {
   if (index < 0) return torch::Tensor();
   const Parameter& p = parameters_[index];
+  // ZeRO stages 1 and 2: kept gathered between steps.
+  if (p.gathered != nullptr) return GatheredWeight(p, *sharding_.dp_shard);
   // Mixed precision: the float32 master's bfloat16 copy, made before a
   // dp_shard gather (which then moves half the bytes); the cast's backward
   // hands the gradient back to the master in float32.

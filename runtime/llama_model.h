@@ -126,7 +126,8 @@ class LlamaModel : public CausalLm {
                        const std::vector<int>& spec_indices);
 
   // The tp-local weight: the parameter itself, or its dp_shard shards
-  // gathered (differentiably: the backward reduce-scatters). An undefined
+  // gathered (differentiably: the backward reduce-scatters), or under ZeRO
+  // stages 1 and 2 its kept gathered copy (runtime/zero.h). An undefined
   // tensor for index -1.
   torch::Tensor Weight(int index);
   // The projection seam: every x W^T (+ b) of a block and the unembedding

@@ -13,10 +13,15 @@ double DTypeBytes(DType dtype) {
 }
 
 // `copies` dp_shard-sharded copies of `params` bytes, and the full
-// parameters gathered for a forward.
-double ShardedStateBytes(double params, double copies, int dp_shard) {
+// parameters gathered (for a pass at ZeRO stage 3, between steps at 1 and
+// 2), and ZeRO-1's whole gradients.
+double ShardedStateBytes(double params, double copies, int dp_shard,
+                         ZeroStage zero) {
   const double shards = std::max(dp_shard, 1);
-  return copies * params / shards + (shards > 1 ? params : 0);
+  if (shards == 1) return copies * params;
+  const double whole_gradients =
+      zero == ZeroStage::kOptimizerState ? params : 0;
+  return copies * params / shards + params + whole_gradients;
 }
 
 // The most score columns a micro-batch's attention holds per query when its
@@ -62,21 +67,23 @@ double ParameterCount(const LlamaConfig& config) {
 }
 
 double ModelResidentBytes(const LlamaConfig& config, DType dtype,
-                          OptimizerKind optimizer, int dp_shard) {
+                          OptimizerKind optimizer, int dp_shard,
+                          ZeroStage zero) {
   return ShardedStateBytes(ParameterCount(config) * DTypeBytes(dtype),
-                           StateCopies(optimizer), dp_shard);
+                           StateCopies(optimizer), dp_shard, zero);
 }
 
 double AdapterResidentBytes(const LlamaConfig& config, const LoraConfig& lora,
-                            DType dtype, OptimizerKind optimizer,
-                            int dp_shard) {
+                            DType dtype, OptimizerKind optimizer, int dp_shard,
+                            ZeroStage zero) {
   return ShardedStateBytes(LoraParameterCount(config, lora) * DTypeBytes(dtype),
-                           StateCopies(optimizer), dp_shard);
+                           StateCopies(optimizer), dp_shard, zero);
 }
 
 double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard) {
+  // Frozen: no gradient, whole or sharded.
   return ShardedStateBytes(ParameterCount(config) * DTypeBytes(dtype),
-                           /*copies=*/1, dp_shard);
+                           /*copies=*/1, dp_shard, ZeroStage::kParameters);
 }
 
 double CallActivationBytes(const LlamaConfig& config, DType dtype,

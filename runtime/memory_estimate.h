@@ -3,11 +3,11 @@
 // "Memory admission").
 //
 // Both are upper bounds per rank, kept simple on purpose: a model's resident
-// state counts ZeRO-3's dp_shard split and nothing else (tp, pp and ep would
+// state counts the dp_shard split and nothing else (tp, pp and ep would
 // divide it further), plus one full gathered copy of the parameters when
-// dp_shard > 1; a call's activations count its largest micro-batch as if one
-// rank ran it whole. Arithmetic is in double, so a hostile config cannot wrap
-// an integer around to a small number.
+// dp_shard > 1 (and ZeRO-1's whole gradients); a call's activations count its
+// largest micro-batch as if one rank ran it whole. Arithmetic is in double, so
+// a hostile config cannot wrap an integer around to a small number.
 //
 //   const double resident = tally::ModelResidentBytes(config, dtype, kind,
 //                                                     mesh.dp_shard);
@@ -38,13 +38,15 @@ double ParameterCount(const LlamaConfig& config);
 // Parameters, gradients and optimizer state (AdamW: two moments; SGD: none)
 // of one rank, in bytes; `config` with defaults applied.
 double ModelResidentBytes(const LlamaConfig& config, DType dtype,
-                          OptimizerKind optimizer, int dp_shard);
+                          OptimizerKind optimizer, int dp_shard,
+                          ZeroStage zero = ZeroStage::kParameters);
 // The same for a LoRA model's own state: the adapter's parameters,
 // gradients and optimizer state. Its base is counted apart, once for all
 // the adapters sharing it: parameters only (frozen), with the gathered copy
 // under dp_shard.
 double AdapterResidentBytes(const LlamaConfig& config, const LoraConfig& lora,
-                            DType dtype, OptimizerKind optimizer, int dp_shard);
+                            DType dtype, OptimizerKind optimizer, int dp_shard,
+                            ZeroStage zero = ZeroStage::kParameters);
 double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard);
 
 // The activations one ForwardBackward keeps for backward at its peak, in

@@ -21,7 +21,6 @@ using torch::autograd::variable_list;
 // the Communicator travels as its address in an int64; that is safe because the
 // communicator outlives every graph (see the header's contract).
 constexpr char kGroupKey[] = "group";
-constexpr char kFullDim0Key[] = "full_dim0";
 
 void SaveGroup(AutogradContext* ctx, Communicator* group) {
   ctx->saved_data[kGroupKey] =
@@ -57,13 +56,29 @@ void CheckFloating(const torch::Tensor& t, const char* name) {
               " must be a floating-point tensor");
 }
 
+}  // namespace
+
+absl::StatusOr<torch::Tensor> ReduceScatterShards(const torch::Tensor& full,
+                                                  Communicator& group) {
+  const int64_t full_dim0 = full.size(0);
+  const int64_t padded_rows = ShardRows(full_dim0, group.size()) * group.size();
+  torch::Tensor padded = full;
+  if (padded_rows > full_dim0) {
+    std::vector<int64_t> pad_sizes = full.sizes().vec();
+    pad_sizes[0] = padded_rows - full_dim0;
+    padded = torch::cat({full, torch::zeros(pad_sizes, full.options())}, 0);
+  }
+  return group.ReduceScatter(padded.contiguous());
+}
+
+namespace {
+
 class GatherShardedParameterFunction
     : public torch::autograd::Function<GatherShardedParameterFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& shard,
                                int64_t full_dim0, Communicator* group) {
     SaveGroup(ctx, group);
-    ctx->saved_data[kFullDim0Key] = full_dim0;
     torch::Tensor gathered = ValueOrThrow(group->AllGather(shard),
                                           "GatherShardedParameter all_gather");
     // Shrinking a fresh tensor keeps its leading rows in place: no copy, and
@@ -75,21 +90,49 @@ class GatherShardedParameterFunction
 
   static variable_list backward(AutogradContext* ctx,
                                 variable_list grad_outputs) {
-    Communicator& group = SavedGroup(ctx);
-    const int64_t full_dim0 = ctx->saved_data.at(kFullDim0Key).toInt();
-    const torch::Tensor& grad = grad_outputs[0];
-    const int64_t padded_rows =
-        ShardRows(full_dim0, group.size()) * group.size();
-    torch::Tensor padded = grad;
-    if (padded_rows > full_dim0) {
-      std::vector<int64_t> pad_sizes = grad.sizes().vec();
-      pad_sizes[0] = padded_rows - full_dim0;
-      padded = torch::cat({grad, torch::zeros(pad_sizes, grad.options())}, 0);
-    }
     torch::Tensor shard_grad =
-        ValueOrThrow(group.ReduceScatter(padded.contiguous()),
+        ValueOrThrow(ReduceScatterShards(grad_outputs[0], SavedGroup(ctx)),
                      "GatherShardedParameter reduce_scatter");
     return {shard_grad, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// The copy travels as its address, like the group: Parameter::gathered
+// owns it for as long as the model lives.
+constexpr char kCopyKey[] = "copy";
+constexpr char kShardTypeKey[] = "shard_type";
+
+class UseGatheredCopyFunction
+    : public torch::autograd::Function<UseGatheredCopyFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& shard,
+                               GatheredCopy* copy, Communicator* group) {
+    SaveGroup(ctx, group);
+    ctx->saved_data[kCopyKey] =
+        static_cast<int64_t>(reinterpret_cast<intptr_t>(copy));
+    ctx->saved_data[kShardTypeKey] = static_cast<int64_t>(shard.scalar_type());
+    // A view of its own: autograd records its history on the alias, never
+    // on the kept tensor.
+    return copy->value.alias();
+  }
+
+  static variable_list backward(AutogradContext* ctx,
+                                variable_list grad_outputs) {
+    GatheredCopy& copy = *reinterpret_cast<GatheredCopy*>(
+        static_cast<intptr_t>(ctx->saved_data.at(kCopyKey).toInt()));
+    const torch::Tensor& grad = grad_outputs[0];
+    if (copy.whole_gradient) {
+      TORCH_CHECK(copy.grad.defined(), "UseGatheredCopy: no whole gradient");
+      copy.grad.add_(grad);
+      return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
+    torch::Tensor shard_grad =
+        ValueOrThrow(ReduceScatterShards(grad, SavedGroup(ctx)),
+                     "UseGatheredCopy reduce_scatter");
+    // A mixed-precision master takes its gradient in its own dtype.
+    const auto shard_type = static_cast<torch::ScalarType>(
+        ctx->saved_data.at(kShardTypeKey).toInt());
+    return {shard_grad.to(shard_type), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -228,6 +271,18 @@ torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
               shard.size(0), " rows but full_dim0 ", full_dim0, " over ",
               group.size(), " ranks needs ", rows);
   return GatherShardedParameterFunction::apply(shard, full_dim0, &group);
+}
+
+torch::Tensor UseGatheredCopy(const torch::Tensor& shard, GatheredCopy& copy,
+                              Communicator& group) {
+  CheckFloating(shard, "UseGatheredCopy: shard");
+  CheckFloating(copy.value, "UseGatheredCopy: copy.value");
+  TORCH_CHECK(shard.dim() >= 1 && copy.value.dim() == shard.dim() &&
+                  shard.size(0) == ShardRows(copy.value.size(0), group.size()),
+              "UseGatheredCopy: a shard of ", shard.sizes(), " over ",
+              group.size(), " ranks does not match the copy's ",
+              copy.value.sizes());
+  return UseGatheredCopyFunction::apply(shard, &copy, &group);
 }
 
 torch::Tensor GatherSequenceBlocks(const torch::Tensor& x,

@@ -10,6 +10,8 @@
 //
 //   op                              forward                 backward
 //   GatherShardedParameter          1 AllGather             1 ReduceScatter
+//   UseGatheredCopy (ZeRO-2)        none                    1 ReduceScatter
+//   UseGatheredCopy (ZeRO-1)        none                    none
 //   GatherSequenceBlocks            1 AllGather             1 ReduceScatter
 //   ReduceScatterRows               1 ReduceScatter         1 AllGather
 //   CopyToTensorParallelRegion      none                    1 AllReduce(SUM)
@@ -50,7 +52,9 @@
 
 #include <cstdint>
 
+#include "absl/status/statusor.h"
 #include "runtime/communicator.h"
+#include "runtime/parameter.h"
 
 namespace tally {
 
@@ -70,6 +74,23 @@ torch::Tensor ShardDim0(const torch::Tensor& full, int rank, int size);
 // (padding rows get zero).
 torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
                                      int64_t full_dim0, Communicator& group);
+
+// ZeRO stages 1 and 2 (runtime/zero.h): the kept `copy.value` as the full
+// parameter of `shard` (this rank's dim-0 shard, whose gradient the op
+// feeds). Forward communicates nothing. Backward: with copy.whole_gradient
+// (stage 1) it adds the gradient to copy.grad (allocated, in shard's dtype)
+// and gives `shard` none; otherwise (stage 2) it reduce-scatters the
+// gradient into shard's rows as GatherShardedParameter does. The copy must
+// outlive the graph.
+torch::Tensor UseGatheredCopy(const torch::Tensor& shard, GatheredCopy& copy,
+                              Communicator& group);
+
+// ZeRO's gradient reduce-scatter: the sum over `group` of every rank's
+// `full` [full_dim0, ...], zero-padded to group.size() * ShardRows rows, and
+// this rank's dim-0 shard of it (what GatherShardedParameter's backward
+// returns). A collective's error is returned as is.
+absl::StatusOr<torch::Tensor> ReduceScatterShards(const torch::Tensor& full,
+                                                  Communicator& group);
 
 // Context parallelism: every cp rank's block of keys or values
 // x [B, H, T_block, D] (equal T_block on every rank), concatenated along the

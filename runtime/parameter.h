@@ -17,12 +17,29 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "runtime/placement.h"
 
 namespace tally {
+
+// ZeRO stages 1 and 2 (runtime/zero.h): a dp_shard-sharded parameter kept
+// gathered between optimizer steps, shared by every copy of its Parameter
+// (a LoRA adapter's frozen base parameters share the base's).
+struct GatheredCopy {
+  // Stage 1: the gradient stays whole on each rank until the window is
+  // summed (`grad`); stage 2: each pass reduce-scatters it into the shard.
+  bool whole_gradient = false;
+  // The tp-local parameter, gathered over dp_shard in the compute dtype;
+  // undefined until the first RefreshGatheredCopies.
+  torch::Tensor value;
+  // Stage 1: this rank's own gradient of `value` summed over its backward
+  // passes, in the parameter's dtype, not yet reduced over dp_shard;
+  // undefined before the first backward.
+  torch::Tensor grad;
+};
 
 struct Parameter {
   std::string name;  // HF name, e.g. "model.layers.0.mlp.up_proj.weight"
@@ -35,6 +52,8 @@ struct Parameter {
   // After the tp split, before the dp_shard split: what the forward pass
   // gathers the dp_shard shards back into.
   std::vector<int64_t> tp_local_shape;
+  // Set when the parameter is dp_shard-sharded under ZeRO stage 1 or 2.
+  std::shared_ptr<GatheredCopy> gathered;
 };
 
 }  // namespace tally

@@ -1,6 +1,7 @@
 #include "runtime/sharding_plan.h"
 
 #include <cctype>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -51,6 +52,11 @@ Parameter PlaceParameter(const std::string& name,
   }
   if (!p.is_expert && sharding.dp_shard_size() > 1) {
     p.placements.Set(MeshDim::kDpShard, Placement::Shard(0));
+    if (sharding.zero_stage != ZeroStage::kParameters) {
+      p.gathered = std::make_shared<GatheredCopy>();
+      p.gathered->whole_gradient =
+          sharding.zero_stage == ZeroStage::kOptimizerState;
+    }
   }
   if (sharding.pp_stages > 1 && !rule.shared_across_stages) {
     p.placements.Set(MeshDim::kPp, Placement::Shard(0));

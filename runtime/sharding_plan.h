@@ -25,14 +25,19 @@
 #include "absl/status/statusor.h"
 #include "runtime/communicator.h"
 #include "runtime/parameter.h"
+#include "runtime/types.h"
 
 namespace tally {
 
 // The groups a model is split over. A null or single-rank group means the
 // dimension is not split; the default is the single-device model.
 struct ModelSharding {
-  Communicator* tp = nullptr;        // Megatron tensor parallelism
-  Communicator* dp_shard = nullptr;  // ZeRO-3 / FSDP parameter sharding
+  Communicator* tp = nullptr;  // Megatron tensor parallelism
+  // ZeRO parameter sharding (FSDP at zero_stage 3). Whatever the stage, a
+  // parameter's placement and local shard are the same: stages 1 and 2 keep
+  // a gathered copy besides (Parameter::gathered).
+  Communicator* dp_shard = nullptr;
+  ZeroStage zero_stage = ZeroStage::kParameters;
   // Context parallelism: the ranks splitting each sample's tokens, whose
   // keys and values attention gathers. Parameters are replicated over it.
   Communicator* cp = nullptr;

@@ -84,6 +84,14 @@ std::string BaseKey(const ModelSpec& spec) {
       DTypeName(spec.dtype), " ", source);
 }
 
+std::optional<ZeroStage> ZeroStageNumbered(int64_t stage) {
+  for (ZeroStage zero : {ZeroStage::kOptimizerState, ZeroStage::kGradients,
+                         ZeroStage::kParameters}) {
+    if (stage == static_cast<int64_t>(zero)) return zero;
+  }
+  return std::nullopt;
+}
+
 const char* AttentionModeName(AttentionMode mode) {
   switch (mode) {
     case AttentionMode::kMaterialized:

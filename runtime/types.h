@@ -29,6 +29,13 @@ enum class NonFinitePolicy { kSkip, kError };
 // When data-parallel replicas sum their gradients: after every
 // ForwardBackward (EAGER) or once at OptimStep (DEFERRED, DDP's no_sync).
 enum class GradSync { kEager, kDeferred };
+// What the dp_shard dimension shards (ZeRO's stages; docs/distributed.md,
+// "ZeRO stages"): the optimizer state (1), and the gradients (2), and the
+// parameters (3, FSDP). Under 1 and 2 every rank keeps the parameters
+// gathered between optimizer steps. A per-server choice (--zero-stage).
+enum class ZeroStage { kOptimizerState = 1, kGradients = 2, kParameters = 3 };
+// The ZeroStage numbered `stage`; nullopt for any other number.
+std::optional<ZeroStage> ZeroStageNumbered(int64_t stage);
 
 const char* DTypeName(DType dtype);  // "float32"
 // The DType DTypeName calls `name`; nullopt for any other name.

@@ -98,6 +98,13 @@ ABSL_FLAG(std::string, attention,
           "materialized one's O(T^2); same results to rounding");
 ABSL_FLAG(int64_t, attention_block_keys, tally::Defaults().attention.block_keys,
           "keys per block of blocked attention");
+ABSL_FLAG(int64_t, zero_stage,
+          static_cast<int64_t>(tally::Defaults().zero_stage),
+          "what --dp-shard shards: 3 parameters, gradients and optimizer "
+          "state (FSDP; an all-gather and a reduce-scatter per pass); 2 "
+          "gradients and optimizer state (parameters kept gathered, one "
+          "all-gather per step); 1 optimizer state (whole gradients too, "
+          "one reduce-scatter per sync)");
 
 // Checkpoints (docs/checkpoints.md).
 ABSL_FLAG(std::string, checkpoint_root, tally::Defaults().checkpoint_root,
@@ -213,7 +220,8 @@ const std::vector<FlagSection>& Sections() {
         {"bucket-mb", "N"},
         {"overlap-grad-sync", nullptr},
         {"attention", "MODE"},
-        {"attention-block-keys", "N"}}},
+        {"attention-block-keys", "N"},
+        {"zero-stage", "N"}}},
       {"Checkpoints",
        {{"checkpoint-root", "DIR"},
         {"checkpoint-dir", "DIR"},
@@ -445,8 +453,12 @@ absl::Status SetTrainingOptions(ServerOptions& o) {
     return BadValue("attention", attention, "auto, materialized or blocked");
   }
   o.attention.mode = *mode;
-  return SetInt(FLAGS_attention_block_keys, 1, int64_t{1} << 20,
-                &o.attention.block_keys);
+  TALLY_RETURN_IF_ERROR(SetInt(FLAGS_attention_block_keys, 1, int64_t{1} << 20,
+                               &o.attention.block_keys));
+  int64_t zero_stage = 0;
+  TALLY_RETURN_IF_ERROR(SetInt(FLAGS_zero_stage, 1, 3, &zero_stage));
+  o.zero_stage = *ZeroStageNumbered(zero_stage);
+  return absl::OkStatus();
 }
 
 absl::Status SetCheckpointOptions(ServerOptions& o) {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "runtime/compute_backend.h"
+#include "runtime/zero.h"
 
 namespace tally {
 namespace {
@@ -336,9 +337,11 @@ ReliabilityMetrics RegisterReliabilityMetrics(FamilyBuilder& build) {
   return f;
 }
 
-// The model count, the world size and the build information; returns the
-// model count's gauge.
-prometheus::Gauge* RegisterServerInfo(FamilyBuilder& build, const Mesh& mesh) {
+// The model count, the world size, the ZeRO stage and the build information;
+// returns the model count's gauge.
+prometheus::Gauge* RegisterServerInfo(FamilyBuilder& build,
+                                      const Engine& engine) {
+  const Mesh& mesh = engine.mesh();
   prometheus::Gauge* models =
       &build.Gauge("tally_models", "Models loaded")->Add({});
   // A value, not a label, so that alerts can compare it with the number of
@@ -346,6 +349,12 @@ prometheus::Gauge* RegisterServerInfo(FamilyBuilder& build, const Mesh& mesh) {
   build.Gauge("tally_world_size", "Ranks in this server's world")
       ->Add({})
       .Set(mesh.world_size());
+  build
+      .Gauge("tally_zero_stage",
+             "What dp_shard shards (--zero-stage): 1 optimizer state, 2 and "
+             "gradients, 3 and parameters")
+      ->Add({})
+      .Set(static_cast<double>(engine.zero_stage()));
   const ComputeBackend backend = DetectComputeBackend();
   build.Gauge("tally_build_info", "Build and rank information (value 1)")
       ->Add({{"version", TALLY_VERSION},
@@ -453,7 +462,7 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   m->checkpoint_seconds_ = reliability.checkpoint_seconds;
   m->checkpoint_last_success_ = reliability.checkpoint_last_success;
   m->auth_failures_ = reliability.auth_failures;
-  m->models_ = RegisterServerInfo(build, engine->mesh());
+  m->models_ = RegisterServerInfo(build, *engine);
   TALLY_ASSIGN_OR_RETURN(
       m->http_, HttpEndpoint::Start(address, m->registry_, std::move(scraper)));
   absl::MutexLock lock(&m->mu_);
@@ -693,18 +702,25 @@ void ServerMetrics::RecordRankStateLocked() {
     live.insert(summary.model_id);
     absl::StatusOr<CausalLm*> model = engine_->model(summary.model_id);
     if (!model.ok()) continue;
-    int64_t parameters = 0, gradients = 0;
-    for (const Parameter& p : (*model)->parameters()) {
-      parameters += TensorBytes(p.tensor);
-      gradients += TensorBytes(p.tensor.grad());
+    // The shards, and under ZeRO-1/2 the gathered copies (and ZeRO-1's
+    // whole gradients) besides.
+    const std::vector<Parameter>& params = (*model)->parameters();
+    const GatheredBytes gathered = GatheredStateBytes(params);
+    int64_t trainable_shards = 0;
+    double parameters = gathered.parameters, gradients = gathered.gradients;
+    for (const Parameter& p : params) {
+      parameters += static_cast<double>(TensorBytes(p.tensor));
+      gradients += static_cast<double>(TensorBytes(p.tensor.grad()));
+      if (p.trainable) trainable_shards += TensorBytes(p.tensor);
     }
     RankModelSeries& s = RankSeries(summary.model_id);
-    s.parameter_bytes->Set(static_cast<double>(parameters));
-    s.gradient_bytes->Set(static_cast<double>(gradients));
-    // AdamW keeps two moments shaped like the parameters from creation on;
-    // SGD keeps none.
-    s.optimizer_state_bytes->Set(
-        summary.optimizer == OptimizerKind::kAdamW ? 2.0 * parameters : 0.0);
+    s.parameter_bytes->Set(parameters);
+    s.gradient_bytes->Set(gradients);
+    // AdamW keeps two moments shaped like the trainable shards from creation
+    // on; SGD keeps none.
+    s.optimizer_state_bytes->Set(summary.optimizer == OptimizerKind::kAdamW
+                                     ? 2.0 * trainable_shards
+                                     : 0.0);
   }
   models_->Set(static_cast<double>(live.size()));
   std::vector<std::string> gone;

@@ -98,6 +98,7 @@ absl::Status CheckSameOnEveryRank(Communicator& world,
       {"--attention", static_cast<double>(options.attention.mode)},
       {"--attention-block-keys",
        static_cast<double>(options.attention.block_keys)},
+      {"--zero-stage", static_cast<double>(options.zero_stage)},
       {"--demo-model", options.demo_model ? 1.0 : 0.0}};
   std::vector<double> values;
   for (const auto& [flag, value] : settings) values.push_back(value);
@@ -185,6 +186,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
   engine_options.pp_microbatches = static_cast<int>(options.pp_microbatches);
   engine_options.overlap_grad_sync = options.overlap_grad_sync;
   engine_options.attention = options.attention;
+  engine_options.zero_stage = options.zero_stage;
   TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
   if (env.world_size != options.mesh.world_size()) {
     return absl::InvalidArgumentError(

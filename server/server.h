@@ -70,6 +70,8 @@ struct ServerOptions {
   // Micro-batches per call under pipeline parallelism; 0: --pp.
   int64_t pp_microbatches = EngineOptions().pp_microbatches;
   bool overlap_grad_sync = EngineOptions().overlap_grad_sync;
+  // What --dp-shard shards (runtime/zero.h); every rank needs the same.
+  ZeroStage zero_stage = EngineOptions().zero_stage;
 
   // Reliability (docs/reliability.md).
   // How long a missing seq_id may hold back the requests behind it.

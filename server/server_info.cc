@@ -20,7 +20,8 @@ void FillCompute(v1::ServerInfo::Compute* compute) {
   compute->set_cuda_available(torch::cuda::is_available());
 }
 
-void FillMesh(const Mesh& mesh, v1::ServerInfo::Mesh* out) {
+void FillMesh(const Mesh& mesh, ZeroStage zero_stage,
+              v1::ServerInfo::Mesh* out) {
   const MeshShape& shape = mesh.shape();
   out->set_world_size(shape.world_size());
   out->set_dp_replicate(shape.dp_replicate);
@@ -29,15 +30,17 @@ void FillMesh(const Mesh& mesh, v1::ServerInfo::Mesh* out) {
   out->set_ep(shape.ep);
   out->set_pp(shape.pp);
   out->set_tp(shape.tp);
+  out->set_zero_stage(static_cast<int>(zero_stage));
 }
 
 }  // namespace
 
-void FillServerInfo(const Mesh& mesh, const v1::ServerInfo::Limits& limits,
-                    bool authentication, v1::ServerInfo* info) {
+void FillServerInfo(const Mesh& mesh, ZeroStage zero_stage,
+                    const v1::ServerInfo::Limits& limits, bool authentication,
+                    v1::ServerInfo* info) {
   info->set_version(TALLY_VERSION);
   FillCompute(info->mutable_compute());
-  FillMesh(mesh, info->mutable_mesh());
+  FillMesh(mesh, zero_stage, info->mutable_mesh());
   for (const std::string& type : SupportedModelTypes()) {
     info->add_model_types(type);
   }
@@ -53,8 +56,8 @@ void FillServerInfo(const Mesh& mesh, const v1::ServerInfo::Limits& limits,
   for (const std::string& loss : LossNames()) info->add_losses(loss);
   for (const char* feature :
        {"seq_id", "activation_checkpointing", "bf16_mixed_precision",
-        "export_weights", "list_models_pagination", "lora",
-        "blocked_attention"}) {
+        "export_weights", "list_models_pagination", "lora", "blocked_attention",
+        "zero_stages"}) {
     info->add_features(feature);
   }
   *info->mutable_limits() = limits;

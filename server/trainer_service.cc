@@ -300,6 +300,7 @@ std::string BaseLedgerId(const std::string& base_key) {
 
 void TrainerService::AdmitExistingModels() {
   const int dp_shard = engine_->mesh().shape().dp_shard;
+  const ZeroStage zero = engine_->zero_stage();
   std::set<std::string> bases;
   for (const ModelSummary& model : engine_->ListModels()) {
     scheduler_.sequencer().AddModel(model.model_id);
@@ -307,12 +308,12 @@ void TrainerService::AdmitExistingModels() {
     if (!model.lora.enabled()) {
       admission_.Add(model.model_id, tenant,
                      ModelResidentBytes(model.config, model.dtype,
-                                        model.optimizer, dp_shard));
+                                        model.optimizer, dp_shard, zero));
       continue;
     }
     admission_.Add(model.model_id, tenant,
                    AdapterResidentBytes(model.config, model.lora, model.dtype,
-                                        model.optimizer, dp_shard));
+                                        model.optimizer, dp_shard, zero));
     if (bases.insert(model.base).second) {
       admission_.Add(BaseLedgerId(model.base), tenant,
                      BaseResidentBytes(model.config, model.dtype, dp_shard));
@@ -335,14 +336,15 @@ TrainerService::CreatedBytes TrainerService::CreatedModelBytes(
   }
   config = config.WithDefaults();
   const int dp_shard = engine_->mesh().shape().dp_shard;
+  const ZeroStage zero = engine_->zero_stage();
   CreatedBytes bytes;
   if (!spec->lora.enabled()) {
-    bytes.model =
-        ModelResidentBytes(config, spec->dtype, spec->optimizer, dp_shard);
+    bytes.model = ModelResidentBytes(config, spec->dtype, spec->optimizer,
+                                     dp_shard, zero);
     return bytes;
   }
   bytes.model = AdapterResidentBytes(config, spec->lora, spec->dtype,
-                                     spec->optimizer, dp_shard);
+                                     spec->optimizer, dp_shard, zero);
   bytes.base_key = BaseKey(*spec);
   if (!engine_->HasBase(bytes.base_key)) {
     bytes.new_base = BaseResidentBytes(config, spec->dtype, dp_shard);
@@ -540,7 +542,7 @@ grpc::ServerUnaryReactor* TrainerService::GetServerInfo(
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::StatusOr<std::string> tenant = AuthenticateCall(*context);
   if (tenant.ok()) {
-    FillServerInfo(engine_->mesh(), ServerInfoLimits(),
+    FillServerInfo(engine_->mesh(), engine_->zero_stage(), ServerInfoLimits(),
                    options_.authenticator != nullptr, response);
   }
   Finish("GetServerInfo", reactor, tenant.status());

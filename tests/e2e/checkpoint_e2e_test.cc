@@ -290,6 +290,13 @@ TEST_F(CheckpointE2eTest, MultiRankResumeAfterKillIsExact) {
   ExpectExactResumeAfterKill({"--nproc-per-node", "2", "--dp-shard", "2"});
 }
 
+// The same under ZeRO-1: the resumed ranks gather their parameters again
+// and keep whole gradients, and continue bit for bit.
+TEST_F(CheckpointE2eTest, ZeroStage1ResumeAfterKillIsExact) {
+  ExpectExactResumeAfterKill(
+      {"--nproc-per-node", "2", "--dp-shard", "2", "--zero-stage", "1"});
+}
+
 // Two LoRA adapters of different ranks over one base, checkpointed (the
 // adapters only), killed and resumed: they come back over one shared base
 // and continue bit for bit as adapters trained without the restart.

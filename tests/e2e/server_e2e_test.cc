@@ -972,7 +972,8 @@ TEST_F(ServerE2eTest, ServerInfoReportsTheServersFlagsAndCapabilities) {
   ServerProcess* server =
       StartServer({"--max-message-bytes", "12345678", "--max-tokens-per-call",
                    "5000", "--max-batch-tokens", "640", "--max-queued-requests",
-                   "77", "--max-memory-bytes", "3000000000", "--threads", "1"});
+                   "77", "--max-memory-bytes", "3000000000", "--threads", "1",
+                   "--zero-stage", "2"});
   ASSERT_NE(server, nullptr);
   std::unique_ptr<TrainerClient> client = Connect(*server);
   ASSERT_TRUE(client->WaitForServing(absl::Seconds(30)).ok());
@@ -987,6 +988,7 @@ TEST_F(ServerE2eTest, ServerInfoReportsTheServersFlagsAndCapabilities) {
   EXPECT_FALSE(info.authentication());
   EXPECT_EQ(info.mesh().world_size(), 1);
   EXPECT_EQ(info.mesh().tp(), 1);
+  EXPECT_EQ(info.mesh().zero_stage(), 2);
   EXPECT_EQ(info.compute().threads(), 1);
   EXPECT_THAT(info.compute().blas(),
               ::testing::AnyOf("blis", "openblas", "mkl"));
@@ -1006,9 +1008,10 @@ TEST_F(ServerE2eTest, ServerInfoReportsTheServersFlagsAndCapabilities) {
   EXPECT_THAT(info.losses(), ::testing::ElementsAreArray(losses));
   EXPECT_EQ(losses.front(), "cross_entropy");
   EXPECT_EQ(losses.back(), "dro");
-  EXPECT_THAT(info.features(),
-              ::testing::IsSupersetOf({"seq_id", "activation_checkpointing",
-                                       "lora", "blocked_attention"}));
+  EXPECT_THAT(
+      info.features(),
+      ::testing::IsSupersetOf({"seq_id", "activation_checkpointing", "lora",
+                               "blocked_attention", "zero_stages"}));
   // What it says is what CreateModel takes: a bf16 model with
   // checkpointing of each listed family's shape.
   v1::CreateModelRequest bf16 = TinyModelRequest("bf16", 1);

@@ -61,5 +61,25 @@ TEST(MemoryEstimateTest, ResidentBytesAreWhatATrainedModelTakes) {
   }
 }
 
+// Admission charges what each ZeRO stage keeps under dp_shard: stage 3
+// the parameters gathered for a pass, stage 2 the same copy kept between
+// steps, stage 1 also the whole gradients; without dp_shard the stage
+// changes nothing.
+TEST(MemoryEstimateTest, ZeroStagesChargeWhatTheyKeep) {
+  const LlamaConfig config = testing::TinyConfig().WithDefaults();
+  const double params = ParameterCount(config) * sizeof(float);
+  auto bytes = [&](int dp_shard, ZeroStage stage) {
+    return ModelResidentBytes(config, DType::kFloat32, OptimizerKind::kAdamW,
+                              dp_shard, stage);
+  };
+  for (ZeroStage stage : {ZeroStage::kOptimizerState, ZeroStage::kGradients}) {
+    EXPECT_EQ(bytes(1, stage), bytes(1, ZeroStage::kParameters));
+  }
+  EXPECT_EQ(bytes(4, ZeroStage::kParameters), 4 * params / 4 + params);
+  EXPECT_EQ(bytes(4, ZeroStage::kGradients), bytes(4, ZeroStage::kParameters));
+  EXPECT_EQ(bytes(4, ZeroStage::kOptimizerState),
+            bytes(4, ZeroStage::kGradients) + params);
+}
+
 }  // namespace
 }  // namespace tally

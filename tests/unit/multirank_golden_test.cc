@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -25,6 +26,7 @@
 #include "runtime/engine.h"
 #include "runtime/grad_norm.h"
 #include "runtime/loss_spec.h"
+#include "runtime/parallel_ops.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
@@ -45,6 +47,8 @@ struct MeshCase {
   bool large_model = false;
   // The model family (FamilyConfig); nullptr: llama (or mixtral with moe).
   const char* family = nullptr;
+  // What dp_shard shards (EngineOptions::zero_stage).
+  ZeroStage zero_stage = ZeroStage::kParameters;
 };
 
 MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1, int ep = 1,
@@ -182,15 +186,31 @@ struct GoldenEngines {
   std::unique_ptr<Engine> reference;
 };
 
-absl::StatusOr<GoldenEngines> CreateGoldenEngines(const MeshShape& shape,
-                                                  const RankEnv& env) {
+absl::StatusOr<GoldenEngines> CreateGoldenEngines(
+    const MeshShape& shape, const RankEnv& env,
+    ZeroStage zero_stage = ZeroStage::kParameters) {
   EngineOptions options;
   options.max_batch_tokens = 96;
+  options.zero_stage = zero_stage;
   GoldenEngines engines;
   TALLY_ASSIGN_OR_RETURN(engines.mesh,
                          testing::CreateRankEngine(shape, env, options));
   TALLY_ASSIGN_OR_RETURN(engines.reference, Engine::CreateSingleRank(options));
   return engines;
+}
+
+// Runs `body` on every rank of `mesh` with that rank's engine (at the mesh's
+// ZeRO stage) and its single-device reference.
+using GoldenBody = std::function<absl::Status(Engine& engine, Engine& reference,
+                                              const RankEnv& env)>;
+void RunGolden(const MeshCase& mesh, const GoldenBody& body) {
+  testing::RunOnRanks(
+      mesh.shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+        TALLY_ASSIGN_OR_RETURN(
+            GoldenEngines engines,
+            CreateGoldenEngines(mesh.shape, env, mesh.zero_stage));
+        return body(*engines.mesh, *engines.reference, env);
+      });
 }
 
 // Three calls of very uneven size: the first holds one valid token (so
@@ -249,6 +269,21 @@ void ExpectSameLossReport(const SampleResult& got, const SampleResult& want,
   EXPECT_EQ(got.policy->clipped_fraction, want.policy->clipped_fraction);
   EXPECT_LT(RelativeDiff(got.policy->ratio_max, want.policy->ratio_max), tol);
   EXPECT_LT(RelativeDiff(got.policy->kl_k3, want.policy->kl_k3), tol + 1e-300);
+}
+
+// This rank's shard of p's gradient as the engine holds it before OptimStep:
+// its .grad, plus under ZeRO-1 the dp_shard sum of the ranks' whole
+// gradients not yet reduced into it (all of the window's with DEFERRED,
+// none with EAGER), sliced here.
+absl::StatusOr<torch::Tensor> UnsummedGradientShard(Engine& engine,
+                                                    const Parameter& p) {
+  torch::Tensor shard = p.tensor.grad().defined() ? p.tensor.grad().clone()
+                                                  : torch::zeros_like(p.tensor);
+  if (p.gathered == nullptr || !p.gathered->whole_gradient) return shard;
+  Communicator& dp_shard = *engine.groups().dp_shard;
+  torch::Tensor whole = p.gathered->grad.clone();
+  TALLY_RETURN_IF_ERROR(dp_shard.AllReduce(whole, ReduceOp::kSum));
+  return shard + ShardDim0(whole, dp_shard.rank(), dp_shard.size());
 }
 
 // Checks one variant on this rank, step by step; gtest failures are
@@ -321,10 +356,12 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
     // EAGER: summed over the replicas (dp_replicate x cp; experts: the
     // expert-data-parallel ranks) after every call, so this rank's gradient
     // shard is the single-device gradient's shard. DEFERRED: the replicas'
-    // local gradients sum to it (OptimStep does that sum). Under pp the two
-    // copies of a tied embedding likewise sum to it.
+    // local gradients sum to it (OptimStep does that sum), and under ZeRO-1
+    // the dp_shard ranks' whole gradients do. Under pp the two copies of a
+    // tied embedding likewise sum to it.
     for (Parameter& p : model.parameters()) {
-      torch::Tensor got = p.tensor.grad().clone();
+      TALLY_ASSIGN_OR_RETURN(torch::Tensor got,
+                             UnsummedGradientShard(engine, p));
       Communicator* replicas = ReplicaGroup(engine, p);
       if (v.sync == GradSync::kDeferred && replicas->size() > 1) {
         TALLY_RETURN_IF_ERROR(replicas->AllReduce(got, ReduceOp::kSum));
@@ -929,6 +966,137 @@ INSTANTIATE_TEST_SUITE_P(
         MeshCase{"cp2_qwen3", Shape(1, 1, 1, 2), false, false, "qwen3"}),
     MeshName);
 
+// ZeRO stages 1 and 2: every reduction under both syncs, both norms, tied and
+// untied, SGD and AdamW in fp32, over two windows with changing
+// hyperparameters (so the gathered copies must follow each step) and with
+// several micro-batches per call; then checkpoints that move between the
+// stages.
+class ZeroStageGoldenTest : public ::testing::TestWithParam<MeshCase> {};
+
+// A checkpoint saved under this engine's stage loads under the two others,
+// and one saved under stage 3 loads under this one: each loaded model holds
+// the saved shards bitwise and takes the single device's next step.
+absl::Status CheckCheckpointsAcrossStages(Engine& engine, Engine& reference,
+                                          const RankEnv& env, bool moe) {
+  const ZeroStage stage = engine.zero_stage();
+  const std::string dir =
+      absl::StrCat(::testing::TempDir(), "tally_zero_", env.master_port);
+  ModelSpec spec = Spec("saved", DType::kFloat64, OptimizerKind::kAdamW, moe);
+  TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
+  TALLY_RETURN_IF_ERROR(reference.CreateModel(spec).status());
+  auto train = [&](Engine& e, const std::string& id) -> absl::Status {
+    for (const std::vector<Sample>& call : Calls()) {
+      TALLY_RETURN_IF_ERROR(e.ForwardBackward(id, {call}).status());
+    }
+    return e.OptimStep(id, {}).status();
+  };
+  TALLY_RETURN_IF_ERROR(train(engine, "saved"));
+  TALLY_RETURN_IF_ERROR(train(reference, "saved"));
+  TALLY_RETURN_IF_ERROR(engine.SaveCheckpoint("saved", dir).status());
+  TALLY_RETURN_IF_ERROR(train(reference, "saved"));
+  CausalLm& want = *reference.model("saved").value();
+  int n = 0;
+  for (ZeroStage load_stage : {ZeroStage::kOptimizerState,
+                               ZeroStage::kGradients, ZeroStage::kParameters}) {
+    if (load_stage == stage) continue;
+    // Saved under `stage`, loaded under `load_stage`; then (n = 1 only)
+    // saved again under `load_stage`, loaded back under `stage`.
+    for (bool back : {false, true}) {
+      if (back && load_stage != ZeroStage::kParameters) continue;
+      SCOPED_TRACE(absl::StrCat("saved under ", static_cast<int>(stage),
+                                ", loaded under ", static_cast<int>(load_stage),
+                                back ? ", saved, loaded back" : ""));
+      const std::string id = absl::StrCat("loaded", n++);
+      engine.set_zero_stage(back ? stage : load_stage);
+      spec.model_id = id;
+      TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
+      const std::string from = back ? absl::StrCat(dir, "_stage3") : dir;
+      TALLY_RETURN_IF_ERROR(engine.LoadCheckpoint(id, from, true).status());
+      CausalLm& saved = *engine.model("saved").value();
+      CausalLm& loaded = *engine.model(id).value();
+      for (const Parameter& p : loaded.parameters()) {
+        EXPECT_TRUE(torch::equal(p.tensor, saved.Find(p.name)->tensor))
+            << p.name;
+      }
+      if (!back && load_stage == ZeroStage::kParameters) {
+        TALLY_RETURN_IF_ERROR(
+            engine.SaveCheckpoint(id, absl::StrCat(dir, "_stage3")).status());
+      }
+      TALLY_RETURN_IF_ERROR(train(engine, id));
+      for (const Parameter& p : loaded.parameters()) {
+        EXPECT_LT(RelativeDiff(p.tensor,
+                               loaded.LocalShard(p, want.Find(p.name)->tensor)),
+                  1e-10)
+            << p.name;
+      }
+    }
+  }
+  engine.set_zero_stage(stage);
+  return absl::OkStatus();
+}
+
+TEST_P(ZeroStageGoldenTest, EqualsTheSingleDeviceRun) {
+  const MeshCase& mesh = GetParam();
+  RunGolden(
+      mesh,
+      [&](Engine& engine, Engine& reference,
+          const RankEnv& env) -> absl::Status {
+        const DType f64 = DType::kFloat64;
+        const OptimizerKind adam = OptimizerKind::kAdamW;
+        const int64_t layers = 2;
+        const bool pp = mesh.shape.pp > 1;
+        std::vector<Variant> variants;
+        for (GradSync sync : {GradSync::kEager, GradSync::kDeferred}) {
+          variants.push_back({f64, adam, sync, LossReduction::kTokenMean,
+                              NormType::kL2, /*tied=*/false, layers,
+                              /*large=*/false, /*steps=*/2});
+          variants.push_back({f64, adam, sync, LossReduction::kSampleMean,
+                              NormType::kInf, /*tied=*/true, layers});
+          variants.push_back({f64, adam, sync, LossReduction::kSum,
+                              NormType::kL2,
+                              /*tied=*/!pp, layers});
+        }
+        variants.push_back({DType::kFloat32, OptimizerKind::kSgd,
+                            GradSync::kDeferred, LossReduction::kSampleMean});
+        variants.push_back({DType::kFloat32, adam, GradSync::kEager,
+                            LossReduction::kTokenMean});
+        int n = 0;
+        for (const Variant& v : variants) {
+          TALLY_RETURN_IF_ERROR(CheckVariant(engine, reference, v,
+                                             absl::StrCat("z", n++), mesh.moe));
+        }
+        return CheckCheckpointsAcrossStages(engine, reference, env, mesh.moe);
+      });
+}
+
+// Stages 1 and 2 on dp_shard alone and with tp, and with each other
+// dimension: dp_replicate (HSDP: the shard's gradient then sums over the
+// replicas), cp, ep (experts are not dp_shard-sharded) and pp (the tied
+// embedding's copies on two stages).
+INSTANTIATE_TEST_SUITE_P(
+    Stages, ZeroStageGoldenTest,
+    ::testing::Values(MeshCase{"zero1_dp_shard2", Shape(1, 2, 1), false, false,
+                               nullptr, ZeroStage::kOptimizerState},
+                      MeshCase{"zero2_dp_shard2", Shape(1, 2, 1), false, false,
+                               nullptr, ZeroStage::kGradients},
+                      MeshCase{"zero1_dp_shard2_tp2", Shape(1, 2, 2), false,
+                               false, nullptr, ZeroStage::kOptimizerState},
+                      MeshCase{"zero2_dp_shard2_tp2", Shape(1, 2, 2), false,
+                               false, nullptr, ZeroStage::kGradients},
+                      MeshCase{"zero1_dp_replicate2_dp_shard2", Shape(2, 2, 1),
+                               false, false, nullptr,
+                               ZeroStage::kOptimizerState},
+                      MeshCase{"zero2_cp2_dp_shard2", Shape(1, 2, 1, 2), false,
+                               false, nullptr, ZeroStage::kGradients},
+                      MeshCase{"zero1_ep2_moe", Shape(1, 2, 1, 1, 2), true,
+                               false, nullptr, ZeroStage::kOptimizerState},
+                      MeshCase{"zero2_pp2_dp_shard2", PipelineShape(2, 2),
+                               false, false, nullptr, ZeroStage::kGradients},
+                      MeshCase{"zero1_pp2_dp_shard2", PipelineShape(2, 2),
+                               false, false, nullptr,
+                               ZeroStage::kOptimizerState}),
+    MeshName);
+
 // bf16 mixed precision on meshes that split it (bf16 gathers, tp and cp
 // collectives through float32 sums on Gloo, pipeline sends): the mesh's
 // bf16 model equals the single device's bf16 model within the distance
@@ -937,29 +1105,25 @@ INSTANTIATE_TEST_SUITE_P(
 class MixedPrecisionGoldenTest : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(MixedPrecisionGoldenTest, EqualsTheSingleDeviceRunWithinBf16Rounding) {
-  const MeshCase& mesh = GetParam();
-  testing::RunOnRanks(
-      mesh.shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        TALLY_ASSIGN_OR_RETURN(GoldenEngines engines,
-                               CreateGoldenEngines(mesh.shape, env));
-        std::unique_ptr<Engine>& engine = engines.mesh;
-        std::unique_ptr<Engine>& reference = engines.reference;
+  RunGolden(
+      GetParam(),
+      [&](Engine& engine, Engine& reference, const RankEnv&) -> absl::Status {
         ModelSpec bf16 = Spec("bf16", DType::kBFloat16, OptimizerKind::kAdamW,
                               /*moe=*/false, /*tied=*/true, 2, false, "qwen3");
         ModelSpec f32 = bf16;
         f32.model_id = "f32";
         f32.dtype = DType::kFloat32;
-        TALLY_RETURN_IF_ERROR(engine->CreateModel(bf16).status());
-        TALLY_RETURN_IF_ERROR(reference->CreateModel(bf16).status());
-        TALLY_RETURN_IF_ERROR(reference->CreateModel(f32).status());
+        TALLY_RETURN_IF_ERROR(engine.CreateModel(bf16).status());
+        TALLY_RETURN_IF_ERROR(reference.CreateModel(bf16).status());
+        TALLY_RETURN_IF_ERROR(reference.CreateModel(f32).status());
         // [mesh bf16, single bf16, single f32] per measured quantity.
         std::vector<std::array<double, 3>> measured;
         auto measure = [&](auto fn) -> absl::Status {
           std::array<double, 3> values;
           int i = 0;
-          for (auto [e, id] : {std::pair{engine.get(), "bf16"},
-                               {reference.get(), "bf16"},
-                               {reference.get(), "f32"}}) {
+          for (auto [e, id] : {std::pair{&engine, "bf16"},
+                               {&reference, "bf16"},
+                               {&reference, "f32"}}) {
             TALLY_ASSIGN_OR_RETURN(values[i++], fn(*e, id));
           }
           measured.push_back(values);
@@ -1004,7 +1168,11 @@ INSTANTIATE_TEST_SUITE_P(
     Meshes, MixedPrecisionGoldenTest,
     ::testing::Values(MeshCase{"dp_shard2_tp2", Shape(1, 2, 2)},
                       MeshCase{"pp2_tp2", PipelineShape(2, 1, 2)},
-                      MeshCase{"dp_replicate2_cp2", Shape(2, 1, 1, 2)}),
+                      MeshCase{"dp_replicate2_cp2", Shape(2, 1, 1, 2)},
+                      MeshCase{"zero1_dp_shard2_tp2", Shape(1, 2, 2), false,
+                               false, nullptr, ZeroStage::kOptimizerState},
+                      MeshCase{"zero2_dp_shard2_tp2", Shape(1, 2, 2), false,
+                               false, nullptr, ZeroStage::kGradients}),
     MeshName);
 
 // The bug this design rules out: clipping each stage by its own norm. A

@@ -122,6 +122,30 @@ TEST(ServerFlagsTest, BucketSizeReachesTheEngineOptions) {
   EXPECT_FALSE(Parse({"--bucket-mb", "0"}).ok());
 }
 
+TEST(ServerFlagsTest, ZeroStageReachesTheEngineOptions) {
+  EXPECT_EQ(Parse({})->options.zero_stage, ZeroStage::kParameters);
+  EXPECT_EQ(Parse({})->options.zero_stage, EngineOptions().zero_stage);
+  for (const auto& [arg, stage] :
+       std::vector<std::pair<const char*, ZeroStage>>{
+           {"--zero-stage=1", ZeroStage::kOptimizerState},
+           {"--zero-stage=2", ZeroStage::kGradients},
+           {"--zero-stage=3", ZeroStage::kParameters}}) {
+    auto flags = Parse({arg});
+    ASSERT_TRUE(flags.ok()) << flags.status();
+    EXPECT_EQ(flags->options.zero_stage, stage) << arg;
+  }
+  for (const char* bad :
+       {"--zero-stage=0", "--zero-stage=4", "--zero-stage=x"}) {
+    const auto refused = Parse({bad});
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+    EXPECT_NE(refused.status().message().find("--zero-stage"),
+              std::string::npos)
+        << refused.status();
+  }
+  EXPECT_NE(ServerUsage().find("--zero-stage"), std::string::npos);
+}
+
 TEST(ServerFlagsTest, BadFlagsAreNamed) {
   struct Case {
     std::vector<const char*> args;

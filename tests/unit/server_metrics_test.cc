@@ -101,6 +101,8 @@ TEST(ServerMetricsTest, RankStateFollowsTheEngine) {
   std::string text = Scrape(port);
   EXPECT_EQ(Value(text, "tally_models{rank=\"0\"}"), 1);
   EXPECT_EQ(Value(text, "tally_world_size{rank=\"0\"}"), 1);
+  EXPECT_EQ(Value(text, "tally_zero_stage{rank=\"0\"}"),
+            static_cast<double>(e.zero_stage()));
   EXPECT_EQ(
       Value(text, "tally_rank_parameter_bytes{rank=\"0\",model_id=\"m\"}"),
       parameter_bytes);
