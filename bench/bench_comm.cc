@@ -142,8 +142,8 @@ std::vector<std::vector<Sample>> MakeCalls(int k) {
         text[t] = (31 * s + 17 * t + 7 * c) % kByteVocab;
       }
       Sample sample;
-      sample.input_tokens.assign(text.begin(), text.end() - 1);
-      sample.target_tokens.assign(text.begin() + 1, text.end());
+      sample.input_tokens = std::vector<int32_t>(text.begin(), text.end() - 1);
+      sample.target_tokens = std::vector<int32_t>(text.begin() + 1, text.end());
       calls[c].push_back(std::move(sample));
     }
   }
@@ -159,9 +159,9 @@ std::vector<ZeroStage> StagesOf(const MeshShape& shape) {
 }
 
 // A cross-entropy ForwardBackward of `call` (token mean).
-ForwardBackwardArgs CallArgs(const std::vector<Sample>& call) {
+ForwardBackwardArgs CallArgs(std::vector<Sample> call) {
   ForwardBackwardArgs args;
-  args.samples = call;
+  args.samples = std::move(call);
   return args;
 }
 

@@ -253,4 +253,17 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator() {
       });
 }
 
+absl::Status AgreeOnStatus(Communicator& group, absl::Status local,
+                           absl::string_view what) {
+  if (group.size() == 1) return local;
+  torch::Tensor failed =
+      torch::tensor({local.ok() ? 0.0 : 1.0}, torch::kFloat64);
+  TALLY_RETURN_IF_ERROR(group.AllReduce(failed, ReduceOp::kMax));
+  if (!local.ok()) return local;
+  if (failed.item<double>() > 0) {
+    return absl::InternalError(absl::StrCat("another rank failed ", what));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace tally

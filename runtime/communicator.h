@@ -32,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace c10d {
 class ProcessGroup;
@@ -147,6 +148,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeProcessGroupCommunicator(
 // A Gloo process group of one rank over an in-memory store: what the
 // single-rank server runs on, so the collective code path is the real one.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator();
+
+// Every rank of `group` returns an error if any rank's `local` is one: its
+// own, or INTERNAL "another rank failed <what>". One all-reduce (none on a
+// one-rank group), so that no rank goes on with what a peer refused or could
+// not do, e.g. into a collective that peer will never reach.
+absl::Status AgreeOnStatus(Communicator& group, absl::Status local,
+                           absl::string_view what);
 
 }  // namespace tally
 

@@ -363,6 +363,10 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
   absl::StatusOr<std::unique_ptr<ModelState>> built = BuildModel(spec);
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(built.status()));
   std::unique_ptr<ModelState> state = *std::move(built);
+  // Gathered only now: a rank that failed to build would never reach the
+  // gathers.
+  TALLY_RETURN_IF_ERROR(
+      RefreshGathered(*state->model, ShardsChanged::kCreated));
   if (state->model->base() != nullptr) {
     bases_[BaseKey(state->spec)] = state->model->base();
   }
@@ -467,7 +471,6 @@ absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
         std::unique_ptr<CausalLm> model,
         CreateCausalLm(spec.config, spec.dtype, spec.seed, sharding));
     if (init) TALLY_RETURN_IF_ERROR(load(*init, *model));
-    TALLY_RETURN_IF_ERROR(RefreshGathered(*model, /*all=*/true));
     return model;
   }
   ModelAdapters adapters;
@@ -498,7 +501,6 @@ absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
                                                       ": ", loaded.message()));
     }
   }
-  TALLY_RETURN_IF_ERROR(RefreshGathered(*model, /*all=*/true));
   return model;
 }
 
@@ -649,15 +651,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
 }
 
 absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
-  if (groups_.world->size() == 1) return local;
-  torch::Tensor failed =
-      torch::tensor({local.ok() ? 0.0 : 1.0}, torch::kFloat64);
-  TALLY_RETURN_IF_ERROR(groups_.world->AllReduce(failed, ReduceOp::kMax));
-  if (!local.ok()) return local;
-  if (failed.item<double>() > 0) {
-    return absl::InternalError("another rank failed this command");
-  }
-  return absl::OkStatus();
+  return AgreeOnStatus(*groups_.world, std::move(local), "this command");
 }
 
 bool Engine::NeedsGradientSync(CausalLm& model) const {
@@ -734,10 +728,21 @@ absl::Status Engine::SyncCallGradients(CausalLm& model,
   });
 }
 
-absl::Status Engine::RefreshGathered(CausalLm& model, bool all) {
-  return RefreshGatheredCopies(
-      model.parameters(), model.compute_type(), *groups_.dp_shard,
-      /*trainable_only=*/!all || model.lora().enabled());
+absl::Status Engine::RefreshGathered(CausalLm& model, ShardsChanged changed) {
+  if (!model.sharding().keeps_gathered()) return absl::OkStatus();
+  const bool lora = model.lora().enabled();
+  return AgreeAcrossRanks(
+      RefreshGatheredCopies(model.parameters(), model.compute_type(),
+                            *groups_.dp_shard, [&](const Parameter& p) {
+                              switch (changed) {
+                                case ShardsChanged::kCreated:
+                                  return !p.gathered->value.defined();
+                                case ShardsChanged::kLoaded:
+                                  return !lora || IsLoraParameter(p.name);
+                                default:
+                                  return p.trainable;
+                              }
+                            }));
 }
 
 void Engine::ClearWindow(ModelState& state) {
@@ -873,7 +878,9 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   }
   absl::Status stepped =
       AgreeAcrossRanks(state->optimizer->Step(hp, clip.grad_scale));
-  if (stepped.ok()) stepped = RefreshGathered(*state->model, /*all=*/false);
+  if (stepped.ok()) {
+    stepped = RefreshGathered(*state->model, ShardsChanged::kStepped);
+  }
   ClearWindow(*state);
   if (!stepped.ok()) {
     // Some parameters (on some rank) may have taken the update already.
@@ -1099,7 +1106,13 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(staged));
   // Phase 2: apply.
   absl::Status loaded = LoadWeightsInto(contents, *state->model);
-  if (loaded.ok()) loaded = RefreshGathered(*state->model, /*all=*/true);
+  if (state->model->sharding().keeps_gathered()) {
+    // The gathers need every rank's shards loaded.
+    loaded = AgreeAcrossRanks(loaded);
+    if (loaded.ok()) {
+      loaded = RefreshGathered(*state->model, ShardsChanged::kLoaded);
+    }
+  }
   if (!loaded.ok()) {
     // A copy failed midway: weights are mixed, whatever the window says.
     state->damage = absl::StrCat(

@@ -261,11 +261,16 @@ class Engine {
   // applies what another refused.
   absl::Status AgreeAcrossRanks(absl::Status local);
   static void ClearWindow(ModelState& state);
-  // ZeRO-1/2: re-gathers the kept copies of what changed in `model`'s
-  // shards (its trainable parameters, or with `all` every parameter but a
-  // shared LoRA base's). A failure leaves stale copies: the caller marks
-  // the model damaged.
-  absl::Status RefreshGathered(CausalLm& model, bool all);
+  // What changed in a model's shards, for RefreshGathered.
+  enum class ShardsChanged {
+    kCreated,  // a new model: every copy never gathered (not a shared base's)
+    kLoaded,   // every parameter but a shared LoRA base's
+    kStepped,  // the trainable parameters
+  };
+  // ZeRO-1/2 (nothing at stage 3): re-gathers the kept copies of what
+  // changed, and the ranks agree on the outcome. A failure leaves stale
+  // copies: the caller marks the model damaged or drops it.
+  absl::Status RefreshGathered(CausalLm& model, ShardsChanged changed);
   // FAILED_PRECONDITION naming the damage when the parameters may be partly
   // updated.
   static absl::Status CheckIntact(const ModelState& state);

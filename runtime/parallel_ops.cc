@@ -121,17 +121,20 @@ class UseGatheredCopyFunction
     GatheredCopy& copy = *reinterpret_cast<GatheredCopy*>(
         static_cast<intptr_t>(ctx->saved_data.at(kCopyKey).toInt()));
     const torch::Tensor& grad = grad_outputs[0];
+    // A mixed-precision master takes its gradient in its own dtype.
+    const auto shard_type = static_cast<torch::ScalarType>(
+        ctx->saved_data.at(kShardTypeKey).toInt());
     if (copy.whole_gradient) {
-      TORCH_CHECK(copy.grad.defined(), "UseGatheredCopy: no whole gradient");
+      if (!copy.grad.defined()) {
+        copy.grad =
+            torch::zeros(grad.sizes(), grad.options().dtype(shard_type));
+      }
       copy.grad.add_(grad);
       return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
     }
     torch::Tensor shard_grad =
         ValueOrThrow(ReduceScatterShards(grad, SavedGroup(ctx)),
                      "UseGatheredCopy reduce_scatter");
-    // A mixed-precision master takes its gradient in its own dtype.
-    const auto shard_type = static_cast<torch::ScalarType>(
-        ctx->saved_data.at(kShardTypeKey).toInt());
     return {shard_grad.to(shard_type), torch::Tensor(), torch::Tensor()};
   }
 };

@@ -78,10 +78,10 @@ torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
 // ZeRO stages 1 and 2 (runtime/zero.h): the kept `copy.value` as the full
 // parameter of `shard` (this rank's dim-0 shard, whose gradient the op
 // feeds). Forward communicates nothing. Backward: with copy.whole_gradient
-// (stage 1) it adds the gradient to copy.grad (allocated, in shard's dtype)
-// and gives `shard` none; otherwise (stage 2) it reduce-scatters the
-// gradient into shard's rows as GatherShardedParameter does. The copy must
-// outlive the graph.
+// (stage 1) it adds the gradient to copy.grad (allocated at the first
+// backward, in shard's dtype) and gives `shard` none; otherwise (stage 2) it
+// reduce-scatters the gradient into shard's rows as GatherShardedParameter
+// does. The copy must outlive the graph.
 torch::Tensor UseGatheredCopy(const torch::Tensor& shard, GatheredCopy& copy,
                               Communicator& group);
 

@@ -37,7 +37,7 @@ struct GatheredCopy {
   torch::Tensor value;
   // Stage 1: this rank's own gradient of `value` summed over its backward
   // passes, in the parameter's dtype, not yet reduced over dp_shard;
-  // undefined before the first backward.
+  // allocated by the first backward, zeroed (not freed) by each reduction.
   torch::Tensor grad;
 };
 

@@ -52,7 +52,7 @@ Parameter PlaceParameter(const std::string& name,
   }
   if (!p.is_expert && sharding.dp_shard_size() > 1) {
     p.placements.Set(MeshDim::kDpShard, Placement::Shard(0));
-    if (sharding.zero_stage != ZeroStage::kParameters) {
+    if (sharding.keeps_gathered()) {
       p.gathered = std::make_shared<GatheredCopy>();
       p.gathered->whole_gradient =
           sharding.zero_stage == ZeroStage::kOptimizerState;

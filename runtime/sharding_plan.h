@@ -56,6 +56,11 @@ struct ModelSharding {
   int tp_rank() const { return tp ? tp->rank() : 0; }
   int dp_shard_size() const { return dp_shard ? dp_shard->size() : 1; }
   int dp_shard_rank() const { return dp_shard ? dp_shard->rank() : 0; }
+  // ZeRO stages 1 and 2 over a real dp_shard group: the parameters split
+  // over it keep a gathered copy (Parameter::gathered).
+  bool keeps_gathered() const {
+    return dp_shard_size() > 1 && zero_stage != ZeroStage::kParameters;
+  }
   int cp_size() const { return cp ? cp->size() : 1; }
 };
 

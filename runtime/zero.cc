@@ -4,7 +4,6 @@
 #include "runtime/parallel_ops.h"
 
 namespace tally {
-
 torch::Tensor GatheredWeight(const Parameter& p, Communicator& dp_shard) {
   GatheredCopy& copy = *p.gathered;
   TORCH_CHECK(copy.value.defined(), "the gathered copy of ", p.name,
@@ -16,26 +15,36 @@ torch::Tensor GatheredWeight(const Parameter& p, Communicator& dp_shard) {
   return UseGatheredCopy(p.tensor, copy, dp_shard);
 }
 
-absl::Status RefreshGatheredCopies(std::vector<Parameter>& params,
-                                   torch::ScalarType compute,
-                                   Communicator& dp_shard,
-                                   bool trainable_only) {
-  for (Parameter& p : params) {
-    if (p.gathered == nullptr || (trainable_only && !p.trainable)) continue;
-    torch::Tensor shard;
-    TALLY_RETURN_IF_ERROR(CatchTorch("cast a shard for its gather", [&] {
-      shard = p.tensor.detach().to(compute).contiguous();
-    }));
-    TALLY_ASSIGN_OR_RETURN(torch::Tensor gathered, dp_shard.AllGather(shard));
-    TALLY_RETURN_IF_ERROR(CatchTorch("keep a gathered copy", [&] {
-      GatheredCopy& copy = *p.gathered;
-      copy.value = gathered.narrow(0, 0, p.tp_local_shape[0]);
-      if (copy.whole_gradient && p.trainable && !copy.grad.defined()) {
-        copy.grad = torch::zeros(p.tp_local_shape, p.tensor.options());
-      }
-    }));
+absl::Status RefreshGatheredCopies(
+    std::vector<Parameter>& params, torch::ScalarType compute,
+    Communicator& dp_shard,
+    const std::function<bool(const Parameter& p)>& selected) {
+  std::vector<Parameter*> chosen;
+  std::vector<torch::Tensor> shards;
+  const absl::Status cast = CatchTorch("cast the shards to gather", [&] {
+    for (Parameter& p : params) {
+      if (p.gathered == nullptr || !selected(p)) continue;
+      chosen.push_back(&p);
+      shards.push_back(p.tensor.detach().to(compute).contiguous());
+    }
+  });
+  TALLY_RETURN_IF_ERROR(
+      AgreeOnStatus(dp_shard, cast, "to cast its shards for their gather"));
+  std::vector<torch::Tensor> gathered;
+  for (torch::Tensor& shard : shards) {
+    TALLY_ASSIGN_OR_RETURN(torch::Tensor full, dp_shard.AllGather(shard));
+    shard = torch::Tensor();
+    gathered.push_back(std::move(full));
   }
-  return absl::OkStatus();
+  return CatchTorch("keep the gathered copies", [&] {
+    for (size_t i = 0; i < chosen.size(); ++i) {
+      // Without the padding rows of the last shard.
+      const int64_t rows = chosen[i]->tp_local_shape[0];
+      chosen[i]->gathered->value = gathered[i].size(0) == rows
+                                       ? gathered[i]
+                                       : gathered[i].narrow(0, 0, rows).clone();
+    }
+  });
 }
 
 bool KeepsWholeGradients(const std::vector<Parameter>& params) {
@@ -49,21 +58,32 @@ bool KeepsWholeGradients(const std::vector<Parameter>& params) {
 
 absl::Status ReduceWholeGradients(std::vector<Parameter>& params,
                                   Communicator& dp_shard) {
+  std::vector<Parameter*> chosen;
+  std::vector<torch::Tensor> reduced;
   for (Parameter& p : params) {
     if (!p.trainable || p.gathered == nullptr || !p.gathered->whole_gradient) {
       continue;
     }
-    GatheredCopy& copy = *p.gathered;
-    TALLY_ASSIGN_OR_RETURN(torch::Tensor shard_grad,
-                           ReduceScatterShards(copy.grad, dp_shard));
-    TALLY_RETURN_IF_ERROR(CatchTorch("add a reduced whole gradient", [&] {
-      torch::NoGradGuard no_grad;
-      torch::Tensor& grad = p.tensor.mutable_grad();
-      grad = grad.defined() ? grad.add_(shard_grad) : shard_grad;
-      copy.grad.zero_();
-    }));
+    const torch::Tensor& whole = p.gathered->grad;
+    TALLY_ASSIGN_OR_RETURN(
+        torch::Tensor shard_grad,
+        ReduceScatterShards(whole.defined() ? whole
+                                            : torch::zeros(p.tp_local_shape,
+                                                           p.tensor.options()),
+                            dp_shard));
+    chosen.push_back(&p);
+    reduced.push_back(std::move(shard_grad));
   }
-  return absl::OkStatus();
+  return CatchTorch("add the reduced whole gradients", [&] {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < chosen.size(); ++i) {
+      torch::Tensor& grad = chosen[i]->tensor.mutable_grad();
+      grad = grad.defined() ? grad.add_(reduced[i]) : reduced[i];
+      if (chosen[i]->gathered->grad.defined()) {
+        chosen[i]->gathered->grad.zero_();
+      }
+    }
+  });
 }
 
 GatheredBytes GatheredStateBytes(const std::vector<Parameter>& params) {

@@ -24,12 +24,14 @@
 //   TALLY_RETURN_IF_ERROR(tally::ReduceWholeGradients(params, dp_shard));
 //   ... optimizer step on the shards ...
 //   TALLY_RETURN_IF_ERROR(tally::RefreshGatheredCopies(
-//       params, compute_type, dp_shard, /*trainable_only=*/true));
+//       params, compute_type, dp_shard,
+//       [](const tally::Parameter& p) { return p.trainable; }));
 #ifndef TALLY_RUNTIME_ZERO_H_
 #define TALLY_RUNTIME_ZERO_H_
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -46,23 +48,27 @@ namespace tally {
 // c10::Error when the copy was never gathered (call inside CatchTorch).
 torch::Tensor GatheredWeight(const Parameter& p, Communicator& dp_shard);
 
-// Gathers the copy of every parameter of `params` that keeps one (only the
-// trainable ones with `trainable_only`) from this rank's shard and its
-// dp_shard peers', cast to `compute`: one all-gather per parameter, the same
-// on every rank of the group. At stage 1 it also allocates the zeroed whole
-// gradient of a trainable parameter that has none yet.
-absl::Status RefreshGatheredCopies(std::vector<Parameter>& params,
-                                   torch::ScalarType compute,
-                                   Communicator& dp_shard, bool trainable_only);
+// Gathers the copy of every parameter of `params` that keeps one and is
+// `selected` from this rank's shard and its dp_shard peers', cast to
+// `compute`: one all-gather per parameter. Every rank of the group must
+// select the same parameters. The local work that can fail (the casts) is
+// done and agreed over the group first, so a rank that fails it leaves no
+// peer waiting in a gather.
+absl::Status RefreshGatheredCopies(
+    std::vector<Parameter>& params, torch::ScalarType compute,
+    Communicator& dp_shard,
+    const std::function<bool(const Parameter& p)>& selected);
 
 // Whether some trainable parameter of `params` keeps a whole gradient
 // (ZeRO stage 1 on a dp_shard group of more than one rank).
 bool KeepsWholeGradients(const std::vector<Parameter>& params);
 
-// Stage 1's gradient reduction: every whole gradient is reduce-scattered
-// (SUM) over `dp_shard`, this rank's rows added to p.tensor's .grad, and the
-// whole gradient zeroed for the next backward. One reduce-scatter per
-// parameter; a collective's error is returned as is.
+// Stage 1's gradient reduction: every trainable parameter's whole gradient
+// (zeros where no backward made one, so every rank issues the same
+// collectives) is reduce-scattered (SUM) over `dp_shard`, this rank's rows
+// added to p.tensor's .grad, and the whole gradient zeroed for the next
+// backward. One reduce-scatter per parameter; a collective's error is
+// returned as is.
 absl::Status ReduceWholeGradients(std::vector<Parameter>& params,
                                   Communicator& dp_shard);
 

@@ -211,20 +211,23 @@ TEST(ZeroStageTest, LoraBaseIsGatheredOnceForAllItsAdapters) {
       int64_t factors = 0;
       for (const Parameter& p : model.parameters()) {
         if (p.trainable) ++factors;
-        if (stage != ZeroStage::kParameters) {
-          EXPECT_NE(p.gathered, nullptr) << p.name;
+        EXPECT_EQ(p.gathered != nullptr, stage != ZeroStage::kParameters);
+        if (p.gathered != nullptr) {
           EXPECT_TRUE(p.gathered->value.defined()) << p.name;
-          // Only the factors keep a whole gradient (stage 1): the frozen
-          // base has none.
-          EXPECT_EQ(p.gathered->grad.defined(),
-                    p.trainable && stage == ZeroStage::kOptimizerState)
-              << p.name;
         }
       }
       dp_shard.stats().Reset();
       TALLY_RETURN_IF_ERROR(RunWindow(*engine, id).status());
       if (stage != ZeroStage::kParameters) {
         EXPECT_EQ(dp_shard.stats().Get(CommOp::kAllGather).calls, factors);
+      }
+      for (const Parameter& p : model.parameters()) {
+        // Only the factors keep a whole gradient (stage 1), the frozen base
+        // none.
+        if (p.gathered == nullptr) continue;
+        EXPECT_EQ(p.gathered->grad.defined(),
+                  p.trainable && stage == ZeroStage::kOptimizerState)
+            << p.name;
       }
       trained.push_back(testing::ParameterValues(model));
     }
@@ -264,6 +267,63 @@ TEST(ZeroStageTest, AbortedWindowLeavesNoWholeGradient) {
         testing::ParameterValues(*engine->model("aborted").value()),
         testing::ParameterValues(*engine->model("fresh").value())));
     return absl::OkStatus();
+  });
+}
+
+// A LoRA factor frozen by a pattern still takes a checkpoint's values, and
+// its gathered copy follows: adapter B (another seed, lora_A frozen) loaded
+// with adapter A's checkpoint computes A's losses.
+TEST(ZeroStageTest, LoadedFrozenFactorsAreGatheredAgain) {
+  testing::RunOnRanks(kShards, [](const RankEnv& env) -> absl::Status {
+    EngineOptions options;
+    options.zero_stage = ZeroStage::kGradients;
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           testing::CreateRankEngine(DpShard2(), env, options));
+    ModelSpec a = TinySpec("a", DType::kFloat64, OptimizerKind::kAdamW);
+    a.lora = TestLora();
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(a).status());
+    TALLY_RETURN_IF_ERROR(RunWindow(*engine, "a").status());
+    const std::string dir =
+        absl::StrCat(::testing::TempDir(), "tally_zero_a_", env.master_port);
+    TALLY_RETURN_IF_ERROR(engine->SaveCheckpoint("a", dir).status());
+    ModelSpec b = a;
+    b.model_id = "b";
+    b.lora.seed = 8;
+    b.frozen = {"model.layers.*.self_attn.q_proj.lora_A.weight"};
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(b).status());
+    TALLY_RETURN_IF_ERROR(engine->LoadCheckpoint("b", dir, false).status());
+    ForwardBackwardArgs eval{Calls()[1]};
+    eval.forward_only = true;
+    TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult want,
+                           engine->ForwardBackward("a", eval));
+    TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult got,
+                           engine->ForwardBackward("b", eval));
+    EXPECT_EQ(got.loss_sum, want.loss_sum);
+    return absl::OkStatus();
+  });
+}
+
+// A model one rank cannot build (its init_checkpoint is missing there) is
+// refused on every rank without leaving the others in a gather, and the
+// engine goes on serving.
+TEST(ZeroStageTest, ModelOneRankCannotBuildIsRefusedEverywhere) {
+  testing::RunOnRanks(kShards, [](const RankEnv& env) -> absl::Status {
+    EngineOptions options;
+    options.zero_stage = ZeroStage::kOptimizerState;
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           testing::CreateRankEngine(DpShard2(), env, options));
+    ModelSpec spec = TinySpec("saved", DType::kFloat64, OptimizerKind::kAdamW);
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    const std::string dir = absl::StrCat(::testing::TempDir(),
+                                         "tally_zero_saved_", env.master_port);
+    TALLY_RETURN_IF_ERROR(engine->SaveCheckpoint("saved", dir).status());
+    spec.model_id = "from_checkpoint";
+    spec.init_checkpoint = env.rank == 0 ? dir : dir + "_missing";
+    EXPECT_FALSE(engine->CreateModel(spec).ok());
+    EXPECT_EQ(engine->num_models(), 1u);
+    spec.init_checkpoint = dir;
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    return RunWindow(*engine, "from_checkpoint").status();
   });
 }
 
