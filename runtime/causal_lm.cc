@@ -101,6 +101,21 @@ torch::Tensor CausalLm::TargetLogprobs(const torch::Tensor& inputs,
   return StageForward(inputs, targets, layout, io);
 }
 
+absl::StatusOr<int> CausalLm::AddPlaceholder(const ParameterSpec& spec,
+                                             const ShardingPlan& plan) {
+  if (sharded() || sharding_.pp_stages > 1) {
+    return absl::InternalError("base placeholders are for unsharded models");
+  }
+  TALLY_ASSIGN_OR_RETURN(const PlanRule* rule, plan.RuleFor(spec.name));
+  Parameter p = PlaceParameter(spec.name, spec.shape, *rule, sharding_);
+  // One element, broadcast to the full shape.
+  p.tensor = torch::zeros({}, torch::TensorOptions().dtype(scalar_type()))
+                 .expand(spec.shape);
+  p.trainable = false;
+  parameters_.push_back(std::move(p));
+  return static_cast<int>(parameters_.size()) - 1;
+}
+
 absl::StatusOr<std::vector<int>> CausalLm::InitializeParameters(
     const std::vector<ParameterSpec>& specs, const ShardingPlan& plan,
     uint64_t seed) {
@@ -123,6 +138,11 @@ absl::StatusOr<std::vector<int>> CausalLm::InitializeParameters(
       if (shared != nullptr) parameters_.push_back(*shared);
       indices.push_back(
           shared != nullptr ? static_cast<int>(parameters_.size()) - 1 : -1);
+      continue;
+    }
+    if (adapters_.base_placeholders && !adapter) {
+      TALLY_ASSIGN_OR_RETURN(int index, AddPlaceholder(spec, plan));
+      indices.push_back(index);
       continue;
     }
     // Every stage draws every tensor, so each is the same whatever the

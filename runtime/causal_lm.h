@@ -80,6 +80,11 @@ struct ModelAdapters {
   // tensors the new model shares instead of drawing its own: one base in
   // memory for many adapters. It lives as long as any model sharing it.
   std::shared_ptr<const CausalLm> base;
+  // Without a base, for an unsharded model only: the base's parameters as
+  // frozen placeholders that hold no memory (every element reads 0) instead
+  // of drawn tensors. What a writer of the adapter alone builds, so that
+  // writing an adapter of a large base does not allocate the base.
+  bool base_placeholders = false;
 };
 
 class CausalLm {
@@ -200,10 +205,16 @@ class CausalLm {
   // values do not depend on its base; with a base() the other parameters
   // are the base's tensors, shared and frozen, not drawn. Returns each
   // spec's index into parameters_ (-1 for a parameter this stage does not
-  // hold). INTERNAL when the plan misses a parameter or the base one.
+  // hold). With adapters.base_placeholders the base's parameters are
+  // placeholders instead, neither drawn nor allocated. INTERNAL when the
+  // plan misses a parameter or the base one.
   absl::StatusOr<std::vector<int>> InitializeParameters(
       const std::vector<ParameterSpec>& specs, const ShardingPlan& plan,
       uint64_t seed);
+  // A base parameter's placeholder (adapters.base_placeholders): frozen,
+  // shaped like `spec`, one element of storage. Returns its index.
+  absl::StatusOr<int> AddPlaceholder(const ParameterSpec& spec,
+                                     const ShardingPlan& plan);
 
   LlamaConfig config_;
   DType dtype_;

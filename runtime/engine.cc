@@ -983,6 +983,8 @@ absl::Status Engine::GatherOnWriter(
   if (writer) {
     ModelAdapters adapters;
     adapters.lora = model.lora();
+    // What is written leaves the base out: no need to hold it.
+    adapters.base_placeholders = trainable_only && model.lora().enabled();
     absl::StatusOr<std::unique_ptr<CausalLm>> created =
         CreateCausalLm(model.config(), model.dtype(), /*seed=*/0, {}, adapters);
     ready = created.status();

@@ -423,6 +423,34 @@ TEST_F(LoraTest, CheckpointHoldsTheAdapterAndLoadsOnlyIntoAnAdapter) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// What a multi-rank writer builds to write an adapter: the base's parameters
+// hold one element each (frozen, every element 0), the factors are drawn as
+// in any adapter.
+TEST_F(LoraTest, AdapterWriterHoldsNoBase) {
+  const ModelSpec spec = LoraSpec("w", DType::kFloat64, 4, 9);
+  const LlamaConfig config = spec.config.WithDefaults();
+  ModelAdapters adapters;
+  adapters.lora = spec.lora.WithDefaults();
+  std::unique_ptr<CausalLm> drawn =
+      CreateCausalLm(config, spec.dtype, spec.seed, {}, adapters).value();
+  adapters.base_placeholders = true;
+  std::unique_ptr<CausalLm> writer =
+      CreateCausalLm(config, spec.dtype, spec.seed, {}, adapters).value();
+  EXPECT_EQ(writer->NumParameters(), drawn->NumParameters());
+  ExpectBitwiseEqual(Tensors(*writer, true), Tensors(*drawn, true));
+  for (const Parameter& p : writer->parameters()) {
+    if (IsLoraParameter(p.name)) continue;
+    EXPECT_FALSE(p.trainable) << p.name;
+    EXPECT_EQ(p.tensor.sizes(), drawn->Find(p.name)->tensor.sizes()) << p.name;
+    EXPECT_EQ(p.tensor.storage().nbytes(), sizeof(double)) << p.name;
+  }
+  // Only an unsharded model takes placeholders.
+  ModelSharding staged;
+  staged.pp_stages = 2;
+  EXPECT_FALSE(
+      CreateCausalLm(config, spec.dtype, spec.seed, staged, adapters).ok());
+}
+
 TEST_F(LoraTest, RefusesWhatItCannotBuild) {
   auto engine = Engine::CreateSingleRank({}).value();
   ModelSpec spec = LoraSpec("a", DType::kFloat32, 2, 1);
