@@ -330,7 +330,7 @@ ModelSummary Engine::Summarize(const ModelState& state) {
   s.grad_sync = state.spec.grad_sync;
   s.activation_checkpointing = state.spec.activation_checkpointing;
   s.lora = state.spec.lora;
-  s.base = BaseKey(state.spec);
+  s.base = state.base_key;
   s.trainable_parameters = state.spec.lora.enabled()
                                ? static_cast<uint64_t>(LoraParameterCount(
                                      state.spec.config, state.spec.lora))
@@ -368,7 +368,7 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
   TALLY_RETURN_IF_ERROR(
       RefreshGathered(*state->model, ShardsChanged::kCreated));
   if (state->model->base() != nullptr) {
-    bases_[BaseKey(state->spec)] = state->model->base();
+    bases_[state->base_key] = state->model->base();
   }
   ModelSummary summary = Summarize(*state);
   models_[state->spec.model_id] = std::move(state);
@@ -391,6 +391,7 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   }
 
   auto state = std::make_unique<ModelState>();
+  state->base_key = base_key;
   TALLY_ASSIGN_OR_RETURN(state->model, BuildCausalLm(spec, base_key, init));
   TALLY_RETURN_IF_ERROR(FreezeParameters(spec.frozen, *state->model));
   TALLY_RETURN_IF_ERROR(

@@ -179,6 +179,8 @@ class Engine {
  private:
   struct ModelState {
     ModelSpec spec;
+    // BaseKey(spec), once: what identifies the model's (LoRA) base.
+    std::string base_key;
     std::unique_ptr<CausalLm> model;
     std::unique_ptr<Optimizer> optimizer;
     AccumulationWindow window;

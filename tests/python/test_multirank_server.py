@@ -1,7 +1,8 @@
 """A multi-rank tally-server gives the single-rank server's results.
 
 Each test starts a 1-rank server and a 4-rank one (`--nproc-per-node 4` with
-dp_shard 2 x tp 2, dp_replicate 2 x dp_shard 2, cp 2 x tp 2 or ep 2 x tp 2),
+dp_shard 2 x tp 2 (also under --zero-stage 1), dp_replicate 2 x dp_shard 2,
+cp 2 x tp 2 or ep 2 x tp 2),
 creates the same tiny Llama (or Mixtral) on both and sends both the same requests: ForwardBackward calls of very
 uneven size (a call whose only valid token is one, samples whose targets are
 all ignored, weighted positions, a sample of one token) and OptimSteps with
@@ -373,6 +374,11 @@ class MultiRankServerTest(ServerTestCase):
 
     def test_dp_shard_tp_float64_steps(self):
         self.check_float64_steps(DP_SHARD_TP)
+
+    def test_zero_stage_1_dp_shard_tp_float64_steps(self):
+        """ZeRO-1 through the server: parameters kept gathered between
+        steps, whole gradients reduce-scattered at each call's sync."""
+        self.check_float64_steps(DP_SHARD_TP + ["--zero-stage", "1"])
 
     def test_cp_tp_float64_steps(self):
         """Context parallelism through the server: every sample's tokens

@@ -36,6 +36,20 @@ MeshShape DpShard2() {
   return shape;
 }
 
+// This rank's engine on dp_shard = 2 at ZeRO `stage`.
+absl::StatusOr<std::unique_ptr<Engine>> StageEngine(const RankEnv& env,
+                                                    ZeroStage stage) {
+  EngineOptions options;
+  options.zero_stage = stage;
+  return testing::CreateRankEngine(DpShard2(), env, options);
+}
+
+// A checkpoint directory of this launch of rank processes.
+std::string CheckpointDir(const RankEnv& env, const char* name) {
+  return absl::StrCat(::testing::TempDir(), "tally_zero_", name, "_",
+                      env.master_port);
+}
+
 std::vector<std::vector<Sample>> Calls() {
   const int64_t vocab = testing::TinyConfig().vocab_size;
   std::vector<std::vector<Sample>> calls;
@@ -245,10 +259,8 @@ TEST(ZeroStageTest, LoraBaseIsGatheredOnceForAllItsAdapters) {
 // behind, and the next window equals a fresh model's.
 TEST(ZeroStageTest, AbortedWindowLeavesNoWholeGradient) {
   testing::RunOnRanks(kShards, [](const RankEnv& env) -> absl::Status {
-    EngineOptions options;
-    options.zero_stage = ZeroStage::kOptimizerState;
     TALLY_ASSIGN_OR_RETURN(auto engine,
-                           testing::CreateRankEngine(DpShard2(), env, options));
+                           StageEngine(env, ZeroStage::kOptimizerState));
     for (const char* id : {"aborted", "fresh"}) {
       ModelSpec spec = TinySpec(id, DType::kFloat64, OptimizerKind::kAdamW);
       spec.grad_sync = GradSync::kDeferred;
@@ -275,16 +287,13 @@ TEST(ZeroStageTest, AbortedWindowLeavesNoWholeGradient) {
 // with adapter A's checkpoint computes A's losses.
 TEST(ZeroStageTest, LoadedFrozenFactorsAreGatheredAgain) {
   testing::RunOnRanks(kShards, [](const RankEnv& env) -> absl::Status {
-    EngineOptions options;
-    options.zero_stage = ZeroStage::kGradients;
     TALLY_ASSIGN_OR_RETURN(auto engine,
-                           testing::CreateRankEngine(DpShard2(), env, options));
+                           StageEngine(env, ZeroStage::kGradients));
     ModelSpec a = TinySpec("a", DType::kFloat64, OptimizerKind::kAdamW);
     a.lora = TestLora();
     TALLY_RETURN_IF_ERROR(engine->CreateModel(a).status());
     TALLY_RETURN_IF_ERROR(RunWindow(*engine, "a").status());
-    const std::string dir =
-        absl::StrCat(::testing::TempDir(), "tally_zero_a_", env.master_port);
+    const std::string dir = CheckpointDir(env, "a");
     TALLY_RETURN_IF_ERROR(engine->SaveCheckpoint("a", dir).status());
     ModelSpec b = a;
     b.model_id = "b";
@@ -308,14 +317,11 @@ TEST(ZeroStageTest, LoadedFrozenFactorsAreGatheredAgain) {
 // engine goes on serving.
 TEST(ZeroStageTest, ModelOneRankCannotBuildIsRefusedEverywhere) {
   testing::RunOnRanks(kShards, [](const RankEnv& env) -> absl::Status {
-    EngineOptions options;
-    options.zero_stage = ZeroStage::kOptimizerState;
     TALLY_ASSIGN_OR_RETURN(auto engine,
-                           testing::CreateRankEngine(DpShard2(), env, options));
+                           StageEngine(env, ZeroStage::kOptimizerState));
     ModelSpec spec = TinySpec("saved", DType::kFloat64, OptimizerKind::kAdamW);
     TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
-    const std::string dir = absl::StrCat(::testing::TempDir(),
-                                         "tally_zero_saved_", env.master_port);
+    const std::string dir = CheckpointDir(env, "saved");
     TALLY_RETURN_IF_ERROR(engine->SaveCheckpoint("saved", dir).status());
     spec.model_id = "from_checkpoint";
     spec.init_checkpoint = env.rank == 0 ? dir : dir + "_missing";
