@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "base/status.h"
+#include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
 namespace tally::testing {
@@ -13,6 +14,18 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
   TALLY_ASSIGN_OR_RETURN(auto groups,
                          ProcessGroups::Create(env, mesh, absl::Seconds(60)));
   return Engine::Create(options, mesh, std::move(groups));
+}
+
+void RunGoldenOnRanks(const MeshShape& shape, const EngineOptions& options,
+                      const EngineOptions& reference_options,
+                      const GoldenBody& body) {
+  RunOnRanks(shape.world_size(), [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                           CreateRankEngine(shape, env, options));
+    TALLY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> reference,
+                           Engine::CreateSingleRank(reference_options));
+    return body(*engine, *reference, env);
+  });
 }
 
 void ExpectSameCall(const ForwardBackwardResult& got,

@@ -10,6 +10,7 @@
 #ifndef TALLY_TESTS_TESTING_GOLDEN_H_
 #define TALLY_TESTS_TESTING_GOLDEN_H_
 
+#include <functional>
 #include <memory>
 
 #include "absl/status/statusor.h"
@@ -22,6 +23,17 @@ namespace tally::testing {
 // This rank's engine of a deployment laid out as `shape`.
 absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     const MeshShape& shape, const RankEnv& env, const EngineOptions& options);
+
+// The body of a golden test on one rank: that rank's engine of the mesh and
+// a single-device reference engine in the same process.
+using GoldenBody = std::function<absl::Status(Engine& engine, Engine& reference,
+                                              const RankEnv& env)>;
+
+// Runs `body` on every rank of `shape` (RunOnRanks), with the rank's engine
+// built with `options` and the reference with `reference_options`.
+void RunGoldenOnRanks(const MeshShape& shape, const EngineOptions& options,
+                      const EngineOptions& reference_options,
+                      const GoldenBody& body);
 
 // One ForwardBackward on the mesh (`got`) and the reference (`want`): the
 // same counts (call, samples, window) and losses within `tolerance`, the

@@ -34,7 +34,6 @@
 #include "runtime/engine.h"
 #include "runtime/loss.h"
 #include "tests/testing/golden.h"
-#include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -224,17 +223,12 @@ class BlockedAttentionGoldenTest : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(BlockedAttentionGoldenTest, EqualsTheMaterializedSingleDeviceRun) {
   const MeshCase& mesh_case = GetParam();
-  testing::RunOnRanks(
-      mesh_case.shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        TALLY_ASSIGN_OR_RETURN(
-            std::unique_ptr<Engine> engine,
-            testing::CreateRankEngine(mesh_case.shape, env,
-                                      Options(AttentionMode::kBlocked)));
-        TALLY_ASSIGN_OR_RETURN(
-            std::unique_ptr<Engine> reference,
-            Engine::CreateSingleRank(Options(AttentionMode::kMaterialized)));
+  testing::RunGoldenOnRanks(
+      mesh_case.shape, Options(AttentionMode::kBlocked),
+      Options(AttentionMode::kMaterialized),
+      [&](Engine& engine, Engine& reference, const RankEnv&) -> absl::Status {
         for (const Variant& v : mesh_case.variants) {
-          TALLY_RETURN_IF_ERROR(CheckVariant(*engine, *reference, v));
+          TALLY_RETURN_IF_ERROR(CheckVariant(engine, reference, v));
         }
         return absl::OkStatus();
       });

@@ -30,7 +30,6 @@
 #include "runtime/lora.h"
 #include "runtime/lora_config.h"
 #include "tests/testing/golden.h"
-#include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -248,14 +247,9 @@ absl::Status CheckAdapter(Engine& engine, Engine& reference,
 class LoraGoldenTest : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(LoraGoldenTest, EqualsTheSingleDeviceRun) {
-  const MeshShape shape = GetParam().shape;
-  testing::RunOnRanks(
-      shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        TALLY_ASSIGN_OR_RETURN(
-            std::unique_ptr<Engine> engine,
-            testing::CreateRankEngine(shape, env, Options()));
-        TALLY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> reference,
-                               Engine::CreateSingleRank(Options()));
+  testing::RunGoldenOnRanks(
+      GetParam().shape, Options(), Options(),
+      [&](Engine& engine, Engine& reference, const RankEnv&) -> absl::Status {
         // Tied (the unembedding's adapter on the vocab-parallel embedding)
         // and untied, each under TOKEN_MEAN and SUM; the two adapters of a
         // config share one base.
@@ -263,7 +257,7 @@ TEST_P(LoraGoldenTest, EqualsTheSingleDeviceRun) {
           for (const LossReduction reduction :
                {LossReduction::kTokenMean, LossReduction::kSum}) {
             TALLY_RETURN_IF_ERROR(
-                CheckAdapter(*engine, *reference,
+                CheckAdapter(engine, reference,
                              absl::StrCat(tied ? "tied_" : "untied_",
                                           ReductionName(reduction)),
                              tied, reduction));
@@ -283,35 +277,30 @@ INSTANTIATE_TEST_SUITE_P(LoraMeshes, LoraGoldenTest,
 // (its output carries no gradient) and still takes part in the schedule; the
 // run equals the single device's.
 TEST(LoraPipelineTest, HeadOnlyAdapterTrainsOnTwoStages) {
-  const MeshShape shape = Shape(2, 1, 1);
-  testing::RunOnRanks(
-      shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        TALLY_ASSIGN_OR_RETURN(
-            std::unique_ptr<Engine> engine,
-            testing::CreateRankEngine(shape, env, Options()));
-        TALLY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> reference,
-                               Engine::CreateSingleRank(Options()));
+  testing::RunGoldenOnRanks(
+      Shape(2, 1, 1), Options(), Options(),
+      [&](Engine& engine, Engine& reference, const RankEnv&) -> absl::Status {
         ModelSpec spec = LoraSpec("head", /*tied=*/false);
         spec.lora.train_attn = spec.lora.train_mlp = false;
-        TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
-        TALLY_RETURN_IF_ERROR(reference->CreateModel(spec).status());
-        CausalLm& model = *engine->model("head").value();
-        CausalLm& ref_model = *reference->model("head").value();
+        TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
+        TALLY_RETURN_IF_ERROR(reference.CreateModel(spec).status());
+        CausalLm& model = *engine.model("head").value();
+        CausalLm& ref_model = *reference.model("head").value();
         SetLoraB(model);
         SetLoraB(ref_model);
         for (const auto& window : Windows()) {
           for (const std::vector<Sample>& call : window) {
             ForwardBackwardArgs args{call};
             TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult got,
-                                   engine->ForwardBackward("head", args));
+                                   engine.ForwardBackward("head", args));
             TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult want,
-                                   reference->ForwardBackward("head", args));
+                                   reference.ForwardBackward("head", args));
             EXPECT_LT(RelativeDiff(got.loss_sum, want.loss_sum), kTol);
           }
           TALLY_ASSIGN_OR_RETURN(OptimStepResult got,
-                                 engine->OptimStep("head", {}));
+                                 engine.OptimStep("head", {}));
           TALLY_ASSIGN_OR_RETURN(OptimStepResult want,
-                                 reference->OptimStep("head", {}));
+                                 reference.OptimStep("head", {}));
           EXPECT_GT(want.grad_norm, 0);
           EXPECT_LT(RelativeDiff(got.grad_norm, want.grad_norm), kTol);
         }

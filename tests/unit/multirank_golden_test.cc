@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -179,8 +178,16 @@ OptimStepArgs StepArgs(const Variant& v, int step) {
   return args;
 }
 
+// Micro-batches of at most 96 tokens (several per call), at `zero_stage`.
+EngineOptions GoldenOptions(ZeroStage zero_stage) {
+  EngineOptions options;
+  options.max_batch_tokens = 96;
+  options.zero_stage = zero_stage;
+  return options;
+}
+
 // This rank's engine on `shape` and a single-device reference, both with
-// micro-batches of at most 96 tokens (several per call).
+// GoldenOptions.
 struct GoldenEngines {
   std::unique_ptr<Engine> mesh;
   std::unique_ptr<Engine> reference;
@@ -189,9 +196,7 @@ struct GoldenEngines {
 absl::StatusOr<GoldenEngines> CreateGoldenEngines(
     const MeshShape& shape, const RankEnv& env,
     ZeroStage zero_stage = ZeroStage::kParameters) {
-  EngineOptions options;
-  options.max_batch_tokens = 96;
-  options.zero_stage = zero_stage;
+  const EngineOptions options = GoldenOptions(zero_stage);
   GoldenEngines engines;
   TALLY_ASSIGN_OR_RETURN(engines.mesh,
                          testing::CreateRankEngine(shape, env, options));
@@ -201,16 +206,9 @@ absl::StatusOr<GoldenEngines> CreateGoldenEngines(
 
 // Runs `body` on every rank of `mesh` with that rank's engine (at the mesh's
 // ZeRO stage) and its single-device reference.
-using GoldenBody = std::function<absl::Status(Engine& engine, Engine& reference,
-                                              const RankEnv& env)>;
-void RunGolden(const MeshCase& mesh, const GoldenBody& body) {
-  testing::RunOnRanks(
-      mesh.shape.world_size(), [&](const RankEnv& env) -> absl::Status {
-        TALLY_ASSIGN_OR_RETURN(
-            GoldenEngines engines,
-            CreateGoldenEngines(mesh.shape, env, mesh.zero_stage));
-        return body(*engines.mesh, *engines.reference, env);
-      });
+void RunGolden(const MeshCase& mesh, const testing::GoldenBody& body) {
+  const EngineOptions options = GoldenOptions(mesh.zero_stage);
+  testing::RunGoldenOnRanks(mesh.shape, options, options, body);
 }
 
 // Three calls of very uneven size: the first holds one valid token (so
