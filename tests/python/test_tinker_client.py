@@ -432,6 +432,54 @@ class ClientApiTest(TinkerTestCase):
         self.assertEqual(resumed.optim_step(adam).result().metrics["grad_norm"],
                          second_step.metrics["grad_norm"])
 
+    def test_save_state_mid_window_keeps_the_window_pending(self):
+        data = [process_example(ex) for ex in PIG_LATIN[:3]]
+        adam = types.AdamParams(learning_rate=1e-2)
+
+        def loss(client):
+            return client.forward(data, "cross_entropy").result() \
+                .metrics["loss:sum"]
+
+        control = self.create(config=TINY_BYTES, seed=3)
+        control.forward_backward(data, "cross_entropy")
+        want = control.optim_step(adam).result()
+
+        saving = self.create(config=TINY_BYTES, seed=3)
+        loss_before = loss(saving)
+        saving.forward_backward(data, "cross_entropy")
+        saved = saving.save_state("mid-window").result()
+        got = saving.optim_step(adam).result()
+        # The step took the window sent before the save, as if no save
+        # had happened ...
+        self.assertEqual(got.metrics["grad_norm"], want.metrics["grad_norm"])
+        self.assertEqual(loss(saving), loss(control))
+        # ... and the state saved is the one before the step.
+        restored = self.service.create_training_client_from_state(saved.path)
+        self.assertEqual(loss(restored), loss_before)
+
+    def test_refused_load_state_and_optim_step_leave_training_going(self):
+        data = [process_example(ex) for ex in PIG_LATIN[:3]]
+        adam = types.AdamParams(learning_rate=1e-2)
+        control = self.create(config=TINY_BYTES, seed=4)
+        control.forward_backward(data, "cross_entropy")
+        want = control.optim_step(adam).result()
+
+        training_client = self.create(config=TINY_BYTES, seed=4)
+        # A state that does not exist (the engine's refusal), one outside
+        # --checkpoint-root (refused before it is sequenced).
+        for path in ("no-such-state", "/no-such-root/state"):
+            with self.assertRaisesRegex(tinker.TallyError, path):
+                training_client.load_state(path).result()
+        training_client.forward_backward(data, "cross_entropy")
+        for refused in (types.AdamParams(learning_rate=-1.0),
+                        types.AdamParams(grad_clip_norm=-1.0)):
+            with self.assertRaises(tinker.TallyError) as raised:
+                training_client.optim_step(refused).result()
+            self.assertEqual(raised.exception.code.name, "INVALID_ARGUMENT")
+        got = training_client.optim_step(adam).result()
+        self.assertEqual(got.metrics["grad_norm"], want.metrics["grad_norm"])
+        self.assertEqual(training_client.get_info().model_info.step, 1)
+
     def test_save_weights_for_sampler_writes_the_adapter(self):
         training_client = self.create(config=TINY_BYTES, seed=2)
         path = training_client.save_weights_for_sampler("0000").result().path

@@ -122,6 +122,21 @@ class TrainingClientTest(ClientServerTestCase):
         info = client.get_model()
         self.assertEqual((info.step, info.accumulated_calls), (0, 0))
 
+    def test_a_refused_save_keeps_the_failed_call_of_its_window(self):
+        expected = self.reference_steps("reference-failed-call-save", 1)
+        client = self.new_model("failed-call-save")
+        client.forward_backward([sample([1, 2, 3], [2, 3, 4])])
+        bad = client.forward_backward([sample([1, VOCAB + 5], [2, 3])])
+        with self.assertRaises(TallyError):
+            client.save(os.path.join(self.temp, "failed-call-save")).result()
+        self.assertEqual(bad.exception().code.name, "INVALID_ARGUMENT")
+        # The window still misses its failed call: it is aborted, not
+        # stepped, and the next one steps.
+        with self.assertRaisesRegex(WindowAbortedError, "window was aborted"):
+            client.optim_step().result()
+        self.assertEqual(client.get_model().step, 0)
+        self.assertSameTraining(self.train_through(client, 1), expected)
+
     def test_save_and_load(self):
         client = self.new_model("saved")
         path = os.path.join(self.temp, "saved-ckpt")
@@ -133,6 +148,70 @@ class TrainingClientTest(ClientServerTestCase):
         self.assertEqual(loaded.model.step, 1)
         # From the checkpoint, the same data gives the same second step.
         self.assertSameTraining(self.train_through(client, 2), after_save)
+
+    def test_a_refused_save_with_a_pending_window_poisons_nothing(self):
+        expected = self.reference_steps("reference-refused-save", 2)
+        client = self.new_model("refused-save")
+        calls = [client.forward_backward([sample(x, y) for x, y in batch])
+                 for batch in window(0)]
+        with self.assertRaises(TallyError) as raised:
+            client.save(os.path.join(self.temp, "refused-save")).result()
+        self.assertEqual(raised.exception.code.name, "FAILED_PRECONDITION")
+        self.assertIn("pending accumulation window", raised.exception.details)
+        # The window is intact: its step, and the next window's, are the
+        # reference's.
+        step = client.optim_step().result()
+        got = [(step.grad_norm, [c.result().loss_mean for c in calls])]
+        self.assertSameTraining(got + self.train_through(client, 2, first=1),
+                                expected)
+
+    def test_save_with_allow_pending_keeps_the_window_pending(self):
+        expected = self.reference_steps("reference-pending-save", 2)
+        client = self.new_model("pending-save")
+        path = os.path.join(self.temp, "pending-save")
+        calls = [client.forward_backward([sample(x, y) for x, y in batch])
+                 for batch in window(0)]
+        saved = client.save(path, allow_pending=True).result()
+        self.assertEqual((saved.step, saved.unsaved_calls), (0, 3))
+        self.assertEqual(client.get_model().accumulated_calls, 3)
+        step = client.optim_step().result()
+        got = [(step.grad_norm, [c.result().loss_mean for c in calls])]
+        self.assertSameTraining(got + self.train_through(client, 2, first=1),
+                                expected)
+        # The checkpoint holds the state before the window's step.
+        self.assertEqual(client.load(path).result().model.step, 0)
+        self.assertSameTraining(self.train_through(client, 1), expected[:1])
+
+    def test_a_failed_load_leaves_the_client_able_to_step(self):
+        expected = self.reference_steps("reference-failed-load", 1)
+        client = self.new_model("failed-load")
+        with self.assertRaisesRegex(TallyError, "no-such-checkpoint"):
+            client.load(os.path.join(self.temp, "no-such-checkpoint")).result()
+        self.assertSameTraining(self.train_through(client, 1), expected)
+
+    def test_a_refused_optim_step_leaves_its_window_to_the_next(self):
+        expected = self.reference_steps("reference-refused-step", 1)
+        # Refused by the engine (the seq_id is used) and by the server's
+        # request validation (the seq_id is left unused: the client fills
+        # it, or the next step would wait for it until the gap timeout).
+        for name, refused, field in (
+                ("engine", {"adam": {"learning_rate": -1.0}}, "learning_rate"),
+                ("request", {"max_grad_norm": -1.0}, "max_grad_norm")):
+            with self.subTest(name):
+                client = self.new_model(f"refused-step-{name}")
+                calls = [client.forward_backward([sample(x, y) for x, y in b])
+                         for b in window(0)]
+                bad = client.optim_step(**refused)
+                step = client.optim_step()
+                with self.assertRaises(TallyError) as raised:
+                    bad.result()
+                self.assertEqual(raised.exception.code.name,
+                                 "INVALID_ARGUMENT")
+                self.assertIn(field, raised.exception.details)
+                got = [(step.result().grad_norm,
+                        [c.result().loss_mean for c in calls])]
+                self.assertSameTraining(got, expected)
+                self.assertEqual(client.get_model().step, 1)
 
     def test_a_message_too_large_is_final_and_names_its_reason(self):
         # The server refuses a call whose response could exceed its

@@ -20,9 +20,14 @@ of the window failed for good, its OptimStep is not sent: the window is
 aborted instead (under the step's seq_id, so the sequence has no gap) and the
 step's future raises WindowAbortedError. A server that answers ABORTED (a
 poisoned window) also raises WindowAbortedError: call abort_window() and redo
-the window. export_weights is sequenced too, so it writes the weights of every
-earlier step, but belongs to no window: it neither closes one nor aborts one
-when it fails.
+the window. A window-closing call the server refuses (a bad hyperparameter, a
+checkpoint that does not load, a save with a pending window) raises
+TallyError and leaves the window as it was: the next calls go on with it. A
+call refused before it ran leaves its seq_id unused; the client fills it (a
+forward-only call of one token) so that no gap holds back the calls after it.
+export_weights and save(allow_pending=True) are sequenced too, so they write
+the state of every earlier step, but belong to no window: they neither close
+one nor abort one when they fail.
 
     client = TrainingClient("localhost:50051", "demo", token="s3cret")
     calls = [client.forward_backward(batch) for batch in window]
@@ -290,11 +295,20 @@ class TrainingClient:
             "AbortAccumulation",
             pb.AbortAccumulationRequest(model_id=self.model_id))
 
-    def save(self, path):
-        """Future of a SaveCheckpointResponse (path: a server-side directory)."""
-        return self._close_window(
-            "SaveCheckpoint",
-            pb.SaveCheckpointRequest(model_id=self.model_id, path=path))
+    def save(self, path, allow_pending=False):
+        """Future of a SaveCheckpointResponse (path: a server-side directory):
+        the weights, optimizer state and step. With a pending window the
+        server refuses it (FAILED_PRECONDITION; the window stays as it
+        was), unless `allow_pending`: then it saves the state every earlier
+        optim_step produced, without the window's gradients, and the window
+        stays pending for the next optim_step (Tinker's save_state; the
+        response's unsaved_* fields count what the checkpoint lacks)."""
+        request = pb.SaveCheckpointRequest(model_id=self.model_id, path=path,
+                                           allow_pending=allow_pending)
+        if allow_pending:
+            return self._send_sequenced("SaveCheckpoint", request,
+                                        in_window=False)
+        return self._close_window("SaveCheckpoint", request)
 
     def export_weights(self, path, dtype=None, merge=False):
         """Future of an ExportWeightsResponse: writes the weights every
@@ -403,7 +417,7 @@ class TrainingClient:
                 self._in_flight.append(result)
 
         def send():
-            _chain(self._call(method, request, retryable=True), result)
+            _chain(self._call_sequenced(method, request), result)
 
         _when_all_done([] if closing is None else [closing], send)
         return result
@@ -411,31 +425,106 @@ class TrainingClient:
     def _close_window(self, method, request):
         """Sends `request` once every call in flight has finished. An
         OptimStep after a call that failed for good aborts the window instead,
-        under the step's seq_id (the sequence must stay gap-free)."""
+        under the step's seq_id (the sequence must stay gap-free). The next
+        window waits for this call too, but only counts it as a failed call
+        of its own when the window it leaves behind cannot be stepped (see
+        _left_behind): a refused closing call (a bad hyperparameter, a
+        checkpoint path that does not load, a save with a pending window)
+        leaves the window as it was, and the client goes on with it."""
         result = concurrent.futures.Future()
+        # Done when this call is; failed only if the window it leaves behind
+        # must be aborted before the next OptimStep.
+        left = concurrent.futures.Future()
         with self._lock:
             request.seq_id = self._take_seq_id()
-            earlier, self._in_flight = self._in_flight, [result]
+            earlier, self._in_flight = self._in_flight, [left]
             if not SERVER_ORDERS_BY_SEQ_ID:
                 self._closing = result
 
         def send():
-            failed = [f for f in earlier if f.exception() is not None]
+            failed = [f.exception() for f in earlier
+                      if f.exception() is not None]
             if failed and method == "OptimStep":
-                abort = pb.AbortAccumulationRequest(model_id=self.model_id,
-                                                    seq_id=request.seq_id)
-                cause = failed[0].exception()
-                aborted = self._call("AbortAccumulation", abort, retryable=True)
-                aborted.add_done_callback(lambda f: result.set_exception(
-                    WindowAbortedError(method, grpc.StatusCode.ABORTED,
-                                       f"not sent: an earlier call failed "
-                                       f"({cause}); the window was aborted")
-                    if f.exception() is None else f.exception()))
+                self._abort_instead(request, failed[0], result, left)
                 return
-            _chain(self._call(method, request, retryable=True), result)
+            sent = self._call_sequenced(method, request)
+            _chain(sent, result)
+            sent.add_done_callback(
+                lambda f: _left_behind(f, failed[0] if failed else None, left))
 
         _when_all_done(earlier, send)
         return result
+
+    def _abort_instead(self, step, cause, result, left):
+        """Aborts the window under OptimStep `step`'s seq_id; `result` (the
+        step's future) raises WindowAbortedError naming `cause`, the failed
+        call of the window. `left` fails only if the abort did too (the
+        window is still there, failed call and all)."""
+        abort = pb.AbortAccumulationRequest(model_id=self.model_id,
+                                            seq_id=step.seq_id)
+        aborted = self._call_sequenced("AbortAccumulation", abort)
+
+        def done(f):
+            if f.exception() is not None:
+                left.set_exception(f.exception())
+                result.set_exception(f.exception())
+                return
+            left.set_result(None)
+            result.set_exception(WindowAbortedError(
+                "OptimStep", grpc.StatusCode.ABORTED,
+                f"not sent: an earlier call failed ({cause}); the window was "
+                f"aborted"))
+
+        aborted.add_done_callback(done)
+
+    def _call_sequenced(self, method, request):
+        """Future of sequenced `method(request)`, retried like _call. A call
+        that fails for good without using its seq_id on the server (refused
+        by the server's request validation, its retries spent before it
+        ran) would leave a gap that holds back every later call until the
+        server's gap timeout poisons the window; so before the failure is
+        reported, the seq_id is filled (_fill_unused_seq_id). ABORTED needs
+        no filling: the client takes its next seq_id from the server."""
+        result = concurrent.futures.Future()
+
+        def done(call):
+            error = call.exception()
+            if error is None:
+                result.set_result(call.result())
+            elif getattr(error, "code", None) == grpc.StatusCode.ABORTED:
+                result.set_exception(error)
+            else:
+                self._fill_unused_seq_id(request.seq_id).add_done_callback(
+                    lambda _: result.set_exception(error))
+
+        self._call(method, request, retryable=True).add_done_callback(done)
+        return result
+
+    def _fill_unused_seq_id(self, seq_id):
+        """Future done once `seq_id` is used on the server. If the model's
+        next_seq_id is not past it, nothing ran under it (only this client
+        sends it): a forward-only ForwardBackward of one token, which changes
+        neither the weights nor the window, takes its place. A GetModel or
+        filler that fails leaves the gap to the server's timeout."""
+        filled = concurrent.futures.Future()
+        info = self._call("GetModel",
+                          pb.GetModelRequest(model_id=self.model_id),
+                          retryable=True)
+
+        def check(f):
+            if f.exception() is not None or not (
+                    0 < getattr(f.result(), "next_seq_id", 0) <= seq_id):
+                filled.set_result(None)
+                return
+            filler = pb.ForwardBackwardRequest(
+                model_id=self.model_id, seq_id=seq_id, forward_only=True,
+                samples=[pb.Sample(input_tokens=[0], target_tokens=[0])])
+            self._call("ForwardBackward", filler,
+                       retryable=True).add_done_callback(
+                           lambda _: filled.set_result(None))
+
+        info.add_done_callback(check)
+        return filled
 
     def _call(self, method, request, retryable):
         """Future of `method(request)`, retried on transient failures when
@@ -510,6 +599,24 @@ def _enum_value(values, name, what):
         raise ValueError(f"unknown {what} {name!r}; valid: "
                          f"{', '.join(sorted(values))}")
     return values[name]
+
+
+def _left_behind(closing, earlier_failure, left):
+    """Completes `left` when window-closing call `closing` is done: failed,
+    so that the next OptimStep aborts the window instead of stepping, if the
+    server answered ABORTED (a poisoned window) or INTERNAL (the server
+    poisons the window before it answers), or if `closing` failed otherwise
+    and left a window behind that misses the call that failed with
+    `earlier_failure`; succeeded otherwise (the window closed, or left as it
+    was)."""
+    error = closing.exception()
+    if getattr(error, "code", None) in (grpc.StatusCode.ABORTED,
+                                        grpc.StatusCode.INTERNAL):
+        left.set_exception(error)
+    elif error is not None and earlier_failure is not None:
+        left.set_exception(earlier_failure)
+    else:
+        left.set_result(None)
 
 
 def _chain(source, target):

@@ -230,10 +230,13 @@ class TrainingClient:
         as a checkpoint at `name` (absolute, or relative: under
         <model_id>/weights/ of the server's --checkpoint-root); a LoRA
         model's holds its adapter only (the base is shared and frozen).
-        tally refuses to save a pending accumulation window: save between
-        optim_step and the next forward_backward."""
+        As Tinker's, it saves the state at this point of the call sequence:
+        forward_backward calls made before it and not yet stepped stay
+        pending for the next optim_step (the checkpoint holds the weights
+        and optimizer state of the steps taken, not their gradients)."""
         _warn_ttl(ttl_seconds)
-        call = self._client.save(self._path(name, "weights"))
+        call = self._client.save(self._path(name, "weights"),
+                                 allow_pending=True)
 
         def saved(response):
             if self._saved_states is not None and self._create_fields and \
