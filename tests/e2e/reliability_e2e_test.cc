@@ -3,7 +3,8 @@
 // what the server answered). Sequenced requests run once and in order,
 // retries get the original response, gaps time out into a poisoned window,
 // requests that expired or were cancelled before they ran are not executed,
-// the request budget refuses at once, SIGTERM drains and finishes, and
+// the request budget refuses at once (and never the retry a window waits
+// for), SIGTERM drains and finishes, and
 // randomized hostile clients and a 32-client soak leave the models exactly
 // where a clean run puts them.
 #include <google/protobuf/util/message_differencer.h>
@@ -496,6 +497,70 @@ TEST_F(ReliabilityE2eTest, AFullRequestBudgetRefusesAtOnce) {
   }
   await_depth(0);
   EXPECT_EQ(Info(*stub, "a").accumulated_calls(), 0);
+}
+
+// The example of docs/reliability.md ("Back-pressure and retries"):
+// --max-queued-requests-per-model 3, the executor busy; seq_ids 1-3 and then
+// 4 sent with 0.3 s deadlines that pass while they wait. Their slots come back
+// when the deadlines pass (not when their turn would come), so the retries get
+// in, run once each, and the window is not poisoned by the gap timeout.
+TEST_F(ReliabilityE2eTest, GivingUpUnderBackPressurePoisonsNoWindow) {
+  Stub* stub = Start(
+      {"--max-queued-requests-per-model", "3", "--seq-gap-timeout-secs", "4"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "m");
+  Create(*stub, "busy");
+  const v1::ForwardBackwardRequest long_call = LongCall(*stub, "busy", 2.0);
+  auto busy = std::async(std::launch::async, [&] {
+    return Send(&Stub::ForwardBackward, *stub, long_call);
+  });
+  auto await_depth = [&](double depth) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(20);
+    while (Metric("tally_queue_depth", {}) != depth && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_EQ(Metric("tally_queue_depth", {}), depth);
+  };
+  await_depth(1);  // the long call holds the executor
+  auto expiring = [&](uint64_t seq_id) {
+    return std::async(std::launch::async, [this, seq_id] {
+      std::unique_ptr<Stub> own = NewStub();
+      return Send(&Stub::ForwardBackward, *own,
+                  Fb("m", seq_id, Samples(seq_id)), absl::Milliseconds(300));
+    });
+  };
+  std::vector<std::future<absl::StatusOr<v1::ForwardBackwardResponse>>> sent;
+  for (uint64_t seq_id = 1; seq_id <= 3; ++seq_id) {
+    sent.push_back(expiring(seq_id));
+  }
+  for (auto& call : sent) {
+    EXPECT_EQ(call.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  }
+  // Their slots are back while the long call still runs.
+  await_depth(1);
+  auto fourth = expiring(4);
+  EXPECT_EQ(fourth.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  await_depth(1);
+  EXPECT_EQ(busy.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the long call finished before the checks; size it up";
+
+  // The retries, as the docs prescribe: each admitted at the first try.
+  for (uint64_t seq_id = 1; seq_id <= 4; ++seq_id) {
+    const auto retried =
+        Send(&Stub::ForwardBackward, *stub, Fb("m", seq_id, Samples(seq_id)));
+    ASSERT_TRUE(retried.ok())
+        << "seq_id " << seq_id << ": " << retried.status();
+    EXPECT_EQ(retried->accumulated_calls(), static_cast<int64_t>(seq_id));
+  }
+  ASSERT_TRUE(busy.get().ok());
+  const auto stepped = Send(&Stub::OptimStep, *stub, Step("m", 5));
+  ASSERT_TRUE(stepped.ok()) << stepped.status();  // the window is intact
+  EXPECT_EQ(stepped->step(), 1);
+  int64_t tokens = 0;
+  for (uint64_t seq_id = 1; seq_id <= 4; ++seq_id) {
+    tokens += TokensOf(Samples(seq_id));
+  }
+  EXPECT_EQ(stepped->normalizer(), tokens);  // each seq_id ran once
 }
 
 TEST_F(ReliabilityE2eTest, SigtermDrainsWhileNotServingThenExitsZero) {
