@@ -4,12 +4,13 @@
 // retries get the original response, gaps time out into a poisoned window,
 // requests that expired or were cancelled before they ran are not executed,
 // the request budget refuses at once (and never the retry a window waits
-// for), SIGTERM drains and finishes, and
+// for), retries get the first answer's bytes, SIGTERM drains and finishes, and
 // randomized hostile clients and a 32-client soak leave the models exactly
 // where a clean run puts them.
 #include <google/protobuf/util/message_differencer.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/support/client_interceptor.h>
 #include <signal.h>
 #include <unistd.h>
@@ -119,6 +120,32 @@ v1::GetModelRequest Get(const std::string& model_id) {
   v1::GetModelRequest request;
   request.set_model_id(model_id);
   return request;
+}
+
+// The bytes of `method`'s response to `request` as the server sent them,
+// unparsed, or the error.
+absl::StatusOr<std::string> RawCall(grpc::GenericStub& stub,
+                                    const std::string& method,
+                                    const google::protobuf::Message& request) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+  const std::string bytes = request.SerializeAsString();
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer sent(&slice, 1);
+  grpc::ByteBuffer received;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, absl::StrCat("/tally.v1.Trainer/", method),
+                 grpc::StubOptions(), &sent, &received,
+                 [&done](grpc::Status status) { done.set_value(status); });
+  const grpc::Status status = done.get_future().get();
+  if (!status.ok()) return FromGrpcStatus(status);
+  std::vector<grpc::Slice> slices;
+  if (!received.Dump(&slices).ok()) return absl::InternalError("no response");
+  std::string response;
+  for (const grpc::Slice& part : slices) {
+    response.append(reinterpret_cast<const char*>(part.begin()), part.size());
+  }
+  return response;
 }
 
 int64_t TokensOf(const std::vector<v1::Sample>& samples) {
@@ -561,6 +588,55 @@ TEST_F(ReliabilityE2eTest, GivingUpUnderBackPressurePoisonsNoWindow) {
     tokens += TokensOf(Samples(seq_id));
   }
   EXPECT_EQ(stepped->normalizer(), tokens);  // each seq_id ran once
+}
+
+// A retry is answered with the bytes its first caller got: the cached
+// response, parsed and sent again, serializes to the same bytes, however
+// its metrics map is ordered in memory.
+TEST_F(ReliabilityE2eTest, RetriesGetTheSameResponseBytes) {
+  Stub* stub = Start({});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "bytes");
+  TrainerClientOptions options;
+  options.target = server_->grpc_target();
+  grpc::GenericStub raw(TrainerClient::MakeChannel(options));
+  const std::vector<
+      std::pair<std::string, std::shared_ptr<google::protobuf::Message>>>
+      calls = {
+          {"ForwardBackward", std::make_shared<v1::ForwardBackwardRequest>(
+                                  Fb("bytes", 1, Samples(1)))},
+          {"ForwardBackward", std::make_shared<v1::ForwardBackwardRequest>(
+                                  Fb("bytes", 2, Samples(2)))},
+          {"OptimStep",
+           std::make_shared<v1::OptimStepRequest>(Step("bytes", 3))},
+      };
+  constexpr int kRetries = 20;
+  for (const auto& [method, request] : calls) {
+    const absl::StatusOr<std::string> first = RawCall(raw, method, *request);
+    ASSERT_TRUE(first.ok()) << method << ": " << first.status();
+    // The responses carry maps of several entries: their order is what a
+    // serialization could change.
+    int metrics = 0;
+    if (method == "OptimStep") {
+      v1::OptimStepResponse response;
+      ASSERT_TRUE(response.ParseFromString(*first));
+      metrics = response.metrics_size();
+    } else {
+      v1::ForwardBackwardResponse response;
+      ASSERT_TRUE(response.ParseFromString(*first));
+      metrics = response.metrics_size();
+    }
+    EXPECT_GE(metrics, 3) << method;
+    int different = 0;
+    for (int i = 0; i < kRetries; ++i) {
+      const absl::StatusOr<std::string> retry = RawCall(raw, method, *request);
+      ASSERT_TRUE(retry.ok()) << method << ": " << retry.status();
+      if (*retry != *first) ++different;
+    }
+    EXPECT_EQ(different, 0) << method << " (of " << kRetries << " retries)";
+  }
+  EXPECT_EQ(Metric("tally_duplicate_requests_total", {{"model_id", "bytes"}}),
+            3 * kRetries);
 }
 
 TEST_F(ReliabilityE2eTest, SigtermDrainsWhileNotServingThenExitsZero) {
