@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "base/log.h"
+#include "server/deterministic_serialization.h"
 #include "server/flags.h"
 #include "server/launcher.h"
 #include "server/server.h"
@@ -31,6 +32,8 @@ void ExecAgainWithPassiveOpenMp(char** argv) {
 
 int main(int argc, char** argv) {
   ExecAgainWithPassiveOpenMp(argv);
+  // A retry gets the bytes its first execution's caller got.
+  tally::MakeSerializationDeterministic();
   absl::StatusOr<tally::ParsedFlags> flags =
       tally::ParseServerFlags(argc, argv);
   if (!flags.ok()) {

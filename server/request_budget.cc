@@ -57,9 +57,19 @@ void RequestBudget::Release(const std::string& tenant,
   if (!model_id.empty()) Give(per_model_, model_id);
 }
 
+bool RequestBudget::AcquireReserved(const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  return reserved_.insert(model_id).second;
+}
+
+void RequestBudget::ReleaseReserved(const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  reserved_.erase(model_id);
+}
+
 size_t RequestBudget::held() const {
   absl::MutexLock lock(&mu_);
-  return total_;
+  return total_ + reserved_.size();
 }
 
 }  // namespace tally

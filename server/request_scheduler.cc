@@ -24,11 +24,11 @@ RequestScheduler::RequestScheduler(RequestSchedulerOptions options,
                                 hooks_.on_gap_closed}) {}
 
 std::function<void(const absl::Status&)> RequestScheduler::ReplyOnce(
-    std::string tenant, std::string model_id,
+    std::string tenant, std::string model_id, bool reserved,
     std::function<void(const absl::Status&)> reply) {
   auto replied = std::make_shared<std::atomic<bool>>(false);
   return [this, replied, tenant = std::move(tenant),
-          model_id = std::move(model_id),
+          model_id = std::move(model_id), reserved,
           reply = std::move(reply)](const absl::Status& status) {
     if (replied->exchange(true)) {
       ++extra_replies_;
@@ -38,7 +38,11 @@ std::function<void(const absl::Status&)> RequestScheduler::ReplyOnce(
                        status.ToString(), ") is dropped"));
       return;
     }
-    budget_.Release(tenant, model_id);
+    if (reserved) {
+      budget_.ReleaseReserved(model_id);
+    } else {
+      budget_.Release(tenant, model_id);
+    }
     if (hooks_.on_held) hooks_.on_held(budget_.held());
     reply(status);
   };
@@ -65,20 +69,45 @@ absl::Status RequestScheduler::RunGuarded(const ScheduledRequest& request) {
                    "); its accumulation window is poisoned"));
 }
 
-void RequestScheduler::Schedule(ScheduledRequest request) {
-  if (absl::Status admitted = budget_.Acquire(request.tenant, request.model_id);
-      !admitted.ok()) {
+absl::Status RequestScheduler::Admit(const ScheduledRequest& request,
+                                     bool* reserved) {
+  *reserved = false;
+  absl::Status admitted = budget_.Acquire(request.tenant, request.model_id);
+  // The request every waiting one of its model needs: refusing it could
+  // only end in a gap timeout.
+  if (!admitted.ok() && request.seq_id > 0 &&
+      sequencer_.NextSeqId(request.model_id).value_or(0) == request.seq_id &&
+      budget_.AcquireReserved(request.model_id)) {
+    *reserved = true;
+    return absl::OkStatus();
+  }
+  return admitted;
+}
+
+RequestTicket RequestScheduler::Schedule(ScheduledRequest request) {
+  RequestTicket ticket;
+  bool reserved = false;
+  if (absl::Status admitted = Admit(request, &reserved); !admitted.ok()) {
     request.reply(admitted);
-    return;
+    return ticket;
   }
   if (hooks_.on_held) hooks_.on_held(budget_.held());
-  request.reply =
-      ReplyOnce(request.tenant, request.model_id, std::move(request.reply));
+  request.reply = ReplyOnce(request.tenant, request.model_id, reserved,
+                            std::move(request.reply));
   if (request.seq_id == 0) {
     ScheduleUnsequenced(std::move(request));
-  } else {
-    ScheduleSequenced(std::move(request));
+    return ticket;
   }
+  ticket.model_id = request.model_id;
+  ticket.seq_id = request.seq_id;
+  ticket.caller_id = ++last_caller_id_;
+  ScheduleSequenced(std::move(request), ticket.caller_id);
+  return ticket;
+}
+
+void RequestScheduler::Withdraw(const RequestTicket& ticket,
+                                const absl::Status& status) {
+  sequencer_.Withdraw(ticket.model_id, ticket.seq_id, ticket.caller_id, status);
 }
 
 void RequestScheduler::ScheduleUnsequenced(ScheduledRequest request) {
@@ -94,9 +123,11 @@ void RequestScheduler::ScheduleUnsequenced(ScheduledRequest request) {
   }
 }
 
-void RequestScheduler::ScheduleSequenced(ScheduledRequest request) {
+void RequestScheduler::ScheduleSequenced(ScheduledRequest request,
+                                         uint64_t caller_id) {
   auto shared = std::make_shared<ScheduledRequest>(std::move(request));
   SequencedRequest sequenced;
+  sequenced.caller_id = caller_id;
   sequenced.seq_id = shared->seq_id;
   sequenced.fingerprint = shared->fingerprint;
   sequenced.precheck = [shared] { return shared->precheck(); };

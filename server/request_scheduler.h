@@ -1,15 +1,17 @@
 // RequestScheduler: the way of one validated request to its one reply,
 // without gRPC or the engine.
 //
-// It takes a slot of the request budget (RESOURCE_EXHAUSTED when full),
-// queues the request's command on the CommandExecutor — at once when
-// unsequenced (seq_id 0), through the Sequencer (exactly once, in seq_id
-// order) when sequenced —, runs it unless the caller gave up (`precheck`),
-// gives the slot back and replies. Every request is replied to exactly once,
-// whatever happens to its model meanwhile (deleted, re-created, restored) or
-// to the server (stopping). A command that throws is answered INTERNAL and
-// reported to `on_command_exception` (the service poisons that model's
-// window); the process goes on.
+// It takes a slot of the request budget (RESOURCE_EXHAUSTED when full; the
+// model's next seq_id gets the model's reserved slot then), queues the
+// request's command on the CommandExecutor — at once when unsequenced
+// (seq_id 0), through the Sequencer (exactly once, in seq_id order) when
+// sequenced —, runs it unless the caller gave up (`precheck`), gives the slot
+// back and replies. A sequenced request whose caller gives up while it waits
+// is answered and gives its slot back at once (`Withdraw`). Every request is
+// replied to exactly once, whatever happens to its model meanwhile (deleted,
+// re-created, restored) or to the server (stopping). A command that throws is
+// answered INTERNAL and reported to `on_command_exception` (the service poisons
+// that model's window); the process goes on.
 //
 //   tally::RequestScheduler scheduler(options, &executor, hooks);
 //   tally::ScheduledRequest request;
@@ -23,7 +25,9 @@
 //     return response.ParseFromString(bytes);
 //   };
 //   request.reply = [&](const absl::Status& status) { Finish(status); };
-//   scheduler.Schedule(std::move(request));
+//   tally::RequestTicket ticket = scheduler.Schedule(std::move(request));
+//   ...  // the client cancelled, or its deadline passed:
+//   scheduler.Withdraw(ticket, absl::CancelledError("cancelled"));
 #ifndef TALLY_SERVER_REQUEST_SCHEDULER_H_
 #define TALLY_SERVER_REQUEST_SCHEDULER_H_
 
@@ -62,6 +66,13 @@ struct ScheduledRequest {
   std::function<void(const absl::Status& status)> reply;
 };
 
+// Names a scheduled request for RequestScheduler::Withdraw.
+struct RequestTicket {
+  std::string model_id;
+  uint64_t seq_id = 0;
+  uint64_t caller_id = 0;  // 0: nothing to withdraw
+};
+
 struct RequestSchedulerOptions {
   SequencerOptions sequencing;
   // Requests held at once (waiting, queued or executing), overall, per
@@ -91,7 +102,15 @@ class RequestScheduler {
   RequestScheduler(const RequestScheduler&) = delete;
   RequestScheduler& operator=(const RequestScheduler&) = delete;
 
-  void Schedule(ScheduledRequest request);
+  // The ticket names a sequenced request for Withdraw; it may have been
+  // answered already.
+  RequestTicket Schedule(ScheduledRequest request);
+  // The caller of `ticket`'s request gave up (`status`: CANCELLED,
+  // DEADLINE_EXCEEDED). A sequenced request still waiting for its turn is
+  // answered `status` at once, gives its slot back and does not run (its
+  // seq_id stays unused, unless a retry joined it); a running, answered or
+  // unsequenced one is left alone (its precheck decides at its turn).
+  void Withdraw(const RequestTicket& ticket, const absl::Status& status);
 
   // Models come and go through it (AddModel / RemoveModel / ImportState).
   Sequencer& sequencer() { return sequencer_; }
@@ -103,21 +122,26 @@ class RequestScheduler {
   uint64_t extra_replies() const { return extra_replies_; }
 
  private:
+  // A slot of the budget for `request`: a shared one, or when those are
+  // full and the request is its model's next seq_id, the model's reserved
+  // one (`*reserved`).
+  absl::Status Admit(const ScheduledRequest& request, bool* reserved);
   // `reply` wrapped to give the budget slot back and to refuse a second
   // call.
   std::function<void(const absl::Status&)> ReplyOnce(
-      std::string tenant, std::string model_id,
+      std::string tenant, std::string model_id, bool reserved,
       std::function<void(const absl::Status&)> reply);
   // `request.run`, with an exception turned into INTERNAL.
   absl::Status RunGuarded(const ScheduledRequest& request);
   void ScheduleUnsequenced(ScheduledRequest request);
-  void ScheduleSequenced(ScheduledRequest request);
+  void ScheduleSequenced(ScheduledRequest request, uint64_t caller_id);
 
   CommandExecutor* executor_;
   const RequestSchedulerHooks hooks_;
   RequestBudget budget_;
   Sequencer sequencer_;
   std::atomic<uint64_t> extra_replies_{0};
+  std::atomic<uint64_t> last_caller_id_{0};
 };
 
 }  // namespace tally

@@ -300,18 +300,49 @@ void Sequencer::Submit(const std::string& model_id, SequencedRequest request) {
       }
     } else {
       auto [slot, inserted] = queue.pending.try_emplace(seq_id);
-      if (!inserted && slot->second.fingerprint != request.fingerprint) {
+      // A dispatched seq_id whose callers all withdrew is still unused.
+      const bool taken = slot->second.running || !slot->second.callers.empty();
+      if (taken && slot->second.fingerprint != request.fingerprint) {
         answer(ReasonError(
             ErrorReason::kSeqIdReused,
             absl::StrCat("seq_id ", seq_id, " of model '", model_id,
                          "' is already taken by a pending request with "
                          "a different payload")));
       } else {
-        if (!inserted && hooks_.on_duplicate) hooks_.on_duplicate(model_id);
+        if (taken && hooks_.on_duplicate) hooks_.on_duplicate(model_id);
         slot->second.fingerprint = request.fingerprint;
         slot->second.callers.push_back(std::move(request));
         if (inserted) Advance(it->second, replies);
       }
+    }
+  }
+  Send(replies);
+}
+
+void Sequencer::Withdraw(const std::string& model_id, uint64_t seq_id,
+                         uint64_t caller_id, const absl::Status& status) {
+  if (caller_id == 0) return;
+  Replies replies;
+  {
+    absl::MutexLock lock(&mu_);
+    auto model = models_.find(model_id);
+    if (model == models_.end()) return;
+    ModelQueue& queue = *model->second;
+    auto waiting = queue.pending.find(seq_id);
+    if (waiting == queue.pending.end()) return;
+    std::vector<SequencedRequest>& callers = waiting->second.callers;
+    auto caller = std::find_if(callers.begin(), callers.end(),
+                               [caller_id](const SequencedRequest& r) {
+                                 return r.caller_id == caller_id;
+                               });
+    if (caller == callers.end()) return;
+    replies.push_back({std::move(*caller), {status, ""}});
+    callers.erase(caller);
+    // A dispatched seq_id stays for RunNext, which finds it empty.
+    const bool dispatched = queue.dispatched && seq_id == queue.next_seq_id;
+    if (callers.empty() && !waiting->second.running && !dispatched) {
+      queue.pending.erase(waiting);
+      Advance(model->second, replies);  // closes the gap if none waits
     }
   }
   Send(replies);
@@ -374,6 +405,7 @@ void Sequencer::RunNext(const std::shared_ptr<ModelQueue>& queue) {
         fingerprint = waiting->second.fingerprint;
         callers = std::move(waiting->second.callers);
         waiting->second.callers.clear();
+        waiting->second.running = !callers.empty();
       }
       if (callers.empty() || removed) {
         // Every caller gave up (the seq_id stays unused for their retry), or

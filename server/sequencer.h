@@ -12,7 +12,9 @@
 //     `gap_timeout`, `on_gap_timeout` runs (the caller poisons the window) and
 //     every waiting request of the model gets ABORTED;
 //   - a caller that gave up before its request ran (see `precheck`) leaves the
-//     seq_id unused, so its retry executes it;
+//     seq_id unused, so its retry executes it; a caller that gives up while
+//     it waits is answered at once through `Withdraw` (and forgotten), not
+//     only when its turn comes;
 //   - every caller is answered exactly once: removing a model answers its
 //     waiting callers NOT_FOUND and forgets them, and work dispatched for a
 //     removed model runs nothing. A model's queue is its incarnation: a model
@@ -79,6 +81,9 @@ struct SequencedRequest {
   // Answers the caller: called exactly once, never under the sequencer's
   // lock.
   std::function<void(const SequencedOutcome&)> reply;
+  // Names this caller for `Withdraw`: unique among the Sequencer's callers
+  // (0: never withdrawn).
+  uint64_t caller_id = 0;
 };
 
 struct SequencerOptions {
@@ -155,6 +160,14 @@ class Sequencer {
   // Answers at once (cached outcome, ALREADY_EXISTS, NOT_FOUND, the Stop
   // status), or queues the request until its turn. request.seq_id > 0.
   void Submit(const std::string& model_id, SequencedRequest request);
+  // The caller `caller_id` of `seq_id` gave up (`status`: CANCELLED,
+  // DEADLINE_EXCEEDED). If it is still waiting — not yet taken to run — it
+  // is answered `status` now and forgotten: a seq_id left without callers
+  // does not run (it stays unused for a retry), and requests it held back
+  // wait on as before. Otherwise (running, answered, unknown) nothing
+  // happens; a running caller gets the outcome.
+  void Withdraw(const std::string& model_id, uint64_t seq_id,
+                uint64_t caller_id, const absl::Status& status);
 
   // NOT_FOUND for an unknown model.
   absl::StatusOr<uint64_t> NextSeqId(const std::string& model_id) const;
@@ -173,6 +186,9 @@ class Sequencer {
   struct Waiting {
     uint64_t fingerprint = 0;
     std::vector<SequencedRequest> callers;
+    // RunNext took callers of it to run: its fingerprint holds even while
+    // `callers` (those who joined since) is empty.
+    bool running = false;
   };
   struct ModelQueue {
     std::string model_id;

@@ -20,6 +20,7 @@
 #include "base/status.h"
 #include "runtime/checkpoint.h"
 #include "runtime/memory_estimate.h"
+#include "server/cancellable_reactor.h"
 #include "server/commands.h"
 #include "server/convert.h"
 #include "server/path_confinement.h"
@@ -51,6 +52,19 @@ absl::Status StoppedBeforeRunning() {
   return ReasonError(ErrorReason::kShuttingDown,
                      "the server is shutting down before this request ran; "
                      "retry it on the restarted server");
+}
+
+// Why the caller of `context` no longer waits for the answer (its deadline
+// passed, or it cancelled); OK while it does.
+absl::Status CallerGaveUp(grpc::CallbackServerContext* context) {
+  if (context->deadline() < std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError(
+        "the deadline passed before the request ran");
+  }
+  if (context->IsCancelled()) {
+    return absl::CancelledError("cancelled by the client before it ran");
+  }
+  return absl::OkStatus();
 }
 
 // `first` unless it is OK, then `second`.
@@ -170,14 +184,7 @@ absl::Status TrainerService::Accepting() const {
 absl::Status TrainerService::Precheck(
     grpc::CallbackServerContext* context) const {
   TALLY_RETURN_IF_ERROR(Accepting());
-  if (context->IsCancelled()) {
-    return absl::CancelledError("cancelled by the client before it ran");
-  }
-  if (context->deadline() < std::chrono::system_clock::now()) {
-    return absl::DeadlineExceededError(
-        "the deadline passed before the request ran");
-  }
-  return absl::OkStatus();
+  return CallerGaveUp(context);
 }
 
 absl::Status TrainerService::RunCommand(
@@ -418,7 +425,7 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
     const Call& call, absl::Status validation,
     std::function<absl::Status()> command) {
   grpc::CallbackServerContext* context = call.context;
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto* reactor = new CancellableReactor;
   const absl::StatusOr<std::string> tenant = AuthenticateCall(*context);
   if (!tenant.ok()) {
     Finish(call.method, reactor, tenant.status());
@@ -475,7 +482,14 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
   scheduled.load_response = [response](const std::string& bytes) {
     return response->ParseFromString(bytes);
   };
-  scheduler_.Schedule(std::move(scheduled));
+  const RequestTicket ticket = scheduler_.Schedule(std::move(scheduled));
+  // A caller that gives up while its request waits for its seq_id's turn
+  // is answered now and gives its budget slot back.
+  reactor->OnCancelled([this, context, ticket] {
+    absl::Status why = CallerGaveUp(context);
+    if (why.ok()) why = absl::CancelledError("the call was cancelled");
+    scheduler_.Withdraw(ticket, why);
+  });
   return reactor;
 }
 

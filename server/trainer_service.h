@@ -10,8 +10,9 @@
 // order) when sequenced —, and exactly one reply. The executor runs the
 // command's entry of the command table on every rank (commands.h) and
 // finishes the RPC. A request whose client cancelled it or whose deadline
-// passed before it ran is not executed; a command that throws is answered
-// INTERNAL with its model's window poisoned.
+// passed before it ran is not executed; a sequenced one is answered as soon as
+// gRPC reports it (CancellableReactor), giving its budget slot back. A
+// command that throws is answered INTERNAL with its model's window poisoned.
 //
 // Checkpoints carry each model's sequencing state (next seq_id, cached
 // outcomes) in their server_state, so a resumed server continues the seq_ids.

@@ -3,12 +3,14 @@
 // what the server answered). Sequenced requests run once and in order,
 // retries get the original response, gaps time out into a poisoned window,
 // requests that expired or were cancelled before they ran are not executed,
-// the request budget refuses at once, SIGTERM drains and finishes, and
+// the request budget refuses at once (and never the retry a window waits
+// for), retries get the first answer's bytes, SIGTERM drains and finishes, and
 // randomized hostile clients and a 32-client soak leave the models exactly
 // where a clean run puts them.
 #include <google/protobuf/util/message_differencer.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/support/client_interceptor.h>
 #include <signal.h>
 #include <unistd.h>
@@ -118,6 +120,32 @@ v1::GetModelRequest Get(const std::string& model_id) {
   v1::GetModelRequest request;
   request.set_model_id(model_id);
   return request;
+}
+
+// The bytes of `method`'s response to `request` as the server sent them,
+// unparsed, or the error.
+absl::StatusOr<std::string> RawCall(grpc::GenericStub& stub,
+                                    const std::string& method,
+                                    const google::protobuf::Message& request) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+  const std::string bytes = request.SerializeAsString();
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer sent(&slice, 1);
+  grpc::ByteBuffer received;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, absl::StrCat("/tally.v1.Trainer/", method),
+                 grpc::StubOptions(), &sent, &received,
+                 [&done](grpc::Status status) { done.set_value(status); });
+  const grpc::Status status = done.get_future().get();
+  if (!status.ok()) return FromGrpcStatus(status);
+  std::vector<grpc::Slice> slices;
+  if (!received.Dump(&slices).ok()) return absl::InternalError("no response");
+  std::string response;
+  for (const grpc::Slice& part : slices) {
+    response.append(reinterpret_cast<const char*>(part.begin()), part.size());
+  }
+  return response;
 }
 
 int64_t TokensOf(const std::vector<v1::Sample>& samples) {
@@ -496,6 +524,119 @@ TEST_F(ReliabilityE2eTest, AFullRequestBudgetRefusesAtOnce) {
   }
   await_depth(0);
   EXPECT_EQ(Info(*stub, "a").accumulated_calls(), 0);
+}
+
+// The example of docs/reliability.md ("Back-pressure and retries"):
+// --max-queued-requests-per-model 3, the executor busy; seq_ids 1-3 and then
+// 4 sent with 0.3 s deadlines that pass while they wait. Their slots come back
+// when the deadlines pass (not when their turn would come), so the retries get
+// in, run once each, and the window is not poisoned by the gap timeout.
+TEST_F(ReliabilityE2eTest, GivingUpUnderBackPressurePoisonsNoWindow) {
+  Stub* stub = Start(
+      {"--max-queued-requests-per-model", "3", "--seq-gap-timeout-secs", "4"});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "m");
+  Create(*stub, "busy");
+  const v1::ForwardBackwardRequest long_call = LongCall(*stub, "busy", 2.0);
+  auto busy = std::async(std::launch::async, [&] {
+    return Send(&Stub::ForwardBackward, *stub, long_call);
+  });
+  auto await_depth = [&](double depth) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(20);
+    while (Metric("tally_queue_depth", {}) != depth && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_EQ(Metric("tally_queue_depth", {}), depth);
+  };
+  await_depth(1);  // the long call holds the executor
+  auto expiring = [&](uint64_t seq_id) {
+    return std::async(std::launch::async, [this, seq_id] {
+      std::unique_ptr<Stub> own = NewStub();
+      return Send(&Stub::ForwardBackward, *own,
+                  Fb("m", seq_id, Samples(seq_id)), absl::Milliseconds(300));
+    });
+  };
+  std::vector<std::future<absl::StatusOr<v1::ForwardBackwardResponse>>> sent;
+  for (uint64_t seq_id = 1; seq_id <= 3; ++seq_id) {
+    sent.push_back(expiring(seq_id));
+  }
+  for (auto& call : sent) {
+    EXPECT_EQ(call.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  }
+  // Their slots are back while the long call still runs.
+  await_depth(1);
+  auto fourth = expiring(4);
+  EXPECT_EQ(fourth.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  await_depth(1);
+  EXPECT_EQ(busy.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the long call finished before the checks; size it up";
+
+  // The retries, as the docs prescribe: each admitted at the first try.
+  for (uint64_t seq_id = 1; seq_id <= 4; ++seq_id) {
+    const auto retried =
+        Send(&Stub::ForwardBackward, *stub, Fb("m", seq_id, Samples(seq_id)));
+    ASSERT_TRUE(retried.ok())
+        << "seq_id " << seq_id << ": " << retried.status();
+    EXPECT_EQ(retried->accumulated_calls(), static_cast<int64_t>(seq_id));
+  }
+  ASSERT_TRUE(busy.get().ok());
+  const auto stepped = Send(&Stub::OptimStep, *stub, Step("m", 5));
+  ASSERT_TRUE(stepped.ok()) << stepped.status();  // the window is intact
+  EXPECT_EQ(stepped->step(), 1);
+  int64_t tokens = 0;
+  for (uint64_t seq_id = 1; seq_id <= 4; ++seq_id) {
+    tokens += TokensOf(Samples(seq_id));
+  }
+  EXPECT_EQ(stepped->normalizer(), tokens);  // each seq_id ran once
+}
+
+// A retry is answered with the bytes its first caller got: the cached
+// response, parsed and sent again, serializes to the same bytes, however
+// its metrics map is ordered in memory.
+TEST_F(ReliabilityE2eTest, RetriesGetTheSameResponseBytes) {
+  Stub* stub = Start({});
+  ASSERT_NE(stub, nullptr);
+  Create(*stub, "bytes");
+  TrainerClientOptions options;
+  options.target = server_->grpc_target();
+  grpc::GenericStub raw(TrainerClient::MakeChannel(options));
+  const std::vector<
+      std::pair<std::string, std::shared_ptr<google::protobuf::Message>>>
+      calls = {
+          {"ForwardBackward", std::make_shared<v1::ForwardBackwardRequest>(
+                                  Fb("bytes", 1, Samples(1)))},
+          {"ForwardBackward", std::make_shared<v1::ForwardBackwardRequest>(
+                                  Fb("bytes", 2, Samples(2)))},
+          {"OptimStep",
+           std::make_shared<v1::OptimStepRequest>(Step("bytes", 3))},
+      };
+  constexpr int kRetries = 20;
+  for (const auto& [method, request] : calls) {
+    const absl::StatusOr<std::string> first = RawCall(raw, method, *request);
+    ASSERT_TRUE(first.ok()) << method << ": " << first.status();
+    // The responses carry maps of several entries: their order is what a
+    // serialization could change.
+    int metrics = 0;
+    if (method == "OptimStep") {
+      v1::OptimStepResponse response;
+      ASSERT_TRUE(response.ParseFromString(*first));
+      metrics = response.metrics_size();
+    } else {
+      v1::ForwardBackwardResponse response;
+      ASSERT_TRUE(response.ParseFromString(*first));
+      metrics = response.metrics_size();
+    }
+    EXPECT_GE(metrics, 3) << method;
+    int different = 0;
+    for (int i = 0; i < kRetries; ++i) {
+      const absl::StatusOr<std::string> retry = RawCall(raw, method, *request);
+      ASSERT_TRUE(retry.ok()) << method << ": " << retry.status();
+      if (*retry != *first) ++different;
+    }
+    EXPECT_EQ(different, 0) << method << " (of " << kRetries << " retries)";
+  }
+  EXPECT_EQ(Metric("tally_duplicate_requests_total", {{"model_id", "bytes"}}),
+            3 * kRetries);
 }
 
 TEST_F(ReliabilityE2eTest, SigtermDrainsWhileNotServingThenExitsZero) {

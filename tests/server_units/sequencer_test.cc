@@ -314,6 +314,109 @@ TEST_F(SequencerTest, ALiveRetryRunsWhenTheFirstCallerGaveUp) {
   EXPECT_EQ(recorder_.reply("retry").response, "response retry");
 }
 
+// `request` as the caller `caller_id` (for Withdraw).
+SequencedRequest As(uint64_t caller_id, SequencedRequest request) {
+  request.caller_id = caller_id;
+  return request;
+}
+
+TEST_F(SequencerTest, AWithdrawnWaiterIsAnsweredAtOnceAndItsSeqIdStaysUnused) {
+  Submit(As(21, recorder_.Request(2, 20, "2")));
+  Submit(As(31, recorder_.Request(3, 30, "3")));
+  const absl::Status gone = absl::DeadlineExceededError("deadline passed");
+  sequencer_->Withdraw(kModel, 2, 21, gone);
+  // Answered now, not when its turn comes; 3 still waits for 1 and 2.
+  EXPECT_EQ(recorder_.reply("2").status, gone);
+  EXPECT_FALSE(recorder_.replied("3"));
+  // Withdrawing again, or a caller that is not there, changes nothing.
+  sequencer_->Withdraw(kModel, 2, 21, gone);
+  sequencer_->Withdraw(kModel, 3, 99, gone);
+  sequencer_->Withdraw("unknown", 3, 31, gone);
+  EXPECT_FALSE(recorder_.replied("3"));
+
+  // Unused: a different payload may take seq_id 2 now.
+  Submit(As(22, recorder_.Request(2, 25, "2 other")));
+  Submit(As(11, recorder_.Request(1, 10, "1")));
+  dispatch_.RunAll();
+  EXPECT_THAT(recorder_.executed(), ElementsAre(1, 2, 3));
+  EXPECT_EQ(recorder_.reply("2 other").response, "response 2 other");
+  EXPECT_EQ(recorder_.reply("3").response, "response 3");
+  EXPECT_THAT(events(), ::testing::IsEmpty());  // no duplicate, no timeout
+}
+
+TEST_F(SequencerTest, AWithdrawnDispatchedSeqIdRunsNothingUntilItsRetry) {
+  Submit(As(11, recorder_.Request(1, 10, "1")));
+  Submit(As(21, recorder_.Request(2, 20, "2")));
+  ASSERT_EQ(dispatch_.queued(), 1u);  // 1 is handed to the executor
+  sequencer_->Withdraw(kModel, 1, 11, absl::CancelledError("cancelled"));
+  EXPECT_EQ(recorder_.reply("1").status.code(), absl::StatusCode::kCancelled);
+  dispatch_.RunAll();
+  EXPECT_THAT(recorder_.executed(), ::testing::IsEmpty());
+  EXPECT_EQ(NextSeqId(), 1u);
+  EXPECT_FALSE(recorder_.replied("2"));
+
+  // The retry, sent as the docs say, runs it once; 2 follows.
+  Submit(As(12, recorder_.Request(1, 10, "1 retry")));
+  dispatch_.RunAll();
+  EXPECT_THAT(recorder_.executed(), ElementsAre(1, 2));
+  EXPECT_EQ(recorder_.reply("1 retry").response, "response 1 retry");
+  EXPECT_EQ(recorder_.reply("2").response, "response 2");
+}
+
+TEST_F(SequencerTest, ARetryThatJoinedAWithdrawnCallerGetsTheOneExecution) {
+  Submit(As(11, recorder_.Request(1, 10, "1")));
+  Submit(As(12, recorder_.Request(1, 10, "1 joined")));
+  sequencer_->Withdraw(kModel, 1, 11, absl::CancelledError("cancelled"));
+  // Joined while 1 was dispatched but before the first caller withdrew:
+  // the seq_id still runs, once, for the one left.
+  dispatch_.RunAll();
+  EXPECT_THAT(recorder_.executed(), ElementsAre(1));
+  EXPECT_EQ(recorder_.reply("1").status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(recorder_.reply("1 joined").response, "response 1 joined");
+}
+
+TEST_F(SequencerTest, ARunningRequestCannotBeWithdrawn) {
+  std::function<void()> withdraw_while_running;
+  SequencedRequest running = As(11, recorder_.Request(1, 10, "1"));
+  SequencedRequest joined = As(12, recorder_.Request(1, 10, "1 joined"));
+  auto execute = running.execute;
+  running.execute = [&, execute] {
+    // Both callers give up while it executes: it completes, its outcome is
+    // cached, and both are answered with it.
+    sequencer_->Withdraw(kModel, 1, 11, absl::CancelledError("cancelled"));
+    Submit(std::move(joined));
+    sequencer_->Withdraw(kModel, 1, 12, absl::CancelledError("cancelled"));
+    // Taken while it runs, though no caller waits on it now.
+    Submit(As(14, recorder_.Request(1, 15, "1 other")));
+    return execute();
+  };
+  Submit(std::move(running));
+  dispatch_.RunAll();
+  EXPECT_THAT(recorder_.executed(), ElementsAre(1));
+  EXPECT_EQ(recorder_.reply("1").response, "response 1");
+  // A caller that joined the running seq_id was withdrawn: answered at once
+  // (the outcome stays cached for its retry).
+  EXPECT_EQ(recorder_.reply("1 joined").status.code(),
+            absl::StatusCode::kCancelled);
+  Submit(As(13, recorder_.Request(1, 10, "1 retry")));
+  EXPECT_EQ(recorder_.reply("1 retry").response, "response 1");
+  EXPECT_EQ(recorder_.reply("1 other").status.code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(NextSeqId(), 2u);
+}
+
+TEST_F(SequencerTest, WithdrawingEveryWaiterBehindAGapClosesIt) {
+  Submit(As(31, recorder_.Request(3, 30, "3")));
+  Submit(As(41, recorder_.Request(4, 40, "4")));
+  EXPECT_THAT(gap_seconds(), ::testing::IsEmpty());
+  sequencer_->Withdraw(kModel, 3, 31, absl::CancelledError("cancelled"));
+  EXPECT_THAT(gap_seconds(), ::testing::IsEmpty());  // 4 still waits
+  sequencer_->Withdraw(kModel, 4, 41, absl::CancelledError("cancelled"));
+  EXPECT_EQ(gap_seconds().size(), 1u);  // nothing waits: no gap to time out
+  EXPECT_EQ(recorder_.num_replies(), 2u);
+  EXPECT_THAT(events(), ::testing::IsEmpty());
+}
+
 TEST_F(SequencerTest, AGapThatTimesOutAbortsEveryWaitingRequest) {
   Make(absl::Milliseconds(100), 64);
   const absl::Time start = absl::Now();
@@ -716,6 +819,23 @@ TEST(RequestBudgetTest, BoundsTheTotalEachTenantAndEachModel) {
   budget.Release("bob", "bob/m");
   EXPECT_EQ(budget.held(), 0u);
   EXPECT_TRUE(budget.Acquire("alice", "alice/m").ok());
+}
+
+TEST(RequestBudgetTest, EachModelHasOneReservedSlotBeyondEveryLimit) {
+  RequestBudget budget({/*total=*/1, /*per_tenant=*/1, /*per_model=*/1});
+  ASSERT_TRUE(budget.Acquire("alice", "alice/m").ok());
+  EXPECT_EQ(budget.Acquire("alice", "alice/m").code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(budget.AcquireReserved("alice/m"));
+  EXPECT_FALSE(budget.AcquireReserved("alice/m"));  // one per model
+  EXPECT_TRUE(budget.AcquireReserved("alice/n"));
+  EXPECT_EQ(budget.held(), 3u);
+  budget.ReleaseReserved("alice/m");
+  EXPECT_TRUE(budget.AcquireReserved("alice/m"));
+  budget.ReleaseReserved("alice/m");
+  budget.ReleaseReserved("alice/n");
+  budget.Release("alice", "alice/m");
+  EXPECT_EQ(budget.held(), 0u);
 }
 
 }  // namespace
