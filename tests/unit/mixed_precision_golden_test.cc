@@ -7,9 +7,9 @@
 // the same seed. For full (qwen3: q/k norms, tp-replicated weights read in
 // the tp region) and LoRA models, SGD and AdamW, three seeds: two windows,
 // each measured after its calls (the gradients) and after its step (the
-// parameters). The distances are relative L2 over the trainable values
-// this rank holds: mesh bf16 to single float32 against single bf16 to
-// single float32.
+// parameters). The distances are relative L2 over the trainable values,
+// each rank adding the ones it holds and the terms summed over the world:
+// mesh bf16 to single float32 against single bf16 to single float32.
 #include <gtest/gtest.h>
 
 #include <cmath>
