@@ -363,18 +363,29 @@ absl::StatusOr<NamedTensors> LlamaModel::FromHfTensors(
   return ExpertWeightsFromHf(std::move(tensors));
 }
 
-torch::Tensor LlamaModel::Weight(int index) {
+torch::Tensor LlamaModel::Weight(int index, Communicator* tp_sum) {
   if (index < 0) return torch::Tensor();
   const Parameter& p = parameters_[index];
   // ZeRO stages 1 and 2: kept gathered between steps.
-  if (p.gathered != nullptr) return GatheredWeight(p, *sharding_.dp_shard);
+  if (p.gathered != nullptr) {
+    return GatheredWeight(p, *sharding_.dp_shard, tp_sum);
+  }
+  // The tp sum on the master's side of the cast: it adds float32 gradients.
+  const torch::Tensor master =
+      tp_sum == nullptr ? p.tensor
+                        : CopyToTensorParallelRegion(p.tensor, *tp_sum);
   // Mixed precision: the float32 master's bfloat16 copy, made before a
-  // dp_shard gather (which then moves half the bytes); the cast's backward
-  // hands the gradient back to the master in float32.
-  const torch::Tensor local = p.tensor.to(compute_type());
-  if (!p.placements.at(MeshDim::kDpShard).is_shard()) return local;
-  return GatherShardedParameter(local, p.tp_local_shape[0],
-                                *sharding_.dp_shard);
+  // dp_shard gather (which then moves half the bytes); the gradient goes
+  // back to the master in float32, reduce-scattered in float32.
+  if (!p.placements.at(MeshDim::kDpShard).is_shard()) {
+    return master.to(compute_type());
+  }
+  return GatherShardedParameter(master, p.tp_local_shape[0],
+                                *sharding_.dp_shard, compute_type());
+}
+
+torch::Tensor LlamaModel::ReplicatedWeightInTensorParallel(int index) {
+  return Weight(index, sharding_.tp_size() == 1 ? nullptr : sharding_.tp);
 }
 
 torch::Tensor LlamaModel::EnterTensorParallel(const torch::Tensor& x) {
@@ -399,7 +410,8 @@ torch::Tensor LlamaModel::Project(const torch::Tensor& x, int index, int bias) {
 torch::Tensor LlamaModel::LoraFactor(int index) {
   const bool whole_over_tp =
       !parameters_[index].placements.at(MeshDim::kTp).is_shard();
-  return whole_over_tp ? EnterTensorParallel(Weight(index)) : Weight(index);
+  return whole_over_tp ? ReplicatedWeightInTensorParallel(index)
+                       : Weight(index);
 }
 
 torch::Tensor LlamaModel::LeaveRowParallel(const torch::Tensor& x, int bias) {
@@ -455,8 +467,8 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   if (features_.qk_norm) {
     // Replicated weights acting on tp-local heads: entering the tp region
     // sums their gradients over tp.
-    q = RmsNorm(q, EnterTensorParallel(Weight(slot[kQNorm])));
-    k = RmsNorm(k, EnterTensorParallel(Weight(slot[kKNorm])));
+    q = RmsNorm(q, ReplicatedWeightInTensorParallel(slot[kQNorm]));
+    k = RmsNorm(k, ReplicatedWeightInTensorParallel(slot[kKNorm]));
   }
   q = q * cos + RotateHalf(q) * sin;
   k = k * cos + RotateHalf(k) * sin;

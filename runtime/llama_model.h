@@ -125,17 +125,24 @@ class LlamaModel : public CausalLm {
   void IndexParameters(const std::vector<ParameterSpec>& specs,
                        const std::vector<int>& spec_indices);
 
-  // The tp-local weight: the parameter itself, or its dp_shard shards
-  // gathered (differentiably: the backward reduce-scatters), or under ZeRO
-  // stages 1 and 2 its kept gathered copy (runtime/zero.h). An undefined
-  // tensor for index -1.
-  torch::Tensor Weight(int index);
+  // The tp-local weight in the compute dtype: the parameter itself, or its
+  // dp_shard shards gathered (differentiably: the backward reduce-scatters),
+  // or under ZeRO stages 1 and 2 its kept gathered copy (runtime/zero.h).
+  // Its gradient reaches the parameter (a mixed-precision master: float32)
+  // with every sum over ranks run in the parameter's dtype, over `tp_sum`
+  // too when given. An undefined tensor for index -1.
+  torch::Tensor Weight(int index, Communicator* tp_sum = nullptr);
+  // A tp-replicated weight read inside the tp region (qk norms, LoRA
+  // factors whole over tp): Weight with its partial gradients summed over
+  // tp, in the parameter's dtype (Megatron's f on the master's side of the
+  // cast, so a bfloat16 model never rounds that sum).
+  torch::Tensor ReplicatedWeightInTensorParallel(int index);
   // The projection seam: every x W^T (+ b) of a block and the unembedding
   // go through here, with the LoRA term of the projection `index` when it
   // has one.
   torch::Tensor Project(const torch::Tensor& x, int index, int bias = -1);
-  // A LoRA factor, entering the tp region when it is whole on every tp rank
-  // (so its partial gradients sum over tp).
+  // A LoRA factor, ReplicatedWeightInTensorParallel when it is whole on
+  // every tp rank (so its partial gradients sum over tp).
   torch::Tensor LoraFactor(int index);
   // Megatron's f and g: enter / leave a tensor-parallel region.
   torch::Tensor EnterTensorParallel(const torch::Tensor& x);

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/status.h"
 
 namespace tally {
 namespace {
@@ -42,13 +44,23 @@ torch::Tensor ValueOrThrow(absl::StatusOr<torch::Tensor> result,
   return *std::move(result);
 }
 
+// The dtype a sum of `type` values runs in: float32 for bfloat16 and
+// float16, whose partial sums would otherwise be rounded at every addition
+// (NCCL adds them natively), the type itself otherwise.
+torch::ScalarType SumType(torch::ScalarType type) {
+  return type == torch::kBFloat16 || type == torch::kHalf ? torch::kFloat32
+                                                          : type;
+}
+
 // Reduces into a dense buffer of its own: `t` may be an expanded or strided
-// incoming gradient, or an input the caller still holds.
+// incoming gradient, or an input the caller still holds. A low-precision sum
+// runs in float32 and is rounded back once.
 torch::Tensor AllReduceSum(const torch::Tensor& t, Communicator& group,
                            const char* what) {
-  torch::Tensor reduced = t.clone(at::MemoryFormat::Contiguous);
+  torch::Tensor reduced = t.to(SumType(t.scalar_type()), /*non_blocking=*/false,
+                               /*copy=*/true, at::MemoryFormat::Contiguous);
   ThrowIfError(group.AllReduce(reduced, ReduceOp::kSum), what);
-  return reduced;
+  return reduced.to(t.scalar_type());
 }
 
 void CheckFloating(const torch::Tensor& t, const char* name) {
@@ -68,18 +80,36 @@ absl::StatusOr<torch::Tensor> ReduceScatterShards(const torch::Tensor& full,
     pad_sizes[0] = padded_rows - full_dim0;
     padded = torch::cat({full, torch::zeros(pad_sizes, full.options())}, 0);
   }
-  return group.ReduceScatter(padded.contiguous());
+  // A low-precision gradient (cp's key/value blocks) sums in float32 and is
+  // rounded back once, as AllReduceSum's.
+  const torch::ScalarType type = full.scalar_type();
+  if (SumType(type) == type) return group.ReduceScatter(padded.contiguous());
+  TALLY_ASSIGN_OR_RETURN(
+      torch::Tensor shard,
+      group.ReduceScatter(padded.to(SumType(type)).contiguous()));
+  return shard.to(type);
 }
 
 namespace {
+
+// The dtype of the shard (a mixed-precision master: float32) whose gradient
+// a parameter gather's backward reduces: the sum runs in it and lands in it.
+constexpr char kShardTypeKey[] = "shard_type";
+
+torch::ScalarType SavedShardType(AutogradContext* ctx) {
+  return static_cast<torch::ScalarType>(
+      ctx->saved_data.at(kShardTypeKey).toInt());
+}
 
 class GatherShardedParameterFunction
     : public torch::autograd::Function<GatherShardedParameterFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& shard,
-                               int64_t full_dim0, Communicator* group) {
+                               int64_t full_dim0, Communicator* group,
+                               torch::ScalarType compute) {
     SaveGroup(ctx, group);
-    torch::Tensor gathered = ValueOrThrow(group->AllGather(shard),
+    ctx->saved_data[kShardTypeKey] = static_cast<int64_t>(shard.scalar_type());
+    torch::Tensor gathered = ValueOrThrow(group->AllGather(shard.to(compute)),
                                           "GatherShardedParameter all_gather");
     // Shrinking a fresh tensor keeps its leading rows in place: no copy, and
     // the result is not a view callers could trip over.
@@ -90,26 +120,31 @@ class GatherShardedParameterFunction
 
   static variable_list backward(AutogradContext* ctx,
                                 variable_list grad_outputs) {
-    torch::Tensor shard_grad =
-        ValueOrThrow(ReduceScatterShards(grad_outputs[0], SavedGroup(ctx)),
-                     "GatherShardedParameter reduce_scatter");
-    return {shard_grad, torch::Tensor(), torch::Tensor()};
+    torch::Tensor shard_grad = ValueOrThrow(
+        ReduceScatterShards(grad_outputs[0].to(SavedShardType(ctx)),
+                            SavedGroup(ctx)),
+        "GatherShardedParameter reduce_scatter");
+    return {shard_grad, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 // The copy travels as its address, like the group: Parameter::gathered
 // owns it for as long as the model lives.
 constexpr char kCopyKey[] = "copy";
-constexpr char kShardTypeKey[] = "shard_type";
+// The tp group a replicated weight's gradient sums over (0: none).
+constexpr char kTpSumKey[] = "tp_sum";
 
 class UseGatheredCopyFunction
     : public torch::autograd::Function<UseGatheredCopyFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& shard,
-                               GatheredCopy* copy, Communicator* group) {
+                               GatheredCopy* copy, Communicator* group,
+                               Communicator* tp_sum) {
     SaveGroup(ctx, group);
     ctx->saved_data[kCopyKey] =
         static_cast<int64_t>(reinterpret_cast<intptr_t>(copy));
+    ctx->saved_data[kTpSumKey] =
+        static_cast<int64_t>(reinterpret_cast<intptr_t>(tp_sum));
     ctx->saved_data[kShardTypeKey] = static_cast<int64_t>(shard.scalar_type());
     // A view of its own: autograd records its history on the alias, never
     // on the kept tensor.
@@ -120,22 +155,31 @@ class UseGatheredCopyFunction
                                 variable_list grad_outputs) {
     GatheredCopy& copy = *reinterpret_cast<GatheredCopy*>(
         static_cast<intptr_t>(ctx->saved_data.at(kCopyKey).toInt()));
-    const torch::Tensor& grad = grad_outputs[0];
-    // A mixed-precision master takes its gradient in its own dtype.
-    const auto shard_type = static_cast<torch::ScalarType>(
-        ctx->saved_data.at(kShardTypeKey).toInt());
+    Communicator* tp_sum = reinterpret_cast<Communicator*>(
+        static_cast<intptr_t>(ctx->saved_data.at(kTpSumKey).toInt()));
+    // Widened to the shard's dtype first (a mixed-precision master's
+    // float32): the sums run in it and land in it unrounded.
+    const torch::Tensor wide = grad_outputs[0].to(SavedShardType(ctx));
     if (copy.whole_gradient) {
+      const torch::Tensor whole =
+          tp_sum == nullptr
+              ? wide
+              : AllReduceSum(wide, *tp_sum, "UseGatheredCopy tp all_reduce");
       if (!copy.grad.defined()) {
-        copy.grad =
-            torch::zeros(grad.sizes(), grad.options().dtype(shard_type));
+        copy.grad = torch::zeros(whole.sizes(), whole.options());
       }
-      copy.grad.add_(grad);
-      return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+      copy.grad.add_(whole);
+      return {torch::Tensor(), torch::Tensor(), torch::Tensor(),
+              torch::Tensor()};
     }
     torch::Tensor shard_grad =
-        ValueOrThrow(ReduceScatterShards(grad, SavedGroup(ctx)),
+        ValueOrThrow(ReduceScatterShards(wide, SavedGroup(ctx)),
                      "UseGatheredCopy reduce_scatter");
-    return {shard_grad.to(shard_type), torch::Tensor(), torch::Tensor()};
+    if (tp_sum != nullptr) {
+      ThrowIfError(tp_sum->AllReduce(shard_grad, ReduceOp::kSum),
+                   "UseGatheredCopy tp all_reduce");
+    }
+    return {shard_grad, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -262,7 +306,8 @@ torch::Tensor ShardDim0(const torch::Tensor& full, int rank, int size) {
 }
 
 torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
-                                     int64_t full_dim0, Communicator& group) {
+                                     int64_t full_dim0, Communicator& group,
+                                     std::optional<torch::ScalarType> compute) {
   CheckFloating(shard, "GatherShardedParameter: shard");
   TORCH_CHECK(shard.dim() >= 1,
               "GatherShardedParameter: shard must have a dim 0");
@@ -273,11 +318,12 @@ torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
   TORCH_CHECK(shard.size(0) == rows, "GatherShardedParameter: shard has ",
               shard.size(0), " rows but full_dim0 ", full_dim0, " over ",
               group.size(), " ranks needs ", rows);
-  return GatherShardedParameterFunction::apply(shard, full_dim0, &group);
+  return GatherShardedParameterFunction::apply(
+      shard, full_dim0, &group, compute.value_or(shard.scalar_type()));
 }
 
 torch::Tensor UseGatheredCopy(const torch::Tensor& shard, GatheredCopy& copy,
-                              Communicator& group) {
+                              Communicator& group, Communicator* tp_sum) {
   CheckFloating(shard, "UseGatheredCopy: shard");
   CheckFloating(copy.value, "UseGatheredCopy: copy.value");
   TORCH_CHECK(shard.dim() >= 1 && copy.value.dim() == shard.dim() &&
@@ -285,7 +331,7 @@ torch::Tensor UseGatheredCopy(const torch::Tensor& shard, GatheredCopy& copy,
               "UseGatheredCopy: a shard of ", shard.sizes(), " over ",
               group.size(), " ranks does not match the copy's ",
               copy.value.sizes());
-  return UseGatheredCopyFunction::apply(shard, &copy, &group);
+  return UseGatheredCopyFunction::apply(shard, &copy, &group, tp_sum);
 }
 
 torch::Tensor GatherSequenceBlocks(const torch::Tensor& x,

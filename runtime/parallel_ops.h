@@ -11,7 +11,10 @@
 //   op                              forward                 backward
 //   GatherShardedParameter          1 AllGather             1 ReduceScatter
 //   UseGatheredCopy (ZeRO-2)        none                    1 ReduceScatter
-//   UseGatheredCopy (ZeRO-1)        none                    none
+//                                                           (+1 AllReduce
+//                                                           with tp_sum)
+//   UseGatheredCopy (ZeRO-1)        none                    none (1 AllReduce
+//                                                           with tp_sum)
 //   GatherSequenceBlocks            1 AllGather             1 ReduceScatter
 //   ReduceScatterRows               1 ReduceScatter         1 AllGather
 //   CopyToTensorParallelRegion      none                    1 AllReduce(SUM)
@@ -51,6 +54,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/statusor.h"
 #include "runtime/communicator.h"
@@ -71,19 +75,29 @@ torch::Tensor ShardDim0(const torch::Tensor& full, int rank, int size);
 // all-gathers and keeps the first `full_dim0` rows; backward zero-pads the
 // full gradient back to group.size() * shard rows and reduce-scatters it with
 // SUM, so `shard.grad` receives the sum over the group of its rows' gradients
-// (padding rows get zero).
-torch::Tensor GatherShardedParameter(const torch::Tensor& shard,
-                                     int64_t full_dim0, Communicator& group);
+// (padding rows get zero). With `compute` (mixed precision: a float32 master
+// shard, bfloat16 compute) the forward casts the shard before gathering it
+// (half the bytes) and returns `compute`; the backward widens the gradient
+// to shard's dtype before reducing it, so the sum runs and lands in float32
+// and is never rounded to bfloat16.
+torch::Tensor GatherShardedParameter(
+    const torch::Tensor& shard, int64_t full_dim0, Communicator& group,
+    std::optional<torch::ScalarType> compute = std::nullopt);
 
 // ZeRO stages 1 and 2 (runtime/zero.h): the kept `copy.value` as the full
 // parameter of `shard` (this rank's dim-0 shard, whose gradient the op
-// feeds). Forward communicates nothing. Backward: with copy.whole_gradient
-// (stage 1) it adds the gradient to copy.grad (allocated at the first
-// backward, in shard's dtype) and gives `shard` none; otherwise (stage 2) it
-// reduce-scatters the gradient into shard's rows as GatherShardedParameter
-// does. The copy must outlive the graph.
+// feeds). Forward communicates nothing. Backward widens the gradient to
+// shard's dtype (float32 for a mixed-precision master), then: with
+// copy.whole_gradient (stage 1) it adds it to copy.grad (allocated at the
+// first backward) and gives `shard` none; otherwise (stage 2) it
+// reduce-scatters it into shard's rows as GatherShardedParameter does. With
+// `tp_sum` (a tp-replicated weight read inside the tensor-parallel region)
+// the gradient is also summed over that group, in the same dtype: stage 1's
+// whole gradient before it is added, stage 2's shard after its
+// reduce-scatter. The copy must outlive the graph.
 torch::Tensor UseGatheredCopy(const torch::Tensor& shard, GatheredCopy& copy,
-                              Communicator& group);
+                              Communicator& group,
+                              Communicator* tp_sum = nullptr);
 
 // ZeRO's gradient reduce-scatter: the sum over `group` of every rank's
 // `full` [full_dim0, ...], zero-padded to group.size() * ShardRows rows, and
@@ -108,12 +122,14 @@ torch::Tensor GatherSequenceBlocks(const torch::Tensor& x, Communicator& group);
 torch::Tensor ReduceScatterRows(const torch::Tensor& x, Communicator& group);
 
 // Megatron's "f": the input of a column-parallel layer. Forward is the
-// identity; backward sums the partial input gradients of the tp ranks.
+// identity; backward sums the partial input gradients of the tp ranks
+// (bfloat16 ones in float32, rounded back once).
 torch::Tensor CopyToTensorParallelRegion(const torch::Tensor& x,
                                          Communicator& tp);
 
 // Megatron's "g": the output of a row-parallel layer. Forward sums the tp
-// ranks' partial outputs; backward is the identity.
+// ranks' partial outputs (bfloat16 ones in float32, rounded back once);
+// backward is the identity.
 torch::Tensor ReduceFromTensorParallelRegion(const torch::Tensor& x,
                                              Communicator& tp);
 

@@ -4,7 +4,8 @@
 #include "runtime/parallel_ops.h"
 
 namespace tally {
-torch::Tensor GatheredWeight(const Parameter& p, Communicator& dp_shard) {
+torch::Tensor GatheredWeight(const Parameter& p, Communicator& dp_shard,
+                             Communicator* tp_sum) {
   GatheredCopy& copy = *p.gathered;
   TORCH_CHECK(copy.value.defined(), "the gathered copy of ", p.name,
               " was never refreshed");
@@ -12,7 +13,7 @@ torch::Tensor GatheredWeight(const Parameter& p, Communicator& dp_shard) {
   if (!p.tensor.requires_grad() || !torch::GradMode::is_enabled()) {
     return copy.value;
   }
-  return UseGatheredCopy(p.tensor, copy, dp_shard);
+  return UseGatheredCopy(p.tensor, copy, dp_shard, tp_sum);
 }
 
 absl::Status RefreshGatheredCopies(

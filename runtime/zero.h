@@ -44,9 +44,13 @@ namespace tally {
 // pass: its gathered copy, with no collective. Differentiable when p trains:
 // at stage 2 the backward reduce-scatters (SUM) the gradient over `dp_shard`
 // into p.tensor's .grad, as ZeRO-3's GatherShardedParameter does; at stage 1
-// it adds the gradient to p.gathered->grad and communicates nothing. Throws
+// it adds the gradient to p.gathered->grad and communicates nothing. Both
+// reduce in p.tensor's dtype (float32 for a mixed-precision master). With
+// `tp_sum` (a tp-replicated weight read inside the tensor-parallel region)
+// the gradient also sums over that group (UseGatheredCopy). Throws
 // c10::Error when the copy was never gathered (call inside CatchTorch).
-torch::Tensor GatheredWeight(const Parameter& p, Communicator& dp_shard);
+torch::Tensor GatheredWeight(const Parameter& p, Communicator& dp_shard,
+                             Communicator* tp_sum = nullptr);
 
 // Gathers the copy of every parameter of `params` that keeps one and is
 // `selected` from this rank's shard and its dp_shard peers', cast to

@@ -280,6 +280,47 @@ TEST(ParallelOpsTest, TensorParallelMlpMatchesUnsplitMlp) {
   }
 }
 
+// Mixed precision: a float32 master gathered as bfloat16 gets its gradient
+// summed in float32, at stage 3 (GatherShardedParameter) as at stage 1 with
+// a tp sum (UseGatheredCopy's tp_sum). Rank 0's bfloat16 gradient is 1 and
+// rank 1's 2^-8: each is exact in bfloat16, their sum 1 + 2^-8 is not
+// (bfloat16 keeps 8 significant bits), so only a float32 sum keeps it.
+TEST(ParallelOpsTest, MixedPrecisionGradientsSumAndLandInFloat32) {
+  constexpr int kRanks = 2;
+  constexpr int64_t kRows = 4;
+  std::vector<torch::Tensor> gathered(kRanks), shard_grads(kRanks),
+      whole_grads(kRanks);
+  ExpectAllRanksOk(RunOnRanks(kRanks, [&](Communicator& group) {
+    const double scale = group.rank() == 0 ? 1.0 : std::pow(2.0, -8);
+    torch::Tensor shard =
+        Leaf(torch::ones({kRows / kRanks, 3}), torch::kFloat32);
+    torch::Tensor full =
+        GatherShardedParameter(shard, kRows, group, torch::kBFloat16);
+    gathered[group.rank()] = full.detach().clone();
+    (full * scale).sum().backward();
+    shard_grads[group.rank()] = shard.grad().clone();
+
+    GatheredCopy copy;
+    copy.whole_gradient = true;
+    copy.value = torch::ones({kRows, 3}, torch::kBFloat16);
+    torch::Tensor master =
+        Leaf(torch::ones({kRows / kRanks, 3}), torch::kFloat32);
+    (UseGatheredCopy(master, copy, group, /*tp_sum=*/&group) * scale)
+        .sum()
+        .backward();
+    whole_grads[group.rank()] = copy.grad.clone();
+  }));
+  const double sum = 1.0 + std::pow(2.0, -8);
+  for (int rank = 0; rank < kRanks; ++rank) {
+    EXPECT_EQ(gathered[rank].scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(
+        torch::equal(shard_grads[rank], torch::full({kRows / kRanks, 3}, sum)))
+        << "rank " << rank << ": " << shard_grads[rank];
+    EXPECT_TRUE(torch::equal(whole_grads[rank], torch::full({kRows, 3}, sum)))
+        << "rank " << rank << ": " << whole_grads[rank];
+  }
+}
+
 // loss = sum(output) hands the backward an expanded (stride-0) gradient of
 // ones; the reductions must still see every element. Each of the 3 ranks
 // contributes ones, so the SUM is 3 wherever the rank's data is real.
