@@ -103,6 +103,9 @@ class ProcessGroupCommunicator : public Communicator {
   // The backend runs the op on its own threads; the group's collective
   // timeout applies there, so Wait() fails (never hangs) when a peer is gone.
   PendingCollective AllReduceAsync(torch::Tensor tensor, ReduceOp op) override {
+    if (absl::Status broken = failure(); !broken.ok()) {
+      return PendingCollective::Done(broken);
+    }
     stats_.Record(CommOp::kAllReduce, Bytes(tensor));
     if (GlooBFloat16(tensor)) {  // synchronously, through float32
       torch::Tensor wide = tensor.to(torch::kFloat32);
@@ -129,6 +132,7 @@ class ProcessGroupCommunicator : public Communicator {
   }
 
   absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& input) override {
+    TALLY_RETURN_IF_ERROR(failure());
     stats_.Record(CommOp::kAllGather, Bytes(input));
     return Latch(
         CatchTorch("all_gather", [&]() -> absl::StatusOr<torch::Tensor> {
@@ -145,6 +149,7 @@ class ProcessGroupCommunicator : public Communicator {
 
   absl::StatusOr<torch::Tensor> ReduceScatter(
       const torch::Tensor& input) override {
+    TALLY_RETURN_IF_ERROR(failure());
     if (input.dim() == 0 || input.size(0) % size() != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("reduce_scatter: dim 0 of ", c10::str(input.sizes()),
@@ -175,6 +180,7 @@ class ProcessGroupCommunicator : public Communicator {
   }
 
   absl::Status Broadcast(torch::Tensor& tensor, int root) override {
+    TALLY_RETURN_IF_ERROR(failure());
     stats_.Record(CommOp::kBroadcast, Bytes(tensor));
     return Latch(CatchTorch("broadcast", [&] {
       std::vector<at::Tensor> tensors = {Wire(tensor)};
@@ -185,6 +191,7 @@ class ProcessGroupCommunicator : public Communicator {
   }
 
   absl::Status Send(const torch::Tensor& tensor, int dst) override {
+    TALLY_RETURN_IF_ERROR(failure());
     stats_.Record(CommOp::kSend, Bytes(tensor));
     return Latch(CatchTorch("send", [&] {
       std::vector<at::Tensor> tensors = {Wire(tensor.contiguous())};
@@ -193,6 +200,7 @@ class ProcessGroupCommunicator : public Communicator {
   }
 
   absl::Status Recv(torch::Tensor& tensor, int src) override {
+    TALLY_RETURN_IF_ERROR(failure());
     stats_.Record(CommOp::kRecv, Bytes(tensor));
     return Latch(CatchTorch("recv", [&] {
       std::vector<at::Tensor> tensors = {Wire(tensor)};
@@ -202,6 +210,7 @@ class ProcessGroupCommunicator : public Communicator {
 
   absl::Status SendRecv(const torch::Tensor& send, int dst, torch::Tensor& recv,
                         int src) override {
+    TALLY_RETURN_IF_ERROR(failure());
     stats_.Record(CommOp::kSend, Bytes(send));
     stats_.Record(CommOp::kRecv, Bytes(recv));
     return Latch(CatchTorch("send_recv", [&] {
@@ -253,17 +262,65 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator() {
       });
 }
 
+namespace {
+
+// Marks the status AgreeOnStatus returns to a rank for a peer's failure.
+constexpr char kPeerFailurePayload[] = "tally.dev/peer-failure";
+
+bool IsPeerFailure(const absl::Status& status) {
+  return status.GetPayload(kPeerFailurePayload).has_value();
+}
+
+// Every rank of `group` gets `root`'s status (which is not OK there): one
+// broadcast of its code and message length, one of the message.
+absl::StatusOr<absl::Status> ShareStatus(Communicator& group,
+                                         const absl::Status& local, int root) {
+  constexpr size_t kMaxMessage = 4096;
+  std::string message(local.message().substr(0, kMaxMessage));
+  torch::Tensor header = torch::tensor({static_cast<int64_t>(local.code()),
+                                        static_cast<int64_t>(message.size())},
+                                       torch::kInt64);
+  TALLY_RETURN_IF_ERROR(group.Broadcast(header, root));
+  const auto code = static_cast<absl::StatusCode>(header[0].item<int64_t>());
+  message.resize(static_cast<size_t>(header[1].item<int64_t>()));
+  if (!message.empty()) {
+    torch::Tensor bytes = torch::from_blob(
+        message.data(), {static_cast<int64_t>(message.size())}, torch::kUInt8);
+    TALLY_RETURN_IF_ERROR(group.Broadcast(bytes, root));
+  }
+  return absl::Status(
+      code == absl::StatusCode::kOk ? absl::StatusCode::kUnknown : code,
+      message);
+}
+
+}  // namespace
+
 absl::Status AgreeOnStatus(Communicator& group, absl::Status local,
                            absl::string_view what) {
   if (group.size() == 1) return local;
-  torch::Tensor failed =
-      torch::tensor({local.ok() ? 0.0 : 1.0}, torch::kFloat64);
-  TALLY_RETURN_IF_ERROR(group.AllReduce(failed, ReduceOp::kMax));
-  if (!local.ok()) return local;
-  if (failed.item<double>() > 0) {
-    return absl::InternalError(absl::StrCat("another rank failed ", what));
+  // A broken group fails fast rather than agree: its peers are dead, hung or
+  // gone, and waiting for them would take a second collective timeout.
+  if (absl::Status broken = group.failure(); !broken.ok()) {
+    return local.ok() ? broken : local;
   }
-  return absl::OkStatus();
+  // The lowest failing rank, one that failed on its own first (a rank that
+  // only heard of a peer's failure in an earlier agreement passes the word
+  // on): 2n - rank for those, n - rank for the others, 0 when none failed.
+  const int n = group.size(), rank = group.rank();
+  double mine = 0;
+  if (!local.ok()) mine = IsPeerFailure(local) ? n - rank : 2 * n - rank;
+  torch::Tensor first = torch::tensor({mine}, torch::kFloat64);
+  TALLY_RETURN_IF_ERROR(group.AllReduce(first, ReduceOp::kMax));
+  const int failed = static_cast<int>(first.item<double>());
+  if (failed == 0) return absl::OkStatus();
+  const int root = failed > n ? 2 * n - failed : n - failed;
+  TALLY_ASSIGN_OR_RETURN(const absl::Status shared,
+                         ShareStatus(group, local, root));
+  if (!local.ok() && !IsPeerFailure(local)) return local;
+  absl::Status peer(shared.code(), absl::StrCat("rank ", root, " failed ", what,
+                                                ": ", shared.message()));
+  peer.SetPayload(kPeerFailurePayload, absl::Cord());
+  return peer;
 }
 
 }  // namespace tally

@@ -122,8 +122,8 @@ class Communicator {
   const CommStats& stats() const { return stats_; }
 
   // The first error a collective of this group returned, OK while there was
-  // none. After a failure or a timeout the peers may be anywhere in the
-  // operation, so the group cannot be trusted again.
+  // none. After a failure or a timeout the peers may be anywhere in the op, so
+  // the group cannot be trusted again: later collectives fail at once with it.
   absl::Status failure() const;
 
  protected:
@@ -149,10 +149,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeProcessGroupCommunicator(
 // single-rank server runs on, so the collective code path is the real one.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator();
 
-// Every rank of `group` returns an error if any rank's `local` is one: its
-// own, or INTERNAL "another rank failed <what>". One all-reduce (none on a
-// one-rank group), so that no rank goes on with what a peer refused or could
-// not do, e.g. into a collective that peer will never reach.
+// Every rank of `group` returns an error if any rank's `local` is one: its own
+// (unless it echoes an earlier agreement), or the lowest failing group rank
+// r's code with "rank r failed <what>: <its message>". One all-reduce, two more
+// broadcasts on a failure; a one-rank or a failed group returns at once, alone.
 absl::Status AgreeOnStatus(Communicator& group, absl::Status local,
                            absl::string_view what);
 

@@ -13,6 +13,7 @@
 #include "runtime/call_plan.h"
 #include "runtime/call_results.h"
 #include "runtime/checkpoint.h"
+#include "runtime/fault_hook.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/lora.h"
 #include "runtime/loss.h"
@@ -225,6 +226,23 @@ absl::Status CheckAuxiliaryLossesApply(const CausalLm& model,
   return absl::OkStatus();
 }
 
+// Raises `status` as the exception a torch error would be, inside code that
+// reports failures by throwing (the stage callbacks).
+void ThrowIfError(const absl::Status& status) {
+  TORCH_CHECK(status.ok(), status.ToString());
+}
+
+// AgreeOnStatus over `group` on this command, skipped once a collective of
+// `engine` failed: then a peer is dead or hung, agreeing would wait out
+// another timeout, and the rank is done anyway.
+absl::Status AgreeUnlessFailed(const Engine& engine, Communicator& group,
+                               absl::Status local) {
+  if (absl::Status broken = engine.CollectiveFailure(); !broken.ok()) {
+    return local.ok() ? broken : local;
+  }
+  return AgreeOnStatus(group, std::move(local), "this command");
+}
+
 constexpr char kPoisonedTheWindowPayload[] = "tally.dev/poisoned-the-window";
 
 absl::Status MarkPoisonedTheWindow(absl::Status status) {
@@ -377,6 +395,7 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
 
 absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
     ModelSpec spec) {
+  TALLY_RETURN_IF_ERROR(InjectedFault(FaultPoint::kBuildModel));
   const std::string base_key = BaseKey(spec);
   TALLY_ASSIGN_OR_RETURN(std::optional<CheckpointContents> init,
                          ReadInitCheckpoint(spec, base_key));
@@ -587,6 +606,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
       (state.spec.grad_sync == GradSync::kEager || state.replicas_summed);
   std::vector<torch::Tensor> earlier;
   std::unique_ptr<OverlappedGradientSum> overlapped;
+  std::vector<Communicator*> overlapped_groups;
   if (sync_call) {
     for (Parameter& p : model.parameters()) {
       earlier.push_back(p.tensor.grad());
@@ -598,6 +618,9 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     // nor under ZeRO-1, whose shards get their gradients after backward.
     if (options_.overlap_grad_sync && !replica_sets.empty() &&
         !KeepsWholeGradients(model.parameters())) {
+      for (const GradientSet& set : replica_sets) {
+        overlapped_groups.push_back(set.group);
+      }
       TALLY_ASSIGN_OR_RETURN(
           overlapped, OverlappedGradientSum::Create(std::move(replica_sets),
                                                     options_.bucket_mb << 20));
@@ -617,13 +640,25 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
                         torch::TensorOptions().dtype(model.compute_type()));
   };
   stage.forward = [&](size_t b, const torch::Tensor& received) {
+    ThrowIfError(InjectedFault(FaultPoint::kForward));
     return ForwardMicroBatch(model, plan, b, received, last, args, loss,
                              auxiliary, results);
   };
   stage.before_backward = [&](size_t b) {
+    ThrowIfError(InjectedFault(FaultPoint::kBackward));
     // Earlier backwards only accumulate into what the last one sums.
     if (overlapped && b + 1 == plan.num_batches()) overlapped->Arm();
   };
+  // The last backward starts the gradient sums: its replicas agree first,
+  // so that none starts a sum that a replica which failed would not join.
+  if (overlapped) {
+    stage.agree = [&](absl::Status so_far) {
+      for (Communicator* group : overlapped_groups) {
+        so_far = AgreeUnlessFailed(*this, *group, std::move(so_far));
+      }
+      return so_far;
+    };
+  }
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(RunStageSchedule(
       *groups_.pp, plan.num_batches(), !args.forward_only, stage)));
   TALLY_RETURN_IF_ERROR(results.SumOver(*groups_.data_and_cp));
@@ -652,7 +687,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
 }
 
 absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
-  return AgreeOnStatus(*groups_.world, std::move(local), "this command");
+  return AgreeUnlessFailed(*this, *groups_.world, std::move(local));
 }
 
 bool Engine::NeedsGradientSync(CausalLm& model) const {
@@ -877,8 +912,9 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     result.metrics["seconds"] = absl::ToDoubleSeconds(absl::Now() - start);
     return result;
   }
-  absl::Status stepped =
-      AgreeAcrossRanks(state->optimizer->Step(hp, clip.grad_scale));
+  absl::Status stepped = InjectedFault(FaultPoint::kOptimizerUpdate);
+  if (stepped.ok()) stepped = state->optimizer->Step(hp, clip.grad_scale);
+  stepped = AgreeAcrossRanks(stepped);
   if (stepped.ok()) {
     stepped = RefreshGathered(*state->model, ShardsChanged::kStepped);
   }
@@ -970,6 +1006,7 @@ absl::Status Engine::WriteOnRankZero(
       optimizer = full_optimizer.get();
     }
   }
+  if (written.ok()) written = InjectedFault(FaultPoint::kWrite);
   if (writer && written.ok()) written = write(*model, *optimizer);
   return AgreeAcrossRanks(written);
 }
@@ -1081,6 +1118,7 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   auto optimizer = std::make_unique<Optimizer>(state->spec.optimizer,
                                                &state->model->parameters());
   absl::Status staged = [&]() -> absl::Status {
+    TALLY_RETURN_IF_ERROR(InjectedFault(FaultPoint::kLoad));
     TALLY_ASSIGN_OR_RETURN(contents, ReadCheckpoint(path, load_optimizer));
     TALLY_RETURN_IF_ERROR(
         CheckAdapterCheckpoint(contents, state->model->lora(), path));

@@ -13,7 +13,10 @@ void Check(const absl::Status& status) {
   TORCH_CHECK(status.ok(), status.ToString());
 }
 
-// The state of one stage's micro-batches while the schedule runs.
+// The state of one stage's micro-batches while the schedule runs. A
+// callback that throws becomes the stage's failure; from then on the stage
+// runs no callback but keeps its transfers going (zeros in place of what it
+// would have sent), so its neighbours finish their part. Transfers throw.
 class StageRun {
  public:
   StageRun(Communicator& pp, size_t num_batches, bool backward,
@@ -28,6 +31,14 @@ class StageRun {
         outputs_(num_batches),
         output_grads_(num_batches) {}
 
+  // OK until a callback failed on this stage (or an agreement said a peer
+  // did).
+  const absl::Status& failure() const { return failure_; }
+  // What the ranks agree becomes this stage's failure.
+  void Agree(const std::function<absl::Status(absl::Status)>& agree) {
+    failure_ = agree(failure_);
+  }
+
   // `next`: the step after this one, or null.
   void Forward(size_t b, const PipelineStep* next) {
     torch::Tensor input;
@@ -39,37 +50,40 @@ class StageRun {
       if (backward_) inputs_[b].requires_grad_(true);
       input = inputs_[b];
     }
-    torch::Tensor output = callbacks_.forward(b, input);
+    torch::Tensor output;
+    Local([&] { output = callbacks_.forward(b, input); });
     if (!last_) {
+      const torch::Tensor sent = failure_.ok() ? output.detach() : Zeros(b);
       if (next != nullptr && !next->forward) {
         const size_t n = static_cast<size_t>(next->micro_batch);
         output_grads_[n] = callbacks_.boundary_like(n);
-        Check(pp_.SendRecv(output.detach(), stage_ + 1, output_grads_[n],
-                           stage_ + 1));
+        Check(pp_.SendRecv(sent, stage_ + 1, output_grads_[n], stage_ + 1));
       } else {
-        Check(pp_.Send(output.detach(), stage_ + 1));
+        Check(pp_.Send(sent, stage_ + 1));
       }
     }
     if (backward_) outputs_[b] = output;
   }
 
   void Backward(size_t b, const PipelineStep* next) {
-    if (callbacks_.before_backward) callbacks_.before_backward(b);
-    if (last_) {
-      outputs_[b].backward();
-    } else {
-      if (!output_grads_[b].defined()) {
-        output_grads_[b] = callbacks_.boundary_like(b);
-        Check(pp_.Recv(output_grads_[b], stage_ + 1));
-      }
-      // A first stage with nothing to train (a LoRA adapter of the head
-      // only) has an output without a gradient to propagate.
-      if (!first_ || outputs_[b].requires_grad()) {
+    if (callbacks_.before_backward) {
+      Local([&] { callbacks_.before_backward(b); });
+    }
+    if (!last_ && !output_grads_[b].defined()) {
+      output_grads_[b] = callbacks_.boundary_like(b);
+      Check(pp_.Recv(output_grads_[b], stage_ + 1));
+    }
+    Local([&] {
+      if (last_) {
+        outputs_[b].backward();
+      } else if (!first_ || outputs_[b].requires_grad()) {
+        // A first stage with nothing to train (a LoRA adapter of the head
+        // only) has an output without a gradient to propagate.
         outputs_[b].backward(output_grads_[b]);
       }
-    }
+    });
     if (!first_) {
-      const torch::Tensor grad = inputs_[b].grad();
+      const torch::Tensor grad = failure_.ok() ? inputs_[b].grad() : Zeros(b);
       if (next != nullptr && next->forward) {
         const size_t n = static_cast<size_t>(next->micro_batch);
         inputs_[n] = callbacks_.boundary_like(n);
@@ -86,9 +100,19 @@ class StageRun {
   const int stage_;
   const bool first_, last_, backward_;
   const StageCallbacks& callbacks_;
+  absl::Status failure_;
   // Per micro-batch: the received input, the stage's output and, before
   // its backward, the output's gradient.
   std::vector<torch::Tensor> inputs_, outputs_, output_grads_;
+
+  // Runs `fn` (a callback) unless the stage already failed.
+  template <typename Fn>
+  void Local(Fn&& fn) {
+    if (failure_.ok()) failure_ = CatchTorch("forward_backward", fn);
+  }
+  torch::Tensor Zeros(size_t b) const {
+    return callbacks_.boundary_like(b).zero_();
+  }
 };
 
 }  // namespace
@@ -104,11 +128,16 @@ absl::Status RunStageSchedule(Communicator& pp, size_t num_batches,
       steps.push_back({true, static_cast<int>(b)});
     }
   }
-  return CatchTorch("forward_backward", [&] {
+  // Every stage's last step is the backward of its last micro-batch.
+  const size_t agreed_at =
+      backward && callbacks.agree ? steps.size() - 1 : steps.size();
+  absl::Status local;
+  const absl::Status ran = CatchTorch("forward_backward", [&] {
     std::optional<torch::NoGradGuard> no_grad;
     if (!backward) no_grad.emplace();
     StageRun run(pp, num_batches, backward, callbacks);
     for (size_t i = 0; i < steps.size(); ++i) {
+      if (i == agreed_at) run.Agree(callbacks.agree);
       const PipelineStep* next = i + 1 < steps.size() ? &steps[i + 1] : nullptr;
       const size_t b = static_cast<size_t>(steps[i].micro_batch);
       if (steps[i].forward) {
@@ -117,7 +146,10 @@ absl::Status RunStageSchedule(Communicator& pp, size_t num_batches,
         run.Backward(b, next);
       }
     }
+    local = run.failure();
   });
+  // A failed transfer; else this stage's failure.
+  return ran.ok() ? local : ran;
 }
 
 }  // namespace tally

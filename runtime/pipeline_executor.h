@@ -7,7 +7,9 @@
 // needs (as Megatron does), so two neighbours exchanging never wait on each
 // other's send. Every stage planned the same micro-batches, so each knows
 // the shape of what it receives. With one stage it is a plain loop of
-// forward, backward.
+// forward, backward. A stage whose callback fails keeps its transfers going
+// to the end, so one rank's failure never leaves a neighbour waiting for a
+// transfer.
 //
 //   tally::StageCallbacks stage;
 //   stage.boundary_like = [&](size_t b) { return torch::empty(shape(b)); };
@@ -41,11 +43,23 @@ struct StageCallbacks {
   // Optional: right before micro-batch b's backward. Backwards run in
   // micro-batch order.
   std::function<void(size_t b)> before_backward;
+  // Optional, with backward: called by every stage right before its last
+  // backward with the stage's failure so far (OK when none); returns what
+  // the ranks agree (AgreeOnStatus over the ranks of this stage whose
+  // collectives the last backward starts, e.g. its gradient sums). That
+  // becomes the stage's failure: on an error no rank starts what a failed
+  // peer would not finish. (Never a group spanning stages: a neighbour may
+  // wait for this stage's last backward before it can agree.)
+  std::function<absl::Status(absl::Status so_far)> agree;
 };
 
 // `pp`: this rank's pipeline group (group rank = stage). Without `backward`
-// the forwards run under torch::NoGradGuard. A failed transfer or a torch
-// error ends it with INTERNAL (peers then fail on their own transfers).
+// the forwards run under torch::NoGradGuard. A callback that throws does not
+// stop the stage at once: it runs no more callbacks but keeps its transfers
+// going, sending zeros, so that its neighbours finish their part, then
+// returns INTERNAL naming the error (or what `agree` returned). A failed
+// transfer ends it at once with INTERNAL (the group is broken; peers then
+// fail on their own transfers).
 absl::Status RunStageSchedule(Communicator& pp, size_t num_batches,
                               bool backward, const StageCallbacks& callbacks);
 

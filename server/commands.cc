@@ -361,7 +361,7 @@ absl::Status ReceiveCommand(Communicator& control, Command* command,
 }  // namespace
 
 absl::Status CommandLoop(Engine& engine, Communicator& control,
-                         ServerMetrics* metrics) {
+                         ServerMetrics* metrics, ProgressWatch* progress) {
   while (true) {
     Command command = Command::kShutdown;
     std::string payload;
@@ -374,7 +374,11 @@ absl::Status CommandLoop(Engine& engine, Communicator& control,
     }
     const absl::Time start = absl::Now();
     std::string model_id;
-    const absl::Status status = entry->run(engine, payload, &model_id);
+    absl::Status status;
+    {
+      ProgressWatch::Scope running(progress);
+      status = entry->run(engine, payload, &model_id);
+    }
     if (metrics != nullptr) {
       if (status.ok() && entry->observe_seconds != nullptr) {
         (metrics->*entry->observe_seconds)(

@@ -32,6 +32,7 @@
 #include "runtime/communicator.h"
 #include "runtime/engine.h"
 #include "server/metrics.h"
+#include "server/progress_watch.h"
 #include "tally/v1/internal.pb.h"
 #include "tally/v1/trainer.pb.h"
 
@@ -184,9 +185,10 @@ absl::Status PoisonDroppedWindow(Communicator& control, Engine& engine,
 // failed on rank 0 too and is only logged; a failed collective (a dead or hung
 // rank, Engine::CollectiveFailure) or a broken control group ends the loop
 // with its error. `metrics` (nullable) gets this rank's execution times and
-// state after every command.
+// state after every command; `progress` (nullable) marks each one running.
 absl::Status CommandLoop(Engine& engine, Communicator& control,
-                         ServerMetrics* metrics);
+                         ServerMetrics* metrics,
+                         ProgressWatch* progress = nullptr);
 
 }  // namespace tally
 

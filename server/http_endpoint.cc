@@ -134,9 +134,21 @@ void HttpEndpoint::SetReady(bool ready, const std::string& reason) {
             : absl::UnavailableError(absl::StrCat("not ready: ", reason));
 }
 
-absl::Status HttpEndpoint::Readiness() const {
+void HttpEndpoint::SetReadinessCheck(std::function<absl::Status()> check) {
   absl::MutexLock lock(&mu_);
-  return readiness_;
+  check_ = std::move(check);
+}
+
+absl::Status HttpEndpoint::Readiness() const {
+  std::function<absl::Status()> check;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!readiness_.ok() || !check_) return readiness_;
+    check = check_;
+  }
+  const absl::Status checked = check();
+  if (checked.ok()) return checked;
+  return absl::UnavailableError(absl::StrCat("not ready: ", checked.message()));
 }
 
 }  // namespace tally

@@ -5,7 +5,8 @@
 //                 credentials when given (401 otherwise)
 //   GET /healthz  200 while the process serves HTTP (liveness)
 //   GET /readyz   200 while the rank is ready for work, else 503 with the
-//                 reason (draining, a failed rank, not started)
+//                 reason (draining, a failed rank, not started, or what the
+//                 readiness check says: a command that stopped progressing)
 //
 // The probes need no credentials and work whatever the gRPC port's
 // transport, so TLS servers get honest readiness from plain httpGet probes.
@@ -20,6 +21,7 @@
 
 #include <prometheus/registry.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,6 +47,10 @@ class HttpEndpoint {
   int port() const { return port_; }
   // What /readyz answers; `reason` says why when not ready.
   void SetReady(bool ready, const std::string& reason);
+  // Consulted by every /readyz while SetReady says ready: an error makes
+  // the rank not ready, with the error's message as the reason. Called on
+  // the probe's thread, so it must not block.
+  void SetReadinessCheck(std::function<absl::Status()> check);
   // /readyz's answer: OK, or UNAVAILABLE with the reason.
   absl::Status Readiness() const;
 
@@ -62,6 +68,7 @@ class HttpEndpoint {
   mutable absl::Mutex mu_;
   absl::Status readiness_ ABSL_GUARDED_BY(mu_) =
       absl::UnavailableError("starting");
+  std::function<absl::Status()> check_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tally

@@ -25,6 +25,7 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -61,6 +62,10 @@ class ServerMetrics {
   // What the port's /readyz answers (not ready until the first call).
   void SetReady(bool ready, const std::string& reason) {
     http_->SetReady(ready, reason);
+  }
+  // HttpEndpoint::SetReadinessCheck.
+  void SetReadinessCheck(std::function<absl::Status()> check) {
+    http_->SetReadinessCheck(std::move(check));
   }
 
   // Front end (rank 0).

@@ -125,6 +125,27 @@ void SetServing(grpc::Server& server, ServerMetrics& metrics, bool serving,
   metrics.SetReady(serving, reason);
 }
 
+// A rank of a multi-rank world stops making progress when a peer is dead or
+// hung: its /readyz turns 503 once a collective failed or a command has run
+// longer than a collective may wait. Null (nothing watched) on one rank,
+// whose commands wait for no peer.
+std::unique_ptr<ProgressWatch> WatchProgress(const ServerOptions& options,
+                                             const Engine& engine) {
+  if (engine.mesh().world_size() == 1) return nullptr;
+  return std::make_unique<ProgressWatch>(
+      absl::Seconds(options.collective_timeout_secs));
+}
+
+// /readyz's check for `watch` (null: none), which outlives `metrics`.
+void SetReadinessCheck(ServerMetrics& metrics, const Engine& engine,
+                       const ProgressWatch* watch) {
+  if (watch == nullptr) return;
+  metrics.SetReadinessCheck([&engine, watch] {
+    TALLY_RETURN_IF_ERROR(engine.CollectiveFailure());
+    return watch->Check();
+  });
+}
+
 absl::StatusOr<std::string> ReadPem(const char* flag, const std::string& path) {
   const std::string what = absl::StrCat("--", flag);
   TALLY_ASSIGN_OR_RETURN(std::string text, ReadFileText(path, what));
@@ -325,6 +346,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   std::unique_ptr<TallyServer> s(new TallyServer());
   s->options_ = options;
   s->engine_ = std::move(engine);
+  s->progress_ = WatchProgress(options, *s->engine_);
   TALLY_ASSIGN_OR_RETURN(
       const int metrics_port,
       LocalRankPort(options, options.metrics_port, "--metrics-port"));
@@ -334,6 +356,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
       s->metrics_,
       ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
                             s->engine_.get(), std::move(scraper)));
+  SetReadinessCheck(*s->metrics_, *s->engine_, s->progress_.get());
   TALLY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                          ServerCredentials(options));
   TALLY_RETURN_IF_ERROR(ValidateCheckpointAndShutdownFlags(options));
@@ -369,6 +392,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
                           /*tenant_dirs=*/s->authenticator_ != nullptr},
       s->engine_.get(), &s->engine_->control(), s->metrics_.get());
   service_options.checkpointer = s->checkpointer_.get();
+  service_options.progress = s->progress_.get();
   if (options.resume) {
     // Before serving, so no request sees a model half resumed.
     s->resume_ = s->checkpointer_->Resume();
@@ -438,10 +462,13 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
       LocalRankPort(options, options.grpc_port, "--grpc-port"));
   TALLY_ASSIGN_OR_RETURN(std::optional<BasicCredentials> scraper,
                          MetricsScraper(options));
+  const std::unique_ptr<ProgressWatch> progress =
+      WatchProgress(options, *engine);
   TALLY_ASSIGN_OR_RETURN(
       std::unique_ptr<ServerMetrics> metrics,
       ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
                             engine.get(), std::move(scraper)));
+  SetReadinessCheck(*metrics, *engine, progress.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound_grpc_port = 0;
@@ -462,7 +489,8 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
         WritePortFile(absl::StrCat(options.port_file, ".rank", rank),
                       bound_grpc_port, metrics->port()));
   }
-  absl::Status status = CommandLoop(*engine, engine->control(), metrics.get());
+  absl::Status status =
+      CommandLoop(*engine, engine->control(), metrics.get(), progress.get());
   SetServing(*health, *metrics, false,
              absl::StrCat("rank ", rank, " stopped: ", status.ToString()));
   health->Shutdown();

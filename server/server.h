@@ -27,6 +27,7 @@
 #include "server/checkpointer.h"
 #include "server/executor.h"
 #include "server/metrics.h"
+#include "server/progress_watch.h"
 #include "server/trainer_service.h"
 
 namespace tally {
@@ -167,6 +168,8 @@ class TallyServer {
   std::unique_ptr<Engine> engine_;
   // Before metrics_, whose scrapes read its queue depth until destroyed.
   std::unique_ptr<CommandExecutor> executor_;
+  // Before metrics_, whose /readyz reads it (null on one rank).
+  std::unique_ptr<ProgressWatch> progress_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<Authenticator> authenticator_;
   std::unique_ptr<Checkpointer> checkpointer_;

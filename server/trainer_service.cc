@@ -189,7 +189,11 @@ absl::Status TrainerService::Precheck(
 
 absl::Status TrainerService::RunCommand(
     const std::function<absl::Status()>& command) {
-  absl::Status status = command();
+  absl::Status status;
+  {
+    ProgressWatch::Scope running(options_.progress);
+    status = command();
+  }
   absl::Status failure = engine_->CollectiveFailure();
   if (failure.ok()) return status;
   OnRankFailure(failure);

@@ -54,6 +54,7 @@
 #include "server/commands.h"
 #include "server/executor.h"
 #include "server/metrics.h"
+#include "server/progress_watch.h"
 #include "server/request_scheduler.h"
 #include "server/sequencer.h"
 #include "tally/v1/trainer.grpc.pb.h"
@@ -75,6 +76,8 @@ struct TrainerServiceOptions {
   std::string checkpoint_root;
   // Periodic checkpoints after OptimStep. Null: none.
   Checkpointer* checkpointer = nullptr;
+  // Marks each command running (for /readyz). Null: none.
+  ProgressWatch* progress = nullptr;
   // The largest message gRPC sends (--max-message-bytes): a request whose
   // response could exceed it is refused before it runs. 0: no bound.
   int64_t max_message_bytes = 0;

@@ -538,16 +538,37 @@ TEST_F(MultiRankE2eTest, KilledRankStopsTheLauncherWithANonZeroExit) {
             absl::StatusCode::kUnavailable);
 }
 
-// A hung rank (SIGSTOP) blocks the collectives of the next command: rank 0
-// keeps answering health checks meanwhile, answers the command UNAVAILABLE
-// once --collective-timeout-secs passed, turns NOT_SERVING (and /readyz not
-// ready) and exits 1, so the launcher exits non-zero for its supervisor to
-// restart the group.
+// A long ForwardBackward: kLongCallSamples samples of 16 tokens, each a
+// micro-batch of its own under --max-batch-tokens 16, with collectives in
+// every one (tp = 2). Seconds of work even on a fast machine.
+constexpr int kLongCallSamples = 4000;
+
+v1::ForwardBackwardRequest LongCall() {
+  std::mt19937 rng(77);
+  v1::ForwardBackwardRequest request;
+  request.set_model_id(kModelId);
+  request.set_reduction(v1::LOSS_REDUCTION_TOKEN_MEAN);
+  for (int i = 0; i < kLongCallSamples; ++i) {
+    *request.add_samples() = MakeSample(rng, kVocab, 16, 8);
+  }
+  return request;
+}
+
+// A rank that hangs (SIGSTOP) in the middle of a long call leaves rank 0 in
+// one of the call's collectives: rank 0 keeps answering health checks
+// meanwhile, answers the call UNAVAILABLE once --collective-timeout-secs
+// passed (not twice that: nothing waits for the hung rank a second time),
+// turns NOT_SERVING (and /readyz not ready) and exits 1, so the launcher
+// exits non-zero for its supervisor to restart the group.
 TEST_F(MultiRankE2eTest, HungRankIsUnavailableWithinTheCollectiveTimeout) {
+  constexpr absl::Duration kCollectiveTimeout = absl::Seconds(3);
+  // What a loaded 2-core machine may add to the timeout.
+  constexpr absl::Duration kMargin = absl::Milliseconds(2500);
   absl::StatusOr<std::unique_ptr<ServerProcess>> started = ServerProcess::Start(
       ServerBinaryFromEnv(),
-      {"--nproc-per-node", "2", "--tp", "2", "--collective-timeout-secs", "3",
-       "--exit-timeout-secs", "5"});
+      {"--nproc-per-node", "2", "--tp", "2", "--collective-timeout-secs",
+       absl::StrCat(absl::ToInt64Seconds(kCollectiveTimeout)),
+       "--exit-timeout-secs", "5", "--max-batch-tokens", "16"});
   ASSERT_TRUE(started.ok()) << started.status();
   ServerProcess& launcher = **started;
   TrainerClient* client = Connect(launcher);
@@ -555,36 +576,40 @@ TEST_F(MultiRankE2eTest, HungRankIsUnavailableWithinTheCollectiveTimeout) {
   ASSERT_TRUE(client->CreateModel(TinyModelRequest()).ok());
   const std::map<int, pid_t> ranks = RankProcesses(launcher.pid());
   ASSERT_EQ(ranks.size(), 2u) << launcher.ReadLog();
+
+  const v1::ForwardBackwardRequest long_call = LongCall();
+  std::future<absl::StatusOr<v1::ForwardBackwardResponse>> in_flight =
+      std::async(std::launch::async,
+                 [&] { return client->ForwardBackward(long_call); });
+  // Well inside the call (it runs for seconds), which still runs and is
+  // ready: it has not run longer than a collective may wait.
+  absl::SleepFor(absl::Milliseconds(1000));
   EXPECT_EQ(testing::HttpGet(launcher.metrics_port(), "/readyz").value_or("?"),
             "ok\n");
-  ASSERT_EQ(kill(ranks.at(1), SIGSTOP), 0) << std::strerror(errno);
-
-  const absl::Time sent = absl::Now();
-  std::future<absl::StatusOr<StepRecord>> in_flight =
-      std::async(std::launch::async, [&] {
-        return TrainStep(*client, StepCalls(0), v1::LOSS_REDUCTION_TOKEN_MEAN);
-      });
-  absl::SleepFor(absl::Milliseconds(500));
   ASSERT_EQ(in_flight.wait_for(std::chrono::seconds(0)),
-            std::future_status::timeout);
+            std::future_status::timeout)
+      << "the long call ended before the rank was stopped";
+  ASSERT_EQ(kill(ranks.at(1), SIGSTOP), 0) << std::strerror(errno);
+  const absl::Time stopped = absl::Now();
+
   // The liveness path does not wait for the hung collective.
-  const absl::Time probed = absl::Now();
   const auto health =
       testing::CheckHealth(launcher.grpc_target(), absl::Seconds(2));
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
-  EXPECT_LT(absl::Now() - probed, absl::Seconds(1));
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(1));
 
-  const absl::StatusOr<StepRecord> failed = in_flight.get();
+  const absl::StatusOr<v1::ForwardBackwardResponse> failed = in_flight.get();
+  const absl::Duration detected = absl::Now() - stopped;
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable)
       << failed.status();
-  EXPECT_LT(absl::Now() - sent, absl::Seconds(20));
+  EXPECT_LT(detected, kCollectiveTimeout + kMargin);
   // Not ready from then on: 503 until rank 0 exits, then no answer at all.
   EXPECT_FALSE(testing::HttpGet(launcher.metrics_port(), "/readyz").ok());
   // The hung rank wakes up to a group that is gone.
   kill(ranks.at(1), SIGCONT);
   bool exited = false;
-  while (!exited && absl::Now() - sent < absl::Seconds(60)) {
+  while (!exited && absl::Now() - stopped < absl::Seconds(60)) {
     siginfo_t info = {};
     ASSERT_EQ(waitid(P_PID, launcher.pid(), &info, WEXITED | WNOHANG | WNOWAIT),
               0);

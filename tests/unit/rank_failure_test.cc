@@ -1,0 +1,307 @@
+// A failure seen by one rank only fails the command on every rank with that
+// rank's status, and the ranks go on to the next command (the fault hook,
+// runtime/fault_hook.h, makes one rank fail at chosen points); a rank whose
+// collective failed answers at once instead of waiting out another timeout.
+// Real rank processes on loopback (tests/testing/multirank.h).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/status.h"
+#include "runtime/distributed.h"
+#include "runtime/engine.h"
+#include "runtime/fault_hook.h"
+#include "tests/testing/multirank.h"
+#include "tests/testing/test_util.h"
+
+namespace tally {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kFailingRank = 1;
+// Short enough that a rank left waiting (the defect) fails the test quickly.
+constexpr absl::Duration kCollectiveTimeout = absl::Seconds(10);
+
+absl::StatusOr<std::unique_ptr<Engine>> RankEngine(
+    const MeshShape& shape, const RankEnv& env, const EngineOptions& options) {
+  TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+  TALLY_ASSIGN_OR_RETURN(
+      auto groups,
+      ProcessGroups::Create(env, mesh, absl::Seconds(60), kCollectiveTimeout));
+  return Engine::Create(options, mesh, std::move(groups));
+}
+
+// Fails the `nth` (1-based) visit of `point` on kFailingRank until Disarm.
+class InjectedFailure {
+ public:
+  InjectedFailure(int rank, FaultPoint point, int nth = 1) {
+    auto visits = std::make_shared<std::atomic<int>>(0);
+    SetFaultHook([=](FaultPoint at) {
+      if (rank != kFailingRank || at != point || ++*visits != nth) {
+        return absl::OkStatus();
+      }
+      return absl::ResourceExhaustedError("injected fault");
+    });
+  }
+  ~InjectedFailure() { SetFaultHook(nullptr); }
+};
+
+// The status every rank got from one command: the same code everywhere;
+// the failing rank's own message, which the others quote naming it.
+void ExpectFailedAlike(Communicator& world, const absl::Status& status,
+                       absl::StatusCode code) {
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("injected fault"));
+  if (world.rank() != kFailingRank) {
+    EXPECT_THAT(std::string(status.message()),
+                HasSubstr(absl::StrCat("rank ", kFailingRank, " failed")));
+  }
+  // And the same code on every rank, by the ranks' own account.
+  torch::Tensor codes = torch::tensor(
+      {static_cast<double>(status.code()), -static_cast<double>(status.code())},
+      torch::kFloat64);
+  ASSERT_TRUE(world.AllReduce(codes, ReduceOp::kMax).ok());
+  EXPECT_EQ(codes[0].item<double>(), -codes[1].item<double>());
+}
+
+TEST(AgreeOnStatusTest, TheLowestFailingRanksStatusReachesEveryRank) {
+  testing::RunOnRanks(3, [](const RankEnv& env) -> absl::Status {
+    MeshShape shape;
+    shape.dp_replicate = 3;
+    TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+    TALLY_ASSIGN_OR_RETURN(auto groups,
+                           ProcessGroups::Create(env, mesh, absl::Seconds(60),
+                                                 kCollectiveTimeout));
+    Communicator& world = groups->world();
+    EXPECT_TRUE(AgreeOnStatus(world, absl::OkStatus(), "x").ok());
+    EXPECT_EQ(world.stats().TotalCalls(), 1);
+
+    absl::Status local = absl::OkStatus();
+    if (env.rank == 1) local = absl::NotFoundError("no such file");
+    if (env.rank == 2) local = absl::DataLossError("corrupt");
+    const absl::Status agreed = AgreeOnStatus(world, local, "to load");
+    if (env.rank == 0) {
+      EXPECT_EQ(agreed.code(), absl::StatusCode::kNotFound);
+      EXPECT_EQ(agreed.message(), "rank 1 failed to load: no such file");
+    } else {
+      EXPECT_EQ(agreed, local);  // its own
+    }
+    return absl::OkStatus();
+  });
+}
+
+// Rank 1 never joins rank 0's all-reduce over the replicas, which times out:
+// rank 0 then answers a command at once instead of waiting out another
+// timeout to agree with its peers, and the failed group fails fast too.
+TEST(RankFailureTest, ARankWhoseCollectiveFailedDoesNotWaitToAgree) {
+  testing::RunOnRanks(2, [](const RankEnv& env) -> absl::Status {
+    MeshShape shape;
+    shape.dp_replicate = 2;
+    constexpr absl::Duration kTimeout = absl::Seconds(3);
+    TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+    TALLY_ASSIGN_OR_RETURN(
+        auto groups,
+        ProcessGroups::Create(env, mesh, absl::Seconds(60), kTimeout));
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           Engine::Create({}, mesh, std::move(groups)));
+    // Rank 1 waits here (the control group of ranks > 0 has no timeout)
+    // until rank 0 is done: alive, but in none of rank 0's collectives.
+    torch::Tensor done = torch::zeros({1});
+    if (env.rank == 1) return engine->control().Recv(done, 0);
+
+    Communicator& replicas = *engine->groups().replicas;
+    torch::Tensor sum = torch::ones({1});
+    EXPECT_FALSE(replicas.AllReduce(sum, ReduceOp::kSum).ok());
+    EXPECT_FALSE(engine->CollectiveFailure().ok());
+    const absl::Time start = absl::Now();
+    // Building succeeds here; the agreement that follows is skipped.
+    EXPECT_FALSE(engine
+                     ->CreateModel(testing::TinySpec("m", DType::kFloat64,
+                                                     OptimizerKind::kAdamW))
+                     .ok());
+    EXPECT_FALSE(replicas.AllReduce(sum, ReduceOp::kSum).ok());
+    EXPECT_LT(absl::Now() - start, kTimeout / 2);
+    return engine->control().Send(done, 1);
+  });
+}
+
+// Samples of one micro-batch each (max_batch_tokens 16): several
+// micro-batches per call on every rank.
+std::vector<Sample> Call(uint64_t seed) {
+  return testing::MakeSamples(testing::TinyConfig().vocab_size,
+                              {9, 4, 12, 7, 10, 5, 11, 8}, seed);
+}
+
+EngineOptions FewTokensPerMicroBatch() {
+  EngineOptions options;
+  options.max_batch_tokens = 16;
+  return options;
+}
+
+struct ScheduleCase {
+  const char* name;
+  MeshShape shape;
+  FaultPoint point;
+  int nth;  // which visit of the point fails; 0: the last micro-batch's
+  bool forward_only = false;
+};
+
+void PrintTo(const ScheduleCase& c, std::ostream* os) { *os << c.name; }
+
+class ScheduleFailureTest : public ::testing::TestWithParam<ScheduleCase> {};
+
+// A forward or backward that fails on one rank partway through the schedule
+// (neighbours waiting for its activations or gradients, replicas for its
+// gradient sums) fails the call on every rank with its status; every window
+// is poisoned (unless the call was forward-only), and after
+// AbortAccumulation the ranks train on.
+TEST_P(ScheduleFailureTest, FailsEveryRankAndTheNextCallWorks) {
+  const ScheduleCase& c = GetParam();
+  testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           RankEngine(c.shape, env, FewTokensPerMicroBatch()));
+    const ModelSpec spec =
+        testing::TinySpec("m", DType::kFloat64, OptimizerKind::kAdamW);
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    ForwardBackwardArgs eval{Call(1)};
+    eval.forward_only = true;
+    TALLY_ASSIGN_OR_RETURN(const ForwardBackwardResult planned,
+                           engine->ForwardBackward("m", eval));
+    const int micro_batches =
+        static_cast<int>(planned.metrics.at("micro_batches"));
+    EXPECT_GE(micro_batches, 3);
+    {
+      InjectedFailure failure(env.rank, c.point,
+                              c.nth > 0 ? c.nth : micro_batches);
+      ForwardBackwardArgs args{Call(1)};
+      args.forward_only = c.forward_only;
+      const absl::Status failed = engine->ForwardBackward("m", args).status();
+      ExpectFailedAlike(engine->world(), failed, absl::StatusCode::kInternal);
+    }
+    EXPECT_TRUE(engine->CollectiveFailure().ok());
+    TALLY_ASSIGN_OR_RETURN(const bool poisoned, engine->WindowPoisoned("m"));
+    EXPECT_EQ(poisoned, !c.forward_only);  // an evaluation adds nothing
+    TALLY_RETURN_IF_ERROR(engine->AbortAccumulation("m").status());
+    TALLY_RETURN_IF_ERROR(engine->ForwardBackward("m", {Call(2)}).status());
+    TALLY_ASSIGN_OR_RETURN(const OptimStepResult step,
+                           engine->OptimStep("m", {}));
+    EXPECT_EQ(step.step, 1);
+    return absl::OkStatus();
+  });
+}
+
+MeshShape Pp2() {
+  MeshShape shape;
+  shape.pp = 2;
+  return shape;
+}
+
+MeshShape DpReplicate2() {
+  MeshShape shape;
+  shape.dp_replicate = 2;
+  return shape;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    OneRank, ScheduleFailureTest,
+    ::testing::Values(
+        // The last stage fails: the first waits for its gradients.
+        ScheduleCase{"Pp2SecondForward", Pp2(), FaultPoint::kForward, 2},
+        ScheduleCase{"Pp2FirstBackward", Pp2(), FaultPoint::kBackward, 1},
+        ScheduleCase{"Pp2LastBackward", Pp2(), FaultPoint::kBackward, 0},
+        ScheduleCase{"Pp2ForwardOnly", Pp2(), FaultPoint::kForward, 2,
+                     /*forward_only=*/true},
+        // A replica fails before / during the backward that starts the
+        // gradient sums.
+        ScheduleCase{"DpFirstForward", DpReplicate2(), FaultPoint::kForward, 1},
+        ScheduleCase{"DpLastBackward", DpReplicate2(), FaultPoint::kBackward,
+                     0}),
+    [](const ::testing::TestParamInfo<ScheduleCase>& info) {
+      return std::string(info.param.name);
+    });
+
+// CreateModel, OptimStep, SaveCheckpoint, ExportWeights and LoadCheckpoint
+// failing on one rank (ZeRO-3 over dp_shard = 2, so every command has
+// collectives) fail on every rank with its status; each leaves the state its
+// documentation says, and the next command works.
+TEST(RankFailureTest, EveryCommandFailingOnOneRankFailsOnEveryRank) {
+  testing::RunOnRanks(2, [](const RankEnv& env) -> absl::Status {
+    MeshShape shape;
+    shape.dp_shard = 2;
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           RankEngine(shape, env, FewTokensPerMicroBatch()));
+    Communicator& world = engine->world();
+    const std::string dir =
+        absl::StrCat(::testing::TempDir(), "tally_rankfail_", env.master_port);
+    const ModelSpec spec =
+        testing::TinySpec("m", DType::kFloat64, OptimizerKind::kAdamW);
+    {
+      InjectedFailure failure(env.rank, FaultPoint::kBuildModel);
+      ExpectFailedAlike(world, engine->CreateModel(spec).status(),
+                        absl::StatusCode::kResourceExhausted);
+      EXPECT_EQ(engine->num_models(), 0u);
+    }
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    TALLY_RETURN_IF_ERROR(engine->ForwardBackward("m", {Call(1)}).status());
+    TALLY_RETURN_IF_ERROR(engine->OptimStep("m", {}).status());
+    TALLY_RETURN_IF_ERROR(engine->SaveCheckpoint("m", dir + "/a").status());
+
+    for (const char* write : {"save", "export"}) {
+      SCOPED_TRACE(write);
+      const std::string path = absl::StrCat(dir, "/", write);
+      auto run = [&]() -> absl::Status {
+        if (std::string(write) == "save") {
+          return engine->SaveCheckpoint("m", path).status();
+        }
+        return engine->ExportWeights("m", path).status();
+      };
+      {
+        InjectedFailure failure(env.rank, FaultPoint::kWrite);
+        ExpectFailedAlike(world, run(), absl::StatusCode::kResourceExhausted);
+      }
+      TALLY_RETURN_IF_ERROR(run());
+    }
+
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
+    const std::vector<torch::Tensor> trained = testing::ParameterValues(*model);
+    TALLY_RETURN_IF_ERROR(engine->ForwardBackward("m", {Call(2)}).status());
+    {
+      // A failed update: the model is damaged on every rank (some rank may
+      // have updated) until a load.
+      InjectedFailure failure(env.rank, FaultPoint::kOptimizerUpdate);
+      ExpectFailedAlike(world, engine->OptimStep("m", {}).status(),
+                        absl::StatusCode::kResourceExhausted);
+    }
+    TALLY_ASSIGN_OR_RETURN(ModelSummary summary, engine->GetModel("m"));
+    EXPECT_THAT(summary.damage, HasSubstr("injected fault"));
+    {
+      // A failed load changes nothing: still damaged.
+      InjectedFailure failure(env.rank, FaultPoint::kLoad);
+      ExpectFailedAlike(world,
+                        engine->LoadCheckpoint("m", dir + "/a", true).status(),
+                        absl::StatusCode::kResourceExhausted);
+    }
+    TALLY_ASSIGN_OR_RETURN(summary, engine->GetModel("m"));
+    EXPECT_FALSE(summary.damage.empty());
+    TALLY_RETURN_IF_ERROR(
+        engine->LoadCheckpoint("m", dir + "/a", true).status());
+    EXPECT_TRUE(testing::AllEqual(testing::ParameterValues(*model), trained));
+    TALLY_RETURN_IF_ERROR(engine->ForwardBackward("m", {Call(2)}).status());
+    TALLY_ASSIGN_OR_RETURN(const OptimStepResult step,
+                           engine->OptimStep("m", {}));
+    EXPECT_EQ(step.step, 2);
+    EXPECT_TRUE(engine->CollectiveFailure().ok());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace
+}  // namespace tally
