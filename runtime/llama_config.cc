@@ -1,7 +1,9 @@
 #include "runtime/llama_config.h"
 
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -41,33 +43,92 @@ LlamaConfig LlamaConfig::WithDefaults() const {
   return c;
 }
 
-absl::Status LlamaConfig::Validate() const {
-  auto positive = [](const char* field, int64_t value) -> absl::Status {
-    if (value > 0) return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.", field, " must be > 0, got ", value));
-  };
-  for (auto [field, value] :
-       {std::pair<const char*, int64_t>{"vocab_size", vocab_size},
-        {"hidden_size", hidden_size},
-        {"intermediate_size", intermediate_size},
-        {"num_hidden_layers", num_hidden_layers},
-        {"num_attention_heads", num_attention_heads},
-        {"num_key_value_heads", num_key_value_heads},
-        {"max_position_embeddings", max_position_embeddings}}) {
-    if (absl::Status s = positive(field, value); !s.ok()) return s;
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+// The server's own bounds: a typo must not build thousands of layers.
+constexpr int64_t kMaxLayers = 4096;
+constexpr int64_t kMaxExperts = 4096;
+
+// The range of each integer field, WithDefaults() applied. ModelConfig
+// carries every one as int32, so none may exceed it: ModelInfo then reports
+// exactly what runs (docs/security.md, "Model config ranges").
+struct IntRange {
+  const char* field;
+  int64_t LlamaConfig::*member;
+  int64_t min;
+  int64_t max;
+};
+constexpr IntRange kIntRanges[] = {
+    {"vocab_size", &LlamaConfig::vocab_size, 1, kInt32Max},
+    {"hidden_size", &LlamaConfig::hidden_size, 1, kInt32Max},
+    {"intermediate_size", &LlamaConfig::intermediate_size, 1, kInt32Max},
+    {"num_hidden_layers", &LlamaConfig::num_hidden_layers, 1, kMaxLayers},
+    {"num_attention_heads", &LlamaConfig::num_attention_heads, 1, kInt32Max},
+    {"num_key_value_heads", &LlamaConfig::num_key_value_heads, 1, kInt32Max},
+    // 0 only where the heads do not divide hidden_size (refused below).
+    {"head_dim", &LlamaConfig::head_dim, 0, kInt32Max},
+    {"max_position_embeddings", &LlamaConfig::max_position_embeddings, 1,
+     kInt32Max},
+    {"sliding_window", &LlamaConfig::sliding_window, 0, kInt32Max},
+    {"max_window_layers", &LlamaConfig::max_window_layers, 0, kInt32Max},
+    {"num_local_experts", &LlamaConfig::num_local_experts, 0, kMaxExperts},
+    {"num_experts_per_tok", &LlamaConfig::num_experts_per_tok, 0, kMaxExperts},
+};
+
+// Each floating-point field must be finite and > 0 (>= 0 where zero_allowed).
+struct RealRange {
+  const char* field;
+  double LlamaConfig::*member;
+  bool zero_allowed;
+};
+constexpr RealRange kRealRanges[] = {
+    {"rms_norm_eps", &LlamaConfig::rms_norm_eps, false},
+    {"rope_theta", &LlamaConfig::rope_theta, false},
+    {"router_aux_loss_coef", &LlamaConfig::router_aux_loss_coef, true},
+};
+
+absl::Status CheckRealRange(const char* field, double value,
+                            bool zero_allowed) {
+  if (std::isfinite(value) && (value > 0.0 || (zero_allowed && value == 0.0))) {
+    return absl::OkStatus();
   }
+  return absl::InvalidArgumentError(
+      absl::StrCat("config.", field, " must be finite and ",
+                   zero_allowed ? ">= 0" : "> 0", ", got ", value));
+}
+
+absl::Status CheckRanges(const LlamaConfig& c) {
+  for (const IntRange& range : kIntRanges) {
+    const int64_t value = c.*range.member;
+    if (value < range.min || value > range.max) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.", range.field, " must be in [", range.min, ", ",
+                       range.max, "], got ", value));
+    }
+  }
+  for (const RealRange& range : kRealRanges) {
+    TALLY_RETURN_IF_ERROR(
+        CheckRealRange(range.field, c.*range.member, range.zero_allowed));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LlamaConfig::Validate() const {
+  TALLY_RETURN_IF_ERROR(CheckRanges(*this));
   if (head_dim == 0 && hidden_size % num_attention_heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.num_attention_heads (", num_attention_heads,
                      ") must divide config.hidden_size (", hidden_size,
                      ") unless config.head_dim is given"));
   }
-  if (HeadDim() <= 0 || HeadDim() % 2 != 0) {
+  if (HeadDim() % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.head_dim (", HeadDim(),
-        ", default hidden_size / num_attention_heads) must be even and > 0 "
-        "for rotary embeddings"));
+        ", default hidden_size / num_attention_heads) must be even for "
+        "rotary embeddings"));
   }
   if (num_attention_heads % num_key_value_heads != 0) {
     return absl::InvalidArgumentError(
@@ -75,25 +136,7 @@ absl::Status LlamaConfig::Validate() const {
                      ") must divide config.num_attention_heads (",
                      num_attention_heads, ")"));
   }
-  if (!(rms_norm_eps > 0.0) || !std::isfinite(rms_norm_eps)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.rms_norm_eps must be finite and > 0, got ", rms_norm_eps));
-  }
-  if (!(rope_theta > 0.0) || !std::isfinite(rope_theta)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.rope_theta must be finite and > 0, got ", rope_theta));
-  }
   TALLY_RETURN_IF_ERROR(ValidateRopeScaling(rope_scaling));
-  if (sliding_window < 0 || max_window_layers < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.sliding_window (", sliding_window,
-                     ") and config.max_window_layers (", max_window_layers,
-                     ") must be >= 0"));
-  }
-  if (num_local_experts < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.num_local_experts must be >= 0, got ", num_local_experts));
-  }
   if (is_moe() &&
       (num_experts_per_tok < 1 || num_experts_per_tok > num_local_experts)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -106,25 +149,24 @@ absl::Status LlamaConfig::Validate() const {
         "config.num_experts_per_tok, config.router_aux_loss_coef and "
         "config.output_router_logits need config.num_local_experts > 0");
   }
-  if (!(router_aux_loss_coef >= 0.0) || !std::isfinite(router_aux_loss_coef)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.router_aux_loss_coef must be finite and >= 0, got ",
-        router_aux_loss_coef));
-  }
   TALLY_ASSIGN_OR_RETURN(const ModelFamily* family,
                          FindModelFamily(ResolvedModelType()));
   TALLY_RETURN_IF_ERROR(family->Validate(*this));
   // Keeps a typo from allocating terabytes: the largest matrix must fit.
-  // Divided, not multiplied: config.json sizes can overflow int64.
+  // Every size is in int32's range, so num_attention_heads * HeadDim() is
+  // below 2^62.
   constexpr int64_t kMaxMatrixElements = int64_t{1} << 31;
-  auto too_large = [&](int64_t rows) {
-    return rows > kMaxMatrixElements / hidden_size;
-  };
-  if (too_large(vocab_size) || too_large(intermediate_size) ||
-      too_large(hidden_size) || too_large(num_attention_heads * HeadDim()) ||
-      num_hidden_layers > 4096 || num_local_experts > 4096) {
-    return absl::InvalidArgumentError(
-        "config describes a model too large for this server");
+  for (auto [field, rows] :
+       {std::pair<const char*, int64_t>{"vocab_size", vocab_size},
+        {"intermediate_size", intermediate_size},
+        {"hidden_size", hidden_size},
+        {"num_attention_heads * head_dim", num_attention_heads * HeadDim()}}) {
+    if (rows > kMaxMatrixElements / hidden_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.", field, " (", rows, ") * config.hidden_size (",
+                       hidden_size, ") is more than ", kMaxMatrixElements,
+                       " elements in one matrix: too large for this server"));
+    }
   }
   return absl::OkStatus();
 }
@@ -152,32 +194,46 @@ uint64_t LlamaConfig::NumParameters() const {
 }
 
 absl::Status ValidateRopeScaling(const RopeScaling& r) {
-  if (r.rope_type.empty()) return absl::OkStatus();
-  if (r.rope_type != "linear" && r.rope_type != "llama3") {
+  if (!r.rope_type.empty() && r.rope_type != "linear" &&
+      r.rope_type != "llama3") {
     return absl::InvalidArgumentError(
         absl::StrCat("config.rope_scaling.rope_type \"", r.rope_type,
                      "\" is not implemented (tally implements \"\" for none, "
                      "default, linear, llama3)"));
   }
-  auto positive = [](const char* field, double value) -> absl::Status {
-    if (value > 0.0 && std::isfinite(value)) return absl::OkStatus();
+  // A parameter the type does not use must be 0: never dropped silently.
+  const bool scaled = !r.rope_type.empty();
+  const bool llama3 = r.rope_type == "llama3";
+  auto unused = [&](const char* field) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "config.rope_scaling.", field, " must be finite and > 0, got ", value));
+        "config.rope_scaling.", field, " does not apply to rope_type \"",
+        scaled ? r.rope_type : "default", "\""));
   };
-  TALLY_RETURN_IF_ERROR(positive("factor", r.factor));
-  if (r.rope_type == "linear") return absl::OkStatus();
-  TALLY_RETURN_IF_ERROR(positive("low_freq_factor", r.low_freq_factor));
-  TALLY_RETURN_IF_ERROR(positive("high_freq_factor", r.high_freq_factor));
+  for (auto [field, value, used] :
+       {std::tuple<const char*, double, bool>{"factor", r.factor, scaled},
+        {"low_freq_factor", r.low_freq_factor, llama3},
+        {"high_freq_factor", r.high_freq_factor, llama3}}) {
+    if (!used && value != 0.0) return unused(field);
+    if (used && !(value > 0.0 && std::isfinite(value))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.rope_scaling.", field,
+                       " must be finite and > 0, got ", value));
+    }
+  }
+  const int64_t original = r.original_max_position_embeddings;
+  if (!llama3) {
+    return original == 0 ? absl::OkStatus()
+                         : unused("original_max_position_embeddings");
+  }
   if (!(r.high_freq_factor > r.low_freq_factor)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.rope_scaling.high_freq_factor (", r.high_freq_factor,
         ") must exceed low_freq_factor (", r.low_freq_factor, ")"));
   }
-  if (r.original_max_position_embeddings <= 0) {
+  if (original < 1 || original > kInt32Max) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "config.rope_scaling.original_max_position_embeddings must be > 0, "
-        "got ",
-        r.original_max_position_embeddings));
+        "config.rope_scaling.original_max_position_embeddings must be in [1, ",
+        kInt32Max, "], got ", original));
   }
   return absl::OkStatus();
 }
@@ -218,6 +274,8 @@ absl::Status ReadRopeObject(const nlohmann::json& r, const char* key,
   // An unimplemented type is refused by Validate, naming it.
   out.rope_type = std::move(type);
   TALLY_RETURN_IF_ERROR(ReadJsonDouble(r, "factor", out.factor));
+  // As in transformers, other types ignore the llama3 parameters.
+  if (out.rope_type != "llama3") return absl::OkStatus();
   TALLY_RETURN_IF_ERROR(
       ReadJsonDouble(r, "low_freq_factor", out.low_freq_factor));
   TALLY_RETURN_IF_ERROR(

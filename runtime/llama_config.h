@@ -34,7 +34,7 @@ struct RopeScaling {
 };
 
 // INVALID_ARGUMENT naming config.rope_scaling.<field> for a type tally does
-// not implement or a parameter out of range.
+// not implement, a parameter out of range, or one the type does not use.
 absl::Status ValidateRopeScaling(const RopeScaling& rope_scaling);
 
 struct LlamaConfig {
@@ -83,9 +83,11 @@ struct LlamaConfig {
   // Fills fields left at 0 with the HF defaults.
   LlamaConfig WithDefaults() const;
 
-  // INVALID_ARGUMENT naming the field (`config.<field>`) for a config that
-  // cannot build a model, including fields its family does not have.
-  // Expects WithDefaults() applied.
+  // INVALID_ARGUMENT naming the field (`config.<field>`) for a value out of
+  // its range (docs/security.md, "Model config ranges": every integer within
+  // int32, as ModelConfig reports it) or a config that cannot build a model,
+  // including fields its family does not have. Expects WithDefaults()
+  // applied.
   absl::Status Validate() const;
 
   // model_type, or the default WithDefaults() gives it.

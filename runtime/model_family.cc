@@ -1,6 +1,7 @@
 #include "runtime/model_family.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -43,6 +44,13 @@ absl::Status ReadJsonInt(const nlohmann::json& json, const char* key,
   if (!json[key].is_number_integer()) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.json ", key, " must be an integer"));
+  }
+  // Read as int64, 2^63 and above would wrap to a negative value.
+  if (json[key].is_number_unsigned() &&
+      json[key].get<uint64_t>() >
+          static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json ", key, " is out of range: ", json[key].get<uint64_t>()));
   }
   out = json[key].get<int64_t>();
   return absl::OkStatus();

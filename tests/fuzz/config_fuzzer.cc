@@ -43,6 +43,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Require(config->Validate().ok());
   Require(config->WithDefaults() == *config);
   Require(config->HeadDim() > 0 && config->HeadDim() % 2 == 0);
+  // ModelInfo reports head_dim: it must be the one that runs.
+  Require(config->head_dim == config->HeadDim());
   Require(config->NumParameters() > 0);
   absl::StatusOr<LlamaConfig> again =
       LlamaConfig::FromHfJson(config->ToHfJson("float32"));

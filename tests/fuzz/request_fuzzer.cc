@@ -48,6 +48,14 @@ void FuzzCreateModel(const v1::CreateModelRequest& request) {
   summary.lora = spec->lora;
   v1::ModelInfo info;
   ToProto(summary, &info);
+  // ModelInfo reports the config that runs: read back, it is the same.
+  if (request.has_config()) {
+    v1::CreateModelRequest again;
+    *again.mutable_config() = info.config();
+    absl::StatusOr<ModelSpec> reread = ParseCreateModel(again);
+    Require(reread.ok() && reread->config == spec->config);
+    Require(info.config().head_dim() == spec->config.HeadDim());
+  }
 }
 
 void FuzzForwardBackward(const v1::ForwardBackwardRequest& request) {
