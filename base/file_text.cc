@@ -1,22 +1,85 @@
 #include "base/file_text.h"
 
-#include <fstream>
-#include <sstream>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
 namespace tally {
+namespace {
+
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadFileUpTo(const std::string& path,
+                                         uint64_t max_bytes,
+                                         absl::StatusCode too_large) {
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("open ", path));
+  }
+  auto refuse = [&](uint64_t size, bool exact) {
+    return absl::Status(too_large,
+                        absl::StrCat(path, " is ", exact ? "" : "over ", size,
+                                     " bytes, more than the ", max_bytes,
+                                     "-byte limit for this file"));
+  };
+  struct stat info;
+  if (::fstat(fd.get(), &info) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("stat ", path));
+  }
+  const uint64_t stated =
+      static_cast<uint64_t>(std::max<off_t>(info.st_size, 0));
+  if (S_ISREG(info.st_mode) && stated > max_bytes) {
+    return refuse(stated, /*exact=*/true);
+  }
+  // Whatever stat says, at most one byte past the limit is read.
+  const uint64_t cap =
+      std::min<uint64_t>(max_bytes, std::numeric_limits<size_t>::max() - 1);
+  std::string text;
+  text.reserve(std::min<uint64_t>(stated, cap));
+  char buffer[1 << 16];
+  while (text.size() <= cap) {
+    const size_t want =
+        std::min<uint64_t>(sizeof(buffer), cap + 1 - text.size());
+    const ssize_t n = ::read(fd.get(), buffer, want);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::ErrnoToStatus(errno, absl::StrCat("read ", path));
+    }
+    if (n == 0) return text;
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  return refuse(cap, /*exact=*/false);
+}
 
 absl::StatusOr<std::string> ReadFileText(const std::string& path,
                                          absl::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  if (in) text << in.rdbuf();
-  if (!in || in.bad()) {
+  absl::StatusOr<std::string> text =
+      ReadFileUpTo(path, std::numeric_limits<uint64_t>::max());
+  if (!text.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": cannot read ", path));
   }
-  return text.str();
+  return text;
 }
 
 }  // namespace tally

@@ -1,17 +1,33 @@
-// ReadFileText: a whole file as bytes, with an error that names it — for the
-// small files flags point at (PEM certificates and keys, token files).
+// Whole-file readers, with errors that name the file. ReadFileUpTo bounds
+// what it reads, for files a client can point the server at (JSON configs
+// through base/json_reader.h, tokenizer files a weights export copies);
+// ReadFileText is for the small files flags point at (PEM certificates and
+// keys, token files).
 //
 //   TALLY_ASSIGN_OR_RETURN(std::string pem,
 //                          tally::ReadFileText(path, "--ca-cert"));
+//   TALLY_ASSIGN_OR_RETURN(std::string text,
+//                          tally::ReadFileUpTo(path, 1 << 20));
 #ifndef TALLY_BASE_FILE_TEXT_H_
 #define TALLY_BASE_FILE_TEXT_H_
 
+#include <cstdint>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace tally {
+
+// The whole file at `path` when it holds at most `max_bytes`. A file that
+// cannot be opened or read gets its errno's status naming the path
+// (NOT_FOUND when missing); a longer one `too_large`'s code, naming the
+// path and the limit, after reading no more than max_bytes + 1 bytes (so a
+// device or pipe without end is refused too).
+absl::StatusOr<std::string> ReadFileUpTo(
+    const std::string& path, uint64_t max_bytes,
+    absl::StatusCode too_large = absl::StatusCode::kResourceExhausted);
 
 // INVALID_ARGUMENT "<what>: cannot read <path>" when the file cannot be
 // opened or read.

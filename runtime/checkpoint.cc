@@ -3,16 +3,13 @@
 #include <algorithm>
 #include <exception>
 #include <filesystem>
-#include <fstream>
-#include <initializer_list>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <string>
 #include <system_error>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -21,8 +18,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/file_text.h"
+#include "base/json_reader.h"
 #include "base/status.h"
 #include "runtime/atomic_directory.h"
+#include "runtime/expected_tensors.h"
+#include "runtime/shard_index.h"
 
 namespace tally {
 namespace {
@@ -32,8 +33,8 @@ namespace fs = std::filesystem;
 constexpr char kOptimizerFile[] = "optimizer.safetensors";
 constexpr char kManifestFile[] = "tally.json";
 constexpr char kServerStateFile[] = "server_state.bin";
-// A derived buffer that transformers < 4.31 saved with Llama weights.
-constexpr char kRotaryBufferSuffix[] = ".rotary_emb.inv_freq";
+// checksums.sha256: one 67-byte line per file, plus its name.
+constexpr uint64_t kMaxChecksumFileBytes = uint64_t{1} << 20;
 
 std::string PathIn(const std::string& dir, const char* file) {
   return (fs::path(dir) / file).string();
@@ -44,229 +45,22 @@ bool IsFile(const std::string& path) {
   return fs::is_regular_file(path, ignored);
 }
 
-absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::ErrnoToStatus(errno, absl::StrCat("open ", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat("read ", path));
-  return text.str();
+absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& path) {
+  TALLY_ASSIGN_OR_RETURN(const std::string text,
+                         ReadFileUpTo(path, kConfigJsonLimits.max_bytes,
+                                      absl::StatusCode::kDataLoss));
+  return ParseCheckpointManifest(text, path);
 }
 
-// The inverse of a `const char* Name(Enum)` function over `values`.
-template <typename Enum>
-std::optional<Enum> ParseEnum(const std::string& name,
-                              std::initializer_list<Enum> values,
-                              const char* (*name_of)(Enum)) {
-  for (Enum value : values) {
-    if (name == name_of(value)) return value;
-  }
-  return std::nullopt;
-}
+}  // namespace
 
-const char* GradSyncName(GradSync sync) {
-  return sync == GradSync::kDeferred ? "deferred" : "eager";
-}
-
-std::string ManifestToJson(const CheckpointManifest& m) {
-  nlohmann::ordered_json j;
-  j["format_version"] = m.format_version;
-  j["tally_version"] = m.tally_version;
-  j["step"] = m.step;
-  j["dtype"] = DTypeName(m.dtype);
-  j["optimizer"] = OptimizerName(m.optimizer);
-  j["optimizer_step_count"] = m.optimizer_step_count;
-  j["default_adam"] = {{"learning_rate", m.default_adam.learning_rate},
-                       {"beta1", m.default_adam.beta1},
-                       {"beta2", m.default_adam.beta2},
-                       {"eps", m.default_adam.eps},
-                       {"weight_decay", m.default_adam.weight_decay}};
-  j["default_max_grad_norm"] = m.default_max_grad_norm;
-  j["grad_sync"] = GradSyncName(m.grad_sync);
-  j["seed"] = m.seed;
-  j["unsaved_window"] = {{"calls", m.unsaved_window.calls},
-                         {"tokens", m.unsaved_window.tokens},
-                         {"samples", m.unsaved_window.samples}};
-  if (m.trainable_only) j["trainable_only"] = true;
-  if (m.activation_checkpointing) j["activation_checkpointing"] = true;
-  if (m.lora.enabled()) {
-    nlohmann::ordered_json& lora = j["lora"];
-    lora["rank"] = m.lora.rank;
-    lora["alpha"] = m.lora.alpha;
-    lora["train_attn"] = m.lora.train_attn;
-    lora["train_mlp"] = m.lora.train_mlp;
-    lora["train_unembed"] = m.lora.train_unembed;
-    if (m.lora.seed) lora["seed"] = *m.lora.seed;
-    j["base_checkpoint"] = m.base_checkpoint;
-  }
-  return j.dump(2) + "\n";
-}
-
-// tally.json's "lora" and "base_checkpoint", when present.
-absl::Status ReadLoraManifest(const nlohmann::json& j, const std::string& path,
-                              CheckpointManifest& m) {
-  const auto it = j.find("lora");
-  if (it == j.end()) return absl::OkStatus();
-  auto bad = [&](const char* field, const char* kind) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": lora.", field, " is missing or not ", kind));
-  };
-  const nlohmann::json& lora = *it;
-  if (!lora.is_object()) return bad("", "an object");
-  if (!lora.contains("rank") || !lora["rank"].is_number_unsigned()) {
-    return bad("rank", "a positive integer");
-  }
-  m.lora.rank = lora["rank"].get<int64_t>();
-  if (!lora.contains("alpha") || !lora["alpha"].is_number()) {
-    return bad("alpha", "a number");
-  }
-  m.lora.alpha = lora["alpha"].get<double>();
-  for (auto [key, field] :
-       {std::pair<const char*, bool*>{"train_attn", &m.lora.train_attn},
-        {"train_mlp", &m.lora.train_mlp},
-        {"train_unembed", &m.lora.train_unembed}}) {
-    if (!lora.contains(key) || !lora[key].is_boolean()) {
-      return bad(key, "a boolean");
-    }
-    *field = lora[key].get<bool>();
-  }
-  if (lora.contains("seed")) {
-    if (!lora["seed"].is_number_unsigned()) return bad("seed", "an integer");
-    m.lora.seed = lora["seed"].get<uint64_t>();
-  }
-  const auto base = j.find("base_checkpoint");
-  if (base == j.end() || !base->is_string()) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": base_checkpoint is missing or not a string"));
-  }
-  m.base_checkpoint = base->get<std::string>();
-  const absl::Status valid = ValidateLoraConfig(m.lora);
-  if (!valid.ok()) {
-    return absl::DataLossError(absl::StrCat(path, ": ", valid.message()));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<CheckpointManifest> ManifestFromJson(const std::string& text,
-                                                    const std::string& path) {
-  const nlohmann::json j =
-      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return absl::DataLossError(absl::StrCat(path, " is not a JSON object"));
-  }
-  auto bad = [&](const std::string& field, const char* kind) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": ", field, " is missing or not ", kind));
-  };
-  // Finds `key` in `object` when `is_kind` holds for it.
-  auto find = [](const nlohmann::json& object, const char* key,
-                 bool (nlohmann::json::*is_kind)()
-                     const noexcept) -> const nlohmann::json* {
-    const auto it = object.find(key);
-    return it != object.end() && ((*it).*is_kind)() ? &*it : nullptr;
-  };
-  auto read_int = [&](const char* key, auto& out) -> absl::Status {
-    const nlohmann::json* v = find(j, key, &nlohmann::json::is_number_integer);
-    if (v == nullptr) return bad(key, "an integer");
-    out = v->get<std::remove_reference_t<decltype(out)>>();
-    if (out < 0) return bad(key, "a non-negative integer");
-    return absl::OkStatus();
-  };
-  auto read_double = [&](const nlohmann::json& object,
-                         const std::string& field_prefix, const char* key,
-                         double& out) -> absl::Status {
-    const nlohmann::json* v = find(object, key, &nlohmann::json::is_number);
-    if (v == nullptr) return bad(field_prefix + key, "a number");
-    out = v->get<double>();
-    return absl::OkStatus();
-  };
-  auto read_string = [&](const char* key, std::string& out) -> absl::Status {
-    const nlohmann::json* v = find(j, key, &nlohmann::json::is_string);
-    if (v == nullptr) return bad(key, "a string");
-    out = v->get<std::string>();
-    return absl::OkStatus();
-  };
-
-  CheckpointManifest m;
-  TALLY_RETURN_IF_ERROR(read_int("format_version", m.format_version));
-  if (m.format_version > kCheckpointFormatVersion) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": format_version ", m.format_version,
-        " is newer than this tally reads (", kCheckpointFormatVersion, ")"));
-  }
-  TALLY_RETURN_IF_ERROR(read_string("tally_version", m.tally_version));
-  TALLY_RETURN_IF_ERROR(read_int("step", m.step));
-  TALLY_RETURN_IF_ERROR(
-      read_int("optimizer_step_count", m.optimizer_step_count));
-
-  std::string name;
-  TALLY_RETURN_IF_ERROR(read_string("dtype", name));
-  const std::optional<DType> dtype = DTypeNamed(name);
-  if (!dtype) return bad("dtype", "\"float32\", \"float64\" or \"bfloat16\"");
-  m.dtype = *dtype;
-  TALLY_RETURN_IF_ERROR(read_string("optimizer", name));
-  const std::optional<OptimizerKind> optimizer = ParseEnum(
-      name, {OptimizerKind::kAdamW, OptimizerKind::kSgd}, &OptimizerName);
-  if (!optimizer) return bad("optimizer", "\"adamw\" or \"sgd\"");
-  m.optimizer = *optimizer;
-
-  const nlohmann::json* adam =
-      find(j, "default_adam", &nlohmann::json::is_object);
-  if (adam == nullptr) return bad("default_adam", "an object");
-  AdamParams& a = m.default_adam;
-  for (auto [key, field] :
-       {std::pair<const char*, double*>{"learning_rate", &a.learning_rate},
-        {"beta1", &a.beta1},
-        {"beta2", &a.beta2},
-        {"eps", &a.eps},
-        {"weight_decay", &a.weight_decay}}) {
-    TALLY_RETURN_IF_ERROR(read_double(*adam, "default_adam.", key, *field));
-  }
-  TALLY_RETURN_IF_ERROR(
-      read_double(j, "", "default_max_grad_norm", m.default_max_grad_norm));
-  if (m.format_version < 2) return m;  // the fields below came with version 2
-
-  TALLY_RETURN_IF_ERROR(read_string("grad_sync", name));
-  const std::optional<GradSync> grad_sync =
-      ParseEnum(name, {GradSync::kEager, GradSync::kDeferred}, &GradSyncName);
-  if (!grad_sync) return bad("grad_sync", "\"eager\" or \"deferred\"");
-  m.grad_sync = *grad_sync;
-  const nlohmann::json* seed =
-      find(j, "seed", &nlohmann::json::is_number_unsigned);
-  if (seed == nullptr) return bad("seed", "an unsigned integer");
-  m.seed = seed->get<uint64_t>();
-  const nlohmann::json* unsaved =
-      find(j, "unsaved_window", &nlohmann::json::is_object);
-  if (unsaved == nullptr) return bad("unsaved_window", "an object");
-  WindowCounts& w = m.unsaved_window;
-  for (auto [key, field] : {std::pair<const char*, int64_t*>{"calls", &w.calls},
-                            {"tokens", &w.tokens},
-                            {"samples", &w.samples}}) {
-    const nlohmann::json* v =
-        find(*unsaved, key, &nlohmann::json::is_number_unsigned);
-    if (v == nullptr) {
-      return bad(absl::StrCat("unsaved_window.", key),
-                 "a non-negative integer");
-    }
-    *field = v->get<int64_t>();
-  }
-  for (auto [key, field] :
-       {std::pair<const char*, bool*>{"trainable_only", &m.trainable_only},
-        {"activation_checkpointing", &m.activation_checkpointing}}) {
-    if (const auto it = j.find(key); it != j.end()) {
-      if (!it->is_boolean()) return bad(key, "a boolean");
-      *field = it->get<bool>();
-    }
-  }
-  TALLY_RETURN_IF_ERROR(ReadLoraManifest(j, path, m));
-  return m;
-}
-
-absl::StatusOr<LlamaConfig> ReadConfig(const std::string& path) {
+absl::StatusOr<LlamaConfig> ReadHfConfig(const std::string& path) {
   if (!IsFile(path)) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is missing"));
   }
-  TALLY_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
+  TALLY_ASSIGN_OR_RETURN(const std::string text,
+                         ReadFileUpTo(path, kConfigJsonLimits.max_bytes,
+                                      absl::StatusCode::kInvalidArgument));
   absl::StatusOr<LlamaConfig> config;
   try {
     config = LlamaConfig::FromHfJson(text);
@@ -281,6 +75,8 @@ absl::StatusOr<LlamaConfig> ReadConfig(const std::string& path) {
   return config;
 }
 
+namespace {
+
 // The checksums.sha256 of a checkpoint directory; a directory without one
 // verifies nothing.
 class Checksums {
@@ -292,7 +88,9 @@ class Checksums {
     sums.dir_ = dir;
     const std::string path = PathIn(dir, kChecksumFile);
     if (!IsFile(path)) return sums;
-    TALLY_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
+    TALLY_ASSIGN_OR_RETURN(
+        std::string text,
+        ReadFileUpTo(path, kMaxChecksumFileBytes, absl::StatusCode::kDataLoss));
     sums.present_ = true;
     for (absl::string_view line :
          absl::StrSplit(text, '\n', absl::SkipEmpty())) {
@@ -306,7 +104,7 @@ class Checksums {
       if (!well_formed || file == "." || file == ".." ||
           file.find('/') != std::string::npos) {
         return absl::DataLossError(
-            absl::StrCat(path, ": malformed line \"", line, "\""));
+            absl::StrCat(path, ": malformed line \"", Excerpt(line), "\""));
       }
       if (!sums.digests_.emplace(file, std::string(line.substr(0, 64)))
                .second) {
@@ -350,47 +148,43 @@ class Checksums {
 };
 
 // HF's sharded layout: the index maps each tensor name to its shard file.
-absl::StatusOr<NamedTensors> ReadShardedWeights(const std::string& dir,
-                                                const std::string& index_path,
-                                                const Checksums& sums) {
+// A shard's tensors the index does not place in it are not read.
+absl::StatusOr<NamedTensors> ReadShardedWeights(
+    const std::string& dir, const std::string& index_path,
+    const Checksums& sums, const ExpectedTensors& expected) {
   TALLY_RETURN_IF_ERROR(sums.Verify(kShardIndexFile));
-  TALLY_ASSIGN_OR_RETURN(std::string text, ReadTextFile(index_path));
-  const nlohmann::json index =
-      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (index.is_discarded() || !index.is_object() ||
-      !index.contains("weight_map") || !index["weight_map"].is_object()) {
-    return absl::DataLossError(
-        absl::StrCat(index_path, ": weight_map is missing or not an object"));
-  }
-  std::map<std::string, std::set<std::string>> names_by_shard;
-  for (const auto& [name, shard] : index["weight_map"].items()) {
-    const std::string file = shard.is_string() ? shard.get<std::string>() : "";
-    // Shards live in `dir`; a path must not reach outside it.
-    if (file.empty() || file == "." || file == ".." ||
-        file.find('/') != std::string::npos) {
-      return absl::DataLossError(absl::StrCat(index_path, ": weight_map \"",
-                                              name, "\" names ", shard.dump(),
-                                              ", not a file in the directory"));
-    }
-    names_by_shard[file].insert(name);
-  }
+  TALLY_ASSIGN_OR_RETURN(
+      const std::string text,
+      ReadFileUpTo(index_path, kShardIndexJsonLimits.max_bytes,
+                   absl::StatusCode::kDataLoss));
+  TALLY_ASSIGN_OR_RETURN(const ShardIndex index,
+                         ParseShardIndex(text, index_path));
+  const SafetensorsScreen weight_screen = expected.WeightScreen();
   NamedTensors weights;
-  for (const auto& [file, names] : names_by_shard) {
+  for (const auto& [file, names] : index) {
     const std::string path = (fs::path(dir) / file).string();
     if (!IsFile(path)) {
-      return absl::DataLossError(absl::StrCat(index_path, " names shard ", path,
-                                              ", which is missing"));
+      return absl::DataLossError(absl::StrCat(
+          index_path, " names shard ", Excerpt(path), ", which is missing"));
     }
     TALLY_RETURN_IF_ERROR(sums.Verify(file));
-    TALLY_ASSIGN_OR_RETURN(NamedTensors tensors, ReadSafetensors(path));
+    auto screen =
+        [&, &names = names](
+            const SafetensorsEntry& entry) -> absl::StatusOr<ScreenVerdict> {
+      if (names.count(entry.name) == 0) return ScreenVerdict::kSkip;
+      return weight_screen(entry);
+    };
+    TALLY_ASSIGN_OR_RETURN(NamedTensors tensors,
+                           ReadSafetensors(path, nullptr, screen));
     std::set<std::string> missing = names;
     for (auto& [name, tensor] : tensors) {
-      if (missing.erase(name) > 0)
-        weights.emplace_back(name, std::move(tensor));
+      missing.erase(name);
+      weights.emplace_back(name, std::move(tensor));
     }
     if (!missing.empty()) {
-      return absl::DataLossError(absl::StrCat(
-          index_path, ": tensor \"", *missing.begin(), "\" is not in ", path));
+      return absl::DataLossError(absl::StrCat(index_path, ": tensor \"",
+                                              Excerpt(*missing.begin()),
+                                              "\" is not in ", path));
     }
   }
   return weights;
@@ -525,14 +319,13 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
 
   CheckpointContents contents;
   TALLY_RETURN_IF_ERROR(verify_if_present(kConfigFile));
-  TALLY_ASSIGN_OR_RETURN(contents.config, ReadConfig(PathIn(dir, kConfigFile)));
+  TALLY_ASSIGN_OR_RETURN(contents.config,
+                         ReadHfConfig(PathIn(dir, kConfigFile)));
 
   const std::string manifest_path = PathIn(dir, kManifestFile);
   if (IsFile(manifest_path)) {
     TALLY_RETURN_IF_ERROR(sums.Verify(kManifestFile));
-    TALLY_ASSIGN_OR_RETURN(std::string text, ReadTextFile(manifest_path));
-    TALLY_ASSIGN_OR_RETURN(contents.manifest,
-                           ManifestFromJson(text, manifest_path));
+    TALLY_ASSIGN_OR_RETURN(contents.manifest, ReadManifest(manifest_path));
     if (contents.manifest->format_version >= 2 && !sums.present()) {
       return absl::DataLossError(absl::StrCat(
           PathIn(dir, kChecksumFile), " is missing: ", manifest_path,
@@ -541,14 +334,26 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
     }
   }
 
+  // Every tensor is checked against the model config.json describes before
+  // memory for it is allocated.
+  absl::StatusOr<ExpectedTensors> expected = ExpectedTensors::ForModel(
+      contents.config,
+      contents.manifest ? contents.manifest->lora : LoraConfig());
+  if (!expected.ok()) {
+    return absl::Status(expected.status().code(),
+                        absl::StrCat(PathIn(dir, kConfigFile), ": ",
+                                     expected.status().message()));
+  }
   const std::string model_path = PathIn(dir, kModelFile);
   const std::string index_path = PathIn(dir, kShardIndexFile);
   if (IsFile(model_path)) {
     TALLY_RETURN_IF_ERROR(sums.Verify(kModelFile));
-    TALLY_ASSIGN_OR_RETURN(contents.weights, ReadSafetensors(model_path));
+    TALLY_ASSIGN_OR_RETURN(
+        contents.weights,
+        ReadSafetensors(model_path, nullptr, expected->WeightScreen()));
   } else if (IsFile(index_path)) {
-    TALLY_ASSIGN_OR_RETURN(contents.weights,
-                           ReadShardedWeights(dir, index_path, sums));
+    TALLY_ASSIGN_OR_RETURN(
+        contents.weights, ReadShardedWeights(dir, index_path, sums, *expected));
   } else {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint directory ", dir,
                                                    " has neither ", kModelFile,
@@ -559,13 +364,18 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
   if (read_optimizer && IsFile(optimizer_path)) {
     TALLY_RETURN_IF_ERROR(sums.Verify(kOptimizerFile));
     TALLY_ASSIGN_OR_RETURN(contents.optimizer_state,
-                           ReadSafetensors(optimizer_path));
+                           ReadSafetensors(optimizer_path, nullptr,
+                                           expected->OptimizerStateScreen()));
   }
   const std::string server_state_path = PathIn(dir, kServerStateFile);
   if (IsFile(server_state_path)) {
     TALLY_RETURN_IF_ERROR(sums.Verify(kServerStateFile));
-    TALLY_ASSIGN_OR_RETURN(contents.server_state,
-                           ReadTextFile(server_state_path));
+    // Written by tally and checksummed; as large as the sequencer's
+    // response cache.
+    TALLY_ASSIGN_OR_RETURN(
+        contents.server_state,
+        ReadFileUpTo(server_state_path, std::numeric_limits<uint64_t>::max(),
+                     absl::StatusCode::kDataLoss));
   }
   return contents;
 }
@@ -593,10 +403,9 @@ absl::StatusOr<CheckpointInfo> VerifyCheckpoint(const std::string& dir_arg) {
     }
   }
   CheckpointInfo info;
-  TALLY_ASSIGN_OR_RETURN(info.config, ReadConfig(PathIn(dir, kConfigFile)));
+  TALLY_ASSIGN_OR_RETURN(info.config, ReadHfConfig(PathIn(dir, kConfigFile)));
   const std::string manifest_path = PathIn(dir, kManifestFile);
-  TALLY_ASSIGN_OR_RETURN(std::string text, ReadTextFile(manifest_path));
-  TALLY_ASSIGN_OR_RETURN(info.manifest, ManifestFromJson(text, manifest_path));
+  TALLY_ASSIGN_OR_RETURN(info.manifest, ReadManifest(manifest_path));
   return info;
 }
 

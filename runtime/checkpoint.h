@@ -36,46 +36,13 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "runtime/causal_lm.h"
+#include "runtime/checkpoint_manifest.h"
 #include "runtime/llama_config.h"
 #include "runtime/optimizer.h"
 #include "runtime/safetensors.h"
 #include "runtime/types.h"
 
 namespace tally {
-
-// tally.json: what an HF directory does not record.
-struct CheckpointManifest {
-  int64_t step = 0;  // model step (optimizer updates applied)
-  DType dtype = DType::kFloat32;
-  OptimizerKind optimizer = OptimizerKind::kAdamW;
-  int64_t optimizer_step_count = 0;  // AdamW bias-correction step
-  AdamParams default_adam;
-  double default_max_grad_norm = 0.0;
-  GradSync grad_sync = GradSync::kEager;
-  // The model's initialization seed. Training draws no random numbers after
-  // initialization, so the seed is the model's whole RNG state.
-  uint64_t seed = 0;
-  // The accumulation window that was pending at save time and is not in the
-  // checkpoint (its gradients are never saved); calls = 0 when none was.
-  WindowCounts unsaved_window;
-  // Holds the weights (and optimizer state) of the trainable parameters
-  // only: loading it leaves the frozen ones as they are.
-  bool trainable_only = false;
-  // The model's activation checkpointing setting (a --resume re-creates the
-  // model with it); absent in older checkpoints: off.
-  bool activation_checkpointing = false;
-  // A LoRA adapter's checkpoint (rank > 0; trainable_only): the adapter's
-  // config, and the init_checkpoint its base came from (empty: drawn from
-  // config.json and seed).
-  LoraConfig lora;
-  std::string base_checkpoint;
-  std::string tally_version;  // of the writer
-  int format_version = 2;
-};
-
-// The format_version this build writes and the newest it reads. Version 1
-// (no checksums, server state or seed) is still read.
-inline constexpr int kCheckpointFormatVersion = 2;
 
 // The files of an HF model directory that tally writes (checkpoints and
 // weights exports, weights_export.h) and reads.
@@ -142,9 +109,22 @@ struct CheckpointContents {
 // not cover is DATA_LOSS naming the file; so is a format-2 tally checkpoint
 // without the list. HF directories and format-1 checkpoints have no list and
 // are read unchecked. A missing `dir` is NOT_FOUND; a missing or invalid
-// config.json, or no weights file, INVALID_ARGUMENT naming the file.
+// config.json, or no weights file, INVALID_ARGUMENT naming the file. Every
+// tensor's name, shape and dtype is checked against the model config.json
+// (and tally.json's lora) describes before memory for it is allocated
+// (ExpectedTensors): a weight or optimizer state of another shape, or a
+// weight the model has no parameter for, is INVALID_ARGUMENT naming the
+// file, the tensor and the expected shape. JSON files are read through
+// base/json_reader.h: an oversized or too deeply nested one is refused
+// naming it (INVALID_ARGUMENT for config.json, DATA_LOSS for tally.json and
+// the shard index).
 absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
                                                   bool read_optimizer);
+
+// The config.json at `path` (LlamaConfig::FromHfJson), read up to
+// kConfigJsonLimits' size: INVALID_ARGUMENT naming the file when it is
+// missing, too large, or not a config tally loads.
+absl::StatusOr<LlamaConfig> ReadHfConfig(const std::string& path);
 
 // The config and manifest of a tally checkpoint after verifying the checksum
 // of every file in it, without reading the tensors: what `--resume` checks

@@ -512,8 +512,9 @@ absl::StatusOr<std::unique_ptr<CausalLm>> Engine::BuildCausalLm(
     adapter.config = spec.config;
     adapter.manifest = CheckpointManifest();
     adapter.manifest->trainable_only = true;
-    TALLY_ASSIGN_OR_RETURN(adapter.weights,
-                           ReadAdapter(spec.lora.init_adapter, spec.lora));
+    TALLY_ASSIGN_OR_RETURN(
+        adapter.weights,
+        ReadAdapter(spec.lora.init_adapter, spec.config, spec.lora));
     const absl::Status loaded = load(adapter, *model);
     if (!loaded.ok()) {
       return absl::Status(loaded.code(), absl::StrCat("lora.init_adapter ",

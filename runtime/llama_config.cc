@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/json_reader.h"
 #include "base/status.h"
 #include "runtime/model_family.h"
 
@@ -384,9 +385,10 @@ std::string LlamaConfig::ToHfJson(const std::string& dtype_name) const {
 }
 
 absl::StatusOr<LlamaConfig> LlamaConfig::FromHfJson(const std::string& text) {
-  nlohmann::json j =
-      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
+  TALLY_ASSIGN_OR_RETURN(nlohmann::json j,
+                         ParseJson(text, kConfigJsonLimits, "config.json",
+                                   absl::StatusCode::kInvalidArgument));
+  if (!j.is_object()) {
     return absl::InvalidArgumentError("config.json is not a JSON object");
   }
   if (!j.contains("model_type") || !j["model_type"].is_string()) {
@@ -398,7 +400,7 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromHfJson(const std::string& text) {
   absl::StatusOr<const ModelFamily*> family = FindModelFamily(c.model_type);
   if (!family.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("config.json model_type \"", c.model_type,
+        absl::StrCat("config.json model_type \"", Excerpt(c.model_type),
                      "\" is not supported (tally loads ",
                      absl::StrJoin(SupportedModelTypes(), ", "), ")"));
   }

@@ -104,7 +104,8 @@ struct LlamaConfig {
   // field its transformers config class reads.
   std::string ToHfJson(const std::string& dtype_name) const;
   // Any supported family's config.json. A field that changes the math and
-  // is not implemented is INVALID_ARGUMENT naming it, never ignored.
+  // is not implemented is INVALID_ARGUMENT naming it, never ignored; so is
+  // text beyond kConfigJsonLimits (base/json_reader.h: its size, nesting).
   static absl::StatusOr<LlamaConfig> FromHfJson(const std::string& json);
 
   bool operator==(const LlamaConfig& other) const;

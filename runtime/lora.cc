@@ -4,14 +4,16 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/file_text.h"
+#include "base/json_reader.h"
 #include "base/status.h"
 #include "runtime/checkpoint.h"
+#include "runtime/expected_tensors.h"
+#include "runtime/peft_adapter_config.h"
 
 namespace tally {
 namespace {
@@ -38,86 +40,29 @@ void AddFactorSpecs(const std::string& module, const LoraTarget& target,
                    held});
 }
 
-absl::Status AdapterMismatch(const std::string& dir, const std::string& what) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("lora.init_adapter ", dir, ": ", what));
-}
-
-// Checks a PEFT adapter_config.json object against `lora`. A field of the
-// wrong JSON type throws nlohmann::json::type_error.
-absl::Status CheckPeftConfig(const std::string& dir,
-                             const nlohmann::json& config,
-                             const LoraConfig& lora) {
-  if (config.value("peft_type", "LORA") != "LORA") {
-    return AdapterMismatch(dir, "peft_type is not LORA");
-  }
-  if (config.value("use_rslora", false) || config.value("use_dora", false) ||
-      config.value("fan_in_fan_out", false) ||
-      config.value("bias", "none") != "none") {
-    return AdapterMismatch(
-        dir, "only plain LoRA (no rslora, dora, fan_in_fan_out or bias) loads");
-  }
-  // Options that would make some modules or layers differ from the one
-  // rank, alpha and target set tally applies everywhere.
-  for (const char* key :
-       {"rank_pattern", "alpha_pattern", "layers_to_transform",
-        "layers_pattern", "modules_to_save"}) {
-    const auto it = config.find(key);
-    if (it != config.end() && !it->is_null() &&
-        !(it->is_object() && it->empty()) && !(it->is_array() && it->empty())) {
-      return AdapterMismatch(dir, absl::StrCat(key, " is not implemented"));
-    }
-  }
-  LoraConfig saved = lora;
-  saved.rank = config.value("r", int64_t{-1});
-  saved.alpha = config.value("lora_alpha", -1.0);
-  const nlohmann::json modules =
-      config.value("target_modules", nlohmann::json());
-  const std::vector<std::string> expected = LoraTargetModules(lora);
-  if (!modules.is_array() ||
-      std::set<nlohmann::json>(modules.begin(), modules.end()) !=
-          std::set<nlohmann::json>(expected.begin(), expected.end())) {
-    return AdapterMismatch(
-        dir,
-        absl::StrCat("target_modules is not [", absl::StrJoin(expected, ", "),
-                     "] (lora.train_attn, train_mlp, train_unembed)"));
-  }
-  if (!SameAdapterShape(saved, lora)) {
-    return AdapterMismatch(
-        dir, absl::StrCat("r ", saved.rank, " and lora_alpha ", saved.alpha,
-                          " are not lora.rank ", lora.rank, " and lora.alpha ",
-                          lora.alpha));
-  }
-  return absl::OkStatus();
-}
-
 // The factors of a PEFT adapter directory after checking its config
-// against `lora`.
+// against `lora` and, before reading them, their names and shapes against
+// the adapters of the model `config` describes.
 absl::StatusOr<NamedTensors> ReadPeftAdapter(const std::string& dir,
+                                             const LlamaConfig& config,
                                              const LoraConfig& lora) {
-  TALLY_ASSIGN_OR_RETURN(const std::string text,
-                         ReadFileText(absl::StrCat(dir, "/", kPeftConfigFile),
-                                      "lora.init_adapter"));
-  const nlohmann::json config =
-      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!config.is_object()) {
-    return AdapterMismatch(dir, "adapter_config.json is not a JSON object");
+  absl::StatusOr<std::string> text = ReadFileUpTo(
+      absl::StrCat(dir, "/", kPeftConfigFile), kConfigJsonLimits.max_bytes,
+      absl::StatusCode::kInvalidArgument);
+  if (!text.ok()) return InitAdapterError(dir, text.status().message());
+  TALLY_RETURN_IF_ERROR(CheckPeftAdapterConfig(*text, dir, lora));
+  // The factors' names and shapes are checked before any is allocated.
+  TALLY_ASSIGN_OR_RETURN(const ExpectedTensors expected,
+                         ExpectedTensors::ForModel(config, lora));
+  absl::StatusOr<NamedTensors> tensors =
+      ReadSafetensors(absl::StrCat(dir, "/", kPeftWeightsFile), nullptr,
+                      expected.PeftAdapterScreen());
+  if (!tensors.ok()) {
+    return absl::Status(tensors.status().code(),
+                        absl::StrCat("lora.init_adapter ", dir, ": ",
+                                     tensors.status().message()));
   }
-  try {
-    TALLY_RETURN_IF_ERROR(CheckPeftConfig(dir, config, lora));
-  } catch (const nlohmann::json::exception& e) {
-    return AdapterMismatch(
-        dir, absl::StrCat("adapter_config.json has a field of the wrong type (",
-                          e.what(), ")"));
-  }
-  TALLY_ASSIGN_OR_RETURN(
-      NamedTensors tensors,
-      ReadSafetensors(absl::StrCat(dir, "/", kPeftWeightsFile)));
-  for (auto& [name, t] : tensors) {
-    if (!absl::StartsWith(name, kPeftKeyPrefix)) {
-      return AdapterMismatch(dir, absl::StrCat("tensor ", name, " lacks the '",
-                                               kPeftKeyPrefix, "' prefix"));
-    }
+  for (auto& [name, t] : *tensors) {
     name = name.substr(sizeof(kPeftKeyPrefix) - 1);
   }
   return tensors;
@@ -131,10 +76,10 @@ absl::StatusOr<NamedTensors> ReadTallyAdapter(const std::string& dir,
   const LoraConfig* saved =
       contents.manifest ? &contents.manifest->lora : nullptr;
   if (saved == nullptr || !saved->enabled()) {
-    return AdapterMismatch(dir, "the checkpoint holds no LoRA adapter");
+    return InitAdapterError(dir, "the checkpoint holds no LoRA adapter");
   }
   if (!SameAdapterShape(*saved, lora)) {
-    return AdapterMismatch(
+    return InitAdapterError(
         dir, absl::StrCat("its adapter (rank ", saved->rank, ", alpha ",
                           saved->alpha, ", ",
                           absl::StrJoin(LoraTargetModules(*saved), ", "),
@@ -253,6 +198,7 @@ std::string PeftAdapterConfig(const LoraConfig& lora,
 }
 
 absl::StatusOr<NamedTensors> ReadAdapter(const std::string& dir,
+                                         const LlamaConfig& config,
                                          const LoraConfig& lora) {
   std::error_code error;
   if (!std::filesystem::is_directory(dir, error)) {
@@ -262,11 +208,11 @@ absl::StatusOr<NamedTensors> ReadAdapter(const std::string& dir,
   TALLY_ASSIGN_OR_RETURN(
       NamedTensors tensors,
       std::filesystem::exists(absl::StrCat(dir, "/", kPeftConfigFile), error)
-          ? ReadPeftAdapter(dir, lora)
+          ? ReadPeftAdapter(dir, config, lora)
           : ReadTallyAdapter(dir, lora));
   for (const auto& [name, t] : tensors) {
     if (!IsLoraParameter(name)) {
-      return AdapterMismatch(
+      return InitAdapterError(
           dir, absl::StrCat("it holds ", name, ", which is no LoRA factor"));
     }
   }

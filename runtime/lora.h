@@ -83,9 +83,12 @@ std::string PeftAdapterConfig(const LoraConfig& lora,
 // (adapter_config.json + adapter_model.safetensors) or a tally checkpoint of
 // an adapter (tally.json with its lora section), under tally's parameter
 // names. INVALID_ARGUMENT naming "lora.init_adapter" and what differs when
-// its rank, alpha or target modules are not `lora`'s, or it holds anything
-// but LoRA factors; NOT_FOUND for a missing directory.
+// its rank, alpha or target modules are not `lora`'s (CheckPeftAdapterConfig,
+// runtime/peft_adapter_config.h), or it holds anything but the LoRA factors
+// of the model `config` describes, in their shapes (refused before any is
+// allocated); NOT_FOUND for a missing directory.
 absl::StatusOr<NamedTensors> ReadAdapter(const std::string& dir,
+                                         const LlamaConfig& config,
                                          const LoraConfig& lora);
 
 }  // namespace tally

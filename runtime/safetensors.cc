@@ -268,7 +268,8 @@ absl::Status WriteSafetensors(
 }
 
 absl::StatusOr<NamedTensors> ReadSafetensors(
-    const std::string& path, std::map<std::string, std::string>* metadata) {
+    const std::string& path, std::map<std::string, std::string>* metadata,
+    const SafetensorsScreen& screen) {
   ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("open ", path));
@@ -299,10 +300,26 @@ absl::StatusOr<NamedTensors> ReadSafetensors(
     for (auto& [key, value] : header->metadata) (*metadata)[key] = value;
   }
 
+  std::vector<const SafetensorsEntry*> wanted;
+  for (const SafetensorsEntry& entry : header->tensors) {
+    ScreenVerdict verdict = ScreenVerdict::kRead;
+    if (screen) {
+      absl::StatusOr<ScreenVerdict> screened = screen(entry);
+      if (!screened.ok()) {
+        return absl::Status(
+            screened.status().code(),
+            absl::StrCat(path, ": ", screened.status().message()));
+      }
+      verdict = *screened;
+    }
+    if (verdict == ScreenVerdict::kRead) wanted.push_back(&entry);
+  }
+
   return CatchTorch("read safetensors", [&]() -> absl::StatusOr<NamedTensors> {
     NamedTensors tensors;
-    tensors.reserve(header->tensors.size());
-    for (const SafetensorsEntry& entry : header->tensors) {
+    tensors.reserve(wanted.size());
+    for (const SafetensorsEntry* wanted_entry : wanted) {
+      const SafetensorsEntry& entry = *wanted_entry;
       torch::Tensor t = torch::empty(entry.shape, TypeOf(entry.dtype));
       const uint64_t span = entry.end - entry.begin;
       TALLY_ASSIGN_OR_RETURN(

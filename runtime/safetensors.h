@@ -15,11 +15,22 @@
 //       tally::WriteSafetensors(path, tensors, {{"format", "pt"}}));
 //   TALLY_ASSIGN_OR_RETURN(tally::NamedTensors read,
 //                          tally::ReadSafetensors(path));
+//   // Refusing, before allocating, any tensor but a [2, 3] "w":
+//   auto screen = [](const tally::SafetensorsEntry& e)
+//       -> absl::StatusOr<tally::ScreenVerdict> {
+//     if (e.name == "w" && e.shape == std::vector<int64_t>{2, 3}) {
+//       return tally::ScreenVerdict::kRead;
+//     }
+//     return absl::InvalidArgumentError("unexpected tensor " + e.name);
+//   };
+//   TALLY_ASSIGN_OR_RETURN(read,
+//                          tally::ReadSafetensors(path, nullptr, screen));
 #ifndef TALLY_RUNTIME_SAFETENSORS_H_
 #define TALLY_RUNTIME_SAFETENSORS_H_
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -28,6 +39,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "runtime/safetensors_header.h"
 
 namespace tally {
 
@@ -55,16 +67,27 @@ absl::Status WriteSafetensors(
     const std::string& path, const NamedTensors& tensors,
     const std::map<std::string, std::string>& metadata = {});
 
-// Reads every tensor, in data layout order (so a file WriteSafetensors wrote
+// What a reader does with a tensor the header declares, decided from the
+// header alone (name, dtype, shape), before any memory for it exists: read
+// it, leave it unread, or refuse the file with the screen's status (which
+// should name the tensor and what was expected).
+enum class ScreenVerdict { kRead, kSkip };
+using SafetensorsScreen =
+    std::function<absl::StatusOr<ScreenVerdict>(const SafetensorsEntry&)>;
+
+// Reads the tensors in data layout order (so a file WriteSafetensors wrote
 // reads back in its written order), into fresh CPU tensors that own their
 // memory. A missing file is NOT_FOUND; a malformed or truncated one
 // (bad header length, bad JSON, unknown dtype, offsets out of range,
 // overlapping or leaving gaps, byte span not matching the shape) is DATA_LOSS
 // naming the file and the tensor. `metadata`, when given, receives the
-// "__metadata__" map.
+// "__metadata__" map. `screen`, when given, sees every tensor of the header
+// before the first is allocated: the tensors it skips are not read, and its
+// first error is returned, prefixed with the file, with nothing allocated.
 absl::StatusOr<NamedTensors> ReadSafetensors(
     const std::string& path,
-    std::map<std::string, std::string>* metadata = nullptr);
+    std::map<std::string, std::string>* metadata = nullptr,
+    const SafetensorsScreen& screen = nullptr);
 
 // Writes the concatenation of `pieces` to `path` (created or truncated) and
 // fsyncs it, without renaming: for files inside a directory that is published

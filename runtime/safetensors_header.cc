@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/json_reader.h"
 #include "base/status.h"
 
 namespace tally {
@@ -33,43 +34,9 @@ const DTypeInfo& InfoOf(SafetensorsDType dtype) {
   return kDTypes[0];  // unreachable: every enumerator is in kDTypes
 }
 
-// A value for an error message: scalars as JSON, containers by kind only, as
-// a hostile header may nest them deeper than dump() can recurse.
-std::string Describe(const Json& value) {
-  if (value.is_array()) return "an array";
-  if (value.is_object()) return "an object";
-  return value.dump();
-}
-
-// A valid header nests three levels deep (header, entry, shape). Deeper
-// input is refused before parsing: nlohmann copies and dumps nested values
-// recursively, so a header of a few hundred KB of brackets would overflow
-// the stack.
-constexpr int kMaxHeaderDepth = 16;
-
-// The deepest nesting of arrays and objects in JSON `text` (strings skipped).
-int NestingDepth(absl::string_view text) {
-  int depth = 0;
-  int deepest = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;  // the escaped character
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
+// A valid header nests three levels deep (header, entry, shape); the limit
+// leaves room for metadata a newer writer may nest.
+constexpr JsonLimits kHeaderJsonLimits = {kSafetensorsMaxHeaderBytes, 16};
 
 // Validates one header entry against a data buffer of `data_size` bytes.
 // Returns the reason it is malformed, or the parsed entry.
@@ -86,7 +53,7 @@ std::variant<std::string, SafetensorsEntry> ParseEntry(const std::string& name,
   }
   const std::optional<SafetensorsDType> type =
       SafetensorsDTypeFromCode(dtype->get_ref<const std::string&>());
-  if (!type) return absl::StrCat("unknown dtype ", dtype->dump());
+  if (!type) return absl::StrCat("unknown dtype ", JsonExcerpt(*dtype));
   entry.dtype = *type;
 
   const auto shape = value.find("shape");
@@ -99,7 +66,7 @@ std::variant<std::string, SafetensorsEntry> ParseEntry(const std::string& name,
   for (const Json& dim : *shape) {
     if (!dim.is_number_unsigned() || dim.get<uint64_t>() > kMax) {
       return absl::StrCat("shape element ", entry.shape.size(), " (",
-                          Describe(dim), ") is not a dimension");
+                          JsonExcerpt(dim), ") is not a dimension");
     }
     const uint64_t d = dim.get<uint64_t>();
     numel = (d != 0 && numel > kMax / d) ? kMax : numel * d;
@@ -122,7 +89,7 @@ std::variant<std::string, SafetensorsEntry> ParseEntry(const std::string& name,
   const uint64_t itemsize = SafetensorsDTypeSize(entry.dtype);
   const uint64_t span = entry.end - entry.begin;
   if (numel > kMax / itemsize || numel * itemsize != span) {
-    return absl::StrCat("shape ", shape->dump(), " of dtype ",
+    return absl::StrCat("shape ", JsonExcerpt(*shape), " of dtype ",
                         dtype->get_ref<const std::string&>(),
                         " does not fill its ", span, "-byte data_offsets span");
   }
@@ -234,16 +201,10 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view text,
                                             "-byte file"));
   }
   header.data_size = file_size - header.data_start;
-  if (NestingDepth(text) > kMaxHeaderDepth) {
-    return absl::DataLossError(absl::StrCat("header nests JSON deeper than ",
-                                            kMaxHeaderDepth, " levels"));
-  }
   // Ordered, so tensors sharing an offset (empty ones) keep header order.
-  const Json json = Json::parse(text.begin(), text.end(), nullptr,
-                                /*allow_exceptions=*/false);
-  if (json.is_discarded()) {
-    return absl::DataLossError("header is not valid JSON");
-  }
+  TALLY_ASSIGN_OR_RETURN(const Json json,
+                         ParseJson<Json>(text, kHeaderJsonLimits, "header",
+                                         absl::StatusCode::kDataLoss));
   if (!json.is_object()) {
     return absl::DataLossError("header is not a JSON object");
   }

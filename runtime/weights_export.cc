@@ -3,15 +3,15 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 #include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/file_text.h"
+#include "base/json_reader.h"
 #include "base/log.h"
 #include "base/status.h"
 #include "runtime/atomic_directory.h"
@@ -30,6 +30,10 @@ namespace fs = std::filesystem;
 // transformers' name for torch_dtype).
 constexpr const char* kNotCarried[] = {"torch_dtype", "dtype",
                                        "quantization_config"};
+
+// The most a file the export copies as it is (kExportCopiedFiles) may hold:
+// a tokenizer.json of a 256k-token vocabulary is ~35 MB.
+constexpr uint64_t kMaxCopiedFileBytes = uint64_t{128} << 20;
 
 struct StoredDType {
   torch::ScalarType type;
@@ -53,20 +57,14 @@ StoredDType StoredDTypeOf(ExportDType dtype, DType model_dtype) {
   return {ComputeScalarType(model_dtype), DTypeName(model_dtype)};
 }
 
-// The contents of the file at `path`; nullopt when there is none.
-absl::StatusOr<std::optional<std::string>> ReadIfPresent(const fs::path& path) {
+// The contents of the file at `path`, when it holds at most `max_bytes`
+// (FAILED_PRECONDITION naming it when larger); nullopt when there is none.
+absl::StatusOr<std::optional<std::string>> ReadIfPresent(const fs::path& path,
+                                                         uint64_t max_bytes) {
   std::error_code error;
   if (!fs::is_regular_file(path, error)) return std::nullopt;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("open ", path.string()));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) {
-    return absl::DataLossError(absl::StrCat("read ", path.string()));
-  }
-  return text.str();
+  return ReadFileUpTo(path.string(), max_bytes,
+                      absl::StatusCode::kFailedPrecondition);
 }
 
 // What an export takes from its source directory.
@@ -91,10 +89,12 @@ absl::StatusOr<SourceFiles> ReadSourceFiles(const std::string& source_dir) {
     return source;
   }
   source.config_path = (dir / kConfigFile).string();
-  TALLY_ASSIGN_OR_RETURN(source.config, ReadIfPresent(source.config_path));
+  TALLY_ASSIGN_OR_RETURN(
+      source.config,
+      ReadIfPresent(source.config_path, kConfigJsonLimits.max_bytes));
   for (const char* name : kExportCopiedFiles) {
     TALLY_ASSIGN_OR_RETURN(std::optional<std::string> text,
-                           ReadIfPresent(dir / name));
+                           ReadIfPresent(dir / name, kMaxCopiedFileBytes));
     if (text) source.copied.emplace_back(name, *std::move(text));
   }
   return source;
@@ -104,30 +104,36 @@ absl::StatusOr<SourceFiles> ReadSourceFiles(const std::string& source_dir) {
 // the source's config.json that it lacks, in the source's order.
 absl::StatusOr<std::string> MergedConfig(const std::string& tally_json,
                                          const SourceFiles& source) {
-  nlohmann::ordered_json config = nlohmann::ordered_json::parse(
-      tally_json, nullptr, /*allow_exceptions=*/false);
-  if (!config.is_object()) {
+  absl::StatusOr<nlohmann::ordered_json> config =
+      ParseJson<nlohmann::ordered_json>(tally_json, kConfigJsonLimits,
+                                        "LlamaConfig::ToHfJson",
+                                        absl::StatusCode::kInternal);
+  if (!config.ok() || !config->is_object()) {
     return absl::InternalError("LlamaConfig::ToHfJson wrote no JSON object");
   }
   if (source.config) {
-    const nlohmann::ordered_json carried = nlohmann::ordered_json::parse(
-        *source.config, nullptr, /*allow_exceptions=*/false);
-    if (carried.is_discarded() || !carried.is_object()) {
+    // The source may have changed since the model was created from it.
+    TALLY_ASSIGN_OR_RETURN(
+        const nlohmann::ordered_json carried,
+        ParseJson<nlohmann::ordered_json>(
+            *source.config, kConfigJsonLimits, source.config_path,
+            absl::StatusCode::kFailedPrecondition));
+    if (!carried.is_object()) {
       return absl::FailedPreconditionError(
           absl::StrCat(source.config_path,
                        " is not a JSON object; a weights export of a model "
                        "created from it carries its fields over"));
     }
     for (const auto& [key, value] : carried.items()) {
-      if (config.contains(key) ||
+      if (config->contains(key) ||
           std::find(std::begin(kNotCarried), std::end(kNotCarried), key) !=
               std::end(kNotCarried)) {
         continue;
       }
-      config[key] = value;
+      (*config)[key] = value;
     }
   }
-  return config.dump(2) + "\n";
+  return config->dump(2) + "\n";
 }
 
 // The weights laid out in files as HF lays them out.

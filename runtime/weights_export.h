@@ -91,8 +91,9 @@ std::vector<std::vector<size_t>> SplitIntoShards(
 // tally writes taking precedence; absent files are skipped, and so is a
 // source directory that no longer exists (with a warning). On failure `dir`
 // is as it was: INVALID_ARGUMENT for max_shard_bytes 0 or a path naming no
-// directory, FAILED_PRECONDITION for something other than an export at `dir`
-// or a source config.json that is not a JSON object.
+// directory, FAILED_PRECONDITION for something other than an export at `dir`,
+// a source config.json that is not a JSON object or is beyond
+// kConfigJsonLimits (base/json_reader.h), or a copied file over 128 MiB.
 absl::StatusOr<ExportResult> WriteWeightsExport(const std::string& dir,
                                                 const CausalLm& model,
                                                 const ExportOptions& options,

@@ -6,10 +6,8 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <set>
-#include <sstream>
 #include <system_error>
 
 #include "absl/cleanup/cleanup.h"
@@ -338,10 +336,8 @@ TrainerService::CreatedBytes TrainerService::CreatedModelBytes(
   if (!spec.ok()) return {};
   LlamaConfig config = spec->config;
   if (config.vocab_size == 0 && !spec->init_checkpoint.empty()) {
-    std::ifstream in(spec->init_checkpoint + "/config.json");
-    std::ostringstream text;
-    text << in.rdbuf();
-    absl::StatusOr<LlamaConfig> read = LlamaConfig::FromHfJson(text.str());
+    absl::StatusOr<LlamaConfig> read =
+        ReadHfConfig(spec->init_checkpoint + "/config.json");
     if (!read.ok()) return {};
     config = *read;
   }

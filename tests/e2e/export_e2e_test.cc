@@ -345,6 +345,75 @@ TEST_F(ExportE2eTest, TokenizerFilesAndConfigFieldsComeAlong) {
   EXPECT_EQ(written.value("model_type", ""), "llama");
 }
 
+// Files built to crash or exhaust the server through CreateModel: a shard
+// index and a config.json nested far deeper than a recursive copy or dump()
+// can go, a header declaring a 64 GiB tensor (a hole on disk). Each gets its
+// code with a short message naming the file, and the server lives on.
+TEST_F(ExportE2eTest, HostileModelDirectoriesAreRefusedAndTheServerLives) {
+  TrainerClient* client = Start();
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->CreateModel(TinyModel("m")).ok());
+  ASSERT_TRUE(client->ExportWeights(ExportRequest("m", "hf")).ok());
+  const std::string hf = InRoot("hf");
+  fs::remove(hf + "/checksums.sha256");  // a plain HF directory now
+  const std::string config = ReadFileBytes(hf + "/config.json");
+  const std::string nesting =
+      std::string(100000, '[') + std::string(100000, ']');
+  auto refusal = [&](const std::string& dir) {
+    v1::CreateModelRequest create;
+    create.set_model_id(dir);
+    create.set_init_checkpoint(dir);
+    return client->CreateModel(create).status();
+  };
+
+  fs::copy(hf, InRoot("indexed"));
+  fs::rename(InRoot("indexed/model.safetensors"),
+             InRoot("indexed/model-00001-of-00001.safetensors"));
+  std::ofstream(InRoot("indexed/model.safetensors.index.json"))
+      << R"({"weight_map":{"a":)" << nesting << "}}";
+  absl::Status status = refusal("indexed");
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("model.safetensors.index.json nests arrays and "
+                        "objects deeper than 64 levels (at weight_map.a[]"));
+  EXPECT_LE(status.message().size(), 600u);
+
+  fs::copy(hf, InRoot("deep-config"));
+  std::string deep = config;
+  deep.insert(deep.rfind('}'), R"(, "extra": )" + nesting);
+  std::ofstream(InRoot("deep-config/config.json")) << deep;
+  status = refusal("deep-config");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("config.json nests arrays and objects deeper than 64 "
+                        "levels (at extra[]"));
+  EXPECT_LE(status.message().size(), 600u);
+
+  fs::copy(hf, InRoot("huge"));
+  std::string header =
+      R"({"model.embed_tokens.weight":{"dtype":"F32",)"
+      R"("shape":[16777216,1024],"data_offsets":[0,68719476736]}})";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string file(8, '\0');
+  for (int i = 0; i < 8; ++i) {
+    file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  }
+  const std::string weights = InRoot("huge/model.safetensors");
+  std::ofstream(weights, std::ios::binary | std::ios::trunc) << file + header;
+  fs::resize_file(weights, 8 + header.size() + (uint64_t{64} << 30));
+  status = refusal("huge");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("checkpoint weight model.embed_tokens.weight has "
+                        "shape [16777216, 1024], expected ["));
+
+  // Alive, and nothing was created.
+  EXPECT_TRUE(client->CreateModel(TinyModel("after")).ok());
+  v1::GetModelRequest get;
+  get.set_model_id("huge");
+  EXPECT_EQ(client->GetModel(get).status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(ExportE2eTest, BadRequestsGetTheirCodeAndWriteNothing) {
   TrainerClient* client = Start();
   ASSERT_NE(client, nullptr);

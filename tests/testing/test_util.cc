@@ -1,7 +1,12 @@
 #include "tests/testing/test_util.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <fstream>
 #include <random>
+
+#include "runtime/safetensors_header.h"
 
 namespace tally::testing {
 
@@ -143,6 +148,20 @@ bool AllEqual(const std::vector<torch::Tensor>& a,
 
 double GoldenTolerance(DType dtype) {
   return dtype == DType::kFloat64 ? 1e-10 : 1e-5;
+}
+
+bool WriteSparseSafetensors(const std::string& path, const std::string& name,
+                            const std::vector<int64_t>& shape) {
+  uint64_t bytes = sizeof(float);
+  for (int64_t d : shape) bytes *= static_cast<uint64_t>(d);
+  const std::string header = EncodeSafetensorsHeader(
+      {{name, SafetensorsDType::kF32, shape, 0, bytes}}, {});
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    if (!(out << header)) return false;
+  }
+  return ::truncate(path.c_str(), static_cast<off_t>(header.size() + bytes)) ==
+         0;
 }
 
 }  // namespace tally::testing

@@ -70,6 +70,13 @@ double GoldenTolerance(DType dtype);
 // margin. Losses, gradients and norms keep GoldenTolerance.
 inline constexpr double kFp32AdamParamTolerance = 4e-4;
 
+// Writes a safetensors file at `path` whose header declares one float32
+// tensor `name` of `shape`, its data a hole: the file is as large as the
+// header says (64 GiB, say), on disk it is a few bytes. False when it cannot
+// be written.
+bool WriteSparseSafetensors(const std::string& path, const std::string& name,
+                            const std::vector<int64_t>& shape);
+
 }  // namespace tally::testing
 
 #endif  // TALLY_TESTS_TESTING_TEST_UTIL_H_

@@ -26,6 +26,7 @@
 #include "runtime/optimizer.h"
 #include "runtime/safetensors.h"
 #include "server/checkpoint_retention.h"
+#include "tests/testing/test_util.h"
 
 namespace tally {
 namespace {
@@ -529,6 +530,93 @@ TEST_F(CheckpointTest, ReadErrorsNameTheProblem) {
   Reseal(dir);
   expect_error(absl::StatusCode::kInvalidArgument, "model.safetensors");
   write_sealed("model.safetensors", weights);
+
+  const absl::Status restored = ReadCheckpoint(dir, true).status();
+  EXPECT_TRUE(restored.ok()) << restored;
+}
+
+// JSON nested far deeper than nlohmann's recursive copy and dump() can go,
+// in each JSON file of a checkpoint: refused by the depth limit, naming the
+// file and the field, with a short message (no crash, no echo of the value).
+TEST_F(CheckpointTest, DeeplyNestedJsonIsRefusedNamingTheFileAndField) {
+  const std::string dir = WriteFreshCheckpoint(false, OptimizerKind::kAdamW);
+  const std::string config = ReadText(dir + "/config.json");
+  const std::string manifest = ReadText(dir + "/tally.json");
+  fs::remove(dir + "/checksums.sha256");
+  auto expect_refused = [&](absl::StatusCode code, const std::string& file,
+                            const std::string& where) {
+    const absl::Status status = ReadCheckpoint(dir, false).status();
+    EXPECT_EQ(status.code(), code) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(dir + "/" + file));
+    EXPECT_THAT(std::string(status.message()),
+                HasSubstr("deeper than 64 levels (at " + where));
+    EXPECT_LE(status.message().size(), 600u);
+  };
+
+  // An unknown field of config.json, which a weights export carries over.
+  std::string deep = config;
+  deep.insert(deep.rfind('}'), R"(, "extra": )" + std::string(300000, '[') +
+                                   std::string(300000, ']'));
+  WriteText(dir + "/config.json", deep);
+  expect_refused(absl::StatusCode::kInvalidArgument, "config.json",
+                 "extra[][]");
+  WriteText(dir + "/config.json", config);
+
+  deep = manifest;
+  deep.insert(deep.rfind('}'), R"(, "lora": {"rank": )" +
+                                   std::string(100000, '[') +
+                                   std::string(100000, ']') + "}");
+  WriteText(dir + "/tally.json", deep);
+  expect_refused(absl::StatusCode::kDataLoss, "tally.json", "lora.rank[][]");
+  fs::remove(dir + "/tally.json");
+
+  fs::rename(dir + "/model.safetensors", dir + "/model-1.safetensors");
+  WriteText(dir + "/model.safetensors.index.json",
+            R"({"weight_map":{"a":)" + std::string(100000, '[') +
+                std::string(100000, ']') + "}}");
+  expect_refused(absl::StatusCode::kDataLoss, "model.safetensors.index.json",
+                 "weight_map.a[][]");
+}
+
+// A header declaring a 64 GiB tensor for a model of ~4k parameters is
+// refused from the header alone, naming the tensor and its expected shape:
+// nothing of its size is allocated (before, the read failed allocating, or
+// with a smaller tensor held gigabytes until the shape check after it).
+TEST_F(CheckpointTest, TensorsAreCheckedAgainstTheConfigBeforeAllocating) {
+  const std::string dir = WriteFreshCheckpoint(false, OptimizerKind::kAdamW);
+  nlohmann::json manifest =
+      nlohmann::json::parse(ReadText(dir + "/tally.json"));
+  manifest["format_version"] = 1;  // no checksums: the hole is never hashed
+  WriteText(dir + "/tally.json", manifest.dump());
+  fs::remove(dir + "/checksums.sha256");
+  const std::string weights = ReadText(dir + "/model.safetensors");
+  const std::string optimizer = ReadText(dir + "/optimizer.safetensors");
+  auto expect_refused = [&](const std::string& file,
+                            const std::string& needle) {
+    const absl::Status status = ReadCheckpoint(dir, true).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(dir + "/" + file));
+    EXPECT_THAT(std::string(status.message()), HasSubstr(needle));
+  };
+  const std::vector<int64_t> huge = {int64_t{1} << 24, 1024};  // 64 GiB
+
+  ASSERT_TRUE(testing::WriteSparseSafetensors(
+      dir + "/model.safetensors", "model.embed_tokens.weight", huge));
+  expect_refused("model.safetensors",
+                 "checkpoint weight model.embed_tokens.weight has shape "
+                 "[16777216, 1024], expected [32, 16]");
+  ASSERT_TRUE(testing::WriteSparseSafetensors(
+      dir + "/model.safetensors", "model.extra.weight", huge));
+  expect_refused("model.safetensors",
+                 "checkpoint weight model.extra.weight is not a parameter");
+  WriteText(dir + "/model.safetensors", weights);
+
+  ASSERT_TRUE(testing::WriteSparseSafetensors(
+      dir + "/optimizer.safetensors", "model.norm.weight.exp_avg", huge));
+  expect_refused("optimizer.safetensors",
+                 "optimizer state model.norm.weight.exp_avg has shape "
+                 "[16777216, 1024], expected [16]");
+  WriteText(dir + "/optimizer.safetensors", optimizer);
 
   const absl::Status restored = ReadCheckpoint(dir, true).status();
   EXPECT_TRUE(restored.ok()) << restored;

@@ -259,6 +259,41 @@ TEST_F(LoraTest, PeftExportReimportsBitwise) {
   EXPECT_THAT(refused.message(), HasSubstr("wrong type"));
 }
 
+// A PEFT adapter directory is read within bounds: an adapter_config.json
+// nested far deeper than nlohmann's recursive copy can go is refused naming
+// the file and field, and a factor the header declares at 64 GiB is refused
+// from the header, naming its expected shape, before anything is allocated.
+TEST_F(LoraTest, AdapterFilesAreBoundedAndCheckedBeforeAllocating) {
+  const LlamaConfig config = testing::TinyConfig();
+  LoraConfig lora;
+  lora.rank = 4;
+  lora = lora.WithDefaults();
+  const std::string dir = root_ + "/peft";
+  fs::create_directories(dir);
+
+  std::ofstream(dir + "/adapter_config.json")
+      << R"({"peft_type": "LORA", "r": 4, "target_modules": )"
+      << std::string(300000, '[') << std::string(300000, ']') << "}";
+  absl::Status status = ReadAdapter(dir, config, lora).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("lora.init_adapter " + dir));
+  EXPECT_THAT(status.message(),
+              HasSubstr("adapter_config.json nests arrays and objects deeper "
+                        "than 64 levels (at target_modules[][]"));
+  EXPECT_LE(status.message().size(), 600u);
+
+  std::ofstream(dir + "/adapter_config.json") << PeftAdapterConfig(lora, "");
+  const std::string factor =
+      "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight";
+  ASSERT_TRUE(testing::WriteSparseSafetensors(
+      dir + "/adapter_model.safetensors", factor, {int64_t{1} << 24, 1024}));
+  status = ReadAdapter(dir, config, lora).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(),
+              HasSubstr("adapter factor " + factor +
+                        " has shape [16777216, 1024], expected [4, 32]"));
+}
+
 TEST_F(LoraTest, MergedExportIsTheBasePlusTheScaledProduct) {
   auto engine = Engine::CreateSingleRank({}).value();
   ModelSpec spec = LoraSpec("a", DType::kFloat64, 4, 1);

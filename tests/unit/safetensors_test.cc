@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -216,6 +217,51 @@ TEST_F(SafetensorsTest, MissingFileIsNotFound) {
   EXPECT_EQ(read.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(read.status().message()),
               HasSubstr("absent.safetensors"));
+}
+
+// A screen sees every tensor of the header before the first is allocated:
+// a 64 GiB tensor it skips is never allocated nor read, and a refusal of the
+// last tensor returns before any is read, naming the file.
+TEST_F(SafetensorsTest, ScreenDecidesBeforeAnythingIsAllocated) {
+  const std::string path = PathOf("screened.safetensors");
+  const uint64_t huge = uint64_t{64} << 30;
+  const std::string header = EncodeSafetensorsHeader(
+      {{"small", SafetensorsDType::kF32, {1}, 0, 4},
+       {"huge", SafetensorsDType::kF32, {int64_t{1} << 24, 1024}, 4, 4 + huge},
+       {"last", SafetensorsDType::kF32, {0}, 4 + huge, 4 + huge}},
+      {});
+  const float one = 1.0f;
+  WriteBytes(path, header + std::string(reinterpret_cast<const char*>(&one),
+                                        sizeof(one)));
+  ASSERT_EQ(
+      ::truncate(path.c_str(), static_cast<off_t>(header.size() + 4 + huge)),
+      0);
+
+  std::vector<std::string> seen;
+  auto skip_huge =
+      [&](const SafetensorsEntry& entry) -> absl::StatusOr<ScreenVerdict> {
+    seen.push_back(entry.name);
+    return entry.name == "huge" ? ScreenVerdict::kSkip : ScreenVerdict::kRead;
+  };
+  absl::StatusOr<NamedTensors> read = ReadSafetensors(path, nullptr, skip_huge);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(seen, (std::vector<std::string>{"small", "huge", "last"}));
+  ASSERT_EQ(read->size(), 2u);
+  EXPECT_EQ((*read)[0].first, "small");
+  EXPECT_TRUE(torch::equal((*read)[0].second, torch::ones({1})));
+  EXPECT_EQ((*read)[1].first, "last");
+
+  auto refuse_last =
+      [](const SafetensorsEntry& entry) -> absl::StatusOr<ScreenVerdict> {
+    if (entry.name == "last") {
+      return absl::InvalidArgumentError("tensor last is unwanted");
+    }
+    return ScreenVerdict::kRead;  // "huge" too: refused before it is read
+  };
+  const absl::Status status =
+      ReadSafetensors(path, nullptr, refuse_last).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(), path + ": tensor last is unwanted");
 }
 
 TEST_F(SafetensorsTest, CorruptHeaderLengthIsDataLoss) {

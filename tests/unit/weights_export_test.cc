@@ -5,6 +5,7 @@
 // and staged meshes, which must equal the single-rank export byte for byte.
 #include "runtime/weights_export.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <torch/torch.h>
@@ -327,6 +328,53 @@ TEST_F(WeightsExportTest, CopiesSourceFilesAndCarriesConfigFields) {
       WriteWeightsExport(PathOf("broken"), model(), {}, source).status();
   EXPECT_EQ(broken.code(), absl::StatusCode::kFailedPrecondition) << broken;
   EXPECT_FALSE(fs::exists(PathOf("broken")));
+}
+
+// An unknown config.json field nested far deeper than nlohmann's recursive
+// copy and dump() can go: creating a model from the directory is refused
+// naming config.json and the field; an export whose source config.json
+// turned so since is refused the same way, and neither crashes. Files the
+// export copies are bounded in size too.
+TEST_F(WeightsExportTest, DeepOrOversizedSourceFilesAreRefused) {
+  const std::string hf = Export("hf").path;
+  fs::remove(hf + "/checksums.sha256");  // a plain HF directory now
+  const std::string config = ReadText(hf + "/config.json");
+  std::string deep = config;
+  deep.insert(deep.rfind('}'), R"(, "extra": )" + std::string(300000, '[') +
+                                   std::string(300000, ']'));
+  auto expect_refused = [&](const absl::Status& status, absl::StatusCode code) {
+    EXPECT_EQ(status.code(), code) << status;
+    EXPECT_THAT(std::string(status.message()),
+                ::testing::HasSubstr(hf + "/config.json"));
+    EXPECT_THAT(std::string(status.message()),
+                ::testing::HasSubstr("deeper than 64 levels (at extra[][]"));
+    EXPECT_LE(status.message().size(), 600u);
+  };
+
+  ModelSpec spec = TinySpec("from_hf", DType::kFloat32, OptimizerKind::kAdamW);
+  spec.config = LlamaConfig();
+  spec.init_checkpoint = hf;
+  WriteText(hf + "/config.json", deep);
+  expect_refused(engine_->CreateModel(spec).status(),
+                 absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(engine_->GetModel("from_hf").ok());
+
+  WriteText(hf + "/config.json", config);
+  ASSERT_TRUE(engine_->CreateModel(spec).ok());
+  WriteText(hf + "/config.json", deep);
+  expect_refused(engine_->ExportWeights("from_hf", PathOf("deep"), {}).status(),
+                 absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(fs::exists(PathOf("deep")));
+
+  // 1 GiB of tokenizer, a hole: refused from its size, unread.
+  WriteText(hf + "/config.json", config);
+  WriteText(hf + "/tokenizer.json", "");
+  ASSERT_EQ(::truncate((hf + "/tokenizer.json").c_str(), off_t{1} << 30), 0);
+  const absl::Status copied =
+      engine_->ExportWeights("from_hf", PathOf("huge"), {}).status();
+  EXPECT_EQ(copied.code(), absl::StatusCode::kFailedPrecondition) << copied;
+  EXPECT_THAT(std::string(copied.message()),
+              ::testing::HasSubstr(hf + "/tokenizer.json is 1073741824 bytes"));
 }
 
 // The engine takes the source from the model's init_checkpoint.
