@@ -198,7 +198,7 @@ absl::Status ValidateRopeScaling(const RopeScaling& r) {
   if (!r.rope_type.empty() && r.rope_type != "linear" &&
       r.rope_type != "llama3") {
     return absl::InvalidArgumentError(
-        absl::StrCat("config.rope_scaling.rope_type \"", r.rope_type,
+        absl::StrCat("config.rope_scaling.rope_type \"", Excerpt(r.rope_type),
                      "\" is not implemented (tally implements \"\" for none, "
                      "default, linear, llama3)"));
   }

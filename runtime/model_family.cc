@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/json_reader.h"
 #include "runtime/families/families.h"
 
 namespace tally {
@@ -25,7 +26,8 @@ absl::StatusOr<const ModelFamily*> FindModelFamily(
     if (model_type == family->model_type()) return family;
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "config.model_type \"", model_type, "\" is not supported (tally builds ",
+      "config.model_type \"", Excerpt(model_type),
+      "\" is not supported (tally builds ",
       absl::StrJoin(SupportedModelTypes(), ", "), ")"));
 }
 
