@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "kernels/fused_optimizer.h"
+#include "kernels/grad_stats.h"
 
 namespace tally {
 namespace {
@@ -71,6 +72,32 @@ absl::Status Optimizer::Step(const AdamParams& hp, double grad_scale) {
     for (size_t i : composed) StepComposed(i, hp, grad_scale, step);
   }));
   step_count_ = step;
+  return CheckWrittenFinite();
+}
+
+absl::Status Optimizer::CheckWrittenFinite() const {
+  // What the update wrote, named for the message.
+  std::vector<std::pair<std::string, torch::Tensor>> written = StateTensors();
+  for (const Parameter& p : *parameters_) {
+    if (p.trainable && p.tensor.grad().defined()) {
+      written.emplace_back(p.name, p.tensor);
+    }
+  }
+  std::vector<torch::Tensor> tensors;
+  for (const auto& [name, t] : written) tensors.push_back(t);
+  bool nonfinite = false;
+  TALLY_RETURN_IF_ERROR(CatchTorch("check the step's values", [&] {
+    nonfinite = kernels::MultiTensorGradStats(tensors).nonfinite;
+  }));
+  if (!nonfinite) return absl::OkStatus();
+  for (const auto& [name, t] : written) {
+    if (!torch::isfinite(t).all().item<bool>()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the update left non-finite values in ", name,
+          " (a learning_rate or weight_decay too large for it, or state that "
+          "was not finite before)"));
+    }
+  }
   return absl::OkStatus();
 }
 

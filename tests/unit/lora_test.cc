@@ -188,6 +188,50 @@ TEST_F(LoraTest, BasesAreSharedWithinATenantAndOneSpellingOfAPath) {
   EXPECT_NE(create("d", root_ + "/base"), a);
 }
 
+// A base is what its directory held when it was read: a model exported over
+// the directory later is another base (read from the new contents), and
+// the adapters on the first one keep theirs. Before, every adapter created
+// over the path got the first base, whatever config.json said by then.
+TEST_F(LoraTest, AnExportOverABaseDirectoryIsAnotherBase) {
+  auto engine = Engine::CreateSingleRank({}).value();
+  ModelSpec big = TinySpec("big", DType::kFloat32, OptimizerKind::kAdamW);
+  big.config.hidden_size = 64;
+  big.config.intermediate_size = 96;
+  ModelSpec tiny = TinySpec("tiny", DType::kFloat32, OptimizerKind::kAdamW);
+  ASSERT_TRUE(engine->CreateModel(big).ok());
+  ASSERT_TRUE(engine->CreateModel(tiny).ok());
+  const std::string dir = root_ + "/b";
+  ASSERT_TRUE(engine->ExportWeights("big", dir).ok());
+  auto create = [&](const std::string& id) {
+    ModelSpec spec = LoraSpec(id, DType::kFloat32, 2, 1);
+    spec.config = LlamaConfig();
+    spec.init_checkpoint = dir;
+    const absl::StatusOr<ModelSummary> created = engine->CreateModel(spec);
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created.value_or(ModelSummary());
+  };
+  const ModelSummary first = create("first");
+  EXPECT_EQ(first.config, big.config.WithDefaults());
+  EXPECT_EQ(engine->BaseConfig(first.base), big.config.WithDefaults());
+  ASSERT_TRUE(engine->ExportWeights("tiny", dir).ok());
+  const ModelSummary second = create("second");
+  EXPECT_NE(second.base, first.base);
+  EXPECT_EQ(second.config, tiny.config.WithDefaults());
+  EXPECT_EQ(engine->BaseConfig(second.base), tiny.config.WithDefaults());
+  EXPECT_NE(engine->model("second").value()->base(),
+            engine->model("first").value()->base());
+  EXPECT_EQ(engine->model("second").value()->config(),
+            tiny.config.WithDefaults());
+  // The directory unchanged since: the same base.
+  const ModelSummary third = create("third");
+  EXPECT_EQ(third.base, second.base);
+  EXPECT_EQ(engine->model("third").value()->base(),
+            engine->model("second").value()->base());
+  // The first adapter keeps its base, and trains on it.
+  EXPECT_EQ(engine->GetModel("first")->config, big.config.WithDefaults());
+  EXPECT_EQ(Window(*engine, "first", 5).size(), 3u);
+}
+
 TEST_F(LoraTest, SummaryCountsTheAdapter) {
   auto engine = Engine::CreateSingleRank({}).value();
   ModelSpec spec = LoraSpec("a", DType::kFloat64, 4, 1);
