@@ -18,10 +18,14 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "runtime/checkpoint.h"
 #include "runtime/engine.h"
 #include "runtime/memory_estimate.h"
 #include "runtime/safetensors.h"
+#include "tests/testing/golden.h"
+#include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -230,6 +234,39 @@ TEST_F(LoraTest, AnExportOverABaseDirectoryIsAnotherBase) {
   // The first adapter keeps its base, and trains on it.
   EXPECT_EQ(engine->GetModel("first")->config, big.config.WithDefaults());
   EXPECT_EQ(Window(*engine, "first", 5).size(), 3u);
+}
+
+// Every rank reads the base directory's identity itself, so ranks can read
+// different contents (a directory published over between their reads; here
+// each rank is pointed at another export): they refuse the adapter together
+// with ABORTED, and none builds or shares a base the others do not.
+TEST(LoraRanksTest, RanksThatReadDifferentBasesRefuseTogether) {
+  testing::RunOnRanks(2, [](const RankEnv& env) -> absl::Status {
+    MeshShape shape;
+    shape.dp_replicate = 2;
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           testing::CreateRankEngine(shape, env, {}));
+    const std::string root = absl::StrCat(
+        ::testing::TempDir(), "tally_lora_ranks_", env.master_port);
+    for (const char* id : {"a", "b"}) {
+      ModelSpec spec = TinySpec(id, DType::kFloat32, OptimizerKind::kAdamW,
+                                /*seed=*/id[0]);
+      TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+      TALLY_RETURN_IF_ERROR(
+          engine->ExportWeights(id, absl::StrCat(root, "/", id)).status());
+    }
+    ModelSpec spec = LoraSpec("adapter", DType::kFloat32, 2, 1);
+    spec.config = LlamaConfig();
+    spec.init_checkpoint = root + (env.rank == 0 ? "/a" : "/b");
+    const absl::Status refused = engine->CreateModel(spec).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+    EXPECT_EQ(engine->num_models(), 2u);
+    spec.init_checkpoint = root + "/a";
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    EXPECT_EQ(engine->num_models(), 3u);
+    if (env.rank == 0) fs::remove_all(root);  // every rank has read it
+    return absl::OkStatus();
+  });
 }
 
 TEST_F(LoraTest, SummaryCountsTheAdapter) {
