@@ -328,11 +328,10 @@ TrainerService::CreatedBytes TrainerService::CreatedModelBytes(
     const v1::CreateModelRequest& request) const {
   absl::StatusOr<ModelSpec> spec = ParseCreateModel(request);
   if (!spec.ok()) return {};
-  CreatedBytes bytes;
-  bytes.base_key = CurrentBaseKey(*spec);
   // An adapter is built on the base in memory under its key when there is
   // one, whatever the directory's config.json says by now.
-  std::optional<LlamaConfig> config = engine_->BaseConfig(bytes.base_key);
+  std::optional<LlamaConfig> config =
+      engine_->BaseConfig(CurrentBaseKey(*spec));
   const bool new_base = spec->lora.enabled() && !config.has_value();
   if (!config.has_value()) config = spec->config;
   if (config->vocab_size == 0 && !spec->init_checkpoint.empty()) {
@@ -346,6 +345,7 @@ TrainerService::CreatedBytes TrainerService::CreatedModelBytes(
   config = config->WithDefaults();
   const int dp_shard = engine_->mesh().shape().dp_shard;
   const ZeroStage zero = engine_->zero_stage();
+  CreatedBytes bytes;
   if (!spec->lora.enabled()) {
     bytes.model = ModelResidentBytes(*config, spec->dtype, spec->optimizer,
                                      dp_shard, zero);

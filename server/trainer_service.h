@@ -197,7 +197,6 @@ class TrainerService final : public v1::Trainer::CallbackService {
   // base in memory under its CurrentBaseKey when there is one.
   struct CreatedBytes {
     double model = 0;
-    std::string base_key;  // a LoRA model's CurrentBaseKey, else empty
     double new_base = 0;
   };
   CreatedBytes CreatedModelBytes(const v1::CreateModelRequest& request) const;

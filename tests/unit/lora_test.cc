@@ -246,8 +246,8 @@ TEST(LoraRanksTest, RanksThatReadDifferentBasesRefuseTogether) {
     shape.dp_replicate = 2;
     TALLY_ASSIGN_OR_RETURN(auto engine,
                            testing::CreateRankEngine(shape, env, {}));
-    const std::string root = absl::StrCat(
-        ::testing::TempDir(), "tally_lora_ranks_", env.master_port);
+    const std::string root = absl::StrCat(::testing::TempDir(),
+                                          "tally_lora_ranks_", env.master_port);
     for (const char* id : {"a", "b"}) {
       ModelSpec spec = TinySpec(id, DType::kFloat32, OptimizerKind::kAdamW,
                                 /*seed=*/id[0]);
