@@ -76,26 +76,28 @@ absl::Status Optimizer::Step(const AdamParams& hp, double grad_scale) {
 }
 
 absl::Status Optimizer::CheckWrittenFinite() const {
-  // What the update wrote, named for the message.
-  std::vector<std::pair<std::string, torch::Tensor>> written = StateTensors();
+  // The parameters only: OptimStep's bound (step_guard.h) keeps the moments
+  // finite (each a weighted mean of finite values), and a sweep over them
+  // too would cost two more passes over memory per step.
+  std::vector<const Parameter*> stepped;
+  std::vector<torch::Tensor> tensors;
   for (const Parameter& p : *parameters_) {
     if (p.trainable && p.tensor.grad().defined()) {
-      written.emplace_back(p.name, p.tensor);
+      stepped.push_back(&p);
+      tensors.push_back(p.tensor);
     }
   }
-  std::vector<torch::Tensor> tensors;
-  for (const auto& [name, t] : written) tensors.push_back(t);
   bool nonfinite = false;
   TALLY_RETURN_IF_ERROR(CatchTorch("check the step's values", [&] {
     nonfinite = kernels::MultiTensorGradStats(tensors).nonfinite;
   }));
   if (!nonfinite) return absl::OkStatus();
-  for (const auto& [name, t] : written) {
-    if (!torch::isfinite(t).all().item<bool>()) {
+  for (const Parameter* p : stepped) {
+    if (!torch::isfinite(p->tensor).all().item<bool>()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "the update left non-finite values in ", name,
-          " (a learning_rate or weight_decay too large for it, or state that "
-          "was not finite before)"));
+          "the update left non-finite values in ", p->name,
+          " (a learning_rate or weight_decay too large for it, or optimizer "
+          "state that was not finite before)"));
     }
   }
   return absl::OkStatus();

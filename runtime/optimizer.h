@@ -40,10 +40,11 @@ class Optimizer {
   int64_t step_count() const { return step_count_; }
 
   // Gradients are only read: they keep their raw values. Then one sweep
-  // over what the update wrote: FAILED_PRECONDITION naming the first
-  // parameter or state tensor it left non-finite (the update is applied:
-  // the caller treats the parameters as damaged). OptimStep refuses the
-  // updates whose gradients could overflow before this (step_guard.h).
+  // over the parameters the update wrote: FAILED_PRECONDITION naming the
+  // first one it left non-finite (the update is applied: the caller treats
+  // the parameters as damaged). OptimStep refuses the updates whose
+  // gradients could overflow (the moments included) before this
+  // (step_guard.h).
   absl::Status Step(const AdamParams& params, double grad_scale = 1.0);
 
   // Moments start again from zero and the step count from 0.
