@@ -14,6 +14,7 @@
 #include "runtime/call_results.h"
 #include "runtime/checkpoint.h"
 #include "runtime/fault_hook.h"
+#include "runtime/directory_identity.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/lora.h"
 #include "runtime/loss.h"
@@ -21,6 +22,7 @@
 #include "runtime/loss_report.h"
 #include "runtime/pipeline.h"
 #include "runtime/pipeline_executor.h"
+#include "runtime/step_guard.h"
 #include "runtime/token_loss.h"
 #include "runtime/zero.h"
 
@@ -376,9 +378,14 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
   TALLY_RETURN_IF_ERROR(ValidateAdamParams(spec.default_adam, "default_adam"));
   TALLY_RETURN_IF_ERROR(
       ValidateMaxGradNorm(spec.default_max_grad_norm, "default_max_grad_norm"));
+  // Each rank reads init_checkpoint's identity itself: they agree on the key
+  // before any of them looks its base up.
+  const std::string base_key = CurrentBaseKey(spec);
+  TALLY_RETURN_IF_ERROR(AgreeOnBaseKey(*groups_.world, spec, base_key));
   // Building can fail on one rank only (an unreadable init_checkpoint, memory):
   // the ranks agree before any of them adds the model.
-  absl::StatusOr<std::unique_ptr<ModelState>> built = BuildModel(spec);
+  absl::StatusOr<std::unique_ptr<ModelState>> built =
+      BuildModel(spec, base_key);
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(built.status()));
   std::unique_ptr<ModelState> state = *std::move(built);
   // Gathered only now: a rank that failed to build would never reach the
@@ -394,9 +401,8 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
 }
 
 absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
-    ModelSpec spec) {
+    ModelSpec spec, const std::string& base_key) {
   TALLY_RETURN_IF_ERROR(InjectedFault(FaultPoint::kBuildModel));
-  const std::string base_key = BaseKey(spec);
   TALLY_ASSIGN_OR_RETURN(std::optional<CheckpointContents> init,
                          ReadInitCheckpoint(spec, base_key));
   spec.config = spec.config.WithDefaults();
@@ -452,6 +458,13 @@ absl::StatusOr<std::optional<CheckpointContents>> Engine::ReadInitCheckpoint(
           "init_checkpoint ", spec.init_checkpoint,
           " holds the trainable parameters only: a LoRA base must be a "
           "whole model"));
+    }
+    // The base about to be built is shared under `base_key`: it must hold
+    // what the key names, not a directory published over it meanwhile.
+    if (spec.lora.enabled() && CurrentBaseKey(spec) != base_key) {
+      return absl::AbortedError(absl::StrCat(
+          "init_checkpoint ", spec.init_checkpoint,
+          " changed while it was read; nothing was created: retry"));
     }
   }
   const LlamaConfig& source = base ? base->config() : init->config;
@@ -533,6 +546,13 @@ std::shared_ptr<const CausalLm> Engine::SharedBase(
 
 bool Engine::HasBase(const std::string& base_key) const {
   return SharedBase(base_key) != nullptr;
+}
+
+std::optional<LlamaConfig> Engine::BaseConfig(
+    const std::string& base_key) const {
+  const std::shared_ptr<const CausalLm> base = SharedBase(base_key);
+  if (base == nullptr) return std::nullopt;
+  return base->config();
 }
 
 absl::StatusOr<ModelSummary> Engine::GetModel(
@@ -897,18 +917,18 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   result.metrics["rank_param_bytes"] = param_bytes;
   result.metrics["rank_grad_bytes"] = grad_bytes;
   result.metrics["rank_optimizer_bytes"] = optimizer_bytes;
-  if (!std::isfinite(clip.norm.total)) {
-    const std::string reason =
-        absl::StrCat("non-finite gradient norm (", clip.norm.total, ")");
+  // Decided from the agreed norm: the same verdict on every rank.
+  if (const std::optional<std::string> reason = UnsafeStepReason(
+          clip, hp, state->spec.optimizer, state->spec.dtype)) {
     if (args.nonfinite == NonFinitePolicy::kError) {
       return absl::FailedPreconditionError(absl::StrCat(
-          reason,
+          *reason,
           "; nothing changed and the window is kept (policy ERROR); "
           "call AbortAccumulation to discard it"));
     }
     ClearWindow(*state);
     result.skipped = true;
-    result.skip_reason = reason;
+    result.skip_reason = *reason;
     result.step = state->step;
     result.metrics["seconds"] = absl::ToDoubleSeconds(absl::Now() - start);
     return result;

@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -175,11 +176,15 @@ class Engine {
   // Whether a LoRA base of `base_key` (BaseKey) is in memory: some model
   // shares it.
   bool HasBase(const std::string& base_key) const;
+  // The config of that base while it is in memory: what a LoRA model created
+  // with `base_key` (CurrentBaseKey) is built on.
+  std::optional<LlamaConfig> BaseConfig(const std::string& base_key) const;
 
  private:
   struct ModelState {
     ModelSpec spec;
-    // BaseKey(spec), once: what identifies the model's (LoRA) base.
+    // CurrentBaseKey(spec) at creation: what identifies the model's (LoRA)
+    // base.
     std::string base_key;
     std::unique_ptr<CausalLm> model;
     std::unique_ptr<Optimizer> optimizer;
@@ -206,12 +211,15 @@ class Engine {
   absl::StatusOr<ModelState*> Find(const std::string& model_id);
   absl::StatusOr<const ModelState*> Find(const std::string& model_id) const;
   static ModelSummary Summarize(const ModelState& state);
-  // Everything CreateModel does that may fail, before the model is added.
-  absl::StatusOr<std::unique_ptr<ModelState>> BuildModel(ModelSpec spec);
+  // Everything CreateModel does that may fail, before the model is added;
+  // `base_key` is CurrentBaseKey(spec), agreed by the ranks.
+  absl::StatusOr<std::unique_ptr<ModelState>> BuildModel(
+      ModelSpec spec, const std::string& base_key);
   // `spec`'s init_checkpoint, read unless it is a LoRA base in memory (then
   // nullopt), and spec.config set from it. INVALID_ARGUMENT for a config
   // that differs from the checkpoint's, an adapter's checkpoint (no base),
-  // or a trainable-only one as a LoRA base.
+  // or a trainable-only one as a LoRA base; ABORTED when a LoRA base's
+  // directory no longer holds what `base_key` names once read.
   absl::StatusOr<std::optional<CheckpointContents>> ReadInitCheckpoint(
       ModelSpec& spec, const std::string& base_key) const;
   // The model of `spec` (its config resolved) on this rank, loaded with

@@ -5,8 +5,30 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "runtime/loss_spec.h"
 
 namespace tally {
+namespace {
+
+// Where token `t` of `s` counts (its target is not ignored, its weight not
+// 0), its sampling_logprobs value, if it has one, must be a log-probability
+// in [kMinSamplingLogprob, 0]. Elsewhere the losses never read it.
+absl::Status CheckSamplingLogprob(const Sample& s, size_t t,
+                                  const std::string& field) {
+  const auto q = s.token_inputs.find(kSamplingLogprobs);
+  if (q == s.token_inputs.end() || s.target_tokens[t] == kIgnoreIndex ||
+      (!s.weights.empty() && s.weights[t] == 0)) {
+    return absl::OkStatus();
+  }
+  const float value = q->second[t];
+  if (value >= kMinSamplingLogprob && value <= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ".", kSamplingLogprobs, "[", t, "] = ", value,
+      " must be a log-probability in [", kMinSamplingLogprob, ", 0]"));
+}
+
+}  // namespace
 
 absl::Status ValidateSamples(const LlamaConfig& config,
                              const std::vector<Sample>& samples) {
@@ -67,6 +89,7 @@ absl::Status ValidateSamples(const LlamaConfig& config,
         return absl::InvalidArgumentError(absl::StrCat(
             field, ".weights[", t, "] = ", s.weights[t], " must be finite"));
       }
+      TALLY_RETURN_IF_ERROR(CheckSamplingLogprob(s, t, field));
     }
   }
   return absl::OkStatus();

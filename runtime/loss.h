@@ -35,8 +35,10 @@ namespace tally {
 
 // INVALID_ARGUMENT naming `samples[i].<field>` for an empty list, length
 // mismatches, empty samples, samples longer than max_position_embeddings,
-// tokens outside [0, vocab) (targets may also be -100), and non-finite
-// weights or token inputs. Weights may be negative.
+// tokens outside [0, vocab) (targets may also be -100), non-finite weights
+// or token inputs, and sampling_logprobs outside [kMinSamplingLogprob, 0]
+// where the token counts (target not -100, weight not 0).
+// Weights may be negative.
 absl::Status ValidateSamples(const LlamaConfig& config,
                              const std::vector<Sample>& samples);
 

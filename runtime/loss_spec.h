@@ -27,6 +27,13 @@ namespace tally {
 inline constexpr char kAdvantages[] = "advantages";
 inline constexpr char kSamplingLogprobs[] = "sampling_logprobs";
 
+// The range of a sampling_logprobs value (ValidateSamples): a log-probability
+// is <= 0, and a token a sampler drew has one far above this bound (float32
+// probabilities end near e^-104, float64 ones near e^-745). A value past it
+// would only scale the policy losses' gradients (DRO's grows with the
+// log-ratio) into overflow.
+inline constexpr double kMinSamplingLogprob = -1e4;
+
 struct LossSpec {
   std::string name = "cross_entropy";
   // Every setting the loss reads, defaults filled in.

@@ -24,22 +24,45 @@ double ShardedStateBytes(double params, double copies, int dp_shard,
   return copies * params / shards + params + whole_gradients;
 }
 
-// The most score columns a micro-batch's attention holds per query when its
-// samples are at most `longest` tokens: each micro-batch decides by its own
-// length, so under kAuto a shorter one may still be materialized.
-double ScoreColumns(const AttentionOptions& attention, double longest) {
+// Bytes per score element (one query x key x head of a micro-batch) that a
+// ForwardBackward's attention holds at its peak, with `kept_layers` layers'
+// activations kept for backward. Materialized: each kept layer's
+// probabilities (the softmax's width, float32 at least, and a bfloat16
+// model's bfloat16 copy for the matmul), and during the last layer's
+// backward two more softmax-wide matrices (the probabilities' gradient and
+// the softmax's). Blocked: nothing of T x K is kept; the block being
+// computed holds about kBlockedScoreCopies matrices of T x block_keys.
+double ScoreBytes(bool blocked, DType dtype, double kept_layers) {
+  const double width = dtype == DType::kFloat64 ? 8 : 4;
+  if (blocked) return kBlockedScoreCopies * width;
+  const double copy = dtype == DType::kBFloat16 ? 2 : 0;
+  return kept_layers * (width + copy) + 2 * width;
+}
+
+// The attention's bytes per token of a micro-batch whose samples are at
+// most `longest` tokens, and its boolean mask when materialized. Under kAuto
+// each micro-batch decides by its own length, so past the threshold a
+// shorter one may still be materialized: the larger of both.
+double AttentionBytesPerToken(const LlamaConfig& config, DType dtype,
+                              const AttentionOptions& attention, double longest,
+                              double kept_layers) {
+  const double heads = config.num_attention_heads;
   const double block =
       std::min(longest, static_cast<double>(attention.block_keys));
+  const double materialized =
+      longest * (heads * ScoreBytes(false, dtype, kept_layers) + 1);
+  const double blocked = block * heads * ScoreBytes(true, dtype, kept_layers);
   switch (attention.mode) {
     case AttentionMode::kMaterialized:
-      return longest;
+      return materialized;
     case AttentionMode::kBlocked:
-      return block;
+      return blocked;
     default:
-      return longest <= AttentionOptions::kAutoFromKeys
-                 ? longest
-                 : std::max(block, static_cast<double>(
-                                       AttentionOptions::kAutoFromKeys));
+      if (longest <= AttentionOptions::kAutoFromKeys) return materialized;
+      return std::max(
+          blocked,
+          AttentionBytesPerToken(config, dtype, {AttentionMode::kMaterialized},
+                                 AttentionOptions::kAutoFromKeys, kept_layers));
   }
 }
 
@@ -89,7 +112,8 @@ double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard) {
 double CallActivationBytes(const LlamaConfig& config, DType dtype,
                            const std::vector<int64_t>& sample_lengths,
                            int64_t max_batch_tokens,
-                           const AttentionOptions& attention) {
+                           const AttentionOptions& attention,
+                           bool activation_checkpointing) {
   if (sample_lengths.empty()) return 0;
   const double longest = static_cast<double>(
       *std::max_element(sample_lengths.begin(), sample_lengths.end()));
@@ -102,13 +126,20 @@ double CallActivationBytes(const LlamaConfig& config, DType dtype,
   const double routed = config.num_local_experts > 0
                             ? std::max<int64_t>(config.num_experts_per_tok, 1)
                             : 1;
-  const double per_token_layer =
+  const double layers = config.num_hidden_layers;
+  const double layer =
       kHiddenActivationsPerToken * config.hidden_size +
-      kMlpActivationsPerToken * routed * config.intermediate_size +
-      2.0 * config.num_attention_heads * ScoreColumns(attention, longest);
+      kMlpActivationsPerToken * routed * config.intermediate_size;
+  // Recomputed layers keep their input only, and one layer at a time its
+  // activations again during its backward.
+  const double kept_layers = activation_checkpointing ? 1 : layers;
+  const double saved = activation_checkpointing
+                           ? layers * config.hidden_size + layer
+                           : layers * layer;
   const double per_token =
-      config.num_hidden_layers * per_token_layer + 2.0 * config.vocab_size;
-  return tokens * per_token * DTypeBytes(dtype);
+      (saved + 2.0 * config.vocab_size) * DTypeBytes(dtype) +
+      AttentionBytesPerToken(config, dtype, attention, longest, kept_layers);
+  return kActivationMargin * tokens * per_token;
 }
 
 }  // namespace tally

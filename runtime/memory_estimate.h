@@ -30,6 +30,14 @@ namespace tally {
 // intermediate, times the experts a token is routed to).
 inline constexpr double kHiddenActivationsPerToken = 10;
 inline constexpr double kMlpActivationsPerToken = 4;
+// Matrices of T x block_keys per head the blocked attention's block holds at
+// its peak (scores, probabilities and their gradients; measured 3.75 to 4).
+inline constexpr double kBlockedScoreCopies = 4;
+// Room over the modelled activations for what the model leaves out (the
+// kernels' temporaries, allocator rounding): tests/unit/
+// activation_estimate_test.cc measures the estimate within [1, 1.5] of a
+// call's real peak over a grid of shapes.
+inline constexpr double kActivationMargin = 1.1;
 
 // Parameter count, in double (LlamaConfig::NumParameters is exact but can
 // wrap for absurd configs).
@@ -49,18 +57,22 @@ double AdapterResidentBytes(const LlamaConfig& config, const LoraConfig& lora,
                             ZeroStage zero = ZeroStage::kParameters);
 double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard);
 
-// The activations one ForwardBackward keeps for backward at its peak, in
-// bytes: its largest micro-batch (PlanBatches packs at most
-// max_batch_tokens padded tokens, or one longer sample) times the layers,
-// plus each layer's attention scores and probabilities (heads x T^2 per
-// row; under blocked attention heads x T x block_keys, and under kAuto
-// heads x T x max(block_keys, the automatic threshold) past that threshold,
-// since a shorter micro-batch of the call may still be materialized) and
-// the logits with their log-softmax (2 x vocab per token).
+// The activations one ForwardBackward holds at its peak, in bytes: its
+// largest micro-batch (PlanBatches packs at most max_batch_tokens padded
+// tokens, or one longer sample) times each layer's saved activations (with
+// activation checkpointing, each layer's input and one layer's activations
+// at a time), the logits with their log-softmax (2 x vocab per token), and
+// the attention: materialized, each kept layer's probabilities plus two
+// more T x T matrices per head during a layer's backward (a bfloat16 model
+// keeps a bfloat16 copy of the probabilities too), and the boolean mask;
+// blocked, kBlockedScoreCopies T x block_keys matrices per head. Under kAuto
+// past the threshold the larger of the blocked bound and a materialized
+// micro-batch of the threshold's length. Times kActivationMargin.
 double CallActivationBytes(const LlamaConfig& config, DType dtype,
                            const std::vector<int64_t>& sample_lengths,
                            int64_t max_batch_tokens,
-                           const AttentionOptions& attention = {});
+                           const AttentionOptions& attention = {},
+                           bool activation_checkpointing = false);
 
 }  // namespace tally
 

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "kernels/fused_optimizer.h"
+#include "kernels/grad_stats.h"
 
 namespace tally {
 namespace {
@@ -71,6 +72,34 @@ absl::Status Optimizer::Step(const AdamParams& hp, double grad_scale) {
     for (size_t i : composed) StepComposed(i, hp, grad_scale, step);
   }));
   step_count_ = step;
+  return CheckWrittenFinite();
+}
+
+absl::Status Optimizer::CheckWrittenFinite() const {
+  // The parameters only: OptimStep's bound (step_guard.h) keeps the moments
+  // finite (each a weighted mean of finite values), and a sweep over them
+  // too would cost two more passes over memory per step.
+  std::vector<const Parameter*> stepped;
+  std::vector<torch::Tensor> tensors;
+  for (const Parameter& p : *parameters_) {
+    if (p.trainable && p.tensor.grad().defined()) {
+      stepped.push_back(&p);
+      tensors.push_back(p.tensor);
+    }
+  }
+  bool nonfinite = false;
+  TALLY_RETURN_IF_ERROR(CatchTorch("check the step's values", [&] {
+    nonfinite = kernels::MultiTensorGradStats(tensors).nonfinite;
+  }));
+  if (!nonfinite) return absl::OkStatus();
+  for (const Parameter* p : stepped) {
+    if (!torch::isfinite(p->tensor).all().item<bool>()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the update left non-finite values in ", p->name,
+          " (a learning_rate or weight_decay too large for it, or optimizer "
+          "state that was not finite before)"));
+    }
+  }
   return absl::OkStatus();
 }
 

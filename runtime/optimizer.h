@@ -39,7 +39,12 @@ class Optimizer {
   // Number of updates applied (AdamW bias correction uses it).
   int64_t step_count() const { return step_count_; }
 
-  // Gradients are only read: they keep their raw values.
+  // Gradients are only read: they keep their raw values. Then one sweep
+  // over the parameters the update wrote: FAILED_PRECONDITION naming the
+  // first one it left non-finite (the update is applied: the caller treats
+  // the parameters as damaged). OptimStep refuses the updates whose
+  // gradients could overflow (the moments included) before this
+  // (step_guard.h).
   absl::Status Step(const AdamParams& params, double grad_scale = 1.0);
 
   // Moments start again from zero and the step count from 0.
@@ -58,6 +63,8 @@ class Optimizer {
       int64_t step_count);
 
  private:
+  // Step's sweep over what the update wrote.
+  absl::Status CheckWrittenFinite() const;
   // The composed LibTorch ops, for a parameter the fused kernels refuse.
   void StepComposed(size_t index, const AdamParams& hp, double grad_scale,
                     int64_t step);

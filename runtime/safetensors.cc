@@ -205,6 +205,12 @@ absl::StatusOr<std::string> Sha256OfFile(const std::string& path) {
   return sha256.Finish();
 }
 
+absl::StatusOr<std::string> Sha256OfBytes(absl::string_view bytes) {
+  Sha256 sha256;
+  sha256.Update(bytes.data(), bytes.size());
+  return sha256.Finish();
+}
+
 std::vector<absl::string_view> SerializedSafetensors::Pieces() const {
   std::vector<absl::string_view> pieces = {prefix_and_header};
   for (const torch::Tensor& t : tensors) {

@@ -106,6 +106,8 @@ absl::Status SyncDirectory(const std::string& dir);
 
 // SHA-256 of the file's contents, as lowercase hex; NOT_FOUND when missing.
 absl::StatusOr<std::string> Sha256OfFile(const std::string& path);
+// SHA-256 of `bytes`, as lowercase hex.
+absl::StatusOr<std::string> Sha256OfBytes(absl::string_view bytes);
 
 }  // namespace tally
 

@@ -65,7 +65,8 @@ AdamParams AdamOverrides::ResolveAgainst(const AdamParams& defaults) const {
   return p;
 }
 
-std::string BaseKey(const ModelSpec& spec) {
+std::string BaseKey(const ModelSpec& spec,
+                    absl::string_view checkpoint_identity) {
   if (!spec.lora.enabled()) return "";
   // One spelling per directory: "a//b/" and "a/b" are one base.
   std::filesystem::path dir =
@@ -76,7 +77,7 @@ std::string BaseKey(const ModelSpec& spec) {
           ? absl::StrCat(
                 "seed ", spec.seed, " config ",
                 spec.config.WithDefaults().ToHfJson(DTypeName(spec.dtype)))
-          : absl::StrCat("checkpoint ", dir.string());
+          : absl::StrCat("checkpoint ", dir.string(), " ", checkpoint_identity);
   // A tenant's models ("<tenant>/<id>") share bases among themselves only.
   const size_t scope = spec.model_id.find('/');
   return absl::StrCat(

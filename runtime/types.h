@@ -116,9 +116,12 @@ struct ModelSpec {
 
 // What identifies the frozen base a LoRA model shares with others: its
 // tenant scope (the "<tenant>/" of a scoped model id), dtype, and its
-// init_checkpoint (normalized) or its config and seed. Empty for a model
-// without an adapter.
-std::string BaseKey(const ModelSpec& spec);
+// init_checkpoint (normalized) with `checkpoint_identity`, what identifies
+// the directory's contents (CurrentBaseKey passes its DirectoryIdentity, so
+// a directory published again at the path is another base), or its config
+// and seed. Empty for a model without an adapter.
+std::string BaseKey(const ModelSpec& spec,
+                    absl::string_view checkpoint_identity);
 
 struct Sample {
   std::vector<int32_t> input_tokens;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <set>
 #include <system_error>
 
@@ -17,6 +18,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "runtime/checkpoint.h"
+#include "runtime/directory_identity.h"
 #include "runtime/memory_estimate.h"
 #include "server/cancellable_reactor.h"
 #include "server/commands.h"
@@ -281,9 +283,9 @@ absl::Status TrainerService::CheckCallFits(
   for (const v1::Sample& sample : request.samples()) {
     lengths.push_back(sample.input_tokens_size());
   }
-  return admission_.CheckCall(
-      CallActivationBytes(model.config, model.dtype, lengths,
-                          options_.max_batch_tokens, options_.attention));
+  return admission_.CheckCall(CallActivationBytes(
+      model.config, model.dtype, lengths, options_.max_batch_tokens,
+      options_.attention, model.activation_checkpointing));
 }
 
 absl::Status TrainerService::CheckTokensPerCall(
@@ -307,26 +309,28 @@ std::string BaseLedgerId(const std::string& base_key) {
 
 }  // namespace
 
-void TrainerService::AdmitExistingModels() {
+void TrainerService::ChargeModel(const ModelSummary& model) {
   const int dp_shard = engine_->mesh().shape().dp_shard;
   const ZeroStage zero = engine_->zero_stage();
-  std::set<std::string> bases;
+  const std::string tenant = TenantOf(model.model_id);
+  if (!model.lora.enabled()) {
+    admission_.Add(model.model_id, tenant,
+                   ModelResidentBytes(model.config, model.dtype,
+                                      model.optimizer, dp_shard, zero));
+    return;
+  }
+  admission_.Add(model.model_id, tenant,
+                 AdapterResidentBytes(model.config, model.lora, model.dtype,
+                                      model.optimizer, dp_shard, zero));
+  // The same entry for every adapter of the base: charged once.
+  admission_.Add(BaseLedgerId(model.base), tenant,
+                 BaseResidentBytes(model.config, model.dtype, dp_shard));
+}
+
+void TrainerService::AdmitExistingModels() {
   for (const ModelSummary& model : engine_->ListModels()) {
     scheduler_.sequencer().AddModel(model.model_id);
-    const std::string tenant = TenantOf(model.model_id);
-    if (!model.lora.enabled()) {
-      admission_.Add(model.model_id, tenant,
-                     ModelResidentBytes(model.config, model.dtype,
-                                        model.optimizer, dp_shard, zero));
-      continue;
-    }
-    admission_.Add(model.model_id, tenant,
-                   AdapterResidentBytes(model.config, model.lora, model.dtype,
-                                        model.optimizer, dp_shard, zero));
-    if (bases.insert(model.base).second) {
-      admission_.Add(BaseLedgerId(model.base), tenant,
-                     BaseResidentBytes(model.config, model.dtype, dp_shard));
-    }
+    ChargeModel(model);
   }
 }
 
@@ -334,27 +338,31 @@ TrainerService::CreatedBytes TrainerService::CreatedModelBytes(
     const v1::CreateModelRequest& request) const {
   absl::StatusOr<ModelSpec> spec = ParseCreateModel(request);
   if (!spec.ok()) return {};
-  LlamaConfig config = spec->config;
-  if (config.vocab_size == 0 && !spec->init_checkpoint.empty()) {
+  // An adapter is built on the base in memory under its key when there is
+  // one, whatever the directory's config.json says by now.
+  std::optional<LlamaConfig> config =
+      engine_->BaseConfig(CurrentBaseKey(*spec));
+  const bool new_base = spec->lora.enabled() && !config.has_value();
+  if (!config.has_value()) config = spec->config;
+  if (config->vocab_size == 0 && !spec->init_checkpoint.empty()) {
     absl::StatusOr<LlamaConfig> read =
         ReadHfConfig(spec->init_checkpoint + "/config.json");
     if (!read.ok()) return {};
     config = *read;
   }
-  config = config.WithDefaults();
+  config = config->WithDefaults();
   const int dp_shard = engine_->mesh().shape().dp_shard;
   const ZeroStage zero = engine_->zero_stage();
   CreatedBytes bytes;
   if (!spec->lora.enabled()) {
-    bytes.model = ModelResidentBytes(config, spec->dtype, spec->optimizer,
+    bytes.model = ModelResidentBytes(*config, spec->dtype, spec->optimizer,
                                      dp_shard, zero);
     return bytes;
   }
-  bytes.model = AdapterResidentBytes(config, spec->lora, spec->dtype,
+  bytes.model = AdapterResidentBytes(*config, spec->lora, spec->dtype,
                                      spec->optimizer, dp_shard, zero);
-  bytes.base_key = BaseKey(*spec);
-  if (!engine_->HasBase(bytes.base_key)) {
-    bytes.new_base = BaseResidentBytes(config, spec->dtype, dp_shard);
+  if (new_base) {
+    bytes.new_base = BaseResidentBytes(*config, spec->dtype, dp_shard);
   }
   return bytes;
 }
@@ -531,10 +539,10 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
         TALLY_RETURN_IF_ERROR(
             commands_.Run(kCreateModelCommand, request, response));
         const std::string engine_id = CreatedModelId(request, *response);
-        admission_.Add(engine_id, tenant, bytes.model);
-        if (bytes.new_base > 0) {
-          admission_.Add(BaseLedgerId(bytes.base_key), tenant, bytes.new_base);
-        }
+        // Charged as built (its config, its base), which the estimate
+        // predicted unless the directory was published over in between.
+        const absl::StatusOr<ModelSummary> built = engine_->GetModel(engine_id);
+        if (built.ok()) ChargeModel(*built);
         unresumed_.erase(engine_id);
         scheduler_.sequencer().AddModel(engine_id);
         FillNextSeqId(engine_id, response);

@@ -194,18 +194,21 @@ class TrainerService final : public v1::Trainer::CallbackService {
   // INVALID_ARGUMENT over --max-tokens-per-call, on the gRPC thread.
   absl::Status CheckTokensPerCall(
       const v1::ForwardBackwardRequest& request) const;
-  // The resident bytes per rank the model `request` creates adds (0 when its
-  // config cannot be read: the engine then refuses it): its own, and for a
-  // LoRA model whose base is not in memory yet, the base's, under the
-  // ledger id BaseLedgerId(base key).
+  // The resident bytes per rank the model `request` creates would add (0
+  // when its config cannot be read: the engine then refuses it), predicted
+  // from what the engine will build: its own, and for a LoRA model whose
+  // base is not in memory yet, the base's. A LoRA model is sized by the
+  // base in memory under its CurrentBaseKey when there is one.
   struct CreatedBytes {
     double model = 0;
-    std::string base_key;  // a LoRA model's BaseKey, else empty
     double new_base = 0;
   };
   CreatedBytes CreatedModelBytes(const v1::CreateModelRequest& request) const;
-  // Charges the models the engine holds at start (resumed ones) to the
-  // ledger, each LoRA base once.
+  // Charges `model` as the engine holds it to the ledger: its resident
+  // bytes, and a LoRA model's base under BaseLedgerId(base key), one entry
+  // for all the adapters sharing it.
+  void ChargeModel(const ModelSummary& model);
+  // Charges the models the engine holds at start (resumed ones).
   void AdmitExistingModels();
   // The tenant of an engine id ("" without authentication).
   std::string TenantOf(const std::string& engine_id) const;

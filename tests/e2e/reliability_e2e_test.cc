@@ -845,6 +845,76 @@ TEST_F(ReliabilityE2eTest, LoraAdaptersChargeTheirSharedBaseOnce) {
   EXPECT_EQ(admitted(), 0);
 }
 
+// An adapter is charged for the base it is built on. A model exported over a
+// base's directory makes the next adapter over that path another base, read
+// and charged from the new contents, while the adapters on the first keep
+// theirs. Before, it was built on the first (large) base still in memory but
+// charged from the small config.json on disk.
+TEST_F(ReliabilityE2eTest, AnAdapterIsChargedForTheBaseItIsBuiltOn) {
+  const std::string dir =
+      absl::StrCat(::testing::TempDir(), "/export-over-", getpid());
+  const absl::Cleanup remove_dir = [&dir] {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  };
+  Stub* stub = Start({"--max-memory-bytes", "200000000"});
+  ASSERT_NE(stub, nullptr);
+  auto create = [&](const std::string& model_id, int32_t hidden,
+                    const std::string& init_checkpoint) {
+    v1::CreateModelRequest request;
+    request.set_model_id(model_id);
+    request.set_dtype(v1::DTYPE_FLOAT32);
+    if (init_checkpoint.empty()) {
+      *request.mutable_config() = testing::TinyModelConfig();
+      request.mutable_config()->set_hidden_size(hidden);
+      request.mutable_config()->set_intermediate_size(2 * hidden);
+    } else {
+      request.set_init_checkpoint(init_checkpoint);
+      request.mutable_lora()->set_rank(8);
+    }
+    const auto created = Send(&Stub::CreateModel, *stub, request);
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created.value_or(v1::ModelInfo());
+  };
+  auto export_to = [&](const std::string& model_id, const std::string& path) {
+    v1::ExportWeightsRequest request;
+    request.set_model_id(model_id);
+    request.set_path(path);
+    const auto exported = Send(&Stub::ExportWeights, *stub, request);
+    EXPECT_TRUE(exported.ok()) << exported.status();
+  };
+  auto admitted = [&] { return Metric("tally_memory_admitted_bytes", {}); };
+  const std::string base = dir + "/b";
+  create("big", 256, "");
+  const v1::ModelInfo tiny = create("tiny", testing::kTinyHidden, "");
+  export_to("big", base);
+  const double full_models = admitted();
+  const v1::ModelInfo first = create("first", 0, base);
+  const double with_first = admitted();
+  export_to("tiny", base);
+  const v1::ModelInfo second = create("second", 0, base);
+  const double with_second = admitted();
+  EXPECT_NE(second.base(), first.base());
+  EXPECT_EQ(second.num_parameters(), tiny.num_parameters());
+  EXPECT_LT(second.trainable_bytes(), first.trainable_bytes());
+  // Its own state (weights, gradients, AdamW's two moments) and, as the
+  // first adapter on its base, the base's float32 weights.
+  EXPECT_GE(with_second - with_first,
+            4.0 * second.trainable_bytes() + 4.0 * 0.9 * tiny.num_parameters());
+  // Another adapter over the unchanged directory shares the new base.
+  const v1::ModelInfo third = create("third", 0, base);
+  EXPECT_EQ(third.base(), second.base());
+  EXPECT_NEAR(admitted() - with_second, 4.0 * third.trainable_bytes(), 1.0);
+  EXPECT_GE(with_first - full_models,
+            4.0 * first.trainable_bytes() + 4.0 * 0.9 * first.num_parameters());
+  for (const char* model_id : {"first", "second", "third"}) {
+    v1::DeleteModelRequest remove;
+    remove.set_model_id(model_id);
+    ASSERT_TRUE(Send(&Stub::DeleteModel, *stub, remove).ok()) << model_id;
+  }
+  EXPECT_NEAR(admitted(), full_models, 1.0);
+}
+
 // A drain that would use up the whole exit budget is refused at start,
 // naming both flags: it could only ever end in the watchdog's exit 1.
 TEST_F(ReliabilityE2eTest, ADrainAsLongAsTheExitTimeoutIsRefusedAtStart) {

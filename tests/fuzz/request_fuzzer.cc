@@ -40,7 +40,7 @@ void FuzzCreateModel(const v1::CreateModelRequest& request) {
   Require(spec->lora.enabled() == request.has_lora());
   if (spec->lora.enabled()) {
     Require(ValidateLoraConfig(spec->lora).ok());
-    Require(!BaseKey(*spec).empty());
+    Require(!BaseKey(*spec, "identity").empty());
   }
   ModelSummary summary;
   summary.model_id = spec->model_id;

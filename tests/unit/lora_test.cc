@@ -18,10 +18,14 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "runtime/checkpoint.h"
 #include "runtime/engine.h"
 #include "runtime/memory_estimate.h"
 #include "runtime/safetensors.h"
+#include "tests/testing/golden.h"
+#include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -186,6 +190,83 @@ TEST_F(LoraTest, BasesAreSharedWithinATenantAndOneSpellingOfAPath) {
   EXPECT_EQ(create("t1/b", root_ + "//base/"), a);
   EXPECT_NE(create("t2/c", root_ + "/base"), a);
   EXPECT_NE(create("d", root_ + "/base"), a);
+}
+
+// A base is what its directory held when it was read: a model exported over
+// the directory later is another base (read from the new contents), and
+// the adapters on the first one keep theirs. Before, every adapter created
+// over the path got the first base, whatever config.json said by then.
+TEST_F(LoraTest, AnExportOverABaseDirectoryIsAnotherBase) {
+  auto engine = Engine::CreateSingleRank({}).value();
+  ModelSpec big = TinySpec("big", DType::kFloat32, OptimizerKind::kAdamW);
+  big.config.hidden_size = 64;
+  big.config.intermediate_size = 96;
+  ModelSpec tiny = TinySpec("tiny", DType::kFloat32, OptimizerKind::kAdamW);
+  ASSERT_TRUE(engine->CreateModel(big).ok());
+  ASSERT_TRUE(engine->CreateModel(tiny).ok());
+  const std::string dir = root_ + "/b";
+  ASSERT_TRUE(engine->ExportWeights("big", dir).ok());
+  auto create = [&](const std::string& id) {
+    ModelSpec spec = LoraSpec(id, DType::kFloat32, 2, 1);
+    spec.config = LlamaConfig();
+    spec.init_checkpoint = dir;
+    const absl::StatusOr<ModelSummary> created = engine->CreateModel(spec);
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created.value_or(ModelSummary());
+  };
+  const ModelSummary first = create("first");
+  EXPECT_EQ(first.config, big.config.WithDefaults());
+  EXPECT_EQ(engine->BaseConfig(first.base), big.config.WithDefaults());
+  ASSERT_TRUE(engine->ExportWeights("tiny", dir).ok());
+  const ModelSummary second = create("second");
+  EXPECT_NE(second.base, first.base);
+  EXPECT_EQ(second.config, tiny.config.WithDefaults());
+  EXPECT_EQ(engine->BaseConfig(second.base), tiny.config.WithDefaults());
+  EXPECT_NE(engine->model("second").value()->base(),
+            engine->model("first").value()->base());
+  EXPECT_EQ(engine->model("second").value()->config(),
+            tiny.config.WithDefaults());
+  // The directory unchanged since: the same base.
+  const ModelSummary third = create("third");
+  EXPECT_EQ(third.base, second.base);
+  EXPECT_EQ(engine->model("third").value()->base(),
+            engine->model("second").value()->base());
+  // The first adapter keeps its base, and trains on it.
+  EXPECT_EQ(engine->GetModel("first")->config, big.config.WithDefaults());
+  EXPECT_EQ(Window(*engine, "first", 5).size(), 3u);
+}
+
+// Every rank reads the base directory's identity itself, so ranks can read
+// different contents (a directory published over between their reads; here
+// each rank is pointed at another export): they refuse the adapter together
+// with ABORTED, and none builds or shares a base the others do not.
+TEST(LoraRanksTest, RanksThatReadDifferentBasesRefuseTogether) {
+  testing::RunOnRanks(2, [](const RankEnv& env) -> absl::Status {
+    MeshShape shape;
+    shape.dp_replicate = 2;
+    TALLY_ASSIGN_OR_RETURN(auto engine,
+                           testing::CreateRankEngine(shape, env, {}));
+    const std::string root = absl::StrCat(::testing::TempDir(),
+                                          "tally_lora_ranks_", env.master_port);
+    for (const char* id : {"a", "b"}) {
+      ModelSpec spec = TinySpec(id, DType::kFloat32, OptimizerKind::kAdamW,
+                                /*seed=*/id[0]);
+      TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+      TALLY_RETURN_IF_ERROR(
+          engine->ExportWeights(id, absl::StrCat(root, "/", id)).status());
+    }
+    ModelSpec spec = LoraSpec("adapter", DType::kFloat32, 2, 1);
+    spec.config = LlamaConfig();
+    spec.init_checkpoint = root + (env.rank == 0 ? "/a" : "/b");
+    const absl::Status refused = engine->CreateModel(spec).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+    EXPECT_EQ(engine->num_models(), 2u);
+    spec.init_checkpoint = root + "/a";
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+    EXPECT_EQ(engine->num_models(), 3u);
+    if (env.rank == 0) fs::remove_all(root);  // every rank has read it
+    return absl::OkStatus();
+  });
 }
 
 TEST_F(LoraTest, SummaryCountsTheAdapter) {

@@ -178,6 +178,44 @@ TEST(PolicyLossTest, AnExtremeRatioIsCappedNotInfinite) {
   }
 }
 
+// A sampling log-probability must be one: finite, <= 0 and no lower than
+// kMinSamplingLogprob. Anything else is refused naming the sample, field and
+// position, before anything runs; before, one DRO call with -1e30 was
+// accepted and gave a gradient of norm ~1e30.
+TEST(PolicyLossTest, SamplingLogprobsOutsideTheirRangeAreRefused) {
+  auto engine = Engine::CreateSingleRank({}).value();
+  ASSERT_TRUE(engine
+                  ->CreateModel(testing::TinySpec("m", DType::kFloat32,
+                                                  OptimizerKind::kAdamW))
+                  .ok());
+  auto call = [&](float at3, float at4) {
+    std::vector<Sample> samples = testing::MakeSamples(48, {12}, 1);
+    const size_t tokens = samples[0].input_tokens.size();
+    samples[0].target_tokens.assign(tokens, 2);  // every token counts
+    samples[0].token_inputs[kAdvantages].assign(tokens, 1.0f);
+    std::vector<float>& q = samples[0].token_inputs[kSamplingLogprobs];
+    q.assign(tokens, -1.0f);
+    q[3] = at3;
+    q[4] = at4;
+    ForwardBackwardArgs args{samples};
+    args.loss = ParseLossSpec("dro", {{"beta", 1.0}}).value();
+    return engine->ForwardBackward("m", args).status();
+  };
+  for (float bad : {-1e30f, -1.5e4f, 0.5f}) {
+    SCOPED_TRACE(bad);
+    const absl::Status refused = call(bad, -1.0f);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(refused.message()),
+                HasSubstr("samples[0].sampling_logprobs[3] = "));
+    EXPECT_THAT(std::string(refused.message()),
+                HasSubstr("must be a log-probability in [-10000, 0]"));
+    EXPECT_EQ(engine->GetModel("m")->window.calls, 0);
+  }
+  // The bounds themselves are log-probabilities.
+  EXPECT_TRUE(call(static_cast<float>(kMinSamplingLogprob), 0.0f).ok());
+  EXPECT_EQ(engine->GetModel("m")->window.calls, 1);
+}
+
 // A router auxiliary loss enters each token's log-probability, which the
 // policy losses' ratio and negative weights would distort: refused, naming
 // the field, before anything runs.
