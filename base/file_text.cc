@@ -9,30 +9,17 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "base/scoped_fd.h"
 
 namespace tally {
-namespace {
-
-class ScopedFd {
- public:
-  explicit ScopedFd(int fd) : fd_(fd) {}
-  ~ScopedFd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  ScopedFd(const ScopedFd&) = delete;
-  ScopedFd& operator=(const ScopedFd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
-}  // namespace
 
 absl::StatusOr<std::string> ReadFileUpTo(const std::string& path,
                                          uint64_t max_bytes,
                                          absl::StatusCode too_large) {
-  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: opening a FIFO without a writer returns at once (to be
+  // refused below) instead of blocking the server; reads of a regular file
+  // ignore it.
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("open ", path));
   }
@@ -46,12 +33,13 @@ absl::StatusOr<std::string> ReadFileUpTo(const std::string& path,
   if (::fstat(fd.get(), &info) != 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("stat ", path));
   }
-  const uint64_t stated =
-      static_cast<uint64_t>(std::max<off_t>(info.st_size, 0));
-  if (S_ISREG(info.st_mode) && stated > max_bytes) {
-    return refuse(stated, /*exact=*/true);
+  if (!S_ISREG(info.st_mode)) {
+    return absl::Status(too_large,
+                        absl::StrCat(path, " is not a regular file"));
   }
-  // Whatever stat says, at most one byte past the limit is read.
+  const uint64_t stated = static_cast<uint64_t>(info.st_size);
+  if (stated > max_bytes) return refuse(stated, /*exact=*/true);
+  // A file growing while it is read: at most one byte past the limit.
   const uint64_t cap =
       std::min<uint64_t>(max_bytes, std::numeric_limits<size_t>::max() - 1);
   std::string text;

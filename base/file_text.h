@@ -23,8 +23,9 @@ namespace tally {
 // The whole file at `path` when it holds at most `max_bytes`. A file that
 // cannot be opened or read gets its errno's status naming the path
 // (NOT_FOUND when missing); a longer one `too_large`'s code, naming the
-// path and the limit, after reading no more than max_bytes + 1 bytes (so a
-// device or pipe without end is refused too).
+// path and the limit, after reading no more than max_bytes + 1 bytes (a file
+// that grows while it is read). Anything but a regular file (a FIFO, a
+// device, a directory) is refused with `too_large`'s code, without blocking.
 absl::StatusOr<std::string> ReadFileUpTo(
     const std::string& path, uint64_t max_bytes,
     absl::StatusCode too_large = absl::StatusCode::kResourceExhausted);

@@ -299,8 +299,9 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir,
                           kChecksumFile);
 }
 
-absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
-                                                  bool read_optimizer) {
+absl::StatusOr<CheckpointContents> ReadCheckpoint(
+    const std::string& dir_arg, bool read_optimizer,
+    const LlamaConfig* model_config) {
   const std::string dir = PublishedDir(dir_arg);
   std::error_code error;
   if (!fs::exists(dir, error)) {
@@ -321,6 +322,9 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
   TALLY_RETURN_IF_ERROR(verify_if_present(kConfigFile));
   TALLY_ASSIGN_OR_RETURN(contents.config,
                          ReadHfConfig(PathIn(dir, kConfigFile)));
+  if (model_config != nullptr) {
+    TALLY_RETURN_IF_ERROR(CheckSameConfig(contents.config, *model_config));
+  }
 
   const std::string manifest_path = PathIn(dir, kManifestFile);
   if (IsFile(manifest_path)) {
@@ -334,10 +338,10 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir_arg,
     }
   }
 
-  // Every tensor is checked against the model config.json describes before
-  // memory for it is allocated.
+  // Every tensor is checked against the model config.json describes (or
+  // the model loaded into) before memory for it is allocated.
   absl::StatusOr<ExpectedTensors> expected = ExpectedTensors::ForModel(
-      contents.config,
+      model_config != nullptr ? *model_config : contents.config,
       contents.manifest ? contents.manifest->lora : LoraConfig());
   if (!expected.ok()) {
     return absl::Status(expected.status().code(),

@@ -117,9 +117,14 @@ struct CheckpointContents {
 // file, the tensor and the expected shape. JSON files are read through
 // base/json_reader.h: an oversized or too deeply nested one is refused
 // naming it (INVALID_ARGUMENT for config.json, DATA_LOSS for tally.json and
-// the shard index).
-absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& dir,
-                                                  bool read_optimizer);
+// the shard index). With `model_config` (a load into an existing model), the
+// tensors are checked against the model that config describes instead, so a
+// directory whose config.json describes a larger model allocates no more
+// than the model being loaded (its config.json must then match the model's,
+// which the load checks before it copies anything).
+absl::StatusOr<CheckpointContents> ReadCheckpoint(
+    const std::string& dir, bool read_optimizer,
+    const LlamaConfig* model_config = nullptr);
 
 // The config.json at `path` (LlamaConfig::FromHfJson), read up to
 // kConfigJsonLimits' size: INVALID_ARGUMENT naming the file when it is

@@ -23,7 +23,9 @@ namespace fs = std::filesystem;
 constexpr char kUnreadable[] = "unreadable";
 
 // What identifies a directory without a checksum list: its config.json's
-// SHA-256 and a "<name> <size> <mtime ns>" line per file, sorted.
+// SHA-256 and a "<name> <size>" line per file, sorted. Not modification
+// times: ranks on different hosts each read their own copy of a download,
+// and must compute the same identity for it.
 absl::StatusOr<std::string> DescribeUnlisted(const fs::path& dir) {
   absl::StatusOr<std::string> config = Sha256OfFile(dir / kConfigFile);
   if (!config.ok()) return config.status();
@@ -34,10 +36,7 @@ absl::StatusOr<std::string> DescribeUnlisted(const fs::path& dir) {
     if (!it->is_regular_file(error) || error) continue;
     const uintmax_t size = it->file_size(error);
     if (error) break;
-    const fs::file_time_type written = it->last_write_time(error);
-    if (error) break;
-    files.push_back(absl::StrCat(it->path().filename().string(), " ", size, " ",
-                                 written.time_since_epoch().count()));
+    files.push_back(absl::StrCat(it->path().filename().string(), " ", size));
   }
   if (error) {
     return absl::UnavailableError(

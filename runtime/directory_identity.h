@@ -8,9 +8,11 @@
 // A tally checkpoint or weights export lists the SHA-256 of every file in
 // checksums.sha256, and every read verifies the files against that list: its
 // identity is the list's own SHA-256. A directory without one (an HF
-// download) is identified by its config.json bytes and the name, size and
-// modification time of every file in it. Either way a small file or two and
-// a listing are read, never the weights.
+// download) is identified by its config.json bytes and the name and size of
+// every file in it (not modification times, which differ between the copies
+// of a download on different hosts): weights rewritten in place at the same
+// sizes under the same config are taken for the base already in memory.
+// Either way a small file or two and a listing are read, never the weights.
 //
 //   const std::string key = tally::CurrentBaseKey(spec);  // before reading
 //   ... read spec.init_checkpoint ...

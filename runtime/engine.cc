@@ -1140,7 +1140,9 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
                                                &state->model->parameters());
   absl::Status staged = [&]() -> absl::Status {
     TALLY_RETURN_IF_ERROR(InjectedFault(FaultPoint::kLoad));
-    TALLY_ASSIGN_OR_RETURN(contents, ReadCheckpoint(path, load_optimizer));
+    TALLY_ASSIGN_OR_RETURN(contents,
+                           ReadCheckpoint(path, load_optimizer,
+                                          &state->model->config()));
     TALLY_RETURN_IF_ERROR(
         CheckAdapterCheckpoint(contents, state->model->lora(), path));
     if (Staged(*state->model, groups_)) {

@@ -13,6 +13,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "base/scoped_fd.h"
 #include "base/status.h"
 #include "runtime/safetensors_header.h"
 
@@ -51,27 +52,6 @@ torch::ScalarType TypeOf(SafetensorsDType dtype) {
   }
   return torch::kFloat32;  // unreachable: kTorchDTypes covers the enum
 }
-
-class ScopedFd {
- public:
-  explicit ScopedFd(int fd) : fd_(fd) {}
-  ~ScopedFd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  ScopedFd(const ScopedFd&) = delete;
-  ScopedFd& operator=(const ScopedFd&) = delete;
-
-  int get() const { return fd_; }
-  // Closes now, reporting the error a deferred close would swallow.
-  int Close() {
-    const int result = ::close(fd_);
-    fd_ = -1;
-    return result;
-  }
-
- private:
-  int fd_;
-};
 
 absl::Status WriteAll(int fd, const char* data, size_t size,
                       const std::string& path) {

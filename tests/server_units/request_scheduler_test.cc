@@ -489,7 +489,9 @@ TEST(RequestSchedulerLoadTest, ShortDeadlinesAndRetriesPoisonNoWindow) {
   RequestSchedulerOptions options = Options();
   // Far longer than any client waits between tries: only a window the
   // server itself blocked can reach it.
-  options.sequencing.gap_timeout = absl::Seconds(5);
+  // A client thread descheduled on a loaded machine must not reach it
+  // either.
+  options.sequencing.gap_timeout = absl::Seconds(30);
   options.sequencing.cache_size = kSeqIdsPerModel;  // every retry replays
   options.budget = {/*total=*/6, /*per_tenant=*/6, /*per_model=*/2};
   absl::Mutex failures_mu;
@@ -506,7 +508,7 @@ TEST(RequestSchedulerLoadTest, ShortDeadlinesAndRetriesPoisonNoWindow) {
     for (int t = 0; t < kThreads; ++t) {
       threads.emplace_back([&, t] {
         std::mt19937 rng(2000 + t);
-        const absl::Time give_up_all = absl::Now() + absl::Seconds(30);
+        const absl::Time give_up_all = absl::Now() + absl::Seconds(60);
         while (true) {
           const std::string& id = kModels[rng() % kModels.size()];
           const uint64_t seq_id = next_seq.at(id)++;
@@ -524,7 +526,7 @@ TEST(RequestSchedulerLoadTest, ShortDeadlinesAndRetriesPoisonNoWindow) {
             if (absl::Now() > give_up_all) {
               absl::MutexLock lock(&failures_mu);
               failures.push_back(absl::StrCat(id, " seq_id ", seq_id,
-                                              " made no progress in 30 s"));
+                                              " made no progress in 60 s"));
               return;
             }
             Call call(scheduler, id, seq_id, [&engine, id, seq_id, work] {

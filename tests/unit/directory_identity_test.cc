@@ -1,12 +1,14 @@
 // DirectoryIdentity: the same for a directory left alone, another one once
 // what identifies it changes: the checksum list of a tally checkpoint or
-// export, or for an HF directory its config.json bytes and the names, sizes
-// and modification times of its files. Never the weights' bytes themselves.
+// export, or for an HF directory its config.json bytes and the names and
+// sizes of its files. Never the weights' bytes themselves, nor modification
+// times (each host's copy of a download has its own).
 #include "runtime/directory_identity.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -50,6 +52,18 @@ TEST_F(DirectoryIdentityTest, AnHfDirectoryIsItsConfigAndItsFileList) {
   const std::string grown = DirectoryIdentity(dir_);
   Write("model-00002.safetensors", "x");
   EXPECT_NE(DirectoryIdentity(dir_), grown);
+}
+
+TEST_F(DirectoryIdentityTest, CopiesWrittenAtOtherTimesAreTheSame) {
+  Write("config.json", R"({"hidden_size": 32})");
+  Write("model.safetensors", "weights");
+  const std::string identity = DirectoryIdentity(dir_);
+  // As another host's copy of the same download: written at another time.
+  const fs::file_time_type later =
+      fs::last_write_time(dir_ + "/model.safetensors") + std::chrono::hours(5);
+  fs::last_write_time(dir_ + "/model.safetensors", later);
+  fs::last_write_time(dir_ + "/config.json", later);
+  EXPECT_EQ(DirectoryIdentity(dir_), identity);
 }
 
 TEST_F(DirectoryIdentityTest, AListedDirectoryIsItsChecksumList) {

@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -138,12 +139,18 @@ TEST_F(JsonReaderTest, OversizedFilesAreRefusedUnread) {
   EXPECT_THAT(status.message(), HasSubstr(path + " is 8589934592 bytes"));
 }
 
-TEST_F(JsonReaderTest, FilesWithoutEndAreCutAtTheLimit) {
-  // A device stat cannot size: at most limit + 1 bytes are read.
-  const absl::StatusOr<std::string> read =
-      ReadFileUpTo("/dev/zero", 1 << 16, absl::StatusCode::kDataLoss);
-  EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(read.status().message(), HasSubstr("/dev/zero is over 65536"));
+TEST_F(JsonReaderTest, FilesThatAreNotRegularAreRefusedWithoutBlocking) {
+  // A device without end, and a FIFO no one writes to: opening the FIFO
+  // for reading would block forever.
+  const std::string fifo = dir_ + "/config.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& path : {std::string("/dev/zero"), fifo, dir_}) {
+    const absl::StatusOr<std::string> read =
+        ReadFileUpTo(path, 1 << 16, absl::StatusCode::kDataLoss);
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << path;
+    EXPECT_THAT(read.status().message(),
+                HasSubstr(path + " is not a regular file"));
+  }
 }
 
 }  // namespace
