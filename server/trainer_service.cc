@@ -439,26 +439,15 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
     Finish(call.method, reactor, tenant.status());
     return reactor;
   }
-  // A sequenced request of a well-named model that fails validation still
-  // takes its seq_id: it is answered with the error in its turn (and the
-  // error is what a retry gets), so no gap holds back the calls after it.
-  const bool sequence_refusal = !validation.ok() && call.seq_id != 0 &&
-                                call.model_id != nullptr &&
-                                ValidateModelId(*call.model_id).ok();
-  if ((validation.ok() || sequence_refusal) && call.model_id != nullptr) {
+  if (validation.ok() && call.model_id != nullptr) {
     // Validated in the client's form; from here on the engine id, which the
     // budget, the sequencer and the engine are keyed by.
     *call.model_id = ScopedModelId(*tenant, *call.model_id);
   }
   const std::string model_id =
       call.model_id == nullptr ? std::string() : *call.model_id;
-  if (absl::Status accepting = Accepting(); !accepting.ok()) {
-    Finish(call.method, reactor, FirstError(validation, accepting));
-    return reactor;
-  }
-  if (sequence_refusal) {
-    command = [validation] { return validation; };
-  } else if (!validation.ok()) {
+  if (validation.ok()) validation = Accepting();
+  if (!validation.ok()) {
     Finish(call.method, reactor, validation);
     return reactor;
   }

@@ -425,40 +425,6 @@ TEST_F(ReliabilityE2eTest, AGapTimesOutIntoAPoisonedWindowUntilAborted) {
   EXPECT_GE(Metric("tally_seq_gap_wait_seconds_sum", {}), 1.0);
 }
 
-TEST_F(ReliabilityE2eTest, ARequestRefusedByValidationUsesItsSeqId) {
-  Stub* stub = Start({"--seq-gap-timeout-secs", "600"});
-  ASSERT_NE(stub, nullptr);
-  Create(*stub, "refused");
-  ASSERT_TRUE(
-      Send(&Stub::ForwardBackward, *stub, Fb("refused", 1, Samples(1))).ok());
-  v1::OptimStepRequest bad = Step("refused", 2);
-  bad.set_max_grad_norm(-1);
-  // Seq_id 3 is sent first: it waits for 2, which the refusal fills, so it
-  // runs long before the gap timeout.
-  auto after = std::async(std::launch::async, [&] {
-    return Send(&Stub::ForwardBackward, *stub, Fb("refused", 3, Samples(3)));
-  });
-  const auto refused = Send(&Stub::OptimStep, *stub, bad);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(refused.status().message()),
-              HasSubstr("max_grad_norm"));
-  const auto third = after.get();
-  ASSERT_TRUE(third.ok()) << third.status();
-  EXPECT_EQ(third->accumulated_calls(), 2);
-  // The refusal is the seq_id's cached outcome; the window is intact.
-  const auto retried = Send(&Stub::OptimStep, *stub, bad);
-  EXPECT_EQ(retried.status().code(), absl::StatusCode::kInvalidArgument);
-  const v1::ModelInfo info = Info(*stub, "refused");
-  EXPECT_EQ(info.next_seq_id(), 4u);
-  EXPECT_EQ(info.step(), 0);
-  const auto stepped = Send(&Stub::OptimStep, *stub, Step("refused", 4));
-  ASSERT_TRUE(stepped.ok()) << stepped.status();
-  EXPECT_EQ(stepped->normalizer(), TokensOf(Samples(1)) + TokensOf(Samples(3)));
-  // A malformed model id cannot be sequenced: refused at once.
-  const auto nameless = Send(&Stub::OptimStep, *stub, Step("bad id!", 1));
-  EXPECT_EQ(nameless.status().code(), absl::StatusCode::kInvalidArgument);
-}
-
 TEST_F(ReliabilityE2eTest, RequestsThatExpireOrAreCancelledBeforeRunningDoNot) {
   Stub* stub = Start({});
   ASSERT_NE(stub, nullptr);

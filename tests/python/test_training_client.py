@@ -191,9 +191,9 @@ class TrainingClientTest(ClientServerTestCase):
 
     def test_a_refused_optim_step_leaves_its_window_to_the_next(self):
         expected = self.reference_steps("reference-refused-step", 1)
-        # Refused by the engine and by the server's request validation:
-        # both use their seq_id (a validation refusal that left it unused
-        # would hold the next step back until the gap timeout).
+        # Refused by the engine (the seq_id is used) and by the server's
+        # request validation (the seq_id is left unused: the client fills
+        # it, or the next step would wait for it until the gap timeout).
         for name, refused, field in (
                 ("engine", {"adam": {"learning_rate": -1.0}}, "learning_rate"),
                 ("request", {"max_grad_norm": -1.0}, "max_grad_norm")):

@@ -22,9 +22,9 @@ step's future raises WindowAbortedError. A server that answers ABORTED (a
 poisoned window) also raises WindowAbortedError: call abort_window() and redo
 the window. A window-closing call the server refuses (a bad hyperparameter, a
 checkpoint that does not load, a save with a pending window) raises
-TallyError and leaves the window as it was: the next calls go on with it (the
-server answers a refused sequenced call in its seq_id's turn, so the refusal
-leaves no gap behind).
+TallyError and leaves the window as it was: the next calls go on with it. A
+call refused before it ran leaves its seq_id unused; the client fills it (a
+forward-only call of one token) so that no gap holds back the calls after it.
 export_weights and save(allow_pending=True) are sequenced too, so they write
 the state of every earlier step, but belong to no window: they neither close
 one nor abort one when they fail.
@@ -417,7 +417,7 @@ class TrainingClient:
                 self._in_flight.append(result)
 
         def send():
-            _chain(self._call(method, request, retryable=True), result)
+            _chain(self._call_sequenced(method, request), result)
 
         _when_all_done([] if closing is None else [closing], send)
         return result
@@ -447,7 +447,7 @@ class TrainingClient:
             if failed and method == "OptimStep":
                 self._abort_instead(request, failed[0], result, left)
                 return
-            sent = self._call(method, request, retryable=True)
+            sent = self._call_sequenced(method, request)
             _chain(sent, result)
             sent.add_done_callback(
                 lambda f: _left_behind(f, failed[0] if failed else None, left))
@@ -462,7 +462,7 @@ class TrainingClient:
         window is still there, failed call and all)."""
         abort = pb.AbortAccumulationRequest(model_id=self.model_id,
                                             seq_id=step.seq_id)
-        aborted = self._call("AbortAccumulation", abort, retryable=True)
+        aborted = self._call_sequenced("AbortAccumulation", abort)
 
         def done(f):
             if f.exception() is not None:
@@ -476,6 +476,55 @@ class TrainingClient:
                 f"aborted"))
 
         aborted.add_done_callback(done)
+
+    def _call_sequenced(self, method, request):
+        """Future of sequenced `method(request)`, retried like _call. A call
+        that fails for good without using its seq_id on the server (refused
+        by the server's request validation, its retries spent before it
+        ran) would leave a gap that holds back every later call until the
+        server's gap timeout poisons the window; so before the failure is
+        reported, the seq_id is filled (_fill_unused_seq_id). ABORTED needs
+        no filling: the client takes its next seq_id from the server."""
+        result = concurrent.futures.Future()
+
+        def done(call):
+            error = call.exception()
+            if error is None:
+                result.set_result(call.result())
+            elif getattr(error, "code", None) == grpc.StatusCode.ABORTED:
+                result.set_exception(error)
+            else:
+                self._fill_unused_seq_id(request.seq_id).add_done_callback(
+                    lambda _: result.set_exception(error))
+
+        self._call(method, request, retryable=True).add_done_callback(done)
+        return result
+
+    def _fill_unused_seq_id(self, seq_id):
+        """Future done once `seq_id` is used on the server. If the model's
+        next_seq_id is not past it, nothing ran under it (only this client
+        sends it): a forward-only ForwardBackward of one token, which changes
+        neither the weights nor the window, takes its place. A GetModel or
+        filler that fails leaves the gap to the server's timeout."""
+        filled = concurrent.futures.Future()
+        info = self._call("GetModel",
+                          pb.GetModelRequest(model_id=self.model_id),
+                          retryable=True)
+
+        def check(f):
+            if f.exception() is not None or not (
+                    0 < getattr(f.result(), "next_seq_id", 0) <= seq_id):
+                filled.set_result(None)
+                return
+            filler = pb.ForwardBackwardRequest(
+                model_id=self.model_id, seq_id=seq_id, forward_only=True,
+                samples=[pb.Sample(input_tokens=[0], target_tokens=[0])])
+            self._call("ForwardBackward", filler,
+                       retryable=True).add_done_callback(
+                           lambda _: filled.set_result(None))
+
+        info.add_done_callback(check)
+        return filled
 
     def _call(self, method, request, retryable):
         """Future of `method(request)`, retried on transient failures when
