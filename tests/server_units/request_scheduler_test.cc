@@ -23,7 +23,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -351,6 +350,32 @@ class RunLog {
   std::vector<uint64_t> ran_;
 };
 
+// Keeps the executor busy with a call of model "other" until Release():
+// what queues behind it waits. Released and the executor stopped when it
+// goes out of scope at the latest, so a test whose assertion fails ends
+// instead of hanging.
+class BusyExecutor {
+ public:
+  BusyExecutor(RequestScheduler& scheduler, CommandExecutor& executor)
+      : executor_(executor), busy_(scheduler, "other", 1, [this] {
+          release_.WaitForNotification();
+          return absl::OkStatus();
+        }) {}
+  ~BusyExecutor() {
+    Release();
+    executor_.Stop();
+  }
+  void Release() {
+    if (!release_.HasBeenNotified()) release_.Notify();
+  }
+  const Call& call() const { return busy_; }
+
+ private:
+  CommandExecutor& executor_;
+  absl::Notification release_;
+  Call busy_;
+};
+
 // The example of docs/reliability.md ("Back-pressure and retries"):
 // --max-queued-requests-per-model 3, the executor busy; seq_ids 1-3 sent with
 // deadlines that pass while they wait, then 4 likewise. Their
@@ -367,16 +392,7 @@ TEST(RequestSchedulerTest, CallersThatGiveUpWhileWaitingFreeTheirSlotsAtOnce) {
   RequestScheduler scheduler(options, &executor, hooks);
   scheduler.sequencer().AddModel("m");
   scheduler.sequencer().AddModel("other");
-  absl::Notification release;
-  // Also when an assertion fails: the test must end, not hang.
-  absl::Cleanup unblock = [&] {
-    if (!release.HasBeenNotified()) release.Notify();
-    executor.Stop();
-  };
-  Call busy(scheduler, "other", 1, [&] {
-    release.WaitForNotification();
-    return absl::OkStatus();
-  });
+  BusyExecutor busy(scheduler, executor);
   RunLog log;
   std::vector<std::unique_ptr<Call>> expired;
   for (uint64_t seq_id = 1; seq_id <= 3; ++seq_id) {
@@ -405,7 +421,7 @@ TEST(RequestSchedulerTest, CallersThatGiveUpWhileWaitingFreeTheirSlotsAtOnce) {
         << "the retry of seq_id " << seq_id << " was answered "
         << *retries.back()->answer() << " instead of waiting for its turn";
   }
-  release.Notify();
+  busy.Release();
   for (auto& call : retries) {
     const std::optional<absl::Status> answer = call->Await(absl::Seconds(30));
     ASSERT_TRUE(answer.has_value());
@@ -419,7 +435,7 @@ TEST(RequestSchedulerTest, CallersThatGiveUpWhileWaitingFreeTheirSlotsAtOnce) {
   EXPECT_THAT(log.ran(), ::testing::ElementsAre(1, 2, 3, 4));
   for (auto& call : expired) EXPECT_EQ(call->replies(), 1);
   EXPECT_EQ(fourth.replies(), 1);
-  ASSERT_TRUE(busy.Await(absl::Seconds(30)).has_value());
+  ASSERT_TRUE(busy.call().Await(absl::Seconds(30)).has_value());
   executor.Stop();
   EXPECT_EQ(gap_timeouts.load(), 0);
   EXPECT_EQ(scheduler.held(), 0u);
@@ -436,16 +452,7 @@ TEST(RequestSchedulerTest, TheNextSeqIdIsAdmittedWhenEveryLimitIsReached) {
   RequestScheduler scheduler(options, &executor, {});
   scheduler.sequencer().AddModel("m");
   scheduler.sequencer().AddModel("other");
-  absl::Notification release;
-  // Also when an assertion fails: the test must end, not hang.
-  absl::Cleanup unblock = [&] {
-    if (!release.HasBeenNotified()) release.Notify();
-    executor.Stop();
-  };
-  Call busy(scheduler, "other", 1, [&] {
-    release.WaitForNotification();
-    return absl::OkStatus();
-  });
+  BusyExecutor busy(scheduler, executor);
   RunLog log;
   Call two(scheduler, "m", 2, log.Run(2));
   Call three(scheduler, "m", 3, log.Run(3));
@@ -459,14 +466,14 @@ TEST(RequestSchedulerTest, TheNextSeqIdIsAdmittedWhenEveryLimitIsReached) {
   ASSERT_TRUE(one_again.answer().has_value());
   EXPECT_EQ(one_again.answer()->code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(scheduler.held(), 4u);
-  release.Notify();
+  busy.Release();
   for (Call* call : {&one, &two, &three}) {
     const std::optional<absl::Status> answer = call->Await(absl::Seconds(30));
     ASSERT_TRUE(answer.has_value());
     EXPECT_TRUE(answer->ok()) << *answer;
   }
   EXPECT_THAT(log.ran(), ::testing::ElementsAre(1, 2, 3));
-  ASSERT_TRUE(busy.Await(absl::Seconds(30)).has_value());
+  ASSERT_TRUE(busy.call().Await(absl::Seconds(30)).has_value());
   executor.Stop();
   EXPECT_EQ(scheduler.held(), 0u);
 }

@@ -25,6 +25,16 @@ LlamaConfig TinyConfig(bool tie_word_embeddings, int64_t num_hidden_layers) {
   return c;
 }
 
+std::string SmallConfigJson(const std::string& model_type,
+                            const nlohmann::json& extra) {
+  nlohmann::json j = {{"model_type", model_type}, {"vocab_size", 64},
+                      {"hidden_size", 32},        {"intermediate_size", 48},
+                      {"num_hidden_layers", 2},   {"num_attention_heads", 4},
+                      {"num_key_value_heads", 2}};
+  j.update(extra);
+  return j.dump();
+}
+
 Sample MakeSample(int64_t vocab, int length, int valid, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int32_t> token(0,

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,11 @@ namespace tally::testing {
 // `num_hidden_layers` = 4 serves pipeline tests of up to 4 stages.
 LlamaConfig TinyConfig(bool tie_word_embeddings = false,
                        int64_t num_hidden_layers = 2);
+
+// The text of a small valid config.json of `model_type` (2 layers, GQA) with
+// `extra` fields merged in: for tests of config.json reading.
+std::string SmallConfigJson(const std::string& model_type,
+                            const nlohmann::json& extra);
 
 // One sample of `length` tokens from `rng`, of which exactly `valid` have a
 // real target and a positive weight; the others are -100 or weight 0

@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "runtime/checkpoint.h"
 #include "server/convert.h"
+#include "tests/testing/test_util.h"
 
 namespace tally {
 namespace {
@@ -26,17 +27,6 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-// A small valid config.json of `model_type` with `extra` fields merged in.
-nlohmann::json SmallConfig(const std::string& model_type,
-                           const nlohmann::json& extra) {
-  nlohmann::json j = {{"model_type", model_type}, {"vocab_size", 64},
-                      {"hidden_size", 32},        {"intermediate_size", 48},
-                      {"num_hidden_layers", 2},   {"num_attention_heads", 4},
-                      {"num_key_value_heads", 2}};
-  j.update(extra);
-  return j;
-}
 
 struct JsonCase {
   const char* model_type;
@@ -95,7 +85,8 @@ TEST(ConfigRangeTest, ConfigJsonOutOfRangeIsRefusedNamingTheField) {
   for (const JsonCase& c : OutOfRangeJson()) {
     const absl::Status status =
         LlamaConfig::FromHfJson(
-            SmallConfig(c.model_type, nlohmann::json::parse(c.extra)).dump())
+            testing::SmallConfigJson(c.model_type,
+                                     nlohmann::json::parse(c.extra)))
             .status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.extra;
     EXPECT_THAT(std::string(status.message()), HasSubstr("config.json"))
@@ -103,13 +94,13 @@ TEST(ConfigRangeTest, ConfigJsonOutOfRangeIsRefusedNamingTheField) {
     EXPECT_THAT(std::string(status.message()), HasSubstr(c.field)) << c.extra;
   }
   // The value is quoted as the file has it, not as it would wrap.
-  EXPECT_THAT(std::string(LlamaConfig::FromHfJson(
-                              SmallConfig("llama",
-                                          {{"head_dim", 18446744073709551608u}})
-                                  .dump())
-                              .status()
-                              .message()),
-              Not(HasSubstr("-8")));
+  EXPECT_THAT(
+      std::string(LlamaConfig::FromHfJson(
+                      testing::SmallConfigJson(
+                          "llama", {{"head_dim", 18446744073709551608u}}))
+                      .status()
+                      .message()),
+      Not(HasSubstr("-8")));
 }
 
 // A checkpoint's (or HF directory's) config.json goes through the same
@@ -123,8 +114,8 @@ TEST(ConfigRangeTest, CheckpointConfigJsonIsCheckedToo) {
        {JsonCase{"llama", R"({"head_dim": -8})", "config.head_dim"},
         JsonCase{"mistral", R"({"sliding_window": 4294967297})",
                  "config.sliding_window"}}) {
-    std::ofstream(dir + "/config.json")
-        << SmallConfig(c.model_type, nlohmann::json::parse(c.extra)).dump();
+    std::ofstream(dir + "/config.json") << testing::SmallConfigJson(
+        c.model_type, nlohmann::json::parse(c.extra));
     const absl::Status status = ReadCheckpoint(dir, false).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.extra;
     EXPECT_THAT(std::string(status.message()), HasSubstr("config.json"))
@@ -284,7 +275,7 @@ TEST(ConfigRangeTest, AcceptedConfigsAreReportedExactlyAsTheyRun) {
                            "router_aux_loss_coef": 0.02,
                            "output_router_logits": true})"}}) {
     absl::StatusOr<LlamaConfig> config = LlamaConfig::FromHfJson(
-        SmallConfig(model_type, nlohmann::json::parse(extra)).dump());
+        testing::SmallConfigJson(model_type, nlohmann::json::parse(extra)));
     ASSERT_TRUE(config.ok()) << config.status();
     EXPECT_TRUE(ReportedAndReread(*config) == *config) << extra;
   }

@@ -160,19 +160,9 @@ INSTANTIATE_TEST_SUITE_P(HubConfigs, RealConfigTest,
                            return name;
                          });
 
-// A small config.json of `model_type` with `extra` fields merged in.
-std::string SmallConfig(const std::string& model_type,
-                        const nlohmann::json& extra) {
-  nlohmann::json j = {{"model_type", model_type}, {"vocab_size", 64},
-                      {"hidden_size", 32},        {"intermediate_size", 48},
-                      {"num_hidden_layers", 2},   {"num_attention_heads", 4},
-                      {"num_key_value_heads", 2}};
-  j.update(extra);
-  return j.dump();
-}
-
 absl::Status Parse(const std::string& model_type, const nlohmann::json& extra) {
-  return LlamaConfig::FromHfJson(SmallConfig(model_type, extra)).status();
+  return LlamaConfig::FromHfJson(testing::SmallConfigJson(model_type, extra))
+      .status();
 }
 
 TEST(ModelFamilyTest, RefusesWhatItDoesNotImplementNamingTheField) {
@@ -262,16 +252,16 @@ TEST(ModelFamilyTest, FamiliesFillTransformersDefaultsForOmittedFields) {
   // Qwen3Config: head_dim 128; MistralConfig: sliding_window 4096;
   // MixtralConfig: rope_theta 1e6, rms_norm_eps 1e-5, 8 experts, top 2,
   // router_aux_loss_coef 0.001 without output_router_logits.
-  absl::StatusOr<LlamaConfig> qwen3 =
-      LlamaConfig::FromHfJson(SmallConfig("qwen3", nlohmann::json::object()));
+  absl::StatusOr<LlamaConfig> qwen3 = LlamaConfig::FromHfJson(
+      testing::SmallConfigJson("qwen3", nlohmann::json::object()));
   ASSERT_TRUE(qwen3.ok()) << qwen3.status();
   EXPECT_EQ(qwen3->HeadDim(), 128);
-  absl::StatusOr<LlamaConfig> mistral =
-      LlamaConfig::FromHfJson(SmallConfig("mistral", nlohmann::json::object()));
+  absl::StatusOr<LlamaConfig> mistral = LlamaConfig::FromHfJson(
+      testing::SmallConfigJson("mistral", nlohmann::json::object()));
   ASSERT_TRUE(mistral.ok()) << mistral.status();
   EXPECT_EQ(mistral->sliding_window, 4096);
-  absl::StatusOr<LlamaConfig> mixtral =
-      LlamaConfig::FromHfJson(SmallConfig("mixtral", nlohmann::json::object()));
+  absl::StatusOr<LlamaConfig> mixtral = LlamaConfig::FromHfJson(
+      testing::SmallConfigJson("mixtral", nlohmann::json::object()));
   ASSERT_TRUE(mixtral.ok()) << mixtral.status();
   EXPECT_EQ(mixtral->rope_theta, 1e6);
   EXPECT_EQ(mixtral->rms_norm_eps, 1e-5);
@@ -298,7 +288,7 @@ TEST(ModelFamilyTest, QwenLayerTypesDecideWhichLayersSlide) {
                              {"max_window_layers", c.max_window_layers}};
     fields["layer_types"] = nlohmann::json::parse(c.layer_types);
     absl::StatusOr<LlamaConfig> config =
-        LlamaConfig::FromHfJson(SmallConfig("qwen2", fields));
+        LlamaConfig::FromHfJson(testing::SmallConfigJson("qwen2", fields));
     ASSERT_TRUE(config.ok()) << config.status();
     const ModelFamily& family = **FindModelFamily("qwen2");
     for (int64_t layer = 0; layer < 2; ++layer) {
@@ -312,8 +302,8 @@ TEST(ModelFamilyTest, QwenLayerTypesDecideWhichLayersSlide) {
 // wins over the version-4 fields when a file has both.
 TEST(ModelFamilyTest, ReadsTransformers5RopeParameters) {
   absl::StatusOr<LlamaConfig> c = LlamaConfig::FromHfJson(
-      SmallConfig("llama", nlohmann::json::parse(
-                               R"({"rope_theta": 10000.0,
+      testing::SmallConfigJson("llama", nlohmann::json::parse(
+                                            R"({"rope_theta": 10000.0,
                        "rope_parameters": {"rope_type": "llama3",
                          "rope_theta": 500000.0, "factor": 32.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -325,9 +315,10 @@ TEST(ModelFamilyTest, ReadsTransformers5RopeParameters) {
   EXPECT_EQ(c->rope_scaling.high_freq_factor, 4.0);
   EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
 
-  absl::StatusOr<LlamaConfig> plain = LlamaConfig::FromHfJson(
-      SmallConfig("qwen3", nlohmann::json::parse(
-                               R"({"rope_parameters": {"rope_type": "default",
+  absl::StatusOr<LlamaConfig> plain =
+      LlamaConfig::FromHfJson(testing::SmallConfigJson(
+          "qwen3", nlohmann::json::parse(
+                       R"({"rope_parameters": {"rope_type": "default",
                                            "rope_theta": 1000000.0}})")));
   ASSERT_TRUE(plain.ok()) << plain.status();
   EXPECT_EQ(plain->rope_theta, 1000000.0);
