@@ -147,6 +147,16 @@ class ExportE2eTest : public ::testing::Test {
     return (fs::canonical(root_) / path).string();
   }
 
+  // A tiny model exported to `path` under the root, its checksum list
+  // removed: a plain HF directory to edit and create models from.
+  bool ExportPlainHfDirectory(TrainerClient& client, const std::string& path) {
+    if (!client.CreateModel(TinyModel("m")).ok() ||
+        !client.ExportWeights(ExportRequest("m", path)).ok()) {
+      return false;
+    }
+    return fs::remove(InRoot(path) + "/checksums.sha256");
+  }
+
   static v1::ExportWeightsRequest ExportRequest(
       const std::string& model_id, const std::string& path,
       v1::DType dtype = v1::DTYPE_UNSPECIFIED, uint64_t seq_id = 0) {
@@ -302,10 +312,8 @@ TEST_F(ExportE2eTest, Bfloat16IsRoundToNearestEvenOfFloat32) {
 TEST_F(ExportE2eTest, TokenizerFilesAndConfigFieldsComeAlong) {
   TrainerClient* client = Start();
   ASSERT_NE(client, nullptr);
-  ASSERT_TRUE(client->CreateModel(TinyModel("m")).ok());
-  ASSERT_TRUE(client->ExportWeights(ExportRequest("m", "hf")).ok());
+  ASSERT_TRUE(ExportPlainHfDirectory(*client, "hf"));
   const std::string hf = InRoot("hf");
-  fs::remove(hf + "/checksums.sha256");  // a plain HF directory now
   nlohmann::ordered_json config =
       nlohmann::ordered_json::parse(ReadFileBytes(hf + "/config.json"));
   config["bos_token_id"] = 1;
@@ -352,10 +360,8 @@ TEST_F(ExportE2eTest, TokenizerFilesAndConfigFieldsComeAlong) {
 TEST_F(ExportE2eTest, HostileModelDirectoriesAreRefusedAndTheServerLives) {
   TrainerClient* client = Start();
   ASSERT_NE(client, nullptr);
-  ASSERT_TRUE(client->CreateModel(TinyModel("m")).ok());
-  ASSERT_TRUE(client->ExportWeights(ExportRequest("m", "hf")).ok());
+  ASSERT_TRUE(ExportPlainHfDirectory(*client, "hf"));
   const std::string hf = InRoot("hf");
-  fs::remove(hf + "/checksums.sha256");  // a plain HF directory now
   const std::string config = ReadFileBytes(hf + "/config.json");
   const std::string nesting =
       std::string(100000, '[') + std::string(100000, ']');
