@@ -21,4 +21,15 @@ torch::Tensor AttentionLayout::VisibleKeys(int64_t window, int64_t begin,
   return window > 0 ? visible & (distance < window) : visible;
 }
 
+AttentionLayout AttentionLayout::To(const torch::Device& device) const {
+  AttentionLayout moved;
+  moved.positions = positions.to(device);
+  // Whole samples share one tensor: keep sharing it on the device.
+  moved.key_positions = key_positions.is_same(positions)
+                            ? moved.positions
+                            : key_positions.to(device);
+  moved.key_valid = key_valid.to(device);
+  return moved;
+}
+
 }  // namespace tally

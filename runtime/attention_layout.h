@@ -38,6 +38,9 @@ struct AttentionLayout {
   // [begin, end) (real, at or before it, and with `window` > 0 less than
   // `window` positions before it, HF's sliding window).
   torch::Tensor VisibleKeys(int64_t window, int64_t begin, int64_t end) const;
+
+  // The same layout with its tensors on `device`.
+  AttentionLayout To(const torch::Device& device) const;
 };
 
 }  // namespace tally

@@ -39,7 +39,7 @@ torch::Tensor CallPlan::RowTokens(size_t b) const {
   if (!sample_tokens.defined() || !real(b)) return {};
   return sample_tokens
       .index({torch::tensor(packed[b].sample_index, torch::kInt64)})
-      .to(torch::kInt64);
+      .to(packed[b].inputs.device(), torch::kInt64);
 }
 
 absl::StatusOr<CallPlan> PlanCall(const std::vector<Sample>& samples,
@@ -77,7 +77,9 @@ absl::StatusOr<CallPlan> PlanCall(const std::vector<Sample>& samples,
             {torch::tensor(batch.sample_index, torch::kInt64)},
             batch.valid.sum(1).to(torch::kFloat64));
       }
-      plan.packed.push_back(std::move(batch));
+      // Packed on the host, computed on the model's device.
+      plan.layouts.back() = plan.layouts.back().To(options.device);
+      plan.packed.push_back(batch.To(options.device));
     }
   }));
   // A cp rank holds only a part of each sample: T_b is the sum of the parts.

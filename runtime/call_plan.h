@@ -39,6 +39,8 @@ struct CallPlanOptions {
   torch::ScalarType dtype = torch::kFloat32;  // of the packed weights
   int pipeline_parts = 1;  // micro-batches per data rank before batching
   int64_t max_batch_tokens = 16384;
+  // Where the micro-batches and layouts go (the model's device).
+  torch::Device device = torch::kCPU;
 };
 
 struct CallPlan {
@@ -55,8 +57,8 @@ struct CallPlan {
 
   size_t num_batches() const { return packed.size(); }
   bool real(size_t b) const { return b < real_batches; }
-  // T_b of each row of micro-batch b, [rows] int64, for ComputeLoss;
-  // undefined when sample_tokens is or for padding.
+  // T_b of each row of micro-batch b, [rows] int64 on the batch's device,
+  // for ComputeLoss; undefined when sample_tokens is or for padding.
   torch::Tensor RowTokens(size_t b) const;
 };
 

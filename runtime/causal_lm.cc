@@ -60,6 +60,21 @@ int CausalLm::Freeze(const std::string& pattern) {
       [&](const std::string& name) { return NameMatches(pattern, name); });
 }
 
+absl::Status CausalLm::To(const torch::Device& device) {
+  const std::string what = absl::StrCat("place the model on ", device.str());
+  return CatchTorch(what.c_str(), [&] {
+    torch::NoGradGuard no_grad;
+    for (Parameter& p : parameters_) {
+      if (p.tensor.device() != device) p.tensor.set_data(p.tensor.to(device));
+    }
+  });
+}
+
+torch::Device CausalLm::device() const {
+  return parameters_.empty() ? torch::Device(torch::kCPU)
+                             : parameters_.front().tensor.device();
+}
+
 absl::Status CausalLm::set_recompute_layers(bool recompute) {
   if (recompute && routed_experts() > 0) {
     return absl::InvalidArgumentError(

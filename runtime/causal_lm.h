@@ -122,6 +122,12 @@ class CausalLm {
   // whose layers write StageIo (routing statistics) refuse it,
   // INVALID_ARGUMENT.
   absl::Status set_recompute_layers(bool recompute);
+  // Places every parameter on `device`, keeping each tensor's identity (the
+  // layers and a shared base's users see the move); those already there,
+  // such as a shared base's, stay. Models are built and loaded on the host,
+  // so the same seed draws the same weights on every device.
+  absl::Status To(const torch::Device& device);
+  torch::Device device() const;
   bool recompute_layers() const { return recompute_layers_; }
   // How attention is computed (runtime/blocked_attention.h); the results do
   // not depend on it beyond rounding.

@@ -125,9 +125,9 @@ void RecordSamples(const torch::Tensor& logprobs, const PackedBatch& batch,
   if (return_logprobs) {
     rows = logprobs.detach()
                .masked_fill(~batch.has_target, 0.0)
-               .to(torch::kFloat64)
+               .to(torch::kCPU, torch::kFloat64)
                .contiguous();
-    positions = layout.positions.contiguous();
+    positions = layout.positions.cpu().contiguous();
   }
   for (size_t r = 0; r < batch.sample_index.size(); ++r) {
     const int i = batch.sample_index[r];
@@ -161,8 +161,10 @@ torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
   const PackedBatch& batch = plan.packed[b];
   StageIo io;
   if (model.routed_experts() > 0) {
-    io.real_tokens = torch::arange(batch.inputs.size(1)).unsqueeze(0) <
-                     torch::tensor(batch.lengths).unsqueeze(1);
+    const torch::Device device = batch.inputs.device();
+    io.real_tokens =
+        torch::arange(batch.inputs.size(1), batch.inputs.options())
+            .unsqueeze(0) < torch::tensor(batch.lengths).to(device).unsqueeze(1);
     if (!plan.real(b)) io.real_tokens.fill_(false);
   }
   torch::Tensor input = batch.inputs;
@@ -177,7 +179,7 @@ torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
   torch::Tensor output =
       model.StageForward(input, batch.targets, plan.layouts[b], &io);
   if (io.expert_tokens.defined()) {
-    results.expert_tokens().add_(io.expert_tokens.flatten());
+    results.expert_tokens().add_(io.expert_tokens.flatten().cpu());
   }
   if (!last) {
     std::vector<torch::Tensor> sent = {output};
@@ -252,6 +254,36 @@ absl::Status MarkPoisonedTheWindow(absl::Status status) {
   return status;
 }
 
+// Checks `options` and applies what is process-wide (the float32 matmul
+// precision) before an engine is built.
+absl::Status ApplyEngineOptions(const EngineOptions& options) {
+  if (options.max_batch_tokens < 1) {
+    return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
+  }
+  const torch::Device& device = options.device;
+  if (device.is_cuda()) {
+    const int64_t visible = torch::cuda::is_available()
+                                ? static_cast<int64_t>(torch::cuda::device_count())
+                                : 0;
+    if (visible == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "device ", device.str(),
+          ": no CUDA device is usable (none visible, or this LibTorch has no "
+          "CUDA)"));
+    }
+    if (!device.has_index() || device.index() >= visible) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device ", device.str(), " must name one of the ", visible,
+          " visible CUDA devices (cuda:0 to cuda:", visible - 1, ")"));
+    }
+  } else if (!device.is_cpu()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device ", device.str(), " is neither cpu nor cuda:<index>"));
+  }
+  at::globalContext().setAllowTF32CuBLAS(options.allow_tf32);
+  return absl::OkStatus();
+}
+
 absl::Status NotFound(const std::string& model_id) {
   return absl::NotFoundError(absl::StrCat("model '", model_id, "' not found"));
 }
@@ -261,9 +293,7 @@ absl::Status NotFound(const std::string& model_id) {
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     const EngineOptions& options, Mesh mesh,
     std::unique_ptr<ProcessGroups> groups) {
-  if (options.max_batch_tokens < 1) {
-    return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
-  }
+  TALLY_RETURN_IF_ERROR(ApplyEngineOptions(options));
   if (!groups || groups->world().size() != mesh.world_size() ||
       groups->world().rank() != mesh.rank()) {
     return absl::InvalidArgumentError(
@@ -294,9 +324,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::CreateSingleRank(
     const EngineOptions& options) {
-  if (options.max_batch_tokens < 1) {
-    return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
-  }
+  TALLY_RETURN_IF_ERROR(ApplyEngineOptions(options));
   std::unique_ptr<Engine> engine(new Engine(options, Mesh::SingleRank()));
   TALLY_ASSIGN_OR_RETURN(engine->single_rank_world_,
                          MakeSingleRankCommunicator());
@@ -418,6 +446,7 @@ absl::StatusOr<std::unique_ptr<Engine::ModelState>> Engine::BuildModel(
   auto state = std::make_unique<ModelState>();
   state->base_key = base_key;
   TALLY_ASSIGN_OR_RETURN(state->model, BuildCausalLm(spec, base_key, init));
+  TALLY_RETURN_IF_ERROR(state->model->To(options_.device));
   TALLY_RETURN_IF_ERROR(FreezeParameters(spec.frozen, *state->model));
   TALLY_RETURN_IF_ERROR(
       state->model->set_recompute_layers(spec.activation_checkpointing));
@@ -615,6 +644,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
                                     ? options_.pp_microbatches
                                     : groups_.pp->size();
   plan_options.max_batch_tokens = options_.max_batch_tokens;
+  plan_options.device = options_.device;
   TALLY_ASSIGN_OR_RETURN(
       const CallPlan plan,
       PlanCall(args.samples, plan_options, *groups_.data, *groups_.cp));
@@ -658,7 +688,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     const torch::Tensor& ids = plan.packed[b].inputs;
     const int64_t channels = config.hidden_size + AuxiliaryChannels(auxiliary);
     return torch::empty({ids.size(0), ids.size(1), channels},
-                        torch::TensorOptions().dtype(model.compute_type()));
+                        ids.options().dtype(model.compute_type()));
   };
   stage.forward = [&](size_t b, const torch::Tensor& received) {
     ThrowIfError(InjectedFault(FaultPoint::kForward));

@@ -65,6 +65,12 @@ struct EngineGroups {
 };
 
 struct EngineOptions {
+  // Where every model's parameters, gradients, window and optimizer state
+  // live and compute (runtime/device.h picks it per rank); decided once.
+  torch::Device device = torch::kCPU;
+  // TF32 tensor-core matmuls for float32 models on CUDA: faster, no longer
+  // exact to float32 rounding. Off by default.
+  bool allow_tf32 = false;
   // Padded tokens per forward/backward micro-batch; bounds activation memory
   // for large calls without changing results (the losses are raw sums).
   int64_t max_batch_tokens = 16384;

@@ -577,7 +577,7 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
                 "io.real_tokens must be shaped [B, T] like input");
     io->expert_tokens =
         torch::zeros({config_.num_hidden_layers, config_.num_local_experts},
-                     torch::kFloat64);
+                     torch::TensorOptions(torch::kFloat64).device(input.device()));
   }
   // Rotary tables at each token's position in its sample.
   const auto [cos, sin] =

@@ -144,6 +144,21 @@ PackedBatch PackRows(const std::vector<Sample>& samples,
   return batch;
 }
 
+PackedBatch PackedBatch::To(const torch::Device& device) const {
+  PackedBatch moved;
+  moved.sample_index = sample_index;
+  moved.lengths = lengths;
+  moved.inputs = inputs.to(device);
+  moved.targets = targets.to(device);
+  moved.has_target = has_target.to(device);
+  moved.weights = weights.to(device);
+  moved.valid = valid.to(device);
+  for (const auto& [name, values] : token_inputs) {
+    moved.token_inputs[name] = values.to(device);
+  }
+  return moved;
+}
+
 std::vector<std::vector<int>> PlanBatches(const std::vector<Sample>& samples,
                                           const std::vector<int>& indices,
                                           int64_t max_batch_tokens) {
@@ -211,12 +226,14 @@ LossTerms ComputeLoss(const TokenLoss& loss,
   LossTerms terms;
   torch::Tensor per_sample =
       loss.TokenLosses(target_logprobs, batch).sum(1);  // [B]
-  terms.sample_valid_tokens = batch.valid.sum(1);
-  terms.sample_loss_sums = per_sample.detach().to(torch::kFloat64);
+  const torch::Tensor valid_tokens = batch.valid.sum(1);
+  // The per-sample results are read on the host.
+  terms.sample_valid_tokens = valid_tokens.cpu();
+  terms.sample_loss_sums = per_sample.detach().to(torch::kCPU, torch::kFloat64);
   terms.valid_tokens = terms.sample_valid_tokens.sum().item<int64_t>();
   if (reduction == LossReduction::kSampleMean) {
     const torch::Tensor& counts =
-        sample_tokens.defined() ? sample_tokens : terms.sample_valid_tokens;
+        sample_tokens.defined() ? sample_tokens : valid_tokens;
     // 1 / T_b for counted samples; samples with T_b = 0 contribute nothing.
     torch::Tensor inv_len = torch::where(
         counts > 0, 1.0 / counts.clamp_min(1).to(per_sample.scalar_type()),

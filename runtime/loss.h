@@ -54,6 +54,9 @@ struct PackedBatch {
   // Sample::token_inputs by name, [B, T] model dtype, 0 at padding; each
   // present when any of the rows' samples has it.
   std::map<std::string, torch::Tensor> token_inputs;
+
+  // The same batch with its tensors on `device`.
+  PackedBatch To(const torch::Device& device) const;
 };
 
 // Groups the samples `indices` of `samples` into batches of
@@ -77,6 +80,7 @@ std::vector<std::vector<int>> PartitionSamples(
 
 struct LossTerms {
   torch::Tensor raw_loss;             // scalar, differentiable
+  // On the host, whatever the model's device.
   torch::Tensor sample_loss_sums;     // [B] fp64, detached: sum of w * l
   torch::Tensor sample_valid_tokens;  // [B] int64, of this batch's rows
   int64_t valid_tokens = 0;

@@ -44,7 +44,7 @@ void RecordRouting(const MoeOptions& options, const torch::Tensor& h,
   io.expert_tokens[options.layer].index_add_(
       0, top_experts.masked_select(real.unsqueeze(1)),
       torch::ones({real.sum().item<int64_t>() * top_experts.size(1)},
-                  torch::kFloat64));
+                  io.expert_tokens.options()));
   torch::Tensor chosen = torch::zeros_like(probs).scatter_add(
       1, top_experts, torch::ones(top_experts.sizes(), probs.options()));
   torch::Tensor channels =

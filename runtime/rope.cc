@@ -34,8 +34,10 @@ torch::Tensor RopeInverseFrequencies(const LlamaConfig& config) {
 std::pair<torch::Tensor, torch::Tensor> RotaryTables(
     const LlamaConfig& config, const torch::Tensor& positions,
     torch::ScalarType dtype) {
-  torch::Tensor freqs = positions.to(torch::kFloat64).unsqueeze(-1) *
-                        RopeInverseFrequencies(config);  // [B, T, d/2]
+  // Drawn on the host in fp64, the same on every device.
+  torch::Tensor freqs =
+      positions.to(torch::kFloat64).unsqueeze(-1) *
+      RopeInverseFrequencies(config).to(positions.device());  // [B, T, d/2]
   torch::Tensor emb = torch::cat({freqs, freqs}, -1).unsqueeze(1);
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }

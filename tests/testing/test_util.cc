@@ -118,9 +118,30 @@ ModelSpec TinySpec(const std::string& id, DType dtype, OptimizerKind optimizer,
   return spec;
 }
 
+LlamaConfig MoeConfig(LlamaConfig config) {
+  config.num_local_experts = 4;
+  config.num_experts_per_tok = 2;
+  config.router_aux_loss_coef = 0.02;
+  config.output_router_logits = true;
+  return config;
+}
+
+LlamaConfig FamilyConfig(LlamaConfig config, const char* family) {
+  if (family == nullptr) return config;
+  config.model_type = family;
+  config.sliding_window = 5;
+  config.max_window_layers = 1;
+  if (config.model_type == "qwen3") {
+    config.head_dim = 12;
+    config.attention_bias = true;
+  }
+  return config;
+}
+
 double RelativeDiff(const torch::Tensor& a, const torch::Tensor& b) {
-  torch::Tensor da = a.detach().to(torch::kFloat64);
-  torch::Tensor db = b.detach().to(torch::kFloat64);
+  // On the host: a and b may live on different devices.
+  torch::Tensor da = a.detach().to(torch::kCPU, torch::kFloat64);
+  torch::Tensor db = b.detach().to(torch::kCPU, torch::kFloat64);
   const double scale = std::max(db.abs().max().item<double>(), 1e-300);
   return (da - db).abs().max().item<double>() / scale;
 }

@@ -22,6 +22,17 @@ namespace tally::testing {
 LlamaConfig TinyConfig(bool tie_word_embeddings = false,
                        int64_t num_hidden_layers = 2);
 
+// Four experts, two per token: in a one-token call two experts of every
+// layer receive no token. With the load-balancing loss, whose gradient must
+// not depend on how the tokens are split over ranks or devices either.
+LlamaConfig MoeConfig(LlamaConfig config = TinyConfig());
+
+// `config` as a model of `family` (nullptr: unchanged) with the family's
+// features on: qwen2's q/k/v biases; qwen3's q/k norms with a head_dim of 12
+// (not hidden / heads) and o bias; both with a sliding window of 5 on every
+// layer but the first (samples of up to 120 tokens cross it).
+LlamaConfig FamilyConfig(LlamaConfig config, const char* family);
+
 // The text of a small valid config.json of `model_type` (2 layers, GQA) with
 // `extra` fields merged in: for tests of config.json reading.
 std::string SmallConfigJson(const std::string& model_type,

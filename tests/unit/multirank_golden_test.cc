@@ -35,6 +35,8 @@ namespace {
 
 using testing::MakeSamples;
 using testing::RelativeDiff;
+using testing::FamilyConfig;
+using testing::MoeConfig;
 using testing::TinySpec;
 
 struct MeshCase {
@@ -65,33 +67,6 @@ MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1, int ep = 1,
 MeshShape PipelineShape(int pp, int dp_shard = 1, int tp = 1, int cp = 1,
                         int ep = 1) {
   return Shape(1, dp_shard, tp, cp, ep, pp);
-}
-
-// Four experts, two per token: in the one-token call two experts of every
-// layer receive no token. With the load-balancing loss, whose gradient must
-// not depend on how the tokens are split over ranks either.
-LlamaConfig MoeConfig(LlamaConfig config = testing::TinyConfig()) {
-  config.num_local_experts = 4;
-  config.num_experts_per_tok = 2;
-  config.router_aux_loss_coef = 0.02;
-  config.output_router_logits = true;
-  return config;
-}
-
-// `config` as a model of `family` with the family's features on: qwen2's
-// q/k/v biases; qwen3's q/k norms with a head_dim of 12 (not hidden / heads)
-// and o bias; both with a sliding window of 5 on every layer but the first
-// (the calls hold samples of up to 120 tokens).
-LlamaConfig FamilyConfig(LlamaConfig config, const char* family) {
-  if (family == nullptr) return config;
-  config.model_type = family;
-  config.sliding_window = 5;
-  config.max_window_layers = 1;
-  if (config.model_type == "qwen3") {
-    config.head_dim = 12;
-    config.attention_bias = true;
-  }
-  return config;
 }
 
 // TinyConfig widened to hidden 128: 8 heads of 16 (4 kv heads) and
