@@ -5,9 +5,10 @@
 # nvcc comes from CMAKE_CUDA_COMPILER, $CUDACXX, PATH or /usr/local/cuda/bin.
 # It compiles host code with the project's C++ compiler (nvcc would otherwise
 # pick whatever g++ is on PATH). CMAKE_CUDA_ARCHITECTURES defaults to 80;90,
-# which nvcc 11.8 through 13 accept (13 dropped everything below sm_75); a
-# CUDA LibTorch gets the same list as TORCH_CUDA_ARCH_LIST unless the
-# environment sets one. nccl.h and libnccl come from TALLY_PYTHON's
+# which nvcc 11.8 through 13 accept (13 dropped everything below sm_75). A
+# CUDA LibTorch's config replaces CMAKE_CUDA_ARCHITECTURES by -gencode flags
+# in CMAKE_CUDA_FLAGS from TORCH_CUDA_ARCH_LIST, which is therefore set from
+# CMAKE_CUDA_ARCHITECTURES unless the environment sets it. nccl.h and libnccl come from TALLY_PYTHON's
 # nvidia-nccl wheel (site-packages/nvidia/nccl), else the toolkit or the system.
 #
 #   cmake -S . -B build -DTALLY_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=86
@@ -58,6 +59,11 @@ if(NOT TALLY_WITH_CUDA STREQUAL "OFF")
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     set(CMAKE_CUDA_EXTENSIONS OFF)
     find_package(CUDAToolkit REQUIRED)
+    # A CUDA LibTorch's config also runs FindCUDA, which must land on this
+    # toolkit (it refuses two CUDA versions).
+    get_filename_component(toolkit_root "${CUDAToolkit_BIN_DIR}" DIRECTORY)
+    set(CUDA_TOOLKIT_ROOT_DIR "${toolkit_root}" CACHE PATH
+      "CUDA toolkit for LibTorch's FindCUDA: nvcc's")
     set(TALLY_CUDA_ENABLED ON)
   elseif(TALLY_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "TALLY_WITH_CUDA=ON but there is no working nvcc for "
