@@ -1,7 +1,7 @@
 #include "runtime/communicator.h"
 
+#include <atomic>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -90,7 +90,7 @@ int64_t Bytes(const torch::Tensor& t) {
 class ProcessGroupCommunicator : public Communicator {
  public:
   explicit ProcessGroupCommunicator(
-      c10::intrusive_ptr<c10d::ProcessGroup> group)
+      c10::intrusive_ptr<compat::C10dBackend> group)
       : group_(std::move(group)), nccl_(group_->getBackendName() == "nccl") {}
 
   int rank() const override { return group_->getRank(); }
@@ -234,7 +234,7 @@ class ProcessGroupCommunicator : public Communicator {
     return GlooBFloat16(t) ? t.view(torch::kHalf) : t;
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<compat::C10dBackend> group_;
   // NCCL: bfloat16 and a native reduce-scatter; Gloo: neither.
   bool nccl_;
 };
@@ -242,13 +242,62 @@ class ProcessGroupCommunicator : public Communicator {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeProcessGroupCommunicator(
-    c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    c10::intrusive_ptr<compat::C10dBackend> group) {
   if (!group) return absl::InvalidArgumentError("null process group");
   return std::unique_ptr<Communicator>(
       new ProcessGroupCommunicator(std::move(group)));
 }
 
-absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator() {
+namespace {
+
+std::atomic<CudaCommunicatorFactory> cuda_communicator_factory{nullptr};
+
+}  // namespace
+
+void SetCudaCommunicatorFactory(CudaCommunicatorFactory factory) {
+  cuda_communicator_factory.store(factory);
+}
+
+absl::Status CheckCommunicatorDevice(torch::Device device) {
+  if (device.is_cpu()) return absl::OkStatus();
+  if (!device.is_cuda()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: ", device.str(),
+                     " has no communicator; collectives run on cpu or cuda"));
+  }
+  if (!TALLY_TORCH_CUDA) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device ", device.str(), ": this LibTorch (", TORCH_VERSION,
+        ") was built without CUDA; build tally against a CUDA LibTorch"));
+  }
+  if (cuda_communicator_factory.load() == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device ", device.str(),
+        ": no NCCL communicator in this binary (tally_runtime_nccl is built "
+        "only when CMake finds nvcc, nccl.h and libnccl, and the binary must "
+        "call InstallNcclCommunicators())"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeCudaCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank,
+    int size, int device, absl::Duration timeout) {
+  TALLY_RETURN_IF_ERROR(CheckCommunicatorDevice(
+      torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device))));
+  return cuda_communicator_factory.load()(std::move(store), prefix, rank, size,
+                                          device, timeout);
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator(
+    torch::Device device) {
+  TALLY_RETURN_IF_ERROR(CheckCommunicatorDevice(device));
+  if (device.is_cuda()) {
+    return MakeCudaCommunicator(c10::make_intrusive<c10d::HashStore>(),
+                                "single", /*rank=*/0, /*size=*/1,
+                                device.has_index() ? device.index() : 0,
+                                kDefaultCollectiveTimeout);
+  }
   return CatchTorch(
       "gloo single-rank group",
       [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {

@@ -28,17 +28,20 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-
-namespace c10d {
-class ProcessGroup;
-}  // namespace c10d
+#include "absl/time/time.h"
+#include "runtime/torch_compat.h"
 
 namespace tally {
+
+// How long a collective waits for its peers before failing (a dead or hung
+// rank): long enough for a slow checkpoint write on rank 0.
+inline constexpr absl::Duration kDefaultCollectiveTimeout = absl::Minutes(10);
 
 enum class ReduceOp { kSum, kMax };
 
@@ -138,16 +141,42 @@ class Communicator {
   absl::Status failure_;
 };
 
-// Wraps a c10d::ProcessGroup (Gloo on CPU, NCCL on GPU). Reduce-scatter uses
-// the backend's op when it has one; otherwise (Gloo in LibTorch 1.13) an
-// all-reduce of the whole input followed by a local slice: the same result,
-// at 2x the bytes of a ring reduce-scatter.
+// Wraps a c10d group (compat::C10dBackend: Gloo on CPU, or a c10d NCCL
+// group). Reduce-scatter uses the backend's op when it has one; otherwise
+// (Gloo) an all-reduce of the whole input followed by a local slice: the same
+// result, at 2x the bytes of a ring reduce-scatter.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeProcessGroupCommunicator(
-    c10::intrusive_ptr<c10d::ProcessGroup> group);
+    c10::intrusive_ptr<compat::C10dBackend> group);
 
-// A Gloo process group of one rank over an in-memory store: what the
-// single-rank server runs on, so the collective code path is the real one.
-absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator();
+// The communicator of one rank over an in-memory store: what the single-rank
+// server runs on, so the collective code path is the real one. A Gloo group
+// for a CPU `device`; for a CUDA one, an NCCL world of one on device.index()
+// (0 when it has none) through MakeCudaCommunicator. INVALID_ARGUMENT naming
+// `device` for any other device type.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeSingleRankCommunicator(
+    torch::Device device = torch::kCPU);
+
+// Device communicators: tally_runtime_nccl (runtime/cuda) makes the NCCL
+// communicators of CUDA meshes, and tally_runtime, which must not depend on
+// it, reaches it through this factory, which InstallNcclCommunicators() sets.
+// Joins the communicator named `prefix` in `store` as `rank` of `size` on
+// CUDA device `device`; its calls fail after `timeout`.
+using CudaCommunicatorFactory =
+    absl::StatusOr<std::unique_ptr<Communicator>> (*)(
+        c10::intrusive_ptr<c10d::Store> store, const std::string& prefix,
+        int rank, int size, int device, absl::Duration timeout);
+void SetCudaCommunicatorFactory(CudaCommunicatorFactory factory);
+
+// OK when collectives can run on `device`: always for a CPU one; for a CUDA
+// one when the LibTorch has CUDA (TALLY_TORCH_CUDA) and a CUDA communicator
+// factory is installed, FAILED_PRECONDITION naming the missing piece
+// otherwise. INVALID_ARGUMENT naming `device` for other device types.
+absl::Status CheckCommunicatorDevice(torch::Device device);
+
+// The installed factory's communicator, after CheckCommunicatorDevice(cuda).
+absl::StatusOr<std::unique_ptr<Communicator>> MakeCudaCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank,
+    int size, int device, absl::Duration timeout);
 
 // Every rank of `group` returns an error if any rank's `local` is one: its own
 // (unless it echoes an earlier agreement), or the lowest failing group rank

@@ -136,38 +136,65 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> MakeGlooDevice(
 // Ranks > 0 wait on the control group for rank 0's next command, and a server
 // may sit idle for days: effectively never time out (ten years; Gloo adds the
 // timeout to the current time, so "max" would overflow).
-constexpr std::chrono::milliseconds kControlTimeout =
-    std::chrono::hours(24 * 365 * 10);
+constexpr absl::Duration kControlTimeout = absl::Hours(24 * 365 * 10);
 
-// A Gloo group of `ranks` (this rank among them) under its own key prefix, so
-// groups never read each other's rendezvous keys.
+// What every group of this rank is made from.
+struct GroupContext {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::shared_ptr<gloo::transport::Device> gloo_device;
+  int rank = 0;
+  absl::Time deadline;
+  torch::Device device = torch::kCPU;
+};
+
+// A Gloo group of `ranks` (this rank among them, more than one) under the
+// store prefix `name`.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooGroup(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    const std::shared_ptr<gloo::transport::Device>& device,
-    const std::string& name, const std::vector<int>& ranks, int rank,
-    absl::Time deadline, std::chrono::milliseconds op_timeout) {
-  if (ranks.size() == 1) return MakeSingleRankCommunicator();
+    const GroupContext& context, const std::string& name, int group_rank,
+    int group_size, std::chrono::milliseconds op_timeout) {
+  return CatchTorch("creating a gloo group",
+                    [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {
+                      auto options =
+                          c10d::ProcessGroupGloo::Options::create(op_timeout);
+                      options->devices.push_back(context.gloo_device);
+                      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
+                          name, context.store);
+                      auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+                          prefixed, group_rank, group_size, options);
+                      // Constructing a Gloo group is no synchronization point:
+                      // a rank may start connecting the next group while a peer
+                      // still handshakes this one on the same device. The
+                      // barrier finishes every pair of this group first, so
+                      // groups connect one at a time.
+                      group->barrier()->wait();
+                      return MakeProcessGroupCommunicator(group);
+                    });
+}
+
+// The group of `ranks` (this rank among them) under its own key prefix, so
+// groups never read each other's rendezvous keys: on `device` (Gloo on the
+// CPU, NCCL on CUDA), or Gloo when `gloo` whatever the device.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeGroup(
+    const GroupContext& context, const std::string& name,
+    const std::vector<int>& ranks, absl::Duration op_timeout, bool gloo) {
+  const torch::Device device =
+      gloo ? torch::Device(torch::kCPU) : context.device;
+  if (ranks.size() == 1) return MakeSingleRankCommunicator(device);
   const int group_rank = static_cast<int>(
-      std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
-  absl::StatusOr<std::unique_ptr<Communicator>> group = CatchTorch(
-      "creating a gloo group",
-      [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {
-        auto options = c10d::ProcessGroupGloo::Options::create(op_timeout);
-        options->devices.push_back(device);
-        auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
-        auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(
-            prefixed, group_rank, static_cast<int>(ranks.size()), options);
-        // Constructing a Gloo group is no synchronization point: a rank may
-        // start connecting the next group while a peer still handshakes this
-        // one on the same device. The barrier finishes every pair of this
-        // group first, so groups connect one at a time.
-        group->barrier()->wait();
-        return MakeProcessGroupCommunicator(group);
-      });
+      std::find(ranks.begin(), ranks.end(), context.rank) - ranks.begin());
+  const int group_size = static_cast<int>(ranks.size());
+  absl::StatusOr<std::unique_ptr<Communicator>> group =
+      device.is_cuda()
+          ? MakeCudaCommunicator(
+                context.store, absl::StrCat("nccl/", name), group_rank,
+                group_size, device.has_index() ? device.index() : 0, op_timeout)
+          : MakeGlooGroup(context, name, group_rank, group_size,
+                          std::chrono::milliseconds(
+                              absl::ToInt64Milliseconds(op_timeout)));
   if (group.ok()) return group;
   const std::string what = absl::StrCat("rendezvous: group ", name, " (ranks ",
                                         absl::StrJoin(ranks, ","), ")");
-  if (absl::Now() >= deadline) {
+  if (absl::Now() >= context.deadline) {
     return absl::DeadlineExceededError(
         absl::StrCat(what, " not formed within the rendezvous timeout: ",
                      group.status().message()));
@@ -284,7 +311,8 @@ absl::StatusOr<RankEnv> ResolveRankEnv(const RankEnvOverrides& overrides,
 
 absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
     const RankEnv& env, const Mesh& mesh, absl::Duration rendezvous_timeout,
-    absl::Duration collective_timeout) {
+    absl::Duration collective_timeout, torch::Device device) {
+  TALLY_RETURN_IF_ERROR(CheckCommunicatorDevice(device));
   if (collective_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the collective timeout must be positive, got ",
@@ -309,48 +337,47 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
   const absl::Time deadline = absl::Now() + rendezvous_timeout;
   std::unique_ptr<ProcessGroups> groups(new ProcessGroups());
 
-  std::shared_ptr<gloo::transport::Device> device;
+  GroupContext context{{}, {}, env.rank, deadline, device};
   if (env.world_size > 1) {
     TALLY_ASSIGN_OR_RETURN(groups->store_, ConnectStore(env, deadline));
-    TALLY_ASSIGN_OR_RETURN(device, MakeGlooDevice(env));
+    TALLY_ASSIGN_OR_RETURN(context.gloo_device, MakeGlooDevice(env));
+    context.store = groups->store_;
   }
-  const auto op_timeout =
-      std::chrono::milliseconds(absl::ToInt64Milliseconds(collective_timeout));
   auto make_group = [&](const std::string& name, const std::vector<int>& ranks,
-                        std::chrono::milliseconds timeout) {
-    return MakeGlooGroup(groups->store_, device, name, ranks, env.rank,
-                         deadline, timeout);
+                        absl::Duration timeout, bool gloo = false) {
+    return MakeGroup(context, name, ranks, timeout, gloo);
   };
   std::vector<int> everyone(env.world_size);
   std::iota(everyone.begin(), everyone.end(), 0);
   TALLY_ASSIGN_OR_RETURN(groups->world_,
-                         make_group("world", everyone, op_timeout));
+                         make_group("world", everyone, collective_timeout));
   // Rank 0 sends commands and must notice a dead or hung rank; the others
   // wait for the next command, however long the server sits idle.
   TALLY_ASSIGN_OR_RETURN(
       groups->control_,
       make_group("control", everyone,
-                 env.rank == 0 ? op_timeout : kControlTimeout));
+                 env.rank == 0 ? collective_timeout : kControlTimeout,
+                 /*gloo=*/true));
   for (const std::vector<MeshDim>& dims : CreatedGroupDims()) {
     const std::vector<int> ranks = mesh.GroupRanks(dims);
     // Named by its members, so the name is unique among all ranks' groups.
     TALLY_ASSIGN_OR_RETURN(
         std::unique_ptr<Communicator> group,
         make_group(absl::StrCat(DimsName(dims), "/", absl::StrJoin(ranks, ",")),
-                   ranks, op_timeout));
+                   ranks, collective_timeout));
     groups->groups_.emplace_back(dims, std::move(group));
   }
   const std::vector<int> ep_ranks = mesh.ExpertParallelRanks();
   TALLY_ASSIGN_OR_RETURN(
       groups->expert_parallel_,
       make_group(absl::StrCat("ep/", absl::StrJoin(ep_ranks, ",")), ep_ranks,
-                 op_timeout));
+                 collective_timeout));
   if (mesh.size(MeshDim::kEp) > 1) {
     const std::vector<int> ranks = mesh.ExpertDataParallelRanks();
     TALLY_ASSIGN_OR_RETURN(
         groups->owned_expert_data_parallel_,
         make_group(absl::StrCat("expert_dp/", absl::StrJoin(ranks, ",")), ranks,
-                   op_timeout));
+                   collective_timeout));
     groups->expert_data_parallel_ = groups->owned_expert_data_parallel_.get();
   } else {
     TALLY_ASSIGN_OR_RETURN(groups->expert_data_parallel_,

@@ -1,6 +1,7 @@
 // Distributed start-up: who this rank is (from flags or a launcher's
 // environment), the rendezvous of all ranks through a c10d::TCPStore, and the
-// Gloo process groups of every mesh dimension this rank belongs to.
+// process groups of every mesh dimension this rank belongs to: Gloo on the
+// CPU, NCCL for a CUDA device (but the control group, always Gloo).
 //
 // A rank is told its identity by flags, by torchrun / a PyTorchJob (RANK,
 // WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or by a LeaderWorkerSet
@@ -41,9 +42,6 @@
 namespace tally {
 
 inline constexpr int kDefaultMasterPort = 29500;
-// How long a collective waits for its peers before failing (a dead or hung
-// rank): long enough for a slow checkpoint write on rank 0.
-inline constexpr absl::Duration kDefaultCollectiveTimeout = absl::Minutes(10);
 
 struct RankEnv {
   int rank = 0;
@@ -93,9 +91,14 @@ class ProcessGroups {
   // INVALID_ARGUMENT when `env` and `mesh` disagree on rank or world size.
   // Every collective fails after `collective_timeout`, except the control
   // group's on ranks > 0, which wait for rank 0's next command indefinitely.
+  // With a CUDA `device` every group but control() is an NCCL communicator
+  // (MakeCudaCommunicator) on device.index() (0 when it has none) over the
+  // same store; control() stays Gloo on the CPU for the command plane. A
+  // device CheckCommunicatorDevice refuses is refused before the rendezvous.
   static absl::StatusOr<std::unique_ptr<ProcessGroups>> Create(
       const RankEnv& env, const Mesh& mesh, absl::Duration rendezvous_timeout,
-      absl::Duration collective_timeout = kDefaultCollectiveTimeout);
+      absl::Duration collective_timeout = kDefaultCollectiveTimeout,
+      torch::Device device = torch::kCPU);
 
   ProcessGroups(const ProcessGroups&) = delete;
   ProcessGroups& operator=(const ProcessGroups&) = delete;

@@ -459,6 +459,23 @@ TEST(DistributedTest, SingleRankGroupsAreLocal) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Refused before the rendezvous: the master does not exist, so reaching
+// for it would end in DEADLINE_EXCEEDED instead.
+TEST(DistributedTest, CudaDeviceWithoutCudaCommunicatorIsRefusedFirst) {
+  MeshShape shape;
+  shape.tp = 2;
+  RankEnv env;
+  env.world_size = 2;
+  env.master_addr = "tally-master.invalid";
+  const absl::Status status =
+      ProcessGroups::Create(env, Mesh::Create(shape, 0).value(),
+                            absl::Seconds(30), kDefaultCollectiveTimeout,
+                            torch::Device(torch::kCUDA, 0))
+          .status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("device cuda:0"));
+}
+
 TEST(DistributedTest, EnvAndMeshMustAgree) {
   MeshShape shape;
   shape.tp = 2;

@@ -1,5 +1,6 @@
 // Mesh coordinates and groups, and the communicator's collectives and
 // counters on a real (one-rank) c10d Gloo group.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "runtime/communicator.h"
@@ -7,6 +8,9 @@
 
 namespace tally {
 namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 TEST(MeshTest, TpIsFastestAndCoordinatesRoundTrip) {
   MeshShape shape;
@@ -82,6 +86,25 @@ TEST(CommunicatorTest, SingleRankCollectivesAndCounters) {
   // A reduce-scatter whose dim 0 does not split is refused, not truncated.
   auto empty = world->ReduceScatter(torch::ones({}, torch::kFloat32));
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// This binary links no NCCL communicator, and Debian's LibTorch has no CUDA:
+// a CUDA device is refused with the missing piece, never run on the CPU.
+TEST(CommunicatorTest, CudaSingleRankWithoutCudaCommunicatorIsRefused) {
+  const absl::Status status =
+      MakeSingleRankCommunicator(torch::Device(torch::kCUDA, 0)).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_THAT(std::string(status.message()), StartsWith("device cuda:0: "));
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr(TALLY_TORCH_CUDA ? "no NCCL communicator"
+                                         : "built without CUDA"));
+}
+
+TEST(CommunicatorTest, DeviceWithoutCommunicatorIsInvalidArgument) {
+  const absl::Status status =
+      MakeSingleRankCommunicator(torch::Device(torch::kMeta)).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()), StartsWith("device: meta "));
 }
 
 }  // namespace
