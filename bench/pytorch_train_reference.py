@@ -2,7 +2,8 @@
 user would otherwise write: the same Llama-family model (HF's definition:
 RMSNorm, rotate-half RoPE, grouped-query attention with a causal mask,
 SwiGLU MLP, untied or tied LM head) with random weights, forward and
-backward of the summed token cross-entropy on the same batch shape.
+backward of the summed token cross-entropy on the same batch shape, in
+micro-batches of at most --max-batch-tokens tokens as tally plans them.
 
 bench_train runs it once per row with the row's thread environment; run it
 by hand with Debian's interpreter (python3-torch):
@@ -10,7 +11,16 @@ by hand with Debian's interpreter (python3-torch):
     BLIS_NUM_THREADS=1 /usr/bin/python3 bench/pytorch_train_reference.py \
         --config=small --threads=1 --steps=3 --samples=2 --tokens=512
 
-The last line printed is one JSON object: {"tokens_per_s", "peak_rss_bytes"}.
+With --device=cuda (a torch with CUDA, e.g. /opt/torch/.venv/bin/python3)
+everything lives on GPU 0, attention is torch's scaled_dot_product_attention
+(what HF Llama runs by default; the materialized T x T scores of the CPU
+path do not fit a GPU at 16 x 2048 tokens) and every timing waits for the
+GPU (torch.cuda.synchronize).
+
+The last line printed is one JSON object: {"tokens_per_s", "peak_rss_bytes",
+"device", "dtype", "config", "samples", "tokens"} and on cuda "gpu" (its
+name) and "device_peak_bytes" (torch.cuda.max_memory_allocated); bench_train
+checks the shape fields against its own row.
 """
 
 import argparse
@@ -74,9 +84,15 @@ class Layer(torch.nn.Module):
         groups = self.heads // self.kv_heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-2, -1)) / self.d ** 0.5
-        scores = scores.masked_fill(mask, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v
+        if mask is None:  # fused attention (cuda)
+            # Rotated in float32 (cos, sin), q and k come back to v's dtype,
+            # as HF Llama casts them: the fused kernels take one dtype.
+            out = F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v,
+                                                 is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / self.d ** 0.5
+            scores = scores.masked_fill(mask, float("-inf"))
+            out = torch.softmax(scores, dim=-1) @ v
         return self.o(out.transpose(1, 2).reshape(b, t, self.heads * self.d))
 
     def forward(self, x, cos, sin, mask):
@@ -98,13 +114,15 @@ class CausalLm(torch.nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, tokens, targets):
-        t = tokens.shape[1]
+        t, device = tokens.shape[1], tokens.device
         d = self.c["hidden"] // self.c["heads"]
-        inv_freq = 1.0 / self.c["rope_theta"] ** (torch.arange(0, d, 2).double() / d)
-        angles = torch.outer(torch.arange(t).double(), inv_freq)
+        inv_freq = 1.0 / self.c["rope_theta"] ** (
+            torch.arange(0, d, 2, device=device).double() / d)
+        angles = torch.outer(torch.arange(t, device=device).double(), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().float(), angles.sin().float()
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        mask = (None if device.type == "cuda" else
+                torch.ones(t, t, dtype=torch.bool, device=device).triu(1))
         x = self.embed(tokens)
         for layer in self.layers:
             if self.act_ckpt:
@@ -128,29 +146,58 @@ def main():
                         help="bfloat16: float32 parameters under CPU autocast")
     parser.add_argument("--act-ckpt", choices=("off", "on"), default="off",
                         help="torch.utils.checkpoint around every layer")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--max-batch-tokens", type=int, default=0,
+                        help="tokens per micro-batch (0: the whole call)")
+    parser.add_argument("--allow-tf32", choices=("false", "true"), default="false",
+                        help="cuda: TF32 matmuls for float32")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32 == "true"
     config = CONFIGS[args.config]
     master = torch.float32 if args.dtype == "bfloat16" else getattr(torch, args.dtype)
-    model = CausalLm(config, args.act_ckpt == "on").to(master)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16,
+    model = CausalLm(config, args.act_ckpt == "on").to(device=device, dtype=master)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=args.dtype == "bfloat16")
     data = torch.randint(0, config["vocab"], (args.samples, args.tokens + 1))
-    tokens, targets = data[:, :-1], data[:, 1:]
+    data = data.to(device)
+    # Whole samples per micro-batch, as tally's PlanBatches packs them.
+    per_batch = max(1, (args.max_batch_tokens or args.samples * args.tokens)
+                    // args.tokens)
+    batches = [(b[:, :-1], b[:, 1:]) for b in data.split(per_batch)]
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     seconds = []
     for step in range(args.steps + 1):  # the first is the warm-up
+        synchronize()
         start = time.perf_counter()
-        with autocast:
-            loss = model(tokens, targets)
-        loss.backward()
+        for tokens, targets in batches:
+            with autocast:
+                loss = model(tokens, targets)
+            loss.backward()
+        synchronize()
         if step > 0:
             seconds.append(time.perf_counter() - start)
-    print(json.dumps({
+    result = {
         "tokens_per_s": args.samples * args.tokens / statistics.median(seconds),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }))
+        "device": device.type,
+        "dtype": args.dtype,
+        "config": args.config,
+        "samples": args.samples,
+        "tokens": args.tokens,
+    }
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+        result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_clones.h"
+#include "kernels/cuda_tensors.h"
 #include "kernels/optimizer_math.h"
 
 // Compiled with -ffp-contract=off, as optimizer_math.h requires, and
@@ -68,9 +69,10 @@ absl::Status CheckOperand(const char* name, const torch::Tensor& operand,
   if (!operand.defined()) {
     return absl::InvalidArgumentError(absl::StrCat(name, " is undefined"));
   }
-  if (!operand.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " is on ", operand.device().str(), "; expected cpu"));
+  if (operand.device() != param.device()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " is on ", operand.device().str(),
+                     "; expected the param's ", param.device().str()));
   }
   if (operand.scalar_type() != param.scalar_type()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -88,8 +90,42 @@ absl::Status CheckOperand(const char* name, const torch::Tensor& operand,
   return absl::OkStatus();
 }
 
+// CPU parameters, or CUDA ones where this build can update them.
+absl::Status CheckDevice(const torch::Tensor& param) {
+  if (param.device().is_cpu()) return absl::OkStatus();
+  if (!param.device().is_cuda()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "param is on ", param.device().str(), "; expected cpu or cuda"));
+  }
+  const absl::Status support = CudaTensorSupport();
+  if (support.ok()) return support;
+  return absl::Status(
+      support.code(),
+      absl::StrCat("param is on ", param.device().str(),
+                   ", which this build cannot update: ", support.message()));
+}
+
+// One call updates the tensors of one device: the CPU kernels or one CUDA
+// device's stream, never both.
+absl::Status CheckOneDevice(const std::vector<UpdateOperands>& tensors) {
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    const torch::Tensor& first = tensors[0].param;
+    const torch::Tensor& param = tensors[i].param;
+    if (first.defined() && param.defined() &&
+        param.device() != first.device()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensors[", i, "].param is on ", param.device().str(),
+                       " but tensors[0].param on ", first.device().str(),
+                       ": one call updates the tensors of one device"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckAll(const std::vector<UpdateOperands>& tensors,
                       bool with_moments) {
+  const absl::Status one_device = CheckOneDevice(tensors);
+  if (!one_device.ok()) return one_device;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const absl::Status status = CheckFusable(tensors[i], with_moments);
     if (!status.ok()) {
@@ -143,7 +179,8 @@ absl::Status CheckFusable(const UpdateOperands& tensors, bool with_moments) {
         absl::StrCat("param has dtype ", c10::toString(param.scalar_type()),
                      "; expected Float or Double"));
   }
-  absl::Status status = CheckOperand("param", param, param);
+  absl::Status status = CheckDevice(param);
+  if (status.ok()) status = CheckOperand("param", param, param);
   if (status.ok()) status = CheckOperand("grad", tensors.grad, param);
   if (!status.ok()) return status;
   if (!with_moments) {
@@ -177,6 +214,9 @@ absl::Status FusedAdamW(const std::vector<UpdateOperands>& tensors,
                         const UpdateHyperparameters& hp) {
   const absl::Status checked = CheckAll(tensors, /*with_moments=*/true);
   if (!checked.ok()) return checked;
+  if (!tensors.empty() && tensors[0].param.is_cuda()) {
+    return FusedAdamWCudaTensors(tensors, hp);
+  }
   const AdamWConstants<float> float_constants = MakeAdamWConstants<float>(hp);
   const AdamWConstants<double> double_constants =
       MakeAdamWConstants<double>(hp);
@@ -199,6 +239,9 @@ absl::Status FusedSgd(const std::vector<UpdateOperands>& tensors,
                       const UpdateHyperparameters& hp) {
   const absl::Status checked = CheckAll(tensors, /*with_moments=*/false);
   if (!checked.ok()) return checked;
+  if (!tensors.empty() && tensors[0].param.is_cuda()) {
+    return FusedSgdCudaTensors(tensors, hp);
+  }
   const SgdConstants<float> float_constants = MakeSgdConstants<float>(hp);
   const SgdConstants<double> double_constants = MakeSgdConstants<double>(hp);
   ForEachChunk(tensors,

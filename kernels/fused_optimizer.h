@@ -1,6 +1,9 @@
-// Fused optimizer updates over many CPU tensors: one pass per element that
+// Fused optimizer updates over many tensors: one pass per element that
 // reads the raw gradient, applies the step's gradient scale (clip_coef /
-// normalizer) and updates the parameter and, for AdamW, both moments.
+// normalizer) and updates the parameter and, for AdamW, both moments. CPU
+// tensors go to the CPU kernels below; CUDA tensors to the CUDA kernels
+// (kernels/cuda_tensors.h: one launch per dtype on the device's current
+// stream), in builds that have them.
 //
 // The arithmetic (kernels/optimizer_math.h) is that of the composed LibTorch
 // path, operation for operation: `grad.mul_(scale)` followed by
@@ -41,13 +44,17 @@ struct UpdateOperands {
 };
 
 // OK when the fused kernels can update `tensors`: every defined operand is a
-// contiguous CPU tensor of the parameter's dtype (float32 or float64) and
-// shape, and the moments are defined exactly when `with_moments`.
-// INVALID_ARGUMENT naming the operand otherwise.
+// contiguous tensor of the parameter's dtype (float32 or float64), shape and
+// device (cpu or cuda), and the moments are defined exactly when
+// `with_moments`. INVALID_ARGUMENT naming the operand otherwise, and
+// FAILED_PRECONDITION saying why for a CUDA parameter this build cannot
+// update (kernels::CudaTensorSupport).
 absl::Status CheckFusable(const UpdateOperands& tensors, bool with_moments);
 
 // Applies one AdamW update to every entry. Checks every entry first
-// (CheckFusable, prefixed with "tensors[i]") and changes nothing if one fails.
+// (CheckFusable, prefixed with "tensors[i]") and changes nothing if one fails;
+// INVALID_ARGUMENT when the entries' params are on different devices. On
+// CUDA the update is queued on the current stream when this returns.
 absl::Status FusedAdamW(const std::vector<UpdateOperands>& tensors,
                         const UpdateHyperparameters& hp);
 

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "kernels/cpu_clones.h"
+#include "kernels/cuda_tensors.h"
 
 namespace tally::kernels {
 namespace {
@@ -154,6 +155,28 @@ void SweepFrom(const std::vector<Chunk>& chunks,
 }  // namespace
 
 GradStats MultiTensorGradStats(const std::vector<torch::Tensor>& tensors) {
+  const torch::Tensor* first = nullptr;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined()) continue;
+    if (first == nullptr) first = &tensors[i];
+    TORCH_CHECK(tensors[i].device() == first->device(),
+                "MultiTensorGradStats: tensors[", i, "] is on ",
+                tensors[i].device(), " but the first defined tensor on ",
+                first->device(), ": one call reads the tensors of one device");
+    TORCH_CHECK(tensors[i].device().is_cpu() || tensors[i].device().is_cuda(),
+                "MultiTensorGradStats: tensors[", i, "] is on ",
+                tensors[i].device(), "; expected cpu or cuda");
+    TORCH_CHECK(tensors[i].scalar_type() == torch::kFloat ||
+                    tensors[i].scalar_type() == torch::kDouble,
+                "MultiTensorGradStats: tensors[", i, "] has dtype ",
+                tensors[i].scalar_type(), "; expected Float or Double");
+  }
+  if (first != nullptr && first->is_cuda()) {
+    absl::StatusOr<GradStats> stats = GradStatsCudaTensors(tensors);
+    TORCH_CHECK(stats.ok(),
+                "MultiTensorGradStats: ", stats.status().ToString());
+    return *stats;
+  }
   // Contiguous tensors are shared, not copied; the copies of the others must
   // outlive the sweep.
   std::vector<torch::Tensor> contiguous;
@@ -165,12 +188,6 @@ GradStats MultiTensorGradStats(const std::vector<torch::Tensor>& tensors) {
       contiguous.emplace_back();
       continue;
     }
-    TORCH_CHECK(tensor.device().is_cpu(), "MultiTensorGradStats: tensors[", i,
-                "] is on ", tensor.device(), "; expected cpu");
-    TORCH_CHECK(tensor.scalar_type() == torch::kFloat ||
-                    tensor.scalar_type() == torch::kDouble,
-                "MultiTensorGradStats: tensors[", i, "] has dtype ",
-                tensor.scalar_type(), "; expected Float or Double");
     contiguous.push_back(tensor.contiguous());
     const int64_t numel = tensor.numel();
     for (int64_t begin = 0; begin < numel; begin += kChunkElements) {

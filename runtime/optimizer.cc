@@ -159,7 +159,7 @@ absl::Status Optimizer::LoadState(
             "optimizer state ", name, " has shape ", c10::str(t.sizes()),
             ", expected ", c10::str(like.sizes())));
       }
-      return t.to(like.scalar_type()).clone();
+      return t.to(like.device(), like.scalar_type()).clone();
     }
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer state ", name, " is missing"));

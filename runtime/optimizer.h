@@ -5,11 +5,13 @@
 // clip_coef / normalizer, so the raw accumulated sums are normalized and
 // clipped on the fly) and applies one update with the hyperparameters given
 // for this step, so every field a client sends is honored. Contiguous
-// float32 / float64 CPU parameters go through the fused kernels
-// (kernels/fused_optimizer.h), one pass over memory; any other parameter
-// takes the composed LibTorch ops, with the same arithmetic. State (moments
-// and the step count used for bias correction) exists only for the local
-// shards of trainable parameters; frozen ones are never stepped.
+// float32 / float64 parameters go through the fused kernels
+// (kernels/fused_optimizer.h), one pass over memory: on the CPU, or on a
+// CUDA device in one launch per dtype; any other parameter takes the
+// composed LibTorch ops, with the same arithmetic. State (moments and the
+// step count used for bias correction) lives on each parameter's device and
+// exists only for the local shards of trainable parameters; frozen ones are
+// never stepped.
 //
 //   tally::Optimizer opt(tally::OptimizerKind::kAdamW, &model->parameters());
 //   TALLY_RETURN_IF_ERROR(opt.Step(params, clip.grad_scale));
@@ -56,8 +58,9 @@ class Optimizer {
   // "<param name><suffix>" for every trainable parameter and StateSuffixes
   // entry. The tensors alias the live state.
   std::vector<std::pair<std::string, torch::Tensor>> StateTensors() const;
-  // Replaces the state from tensors named as StateTensors() names them;
-  // INVALID_ARGUMENT naming the tensor when one is missing or misshaped.
+  // Replaces the state from tensors named as StateTensors() names them,
+  // copied to each parameter's dtype and device; INVALID_ARGUMENT naming the
+  // tensor when one is missing or misshaped.
   absl::Status LoadState(
       const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
       int64_t step_count);

@@ -1,17 +1,25 @@
 // The CUDA fused optimizer updates against the composed LibTorch path on the
-// CPU (grad.mul_(scale), then torch::optim::AdamW or the SGD ops). Tests that
-// need a device report themselves skipped without one.
+// CPU (grad.mul_(scale), then torch::optim::AdamW or the SGD ops), and the
+// tensor-level entries (kernels/fused_optimizer.h, kernels/grad_stats.h) on
+// CUDA tensors against the same entries on CPU tensors. Tests that need a
+// device, or a LibTorch with CUDA, report themselves skipped without one.
 #include "kernels/cuda/fused_optimizer_cuda.h"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "kernels/fused_optimizer.h"
+#include "kernels/grad_stats.h"
 #include "tests/cuda/cuda_device.h"
 
 namespace tally::kernels {
@@ -163,6 +171,178 @@ TYPED_TEST(FusedOptimizerCudaTest, SgdMatchesComposedOpsOnTheCpu) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (size_t i = 0; i < kSizes.size(); ++i) {
     ExpectClose(params[i].ToHost(), expected[i]);
+  }
+}
+
+// Why CUDA tensors cannot be made here, or nullopt when they can.
+std::optional<std::string> MissingCudaTensors() {
+#if !TALLY_TORCH_CUDA
+  return std::string(
+      "this LibTorch has no CUDA (TALLY_TORCH_CUDA is 0): no CUDA tensors");
+#else
+  if (auto reason = ::tally::testing::MissingCudaDevice()) return reason;
+  if (!torch::cuda::is_available()) {
+    return std::string("torch::cuda::is_available() is false");
+  }
+  return std::nullopt;
+#endif
+}
+
+#define TALLY_SKIP_WITHOUT_CUDA_TENSORS()     \
+  do {                                        \
+    if (auto reason = MissingCudaTensors()) { \
+      GTEST_SKIP() << *reason;                \
+    }                                         \
+  } while (false)
+
+// The bound of the tensor-level comparisons, CUDA against CPU: the same
+// operations, each correctly rounded on both (-fmad=false, IEEE sqrt and
+// division), so bitwise equal where the CPU runs its AVX2 + FMA clones and
+// within an ulp per operation elsewhere (a dozen operations per element).
+void ExpectSameAsCpu(const torch::Tensor& cuda, const torch::Tensor& cpu) {
+  ASSERT_TRUE(cuda.is_cuda());
+  const torch::Tensor actual = cuda.cpu();
+  const double rtol = cpu.scalar_type() == torch::kFloat ? 16 * 6e-8 : 1e-12;
+  EXPECT_TRUE(torch::allclose(actual, cpu, rtol, /*atol=*/1e-30))
+      << "max |diff| " << (actual - cpu).abs().max().item<double>();
+}
+
+// One list of both dtypes (two launches, one per dtype) across the chunk and
+// block sizes; every CPU entry has a CUDA twin with the same values.
+struct TwinOperands {
+  std::vector<UpdateOperands> cpu, cuda;
+};
+
+TwinOperands MakeTwins(bool with_moments) {
+  TwinOperands twins;
+  for (size_t i = 0; i < kSizes.size(); ++i) {
+    const torch::ScalarType dtype = i % 2 == 0 ? torch::kFloat : torch::kDouble;
+    UpdateOperands cpu;
+    cpu.param = torch::randn({kSizes[i]}, dtype);
+    if (with_moments) {
+      cpu.exp_avg = torch::zeros_like(cpu.param);
+      cpu.exp_avg_sq = torch::zeros_like(cpu.param);
+    }
+    UpdateOperands cuda;
+    cuda.param = cpu.param.to(torch::kCUDA);
+    if (with_moments) {
+      cuda.exp_avg = cpu.exp_avg.to(torch::kCUDA);
+      cuda.exp_avg_sq = cpu.exp_avg_sq.to(torch::kCUDA);
+    }
+    twins.cpu.push_back(std::move(cpu));
+    twins.cuda.push_back(std::move(cuda));
+  }
+  return twins;
+}
+
+void SetGradients(TwinOperands& twins) {
+  for (size_t i = 0; i < twins.cpu.size(); ++i) {
+    twins.cpu[i].grad = torch::randn_like(twins.cpu[i].param);
+    twins.cuda[i].grad = twins.cpu[i].grad.to(torch::kCUDA);
+  }
+}
+
+TEST(FusedOptimizerCudaTensorsTest, AdamWOnCudaTensorsMatchesTheCpuKernels) {
+  TALLY_SKIP_WITHOUT_CUDA_TENSORS();
+  torch::manual_seed(23);
+  TwinOperands twins = MakeTwins(/*with_moments=*/true);
+  for (int64_t step = 1; step <= 3; ++step) {
+    SetGradients(twins);
+    UpdateHyperparameters hp;
+    hp.learning_rate = 1e-2 * step;
+    hp.weight_decay = step == 2 ? 0.0 : 0.1;
+    hp.step = step;
+    hp.grad_scale = 1.0 / (3 * step);
+    ASSERT_TRUE(FusedAdamW(twins.cpu, hp).ok());
+    const absl::Status status = FusedAdamW(twins.cuda, hp);
+    ASSERT_TRUE(status.ok()) << status;
+    for (size_t i = 0; i < kSizes.size(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "step " << step << " entry " << i);
+      ExpectSameAsCpu(twins.cuda[i].param, twins.cpu[i].param);
+      ExpectSameAsCpu(twins.cuda[i].exp_avg, twins.cpu[i].exp_avg);
+      ExpectSameAsCpu(twins.cuda[i].exp_avg_sq, twins.cpu[i].exp_avg_sq);
+      // Gradients are only read.
+      EXPECT_TRUE(torch::equal(twins.cuda[i].grad.cpu(), twins.cpu[i].grad));
+    }
+  }
+}
+
+TEST(FusedOptimizerCudaTensorsTest, SgdOnCudaTensorsMatchesTheCpuKernels) {
+  TALLY_SKIP_WITHOUT_CUDA_TENSORS();
+  torch::manual_seed(24);
+  TwinOperands twins = MakeTwins(/*with_moments=*/false);
+  SetGradients(twins);
+  UpdateHyperparameters hp;
+  hp.learning_rate = 0.05;
+  hp.weight_decay = 0.01;
+  hp.grad_scale = 0.125;
+  ASSERT_TRUE(FusedSgd(twins.cpu, hp).ok());
+  const absl::Status status = FusedSgd(twins.cuda, hp);
+  ASSERT_TRUE(status.ok()) << status;
+  for (size_t i = 0; i < kSizes.size(); ++i) {
+    SCOPED_TRACE(i);
+    ExpectSameAsCpu(twins.cuda[i].param, twins.cpu[i].param);
+  }
+}
+
+TEST(FusedOptimizerCudaTensorsTest, RefusesCpuAndCudaInOneCall) {
+  TALLY_SKIP_WITHOUT_CUDA_TENSORS();
+  const torch::Tensor p = torch::randn({8});
+  std::vector<UpdateOperands> mixed = {
+      {p.clone(), torch::randn({8}), {}, {}},
+      {p.to(torch::kCUDA), torch::randn({8}).to(torch::kCUDA), {}, {}}};
+  const absl::Status status = FusedSgd(mixed, UpdateHyperparameters());
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_TRUE(torch::equal(mixed[0].param, p));
+  std::vector<UpdateOperands> grad_elsewhere = {
+      {p.to(torch::kCUDA), torch::randn({8}), {}, {}}};
+  EXPECT_EQ(FusedSgd(grad_elsewhere, UpdateHyperparameters()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_THROW(MultiTensorGradStats({p, p.to(torch::kCUDA)}), c10::Error);
+}
+
+// Squares are summed in fp64 on both, in another order: within 1e-12
+// relative; the largest magnitude and the flags are exact.
+void ExpectSameStats(const GradStats& cuda, const GradStats& cpu) {
+  EXPECT_NEAR(cuda.sum_squares, cpu.sum_squares, 1e-12 * cpu.sum_squares);
+  EXPECT_EQ(cuda.max_abs, cpu.max_abs);
+  EXPECT_EQ(cuda.nonfinite, cpu.nonfinite);
+}
+
+std::vector<torch::Tensor> ToCuda(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  for (const torch::Tensor& t : tensors) {
+    out.push_back(t.defined() ? t.to(torch::kCUDA) : torch::Tensor());
+  }
+  return out;
+}
+
+TEST(FusedOptimizerCudaTensorsTest, GradStatsOnCudaTensorsMatchTheCpu) {
+  TALLY_SKIP_WITHOUT_CUDA_TENSORS();
+  torch::manual_seed(25);
+  // Both dtypes, an undefined entry and a non-contiguous one.
+  std::vector<torch::Tensor> tensors = {
+      torch::randn({100003}, torch::kFloat) * 1e3, torch::Tensor(),
+      torch::randn({257, 129}, torch::kDouble).t(),
+      torch::randn({16385}, torch::kFloat),
+      torch::full({3}, 1e20, torch::kFloat)};
+  ExpectSameStats(MultiTensorGradStats(ToCuda(tensors)),
+                  MultiTensorGradStats(tensors));
+  for (double poison : {std::numeric_limits<double>::quiet_NaN(),
+                        std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(poison);
+    std::vector<torch::Tensor> poisoned = tensors;
+    poisoned[3] = poisoned[3].clone();
+    poisoned[3][16384] = poison;
+    const GradStats cuda = MultiTensorGradStats(ToCuda(poisoned));
+    const GradStats cpu = MultiTensorGradStats(poisoned);
+    EXPECT_TRUE(cuda.nonfinite);
+    EXPECT_EQ(std::isnan(cuda.sum_squares), std::isnan(cpu.sum_squares));
+    EXPECT_EQ(std::isnan(cuda.max_abs), std::isnan(cpu.max_abs));
+    if (!std::isnan(poison)) {
+      EXPECT_EQ(cuda.max_abs, cpu.max_abs);
+      EXPECT_EQ(cuda.sum_squares, cpu.sum_squares);
+    }
   }
 }
 

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda_tensors.h"
+#include "kernels/grad_stats.h"
 #include "runtime/accumulation.h"
 #include "runtime/communicator.h"
 #include "runtime/llama_model.h"
@@ -376,6 +378,74 @@ TEST_P(FusedOptimizerTest, NonFiniteGradientGivesNoScaleAndTouchesNothing) {
     }
     EXPECT_TRUE(torch::equal(params[0].tensor.grad(), grad_a));
   }
+}
+
+// The entries take the tensors of one device, cpu or cuda. Meta tensors stand
+// in for a second device here: CUDA tensors cannot exist without a GPU.
+TEST(FusedOptimizerDispatchTest, RefusesMixedAndUnsupportedDevices) {
+  const auto meta = torch::TensorOptions().device(torch::kMeta);
+  const torch::Tensor p = torch::randn({4});
+  const torch::Tensor on_meta = torch::empty({4}, meta);
+  struct Case {
+    const char* name;
+    std::vector<UpdateOperands> tensors;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"entries on two devices",
+       {{p.clone(), torch::randn({4}), torch::zeros({4}), torch::zeros({4})},
+        {on_meta, torch::empty({4}, meta), torch::empty({4}, meta),
+         torch::empty({4}, meta)}},
+       "tensors[1].param is on meta but tensors[0].param on cpu"},
+      {"grad on another device than its param",
+       {{p.clone(), on_meta, torch::zeros({4}), torch::zeros({4})}},
+       "tensors[0].grad is on meta; expected the param's cpu"},
+      {"a device that is neither cpu nor cuda",
+       {{on_meta, torch::empty({4}, meta), torch::empty({4}, meta),
+         torch::empty({4}, meta)}},
+       "tensors[0].param is on meta; expected cpu or cuda"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const torch::Tensor first_before = c.tensors[0].param.clone();
+    const absl::Status status = kernels::FusedAdamW(c.tensors, Schedule()[0]);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find(c.message), std::string::npos)
+        << status.message();
+    if (first_before.is_cpu()) {
+      EXPECT_TRUE(torch::equal(c.tensors[0].param, first_before));
+    }
+  }
+  std::vector<UpdateOperands> sgd = {
+      {p.clone(), torch::randn({4}), {}, {}},
+      {on_meta, torch::empty({4}, meta), {}, {}}};
+  EXPECT_EQ(kernels::FusedSgd(sgd, Schedule()[0]).code(),
+            absl::StatusCode::kInvalidArgument);
+  try {
+    kernels::MultiTensorGradStats({torch::randn({4}), on_meta});
+    ADD_FAILURE() << "grad stats over two devices did not throw";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensors[1] is on meta"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// Without a CUDA LibTorch a CUDA tensor is refused, saying why (the build,
+// not the input); tests/cuda/fused_optimizer_cuda_test.cc runs the CUDA path.
+TEST(FusedOptimizerDispatchTest, CudaSupportNamesWhatTheBuildLacks) {
+#if TALLY_TORCH_CUDA
+  GTEST_SKIP() << "this LibTorch has CUDA: tests/cuda covers CUDA tensors";
+#else
+  const absl::Status support = kernels::CudaTensorSupport();
+  EXPECT_EQ(support.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(support.message().find("LibTorch has no CUDA"), std::string::npos)
+      << support.message();
+  EXPECT_EQ(kernels::FusedSgdCudaTensors({}, Schedule()[0]).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(kernels::GradStatsCudaTensors({}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+#endif
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedOptimizerTest,
