@@ -64,6 +64,9 @@
 #include "base/status.h"
 #include "bench/bench_main.h"
 #include "runtime/compute_backend.h"
+#if TALLY_WITH_NCCL
+#include "runtime/cuda/nccl_communicator.h"
+#endif
 #include "runtime/engine.h"
 #include "runtime/llama_config.h"
 #include "runtime/memory_estimate.h"
@@ -579,6 +582,9 @@ absl::StatusOr<Options> OptionsFromFlags() {
 }  // namespace tally
 
 int main(int argc, char** argv) {
+#if TALLY_WITH_NCCL
+  tally::InstallNcclCommunicators();
+#endif
   return tally::BenchMain("bench_train", tally::kUsage, argc, argv,
                           tally::OptionsFromFlags, tally::Run);
 }

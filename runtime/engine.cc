@@ -327,7 +327,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::CreateSingleRank(
   TALLY_RETURN_IF_ERROR(ApplyEngineOptions(options));
   std::unique_ptr<Engine> engine(new Engine(options, Mesh::SingleRank()));
   TALLY_ASSIGN_OR_RETURN(engine->single_rank_world_,
-                         MakeSingleRankCommunicator());
+                         MakeSingleRankCommunicator(options.device));
   Communicator* world = engine->single_rank_world_.get();
   engine->groups_ = {world, world, world, world, world, world,
                      world, world, world, world, world};

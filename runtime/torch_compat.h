@@ -21,7 +21,10 @@
 #ifndef TALLY_RUNTIME_TORCH_COMPAT_H_
 #define TALLY_RUNTIME_TORCH_COMPAT_H_
 
+#include <ATen/core/Tensor.h>
 #include <torch/version.h>
+
+#include <string>
 
 #ifndef TALLY_TORCH_CUDA
 // The top-level CMakeLists.txt defines it for every target.
@@ -60,6 +63,19 @@ namespace tally::compat {
 using C10dBackend = c10d::Backend;
 #else
 using C10dBackend = c10d::ProcessGroup;
+#endif
+
+// The key of parameter `p` in torch::optim::Optimizer::state(): the address
+// of its TensorImpl as a string in 1.x; from 2.x on the map is keyed by the
+// address itself.
+#if TALLY_TORCH_VERSION_AT_LEAST(2, 0)
+inline void* OptimizerStateKey(const at::Tensor& p) {
+  return p.unsafeGetTensorImpl();
+}
+#else
+inline std::string OptimizerStateKey(const at::Tensor& p) {
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+}
 #endif
 
 }  // namespace tally::compat

@@ -25,7 +25,7 @@ readonly KIT_PACKAGES=(
   prometheus-cpp-dev libcivetweb-dev
   libre2-dev libc-ares-dev libssl-dev zlib1g-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  nlohmann-json3-dev
+  nlohmann-json3-dev libgloo-dev
 )
 # Never downloaded (nor followed): what any glibc 2.36+ Linux with a C++
 # toolchain and systemd already has, and pkg-config, which the build does not
@@ -33,8 +33,10 @@ readonly KIT_PACKAGES=(
 readonly KIT_EXCLUDE='^(libc6(-dev)?|libc-dev-bin|linux-libc-dev|libcrypt(1|-dev)|libnsl(2|-dev)|libtirpc[0-9a-z-]*|rpcsvc-proto|libgcc-s1|libgcc-[0-9]+-dev|gcc(-[0-9]+)?(-base)?|g\+\+(-[0-9]+)?|cpp(-[0-9]+)?|libstdc\+\+6|libstdc\+\+-[0-9]+-dev|binutils[a-z0-9-]*|debconf(-2\.0)?|perl-base|dpkg|tar|pkgconf(-bin)?|libpkgconf[0-9]+|pkg-config|libsystemd0|python3[a-z0-9.-]*)$'
 # Downloaded, but their dependencies not followed: prometheus-cpp's CMake
 # config finds libcurl (for the push client tally does not link), which only
-# needs the files to exist.
-readonly KIT_NO_FOLLOW='^(libcurl4)$'
+# needs the files to exist; and c10d's ProcessGroupGloo.hpp includes Gloo's
+# headers, which a torch wheel does not ship (its Gloo is inside
+# libtorch_cpu): only libgloo-dev's headers are used.
+readonly KIT_NO_FOLLOW='^(libcurl4|libgloo-dev)$'
 
 # check: the targets built and the tests run (missing targets are skipped and
 # reported, so a target another change adds later does not break the kit).

@@ -20,6 +20,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#if TALLY_WITH_NCCL
+#include "runtime/cuda/nccl_communicator.h"
+#endif
 #include "runtime/engine.h"
 #include "runtime/loss_spec.h"
 #include "tests/testing/golden.h"
@@ -127,6 +130,9 @@ class CudaGoldenTest : public ::testing::TestWithParam<DeviceCase> {
  protected:
   void SetUp() override {
     if (auto reason = MissingCuda()) GTEST_SKIP() << *reason;
+#if TALLY_WITH_NCCL
+    InstallNcclCommunicators();  // the CUDA engine's world of one
+#endif
     EngineOptions cpu;
     EngineOptions cuda;
     cuda.device = torch::Device(torch::kCUDA, 0);

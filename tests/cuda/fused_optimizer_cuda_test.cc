@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "kernels/fused_optimizer.h"
 #include "kernels/grad_stats.h"
+#include "runtime/torch_compat.h"
 #include "tests/cuda/cuda_device.h"
 
 namespace tally::kernels {
@@ -64,11 +65,15 @@ class DeviceTensor {
   std::unique_ptr<void, CudaFree> device_;
 };
 
-// Within a few roundings of the reference.
+// Within a few roundings of the reference at the tensor's scale: an element
+// the update cancelled to near zero keeps the rounding of the values it came
+// from, and LibTorch 2.x's AdamW orders its operations unlike 1.13's, so an
+// elementwise relative bound asks more than either can give (seen on an H200
+// with torch 2.11: 1 ulp of the scale on elements near zero).
 void ExpectClose(const torch::Tensor& actual, const torch::Tensor& expected) {
   const double eps = actual.scalar_type() == torch::kFloat ? 6e-8 : 1.2e-16;
-  EXPECT_TRUE(torch::allclose(actual, expected, 8 * eps, 1e-30))
-      << (actual - expected).abs().max().item<double>();
+  const double scale = expected.abs().max().item<double>();
+  EXPECT_LE((actual - expected).abs().max().item<double>(), 8 * eps * scale);
 }
 
 template <typename T>
@@ -131,7 +136,7 @@ TYPED_TEST(FusedOptimizerCudaTest, AdamWMatchesTorchOptimAdamWOnTheCpu) {
       SCOPED_TRACE(kSizes[i]);
       const auto& state =
           static_cast<torch::optim::AdamWParamState&>(*reference.state().at(
-              c10::guts::to_string(reference_params[i].unsafeGetTensorImpl())));
+              compat::OptimizerStateKey(reference_params[i])));
       ExpectClose(params[i].ToHost(), reference_params[i].detach());
       ExpectClose(exp_avgs[i].ToHost(), state.exp_avg());
       ExpectClose(exp_avg_sqs[i].ToHost(), state.exp_avg_sq());
