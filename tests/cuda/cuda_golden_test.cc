@@ -23,7 +23,9 @@
 #if TALLY_WITH_NCCL
 #include "runtime/cuda/nccl_communicator.h"
 #endif
+#include "runtime/distributed.h"
 #include "runtime/engine.h"
+#include "runtime/mesh.h"
 #include "runtime/loss_spec.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
@@ -239,6 +241,84 @@ INSTANTIATE_TEST_SUITE_P(
                       DeviceCase{"cispo", nullptr, false, false, "cispo"},
                       DeviceCase{"dro", nullptr, false, false, "dro"}),
     [](const ::testing::TestParamInfo<DeviceCase>& info) {
+      return std::string(info.param.name);
+    });
+
+// Meshes of GPUs, one rank process per GPU (cuda:<local rank>, NCCL for
+// every data group), against the single CPU reference in each rank: fp64
+// losses, gradient shards, norm and updated shards to 1e-10. Skipped where
+// fewer GPUs than ranks are visible.
+struct GpuMesh {
+  const char* name;
+  MeshShape shape;
+};
+
+MeshShape GpuShape(int dp_shard, int tp) {
+  MeshShape shape;
+  shape.dp_shard = dp_shard;
+  shape.tp = tp;
+  return shape;
+}
+
+class CudaMeshGoldenTest : public ::testing::TestWithParam<GpuMesh> {};
+
+TEST_P(CudaMeshGoldenTest, MatchesOneCpuDevice) {
+  const MeshShape& shape = GetParam().shape;
+  if (auto reason = MissingCuda()) GTEST_SKIP() << *reason;
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+  if (gpus < shape.world_size()) {
+    GTEST_SKIP() << "needs " << shape.world_size() << " GPUs, " << gpus
+                 << " visible";
+  }
+#if TALLY_WITH_NCCL
+  InstallNcclCommunicators();
+#endif
+  EngineOptions on_gpus;
+  on_gpus.device = torch::Device(torch::kCUDA, 0);  // each rank: its own
+  const DeviceCase c{"llama"};
+  const ModelSpec spec = CaseSpec(c, DType::kFloat64);
+  const std::vector<ForwardBackwardArgs> calls = CaseCalls(c);
+  testing::RunGoldenOnRanks(
+      shape, on_gpus, EngineOptions(),
+      [&](Engine& engine, Engine& reference, const RankEnv&) -> absl::Status {
+        const double tol = testing::GoldenTolerance(DType::kFloat64);
+        for (Engine* e : {&engine, &reference}) {
+          TALLY_RETURN_IF_ERROR(e->CreateModel(spec).status());
+        }
+        for (const ForwardBackwardArgs& a : calls) {
+          TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult got,
+                                 engine.ForwardBackward(spec.model_id, a));
+          TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult want,
+                                 reference.ForwardBackward(spec.model_id, a));
+          testing::ExpectSameCall(got, want, tol);
+        }
+        TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine.model(spec.model_id));
+        TALLY_ASSIGN_OR_RETURN(CausalLm * ref, reference.model(spec.model_id));
+        testing::ExpectGradientShards(*model, *ref, tol);
+        OptimStepArgs step;
+        step.max_grad_norm = kMaxGradNorm;
+        TALLY_ASSIGN_OR_RETURN(OptimStepResult got,
+                               engine.OptimStep(spec.model_id, step));
+        TALLY_ASSIGN_OR_RETURN(OptimStepResult want,
+                               reference.OptimStep(spec.model_id, step));
+        testing::ExpectSameStep(got, want, step, tol);
+        for (const Parameter& p : model->parameters()) {
+          const Parameter* r = ref->Find(p.name);
+          if (r == nullptr) return absl::InternalError(p.name);
+          EXPECT_LT(RelativeDiff(p.tensor, model->LocalShard(p, r->tensor)),
+                    tol)
+              << p.name;
+        }
+        return absl::OkStatus();
+      });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, CudaMeshGoldenTest,
+    ::testing::Values(GpuMesh{"dp_shard2", GpuShape(2, 1)},
+                      GpuMesh{"tp2", GpuShape(1, 2)},
+                      GpuMesh{"dp_shard2_tp2", GpuShape(2, 2)}),
+    [](const ::testing::TestParamInfo<GpuMesh>& info) {
       return std::string(info.param.name);
     });
 

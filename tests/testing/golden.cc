@@ -11,9 +11,16 @@ namespace tally::testing {
 absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     const MeshShape& shape, const RankEnv& env, const EngineOptions& options) {
   TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
-  TALLY_ASSIGN_OR_RETURN(auto groups,
-                         ProcessGroups::Create(env, mesh, absl::Seconds(60)));
-  return Engine::Create(options, mesh, std::move(groups));
+  EngineOptions rank_options = options;
+  // A CUDA mesh: each rank on its own GPU, as the server places them.
+  if (options.device.is_cuda()) {
+    rank_options.device = torch::Device(torch::kCUDA, env.local_rank);
+  }
+  TALLY_ASSIGN_OR_RETURN(
+      auto groups,
+      ProcessGroups::Create(env, mesh, absl::Seconds(60),
+                            kDefaultCollectiveTimeout, rank_options.device));
+  return Engine::Create(rank_options, mesh, std::move(groups));
 }
 
 void RunGoldenOnRanks(const MeshShape& shape, const EngineOptions& options,

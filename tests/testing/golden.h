@@ -20,7 +20,8 @@
 
 namespace tally::testing {
 
-// This rank's engine of a deployment laid out as `shape`.
+// This rank's engine of a deployment laid out as `shape`; with a CUDA
+// options.device, on GPU env.local_rank.
 absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     const MeshShape& shape, const RankEnv& env, const EngineOptions& options);
 
