@@ -51,8 +51,14 @@ absl::Status Optimizer::Step(const AdamParams& hp, double grad_scale) {
       operands.exp_avg = exp_avg_[i];
       operands.exp_avg_sq = exp_avg_sq_[i];
     }
-    if (kernels::CheckFusable(operands, adamw).ok()) {
+    const absl::Status fusable = kernels::CheckFusable(operands, adamw);
+    if (fusable.ok()) {
       fused.push_back(std::move(operands));
+    } else if (absl::IsFailedPrecondition(fusable)) {
+      // A device this build cannot step (a CUDA tensor without the CUDA
+      // kernels): refused before anything is written.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot step ", (*parameters_)[i].name, ": ", fusable.message()));
     } else {
       composed.push_back(i);
     }

@@ -46,7 +46,9 @@ class Optimizer {
   // first one it left non-finite (the update is applied: the caller treats
   // the parameters as damaged). OptimStep refuses the updates whose
   // gradients could overflow (the moments included) before this
-  // (step_guard.h).
+  // (step_guard.h). FAILED_PRECONDITION, before anything is written, for a
+  // parameter on a device this build cannot step (a CUDA tensor without the
+  // CUDA kernels: kernels::CudaTensorSupport).
   absl::Status Step(const AdamParams& params, double grad_scale = 1.0);
 
   // Moments start again from zero and the step count from 0.
