@@ -63,9 +63,8 @@ absl::StatusOr<RankDevice> ResolveDevice(DeviceKind kind, int local_rank,
   if (kind == DeviceKind::kCpu) return RankDevice{torch::kCPU, "--device cpu"};
   if (gpus.visible_gpus == 0) {
     if (kind == DeviceKind::kAuto) {
-      return RankDevice{torch::kCPU,
-                        absl::StrCat("--device auto: no GPU (",
-                                     gpus.unavailable_reason, ")")};
+      return RankDevice{torch::kCPU, absl::StrCat("--device auto: no GPU: ",
+                                                  gpus.unavailable_reason)};
     }
     return absl::FailedPreconditionError(
         absl::StrCat("--device cuda: no GPU to use: ", gpus.unavailable_reason,

@@ -126,7 +126,7 @@ TEST(DescribeDevicesTest, ListsTheGpusAndTheRanksDevice) {
   CudaFacts none;
   none.no_gpu_reason = "no CUDA pieces";
   const v1::ServerInfo::Devices cpu =
-      DescribeDevices({torch::kCPU, "--device auto: no GPU (no CUDA pieces)"},
+      DescribeDevices({torch::kCPU, "--device auto: no GPU: no CUDA pieces"},
                       /*allow_tf32=*/false, none);
   EXPECT_EQ(cpu.device(), "cpu");
   EXPECT_EQ(cpu.gpus_size(), 0);
