@@ -68,8 +68,8 @@ absl::Status MemoryAdmission::ModelShortfall(const std::string& tenant,
         absl::StrCat("the model needs an estimated ", Gib(bytes),
                      " per rank (parameters, gradients, optimizer state), and ",
                      Gib(std::max(0.0, options_.limit_bytes - total_)),
-                     " of the ", Gib(options_.limit_bytes),
-                     " of --max-memory-bytes are left; nothing was allocated"));
+                     " of the ", Gib(options_.limit_bytes), " of ",
+                     options_.limit_name, " are left; nothing was allocated"));
   }
   if (!tenant.empty() && options_.per_tenant_bytes > 0 &&
       TenantBytes(tenant) + bytes > options_.per_tenant_bytes) {
@@ -113,9 +113,8 @@ absl::Status MemoryAdmission::CallShortfall(double bytes) const {
           "the call's activations need an estimated ", Gib(bytes),
           " per rank, and the models leave ",
           Gib(std::max(0.0, options_.limit_bytes - total_)), " of the ",
-          Gib(options_.limit_bytes),
-          " of --max-memory-bytes; nothing was executed: send fewer or shorter "
-          "samples per call"));
+          Gib(options_.limit_bytes), " of ", options_.limit_name,
+          "; nothing was executed: send fewer or shorter samples per call"));
 }
 
 double MemoryAdmission::resident_bytes() const {
@@ -139,6 +138,23 @@ int64_t DefaultMemoryLimitBytes(int local_ranks) {
     if (cgroup > 0 && (memory <= 0 || cgroup < memory)) memory = cgroup;
   }
   return static_cast<int64_t>(0.8 * memory / std::max(local_ranks, 1));
+}
+
+MemoryLimit DeviceMemoryLimit(const DeviceMemorySnapshot& memory,
+                              int64_t flag_bytes) {
+  const double cached =
+      std::max(0.0, memory.reserved_bytes - memory.allocated_bytes);
+  const double margin =
+      std::max(kDeviceMarginBytes, kDeviceMarginFraction * memory.total_bytes);
+  const double budget = std::max(0.0, memory.free_bytes + cached - margin);
+  if (flag_bytes > 0 && static_cast<double>(flag_bytes) < budget) {
+    return {static_cast<double>(flag_bytes), "--max-memory-bytes"};
+  }
+  return {budget,
+          absl::StrCat(memory.device, "'s memory (", Gib(memory.free_bytes),
+                       " free at start + ", Gib(cached),
+                       " cached by the allocator - ", Gib(margin),
+                       " margin, of ", Gib(memory.total_bytes), ")")};
 }
 
 }  // namespace tally

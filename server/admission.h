@@ -16,6 +16,12 @@
 //   admission.Add("alice/m", "alice", bytes);
 //   TALLY_RETURN_IF_ERROR(admission.CheckCall(activation_bytes));
 //   admission.Remove("alice/m");  // deleted
+//
+// On a CUDA rank the limit is the device's (DeviceMemoryLimit): what was free
+// at start plus what the caching allocator holds unused, less a margin.
+//
+//   const tally::MemoryLimit limit = tally::DeviceMemoryLimit(
+//       {"cuda:0", free, total, reserved, allocated}, flag_bytes);
 #ifndef TALLY_SERVER_ADMISSION_H_
 #define TALLY_SERVER_ADMISSION_H_
 
@@ -30,7 +36,10 @@
 namespace tally {
 
 struct MemoryAdmissionOptions {
-  double limit_bytes = 0;       // 0: no limit
+  double limit_bytes = 0;  // 0: no limit
+  // What the limit is, in refusals ("... of the 70 GiB of <limit_name> are
+  // left").
+  std::string limit_name = "--max-memory-bytes";
   double per_tenant_bytes = 0;  // 0: no quota per tenant
   // Observers (metrics): the resident total after every Add and Remove, and
   // "model" or "call" at every refusal. Called under the ledger's lock.
@@ -79,6 +88,31 @@ class MemoryAdmission {
 // The default --max-memory-bytes of one rank: 80% of the machine's memory,
 // or of the cgroup's limit when that is lower, shared by `local_ranks`.
 int64_t DefaultMemoryLimitBytes(int local_ranks);
+
+// A CUDA device's memory as the rank saw it at start.
+struct DeviceMemorySnapshot {
+  std::string device;     // "cuda:0"
+  double free_bytes = 0;  // cudaMemGetInfo
+  double total_bytes = 0;
+  double reserved_bytes = 0;   // the caching allocator's, used or not
+  double allocated_bytes = 0;  // the caching allocator's, in live tensors
+};
+
+struct MemoryLimit {
+  double bytes = 0;
+  std::string name;  // MemoryAdmissionOptions::limit_name
+};
+
+// What is kept free on a device for what admission does not count (cuBLAS
+// workspaces, NCCL buffers, fragmentation): the larger of these.
+inline constexpr double kDeviceMarginBytes = 1024.0 * 1024 * 1024;
+inline constexpr double kDeviceMarginFraction = 0.05;  // of the total
+
+// A CUDA rank's limit: free + (reserved - allocated) - margin, at least 0;
+// `flag_bytes` (--max-memory-bytes, 0: unset) instead when it is lower. The
+// name carries the numbers, so that a refusal names the device and them.
+MemoryLimit DeviceMemoryLimit(const DeviceMemorySnapshot& memory,
+                              int64_t flag_bytes);
 
 }  // namespace tally
 

@@ -98,6 +98,13 @@ ABSL_FLAG(std::string, attention,
           "materialized one's O(T^2); same results to rounding");
 ABSL_FLAG(int64_t, attention_block_keys, tally::Defaults().attention.block_keys,
           "keys per block of blocked attention");
+ABSL_FLAG(std::string, device, tally::DeviceKindName(tally::Defaults().device),
+          "auto (cuda when a GPU is usable, else cpu), cpu or cuda: local "
+          "rank r computes on GPU r of those visible (CUDA_VISIBLE_DEVICES); "
+          "fewer GPUs than local ranks is refused");
+ABSL_FLAG(bool, allow_tf32, tally::Defaults().allow_tf32,
+          "let float32 matmuls and convolutions on a GPU round through TF32 "
+          "(faster, ~1e-3 relative); off: exact float32");
 ABSL_FLAG(int64_t, zero_stage,
           static_cast<int64_t>(tally::Defaults().zero_stage),
           "what --dp-shard shards: 3 parameters, gradients and optimizer "
@@ -221,7 +228,9 @@ const std::vector<FlagSection>& Sections() {
         {"overlap-grad-sync", nullptr},
         {"attention", "MODE"},
         {"attention-block-keys", "N"},
-        {"zero-stage", "N"}}},
+        {"zero-stage", "N"},
+        {"device", "KIND"},
+        {"allow-tf32", nullptr}}},
       {"Checkpoints",
        {{"checkpoint-root", "DIR"},
         {"checkpoint-dir", "DIR"},
@@ -458,6 +467,9 @@ absl::Status SetTrainingOptions(ServerOptions& o) {
   int64_t zero_stage = 0;
   TALLY_RETURN_IF_ERROR(SetInt(FLAGS_zero_stage, 1, 3, &zero_stage));
   o.zero_stage = *ZeroStageNumbered(zero_stage);
+  TALLY_ASSIGN_OR_RETURN(o.device,
+                         ParseDeviceKind(absl::GetFlag(FLAGS_device)));
+  o.allow_tf32 = absl::GetFlag(FLAGS_allow_tf32);
   return absl::OkStatus();
 }
 

@@ -673,7 +673,18 @@ void ServerMetrics::RecordRankState() {
   RecordRankStateLocked();
 }
 
+void ServerMetrics::WatchDeviceMemory(const torch::Device& device) {
+  if (!device.is_cuda()) return;
+  absl::MutexLock lock(&mu_);
+  device_memory_ = std::make_unique<DeviceMemoryGauges>(
+      *registry_,
+      prometheus::Labels{{"rank", absl::StrCat(engine_->mesh().rank())}},
+      device);
+  device_memory_->Update();
+}
+
 void ServerMetrics::RecordRankStateLocked() {
+  if (device_memory_) device_memory_->Update();
   for (const auto& [roles, comm] : NamedCommunicators(*engine_)) {
     for (int i = 0; i < kNumCommOps; ++i) {
       const auto op = static_cast<CommOp>(i);

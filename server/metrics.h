@@ -35,6 +35,7 @@
 #include "absl/synchronization/mutex.h"
 #include "runtime/engine.h"
 #include "server/auth.h"
+#include "server/device_metrics.h"
 #include "server/http_endpoint.h"
 #include "tally/v1/trainer.pb.h"
 
@@ -104,6 +105,10 @@ class ServerMetrics {
   // Copies this rank's collective counters and shard sizes from the engine;
   // models gone from the engine lose their series.
   void RecordRankState();
+  // From now on RecordRankState also reads the memory of `device`, the
+  // rank's, into the device memory gauges (server/device_metrics.h); nothing
+  // for a CPU device.
+  void WatchDeviceMemory(const torch::Device& device);
 
   // A retried sequenced request answered without executing it again.
   void RecordDuplicate(const std::string& model_id);
@@ -190,6 +195,7 @@ class ServerMetrics {
   // Keyed by "<communicator roles>/<op>".
   std::map<std::string, std::unique_ptr<CommSeries>> comm_series_
       ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<DeviceMemoryGauges> device_memory_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tally

@@ -19,8 +19,10 @@
 #include "base/status.h"
 #include "runtime/address.h"
 #include "runtime/compute_backend.h"
+#include "runtime/device_query.h"
 #include "server/admission.h"
 #include "server/commands.h"
+#include "server/server_info.h"
 #include "server/token_auth_processor.h"
 
 namespace tally {
@@ -64,6 +66,39 @@ absl::StatusOr<int> LocalRankPort(const ServerOptions& options, int base,
         flag, " ", base, " + local rank ", env.local_rank, " is past 65535"));
   }
   return port;
+}
+
+// The device of this rank (runtime/device.h): the same on every call, from
+// --device, the rank's place on its host and the GPUs this process sees.
+absl::StatusOr<RankDevice> ChooseRankDevice(const ServerOptions& options) {
+  TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
+  return ResolveDevice(options.device, env.local_rank, LocalRanks(),
+                       DetectGpus());
+}
+
+// Memory admission's limit: on a CPU rank --max-memory-bytes or the rank's
+// share of the host's memory; on a CUDA rank the device's
+// (DeviceMemoryLimit), or --max-memory-bytes when lower.
+absl::StatusOr<MemoryLimit> AdmissionLimit(const ServerOptions& options,
+                                           const torch::Device& device) {
+  if (!device.is_cuda()) {
+    return MemoryLimit{
+        static_cast<double>(options.max_memory_bytes > 0
+                                ? options.max_memory_bytes
+                                : DefaultMemoryLimitBytes(LocalRanks())),
+        "--max-memory-bytes"};
+  }
+  TALLY_ASSIGN_OR_RETURN(DeviceMemoryInfo memory,
+                         QueryDeviceMemory(device.index()));
+  const AllocatorBytes held = CachingAllocatorBytes(device);
+  const MemoryLimit limit = DeviceMemoryLimit(
+      {device.str(), static_cast<double>(memory.free_bytes),
+       static_cast<double>(memory.total_bytes),
+       static_cast<double>(held.reserved), static_cast<double>(held.allocated)},
+      options.max_memory_bytes);
+  Log(LogLevel::kInfo, absl::StrCat("memory admission: ", limit.bytes,
+                                    " bytes, from ", limit.name));
+  return limit;
 }
 
 absl::Status WritePortFile(const std::string& path, int grpc_port,
@@ -208,6 +243,11 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
   engine_options.overlap_grad_sync = options.overlap_grad_sync;
   engine_options.attention = options.attention;
   engine_options.zero_stage = options.zero_stage;
+  TALLY_ASSIGN_OR_RETURN(const RankDevice device, ChooseRankDevice(options));
+  Log(LogLevel::kInfo,
+      absl::StrCat("device: ", device.device.str(), " (", device.why, ")"));
+  engine_options.device = device.device;
+  engine_options.allow_tf32 = options.allow_tf32;
   TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
   if (env.world_size != options.mesh.world_size()) {
     return absl::InvalidArgumentError(
@@ -227,9 +267,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
                      env.master_port));
     TALLY_ASSIGN_OR_RETURN(
         auto groups,
-        ProcessGroups::Create(env, mesh,
-                              absl::Seconds(options.rendezvous_timeout_secs),
-                              absl::Seconds(options.collective_timeout_secs)));
+        ProcessGroups::Create(
+            env, mesh, absl::Seconds(options.rendezvous_timeout_secs),
+            absl::Seconds(options.collective_timeout_secs), device.device));
     TALLY_ASSIGN_OR_RETURN(
         engine, Engine::Create(engine_options, mesh, std::move(groups)));
   }
@@ -357,6 +397,8 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
       ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
                             s->engine_.get(), std::move(scraper)));
   SetReadinessCheck(*s->metrics_, *s->engine_, s->progress_.get());
+  TALLY_ASSIGN_OR_RETURN(const RankDevice device, ChooseRankDevice(options));
+  s->metrics_->WatchDeviceMemory(device.device);
   TALLY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                          ServerCredentials(options));
   TALLY_RETURN_IF_ERROR(ValidateCheckpointAndShutdownFlags(options));
@@ -367,9 +409,12 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   service_options.max_tokens_per_call = options.max_tokens_per_call;
   service_options.memory.per_tenant_bytes =
       static_cast<double>(options.max_memory_bytes_per_tenant);
-  service_options.memory.limit_bytes = static_cast<double>(
-      options.max_memory_bytes > 0 ? options.max_memory_bytes
-                                   : DefaultMemoryLimitBytes(LocalRanks()));
+  TALLY_ASSIGN_OR_RETURN(const MemoryLimit limit,
+                         AdmissionLimit(options, device.device));
+  service_options.memory.limit_bytes = limit.bytes;
+  service_options.memory.limit_name = limit.name;
+  service_options.devices =
+      DescribeDevices(device, options.allow_tf32, QueryCudaFacts());
   service_options.checkpoint_root = options.checkpoint_root;
   if (!options.auth_tokens_file.empty()) {
     TALLY_ASSIGN_OR_RETURN(s->authenticator_,
@@ -469,6 +514,8 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
       ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
                             engine.get(), std::move(scraper)));
   SetReadinessCheck(*metrics, *engine, progress.get());
+  TALLY_ASSIGN_OR_RETURN(const RankDevice device, ChooseRankDevice(options));
+  metrics->WatchDeviceMemory(device.device);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound_grpc_port = 0;

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "runtime/device.h"
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
 #include "runtime/mesh.h"
@@ -73,6 +74,10 @@ struct ServerOptions {
   bool overlap_grad_sync = EngineOptions().overlap_grad_sync;
   // What --dp-shard shards (runtime/zero.h); every rank needs the same.
   ZeroStage zero_stage = EngineOptions().zero_stage;
+  // The device of each rank (runtime/device.h), decided at start.
+  DeviceKind device = DeviceKind::kAuto;
+  // Float32 matmuls on a GPU may round through TF32.
+  bool allow_tf32 = false;
 
   // Reliability (docs/reliability.md).
   // How long a missing seq_id may hold back the requests behind it.

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "runtime/compute_backend.h"
 #include "runtime/loss_spec.h"
 #include "runtime/model_family.h"
@@ -35,8 +36,31 @@ void FillMesh(const Mesh& mesh, ZeroStage zero_stage,
 
 }  // namespace
 
+v1::ServerInfo::Devices DescribeDevices(const RankDevice& chosen,
+                                        bool allow_tf32,
+                                        const CudaFacts& facts) {
+  v1::ServerInfo::Devices devices;
+  devices.set_device(chosen.device.str());
+  devices.set_reason(chosen.why);
+  devices.set_cuda_driver_version(facts.driver_version);
+  devices.set_cuda_runtime_version(facts.runtime_version);
+  devices.set_nccl_version(facts.nccl_version);
+  for (const GpuFacts& gpu : facts.gpus) {
+    v1::ServerInfo::Devices::Gpu* out = devices.add_gpus();
+    out->set_index(gpu.index);
+    out->set_name(gpu.name);
+    out->set_compute_capability(absl::StrCat(gpu.compute_capability_major, ".",
+                                             gpu.compute_capability_minor));
+    out->set_total_memory_bytes(gpu.total_memory_bytes);
+  }
+  devices.set_no_gpu_reason(facts.no_gpu_reason);
+  devices.set_allow_tf32(allow_tf32);
+  return devices;
+}
+
 void FillServerInfo(const Mesh& mesh, ZeroStage zero_stage,
-                    const v1::ServerInfo::Limits& limits, bool authentication,
+                    const v1::ServerInfo::Limits& limits,
+                    const v1::ServerInfo::Devices& devices, bool authentication,
                     v1::ServerInfo* info) {
   info->set_version(TALLY_VERSION);
   FillCompute(info->mutable_compute());
@@ -61,6 +85,7 @@ void FillServerInfo(const Mesh& mesh, ZeroStage zero_stage,
     info->add_features(feature);
   }
   *info->mutable_limits() = limits;
+  *info->mutable_devices() = devices;
   info->set_authentication(authentication);
 }
 

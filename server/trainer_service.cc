@@ -565,7 +565,8 @@ grpc::ServerUnaryReactor* TrainerService::GetServerInfo(
   const absl::StatusOr<std::string> tenant = AuthenticateCall(*context);
   if (tenant.ok()) {
     FillServerInfo(engine_->mesh(), engine_->zero_stage(), ServerInfoLimits(),
-                   options_.authenticator != nullptr, response);
+                   options_.devices, options_.authenticator != nullptr,
+                   response);
   }
   Finish("GetServerInfo", reactor, tenant.status());
   return reactor;

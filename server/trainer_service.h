@@ -88,6 +88,8 @@ struct TrainerServiceOptions {
   AttentionOptions attention;  // the engine's: its activation bound
   // Tokens of one ForwardBackward (all samples); 0: no cap.
   int64_t max_tokens_per_call = 0;
+  // GetServerInfo's devices (DescribeDevices), fixed at start.
+  v1::ServerInfo::Devices devices;
 };
 
 class TrainerService final : public v1::Trainer::CallbackService {

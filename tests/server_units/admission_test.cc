@@ -1,6 +1,7 @@
 // MemoryAdmission's ledger: models hold their bytes until removed, against
-// the limit and their tenant's quota; a call must fit beside them. And the
-// estimates scale as they should with a hostile config.
+// the limit and their tenant's quota; a call must fit beside them. A CUDA
+// rank's limit from its device's memory. And the estimates scale as they
+// should with a hostile config.
 #include "server/admission.h"
 
 #include <gmock/gmock.h>
@@ -68,6 +69,58 @@ TEST(MemoryAdmissionTest, ObserversSeeTheTotalAndEachRefusal) {
   admission.Remove("missing");  // changes nothing, tells nothing
   EXPECT_EQ(totals, (std::vector<double>{70, 90, 20}));
   EXPECT_EQ(refusals, (std::vector<std::string>{"model", "call"}));
+}
+
+constexpr double kGib = 1024.0 * 1024 * 1024;
+
+// free + (reserved - allocated) - max(1 GiB, 5% of the total).
+TEST(DeviceMemoryLimitTest, FreeAtStartPlusCachedLessTheMargin) {
+  // An 80 GiB GPU: the margin is 5% (4 GiB); 6 - 2 GiB cached unused.
+  const MemoryLimit big =
+      DeviceMemoryLimit({"cuda:3", 70 * kGib, 80 * kGib, 6 * kGib, 2 * kGib},
+                        /*flag_bytes=*/0);
+  EXPECT_DOUBLE_EQ(big.bytes, 70 * kGib);
+  EXPECT_THAT(big.name, HasSubstr("cuda:3's memory"));
+  EXPECT_THAT(big.name, HasSubstr("70 GiB free at start + 4 GiB cached"));
+  EXPECT_THAT(big.name, HasSubstr("4 GiB margin, of 80 GiB"));
+  // A 10 GiB GPU: the margin is the 1 GiB floor; nothing cached.
+  EXPECT_DOUBLE_EQ(
+      DeviceMemoryLimit({"cuda:0", 5 * kGib, 10 * kGib, 0, 0}, 0).bytes,
+      4 * kGib);
+  // Less free than the margin leaves nothing, never a negative limit;
+  // allocated above reserved (stats read at different times) caches nothing.
+  EXPECT_DOUBLE_EQ(DeviceMemoryLimit(
+                       {"cuda:0", 0.5 * kGib, 10 * kGib, 1 * kGib, 3 * kGib}, 0)
+                       .bytes,
+                   0);
+}
+
+TEST(DeviceMemoryLimitTest, ALowerMaxMemoryBytesWins) {
+  const DeviceMemorySnapshot memory{"cuda:0", 20 * kGib, 40 * kGib, 0, 0};
+  const MemoryLimit lower =
+      DeviceMemoryLimit(memory, static_cast<int64_t>(8 * kGib));
+  EXPECT_DOUBLE_EQ(lower.bytes, 8 * kGib);
+  EXPECT_EQ(lower.name, "--max-memory-bytes");
+  const MemoryLimit higher =
+      DeviceMemoryLimit(memory, static_cast<int64_t>(30 * kGib));
+  EXPECT_DOUBLE_EQ(higher.bytes, 18 * kGib);
+  EXPECT_THAT(higher.name, HasSubstr("cuda:0's memory"));
+}
+
+// A refusal names the limit it ran into: the device and its numbers.
+TEST(DeviceMemoryLimitTest, RefusalsNameTheDevice) {
+  const MemoryLimit limit =
+      DeviceMemoryLimit({"cuda:1", 11 * kGib, 20 * kGib, 0, 0}, 0);
+  MemoryAdmissionOptions options = Limits(limit.bytes, 0);
+  options.limit_name = limit.name;
+  MemoryAdmission admission(options);
+  const absl::Status model = admission.CheckModel("", 11 * kGib);
+  EXPECT_EQ(model.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(model.message(),
+              HasSubstr("10 GiB of cuda:1's memory (11 GiB free at start"));
+  const absl::Status call = admission.CheckCall(10.5 * kGib);
+  EXPECT_EQ(call.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(call.message(), HasSubstr("of cuda:1's memory"));
 }
 
 TEST(MemoryEstimateTest, HostileSizesDoNotWrapAround) {

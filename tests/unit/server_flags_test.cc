@@ -146,6 +146,20 @@ TEST(ServerFlagsTest, ZeroStageReachesTheEngineOptions) {
   EXPECT_NE(ServerUsage().find("--zero-stage"), std::string::npos);
 }
 
+TEST(ServerFlagsTest, DeviceAndTf32) {
+  EXPECT_EQ(Parse({})->options.device, DeviceKind::kAuto);
+  EXPECT_FALSE(Parse({})->options.allow_tf32);
+  auto flags = Parse({"--device=cuda", "--allow-tf32"});
+  ASSERT_TRUE(flags.ok()) << flags.status();
+  EXPECT_EQ(flags->options.device, DeviceKind::kCuda);
+  EXPECT_TRUE(flags->options.allow_tf32);
+  EXPECT_EQ(Parse({"--device", "cpu"})->options.device, DeviceKind::kCpu);
+  const auto refused = Parse({"--device=gpu"});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("--device"), std::string::npos)
+      << refused.status();
+}
+
 TEST(ServerFlagsTest, BadFlagsAreNamed) {
   struct Case {
     std::vector<const char*> args;
