@@ -13,6 +13,9 @@
 #include "server/flags.h"
 #include "server/launcher.h"
 #include "server/server.h"
+#if TALLY_WITH_NCCL
+#include "runtime/cuda/nccl_communicator.h"
+#endif
 
 namespace {
 
@@ -32,6 +35,9 @@ void ExecAgainWithPassiveOpenMp(char** argv) {
 
 int main(int argc, char** argv) {
   ExecAgainWithPassiveOpenMp(argv);
+#if TALLY_WITH_NCCL
+  tally::InstallNcclCommunicators();  // --device cuda: NCCL data groups
+#endif
   // A retry gets the bytes its first execution's caller got.
   tally::MakeSerializationDeterministic();
   absl::StatusOr<tally::ParsedFlags> flags =
