@@ -5,6 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/device_query.h"
+#include "runtime/torch_compat.h"
 
 #if TALLY_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
