@@ -53,21 +53,11 @@ struct DeviceCase {
   LossReduction reduction = LossReduction::kTokenMean;
 };
 
-LoraConfig CaseLora() {
-  LoraConfig lora;
-  lora.rank = 4;
-  lora.alpha = 8;
-  lora.train_attn = true;
-  lora.train_mlp = true;
-  lora.seed = 99;
-  return lora;
-}
-
 ModelSpec CaseSpec(const DeviceCase& c, DType dtype) {
   ModelSpec spec = testing::TinySpec(c.name, dtype, OptimizerKind::kAdamW);
   if (c.moe) spec.config = testing::MoeConfig(spec.config);
   spec.config = testing::FamilyConfig(spec.config, c.family);
-  if (c.lora) spec.lora = CaseLora();
+  if (c.lora) spec.lora = testing::TestLora();
   return spec;
 }
 

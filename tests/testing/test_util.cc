@@ -118,6 +118,17 @@ ModelSpec TinySpec(const std::string& id, DType dtype, OptimizerKind optimizer,
   return spec;
 }
 
+LoraConfig TestLora() {
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.alpha = 8;
+  lora.train_attn = true;
+  lora.train_mlp = true;
+  lora.train_unembed = true;
+  lora.seed = 99;
+  return lora;
+}
+
 LlamaConfig MoeConfig(LlamaConfig config) {
   config.num_local_experts = 4;
   config.num_experts_per_tok = 2;

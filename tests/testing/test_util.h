@@ -33,6 +33,10 @@ LlamaConfig MoeConfig(LlamaConfig config = TinyConfig());
 // layer but the first (samples of up to 120 tokens cross it).
 LlamaConfig FamilyConfig(LlamaConfig config, const char* family);
 
+// Rank 4, alpha 8 (scaling 2) on every projection and the unembedding, with
+// A drawn from a seed of its own.
+LoraConfig TestLora();
+
 // The text of a small valid config.json of `model_type` (2 layers, GQA) with
 // `extra` fields merged in: for tests of config.json reading.
 std::string SmallConfigJson(const std::string& model_type,

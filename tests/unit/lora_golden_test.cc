@@ -57,19 +57,6 @@ std::string MeshName(const ::testing::TestParamInfo<MeshCase>& info) {
   return info.param.name;
 }
 
-// Rank 4, alpha 8 (scaling 2) on every projection and the unembedding, with
-// A drawn from a seed of its own.
-LoraConfig TestLora() {
-  LoraConfig lora;
-  lora.rank = 4;
-  lora.alpha = 8;
-  lora.train_attn = true;
-  lora.train_mlp = true;
-  lora.train_unembed = true;
-  lora.seed = 99;
-  return lora;
-}
-
 // TinyConfig (hidden 32, 4 heads of 8, 2 kv heads, intermediate 40, vocab
 // 48: tp 2 divides every split size) with the adapter, fp64, AdamW with
 // weight decay 0.1 (which would move a base that stepped).
@@ -77,7 +64,7 @@ ModelSpec LoraSpec(const std::string& id, bool tied) {
   ModelSpec spec =
       testing::TinySpec(id, DType::kFloat64, OptimizerKind::kAdamW);
   spec.config = testing::TinyConfig(tied);
-  spec.lora = TestLora();
+  spec.lora = testing::TestLora();
   return spec;
 }
 
