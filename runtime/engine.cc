@@ -13,8 +13,8 @@
 #include "runtime/call_plan.h"
 #include "runtime/call_results.h"
 #include "runtime/checkpoint.h"
-#include "runtime/fault_hook.h"
 #include "runtime/directory_identity.h"
+#include "runtime/fault_hook.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/lora.h"
 #include "runtime/loss.h"
@@ -162,9 +162,9 @@ torch::Tensor ForwardMicroBatch(CausalLm& model, const CallPlan& plan, size_t b,
   StageIo io;
   if (model.routed_experts() > 0) {
     const torch::Device device = batch.inputs.device();
-    io.real_tokens =
-        torch::arange(batch.inputs.size(1), batch.inputs.options())
-            .unsqueeze(0) < torch::tensor(batch.lengths).to(device).unsqueeze(1);
+    io.real_tokens = torch::arange(batch.inputs.size(1), batch.inputs.options())
+                         .unsqueeze(0) <
+                     torch::tensor(batch.lengths).to(device).unsqueeze(1);
     if (!plan.real(b)) io.real_tokens.fill_(false);
   }
   torch::Tensor input = batch.inputs;
@@ -262,9 +262,10 @@ absl::Status ApplyEngineOptions(const EngineOptions& options) {
   }
   const torch::Device& device = options.device;
   if (device.is_cuda()) {
-    const int64_t visible = torch::cuda::is_available()
-                                ? static_cast<int64_t>(torch::cuda::device_count())
-                                : 0;
+    const int64_t visible =
+        torch::cuda::is_available()
+            ? static_cast<int64_t>(torch::cuda::device_count())
+            : 0;
     if (visible == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "device ", device.str(),
@@ -1170,9 +1171,8 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
                                                &state->model->parameters());
   absl::Status staged = [&]() -> absl::Status {
     TALLY_RETURN_IF_ERROR(InjectedFault(FaultPoint::kLoad));
-    TALLY_ASSIGN_OR_RETURN(contents,
-                           ReadCheckpoint(path, load_optimizer,
-                                          &state->model->config()));
+    TALLY_ASSIGN_OR_RETURN(contents, ReadCheckpoint(path, load_optimizer,
+                                                    &state->model->config()));
     TALLY_RETURN_IF_ERROR(
         CheckAdapterCheckpoint(contents, state->model->lora(), path));
     if (Staged(*state->model, groups_)) {

@@ -575,9 +575,9 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
   if (io != nullptr) {
     TORCH_CHECK(io->real_tokens.sizes() == c10::IntArrayRef({batch, seq}),
                 "io.real_tokens must be shaped [B, T] like input");
-    io->expert_tokens =
-        torch::zeros({config_.num_hidden_layers, config_.num_local_experts},
-                     torch::TensorOptions(torch::kFloat64).device(input.device()));
+    io->expert_tokens = torch::zeros(
+        {config_.num_hidden_layers, config_.num_local_experts},
+        torch::TensorOptions(torch::kFloat64).device(input.device()));
   }
   // Rotary tables at each token's position in its sample.
   const auto [cos, sin] =

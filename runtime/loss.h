@@ -79,7 +79,7 @@ std::vector<std::vector<int>> PartitionSamples(
     const std::vector<Sample>& samples, int num_ranks);
 
 struct LossTerms {
-  torch::Tensor raw_loss;             // scalar, differentiable
+  torch::Tensor raw_loss;  // scalar, differentiable
   // On the host, whatever the model's device.
   torch::Tensor sample_loss_sums;     // [B] fp64, detached: sum of w * l
   torch::Tensor sample_valid_tokens;  // [B] int64, of this batch's rows

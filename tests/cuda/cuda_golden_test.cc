@@ -25,8 +25,8 @@
 #endif
 #include "runtime/distributed.h"
 #include "runtime/engine.h"
-#include "runtime/mesh.h"
 #include "runtime/loss_spec.h"
+#include "runtime/mesh.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
 
@@ -98,8 +98,8 @@ struct Trained {
 
 // Builds `spec` on `engine` and trains one window of `calls` and one step.
 absl::StatusOr<Trained> Train(Engine& engine, const ModelSpec& spec,
-                          const std::vector<ForwardBackwardArgs>& calls,
-                          const OptimStepArgs& step) {
+                              const std::vector<ForwardBackwardArgs>& calls,
+                              const OptimStepArgs& step) {
   TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
   Trained run;
   for (const ForwardBackwardArgs& a : calls) {
@@ -303,14 +303,14 @@ TEST_P(CudaMeshGoldenTest, MatchesOneCpuDevice) {
       });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Meshes, CudaMeshGoldenTest,
-    ::testing::Values(GpuMesh{"dp_shard2", GpuShape(2, 1)},
-                      GpuMesh{"tp2", GpuShape(1, 2)},
-                      GpuMesh{"dp_shard2_tp2", GpuShape(2, 2)}),
-    [](const ::testing::TestParamInfo<GpuMesh>& info) {
-      return std::string(info.param.name);
-    });
+INSTANTIATE_TEST_SUITE_P(Meshes, CudaMeshGoldenTest,
+                         ::testing::Values(GpuMesh{"dp_shard2", GpuShape(2, 1)},
+                                           GpuMesh{"tp2", GpuShape(1, 2)},
+                                           GpuMesh{"dp_shard2_tp2",
+                                                   GpuShape(2, 2)}),
+                         [](const ::testing::TestParamInfo<GpuMesh>& info) {
+                           return std::string(info.param.name);
+                         });
 
 // Without CUDA, an engine on a CUDA device is refused up front with the
 // reason, never at the first model.

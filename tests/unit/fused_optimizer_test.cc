@@ -134,9 +134,8 @@ TEST_P(FusedOptimizerTest, AdamWMatchesGradMulThenTorchOptimAdamW) {
     ASSERT_TRUE(kernels::FusedAdamW(fused, hp).ok());
     for (size_t i = 0; i < kShapes.size(); ++i) {
       SCOPED_TRACE(c10::str(torch::IntArrayRef(kShapes[i]), " step ", hp.step));
-      const auto& state =
-          static_cast<torch::optim::AdamWParamState&>(*reference.state().at(
-              compat::OptimizerStateKey(theirs[i])));
+      const auto& state = static_cast<torch::optim::AdamWParamState&>(
+          *reference.state().at(compat::OptimizerStateKey(theirs[i])));
       EXPECT_LE(MaxUlps(fused[i].param, theirs[i].detach()), AllowedUlps());
       EXPECT_LE(MaxUlps(fused[i].exp_avg, state.exp_avg()), AllowedUlps());
       EXPECT_LE(MaxUlps(fused[i].exp_avg_sq, state.exp_avg_sq()),

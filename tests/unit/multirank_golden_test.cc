@@ -33,10 +33,10 @@
 namespace tally {
 namespace {
 
-using testing::MakeSamples;
-using testing::RelativeDiff;
 using testing::FamilyConfig;
+using testing::MakeSamples;
 using testing::MoeConfig;
+using testing::RelativeDiff;
 using testing::TinySpec;
 
 struct MeshCase {
