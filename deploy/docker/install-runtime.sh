@@ -9,7 +9,10 @@
 #       the Debian packages that provide every shared library the binaries
 #       load (ldd + dpkg -S), which the runtime stage apt-installs;
 #       libraries under $TALLY_BUNDLED_LIB_DIR (e.g. an official LibTorch
-#       unpacked in /opt) are left out: the image copies that directory.
+#       unpacked in /opt) are left out: the image copies that directory;
+#       so are the CUDA toolkit's (under /usr/local/cuda*: the CUDA runtime
+#       and NCCL of a build with the CUDA pieces), which a CUDA image's
+#       runtime stage installs from NVIDIA's packages (Dockerfile.cuda).
 # CI runs it into a temporary prefix (tests/deploy/test_docker_build.py).
 #
 #   deploy/docker/install-runtime.sh SOURCE_DIR BUILD_DIR PREFIX
@@ -62,6 +65,9 @@ declare -A owner_of
 candidates=()
 for library in $libraries; do
   if [ -n "${TALLY_BUNDLED_LIB_DIR:-}" ] && [[ $library == "$TALLY_BUNDLED_LIB_DIR"/* ]]; then
+    continue
+  fi
+  if [[ $library == /usr/local/cuda* || $(readlink -f "$library") == /usr/local/cuda* ]]; then
     continue
   fi
   candidates+=("$library" "/usr$library" "$(readlink -f "$library")")
