@@ -13,6 +13,7 @@
 #include "runtime/call_plan.h"
 #include "runtime/call_results.h"
 #include "runtime/checkpoint.h"
+#include "runtime/device.h"
 #include "runtime/directory_identity.h"
 #include "runtime/fault_hook.h"
 #include "runtime/grad_buckets.h"
@@ -262,15 +263,12 @@ absl::Status ApplyEngineOptions(const EngineOptions& options) {
   }
   const torch::Device& device = options.device;
   if (device.is_cuda()) {
-    const int64_t visible =
-        torch::cuda::is_available()
-            ? static_cast<int64_t>(torch::cuda::device_count())
-            : 0;
+    const GpuAvailability gpus = DetectGpus();
+    const int visible = gpus.visible_gpus;
     if (visible == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "device ", device.str(),
-          ": no CUDA device is usable (none visible, or this LibTorch has no "
-          "CUDA)"));
+          ": no CUDA device is usable: ", gpus.unavailable_reason));
     }
     if (!device.has_index() || device.index() >= visible) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -169,6 +169,8 @@ class Engine {
   void set_zero_stage(ZeroStage stage) { options_.zero_stage = stage; }
   ZeroStage zero_stage() const { return options_.zero_stage; }
   const Mesh& mesh() const { return mesh_; }
+  // Where this engine's models live (EngineOptions::device).
+  const torch::Device& device() const { return options_.device; }
   Communicator& world() { return *groups_.world; }
   // Reserved for replicating commands from rank 0 (never used by training
   // math, so a command broadcast cannot interleave with a collective).

@@ -514,8 +514,7 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
       ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
                             engine.get(), std::move(scraper)));
   SetReadinessCheck(*metrics, *engine, progress.get());
-  TALLY_ASSIGN_OR_RETURN(const RankDevice device, ChooseRankDevice(options));
-  metrics->WatchDeviceMemory(device.device);
+  metrics->WatchDeviceMemory(engine->device());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound_grpc_port = 0;
