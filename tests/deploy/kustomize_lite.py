@@ -1,10 +1,10 @@
 """Renders deploy/k8s kustomizations into a list of Kubernetes objects.
 
 Uses `kubectl kustomize` when kubectl is installed; otherwise a small
-renderer of the kustomize features deploy/k8s uses (resources, components,
-JSON6902 patches with add/replace/remove, image tags, configMapGenerator
-names, labels on the base's own objects), so CI machines without kubectl
-still check the manifests.
+renderer of the kustomize features deploy/k8s uses (resources, components
+and their own resources, JSON6902 patches with add/replace/remove, image
+tags, configMapGenerator names, labels on the base's own objects), so CI
+machines without kubectl still check the manifests.
 test_deploy_manifests.py compares the two where kubectl exists.
 
     objects = render("/src/deploy/k8s/overlays/lws")
@@ -44,13 +44,19 @@ def _load(path):
         return [o for o in yaml.safe_load_all(f) if o]
 
 
-def _render_lite(directory):
-    kustomization = _load(os.path.join(directory, "kustomization.yaml"))[0]
+def _resources(kustomization, directory):
+    """The objects of the `resources` of `kustomization` (in `directory`)."""
     objects = []
     for resource in kustomization.get("resources", []):
         path = os.path.join(directory, resource)
         objects.extend(_render_lite(path) if os.path.isdir(path)
                        else _load(path))
+    return objects
+
+
+def _render_lite(directory):
+    kustomization = _load(os.path.join(directory, "kustomization.yaml"))[0]
+    objects = _resources(kustomization, directory)
     for generator in kustomization.get("configMapGenerator", []):
         objects.append({"apiVersion": "v1", "kind": "ConfigMap",
                         "metadata": {"name": generator["name"]}})
@@ -59,9 +65,12 @@ def _render_lite(directory):
             obj["metadata"].setdefault("labels", {}).update(label_set["pairs"])
     for component in kustomization.get("components", []):
         component_dir = os.path.join(directory, component)
-        _apply_transformers(_load(os.path.join(component_dir,
-                                               "kustomization.yaml"))[0],
-                            component_dir, objects)
+        component_kustomization = _load(os.path.join(component_dir,
+                                                     "kustomization.yaml"))[0]
+        # A component's resources join the overlay's objects, and its
+        # transformers apply to all of them.
+        objects.extend(_resources(component_kustomization, component_dir))
+        _apply_transformers(component_kustomization, component_dir, objects)
     _apply_transformers(kustomization, directory, objects)
     return objects
 

@@ -11,7 +11,10 @@ workload's headless Service (the LWS name, or a StatefulSet's serviceName);
 the client Service reaches rank 0 only; the PodMonitor scrapes the `metrics`
 port of every rank; each pod gets a distinct rank in [0, world size) with the
 world size equal to the mesh; every container meets Pod Security
-"restricted"; the shutdown budget follows docs/deploy.md's formula; the
+"restricted"; the shutdown budget follows docs/deploy.md's formula; every
+rank's --threads is its CPU request (the downward API variable in its args,
+resolved as the kubelet does); base and docs/deploy.md's overlay without
+components/monitoring hold built-in kinds only; the
 PodDisruptionBudget and the NetworkPolicies cover the pods; the checkpoint
 volume can be mounted by every rank; the periodic checkpoint directory lies
 outside the tenants' root; with --auth-tokens-file, /metrics takes HTTP Basic
@@ -25,6 +28,7 @@ namespace, model_id and rank variables, and has panels for the RL policy
 statistics and memory admission.
 """
 
+import copy
 import itertools
 import json
 import math
@@ -42,6 +46,7 @@ import server_flags
 from server_flags import SOURCE_DIR
 
 K8S_DIR = os.path.join(SOURCE_DIR, "deploy", "k8s")
+MONITORING_DIR = os.path.join(K8S_DIR, "components", "monitoring")
 DEPLOY_DOC = os.path.join(SOURCE_DIR, "docs", "deploy.md")
 OVERLAYS = sorted(os.listdir(os.path.join(K8S_DIR, "overlays")))
 WORKLOAD_KINDS = ("LeaderWorkerSet", "StatefulSet")
@@ -52,6 +57,8 @@ TLS_AUTH_FLAGS = ["--tls-cert", "--tls-key", "--tls-client-ca",
 SHUTDOWN_ANNOTATION = "tally/shutdown-"
 EXIT_SLACK_SECS = 10
 GRACE_SLACK_SECS = 10
+# The API versions of the kinds every cluster serves (no CRD).
+BUILT_IN_API_VERSIONS = {"v1", "apps/v1", "policy/v1", "networking.k8s.io/v1"}
 # A port Gloo or NCCL might listen on (the Linux ephemeral range).
 EPHEMERAL_PORT = ("", 45000)
 
@@ -90,14 +97,36 @@ def env_of(container):
     return {e["name"]: e for e in container.get("env", [])}
 
 
-def resolve_pod_env(env, pod_index, workload):
-    """The variables a pod of `workload` with index `pod_index` sees: literal
-    values, the pod-index label through the downward API, and what the
-    LeaderWorkerSet controller injects."""
+def cpu_millicores(quantity):
+    """A Kubernetes CPU quantity ("4", "500m", "1.5") in millicores."""
+    text = str(quantity)
+    if text.endswith("m"):
+        return int(text[:-1])
+    return math.ceil(float(text) * 1000)
+
+
+def downward_resource(container, ref):
+    """What the kubelet puts in an env var with a resourceFieldRef of
+    requests.cpu: the container's request over the divisor, rounded up."""
+    assert ref["resource"] == "requests.cpu", f"unexpected resource {ref}"
+    assert ref.get("containerName", container["name"]) == container["name"]
+    request = container["resources"]["requests"].get("cpu", "0")
+    return str(math.ceil(cpu_millicores(request)
+                         / cpu_millicores(ref.get("divisor", "1"))))
+
+
+def resolve_pod_env(container, pod_index, workload):
+    """The variables `container` sees in the pod of `workload` with index
+    `pod_index`: literal values, the pod-index label and the CPU request
+    through the downward API, and what the LeaderWorkerSet controller
+    injects."""
     values = {}
-    for name, entry in env.items():
+    for name, entry in env_of(container).items():
         if "value" in entry:
             values[name] = entry["value"]
+        elif "resourceFieldRef" in entry["valueFrom"]:
+            values[name] = downward_resource(
+                container, entry["valueFrom"]["resourceFieldRef"])
         else:
             path = entry["valueFrom"]["fieldRef"]["fieldPath"]
             assert path == "metadata.labels['apps.kubernetes.io/pod-index']", (
@@ -109,6 +138,17 @@ def resolve_pod_env(env, pod_index, workload):
                        "LWS_GROUP_SIZE": str(world_size(workload)),
                        "LWS_WORKER_INDEX": str(pod_index)})
     return values
+
+
+def expand_args(args, env):
+    """The kubelet's $(VAR) expansion of container args: a defined variable
+    is replaced, $$ is a literal $, anything else stays as written."""
+    def replace(match):
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+    return [re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", replace, arg)
+            for arg in args]
 
 
 def rank_and_world(flags, env):
@@ -201,6 +241,20 @@ def kustomization_blocks(markdown):
             if "kind: Kustomization" in block]
 
 
+def render_beside_overlays(kustomization):
+    """The objects of `kustomization` (a dict) as an overlay directory beside
+    the shipped ones, in a copy of deploy/k8s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = os.path.join(tmp, "k8s")
+        shutil.copytree(K8S_DIR, tree)
+        overlay = os.path.join(tree, "overlays", "my-cluster")
+        os.makedirs(overlay)
+        with open(os.path.join(overlay, "kustomization.yaml"), "w",
+                  encoding="utf-8") as f:
+            yaml.safe_dump(kustomization, f)
+        return kustomize_lite.render(overlay)
+
+
 class ManifestTest(unittest.TestCase):
 
     @classmethod
@@ -217,8 +271,14 @@ class ManifestTest(unittest.TestCase):
         self.assertEqual(len(containers), 1)
         return containers[0]
 
-    def parsed_args(self, overlay):
-        return self.flags.parse(self.container(overlay)["args"])
+    def pod_args(self, overlay, pod_index=0):
+        """The container's args as the pod with `pod_index` runs them."""
+        container = self.container(overlay)
+        return expand_args(container["args"], resolve_pod_env(
+            container, pod_index, workload_of(self.rendered[overlay])))
+
+    def parsed_args(self, overlay, pod_index=0):
+        return self.flags.parse(self.pod_args(overlay, pod_index))
 
     def uses_tls(self, overlay):
         return "--tls-cert" in self.parsed_args(overlay)
@@ -255,7 +315,7 @@ class ManifestTest(unittest.TestCase):
         binary = server_flags.server_binary()
         for overlay in OVERLAYS:
             with self.subTest(overlay=overlay):
-                args = self.container(overlay)["args"]
+                args = self.pod_args(overlay)
                 self.flags.parse(args)  # raises on an unknown flag
                 if binary is None:
                     continue
@@ -405,7 +465,7 @@ class ManifestTest(unittest.TestCase):
                 pods = world_size(workload)
                 ranks = []
                 for index in range(pods):
-                    env = resolve_pod_env(env_of(container), index, workload)
+                    env = resolve_pod_env(container, index, workload)
                     rank, world = rank_and_world(flags, env)
                     self.assertEqual(world, pods)
                     ranks.append(rank)
@@ -459,6 +519,59 @@ class ManifestTest(unittest.TestCase):
         production = self.rendered["lws-production"]
         self.assertIn("release", kustomize_lite.find(
             production, "PodMonitor", "tally")["metadata"]["labels"])
+
+    def test_monitoring_is_an_optional_component(self):
+        """base, and docs/deploy.md's StatefulSet overlay without
+        components/monitoring, render only built-in kinds, which a cluster
+        without the Prometheus Operator accepts; the components that patch
+        the monitoring objects still render without them; the shipped
+        overlays include the component, whose objects carry base's labels."""
+        base = kustomize_lite.render(os.path.join(K8S_DIR, "base"))
+        self.assertEqual({o["apiVersion"] for o in base} - BUILT_IN_API_VERSIONS,
+                         set())
+        with open(DEPLOY_DOC, encoding="utf-8") as f:
+            plain = [b for b in kustomization_blocks(f.read())
+                     if b.get("resources") == ["../../workloads/statefulset"]]
+        self.assertEqual(len(plain), 1, "docs/deploy.md: one overlay of "
+                         "workloads/statefulset without monitoring")
+        self.assertNotIn("../../components/monitoring", plain[0]["components"])
+        objects = render_beside_overlays(plain[0])
+        self.assertEqual({o["apiVersion"] for o in objects} - BUILT_IN_API_VERSIONS,
+                         set())
+        workload_of(objects)
+        secured = render_beside_overlays({
+            "resources": ["../../workloads/statefulset"],
+            "components": ["../../components/tls-auth",
+                           "../../components/prometheus-release"]})
+        self.assertFalse([o for o in secured if o["apiVersion"].startswith(
+            "monitoring.coreos.com/")])
+        base_labels = {"app.kubernetes.io/name": "tally",
+                       "app.kubernetes.io/part-of": "tally"}
+        for overlay in OVERLAYS:
+            for kind in ("PodMonitor", "PrometheusRule"):
+                with self.subTest(overlay=overlay, kind=kind):
+                    labels = kustomize_lite.find(self.rendered[overlay], kind,
+                                                 "tally")["metadata"]["labels"]
+                    self.assertLessEqual(base_labels.items(), labels.items())
+
+    def test_threads_follow_the_cpu_request(self):
+        """Every rank runs one intra-op thread per core it requests: --threads
+        is the container's own requests.cpu (downward API), so a changed
+        request changes the threads."""
+        for overlay in OVERLAYS:
+            workload = workload_of(self.rendered[overlay])
+            container = self.container(overlay)
+            request = container["resources"]["requests"]["cpu"]
+            for index in range(world_size(workload)):
+                with self.subTest(overlay=overlay, pod=index):
+                    threads = int(self.parsed_args(overlay, index)["--threads"])
+                    self.assertEqual(threads * 1000, cpu_millicores(request))
+            with self.subTest(overlay=overlay, request="6"):
+                changed = copy.deepcopy(container)
+                changed["resources"]["requests"]["cpu"] = "6"
+                args = expand_args(changed["args"],
+                                   resolve_pod_env(changed, 0, workload))
+                self.assertEqual(self.flags.parse(args)["--threads"], "6")
 
     def test_pod_security_restricted(self):
         for overlay in OVERLAYS:
@@ -530,15 +643,7 @@ class ManifestTest(unittest.TestCase):
                  in b.get("components", [])]
         self.assertEqual(len(knobs), 1, "docs/deploy.md: one overlay using "
                          "components/shared-storage")
-        with tempfile.TemporaryDirectory() as tmp:
-            tree = os.path.join(tmp, "k8s")
-            shutil.copytree(K8S_DIR, tree)
-            overlay = os.path.join(tree, "overlays", "my-cluster")
-            os.makedirs(overlay)
-            with open(os.path.join(overlay, "kustomization.yaml"), "w",
-                      encoding="utf-8") as f:
-                yaml.safe_dump(knobs[0], f)
-            objects = kustomize_lite.render(overlay)
+        objects = render_beside_overlays(knobs[0])
         pvc = kustomize_lite.find(objects, "PersistentVolumeClaim",
                                   "tally-checkpoints")
         self.assertEqual(pvc["spec"]["accessModes"], ["ReadWriteMany"])
@@ -685,7 +790,7 @@ class AlertRuleTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        with open(os.path.join(K8S_DIR, "base", "prometheusrule.yaml"),
+        with open(os.path.join(MONITORING_DIR, "prometheusrule.yaml"),
                   encoding="utf-8") as f:
             cls.rules = yaml.safe_load(f)["spec"]
         cls.alerts = {r["alert"]: r for g in cls.rules["groups"] for r in g["rules"]}

@@ -2,7 +2,8 @@
 
 Every path the Dockerfiles COPY from the build context exists; every script
 they RUN exists and passes `bash -n`; the runtime stage is non-root, has no
-HEALTHCHECK and enters tally-server. deploy/docker/install-runtime.sh, which
+HEALTHCHECK and enters tally-server; the base images are build arguments (to
+pin by digest); what the comments say of probes is what deploy/k8s does. deploy/docker/install-runtime.sh, which
 the build stage runs, is run for real on this build tree into a temporary
 prefix: the binaries it installs start, every shared library they load maps to
 an installed Debian package (the list the runtime stage apt-installs), the
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import unittest
 
+import kustomize_lite
 from server_flags import SOURCE_DIR
 DOCKER_DIR = os.path.join(SOURCE_DIR, "deploy", "docker")
 DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]
@@ -85,6 +87,57 @@ class DockerfileTest(unittest.TestCase):
                 self.assertNotIn(user[0].split(":")[0], ("0", "root"))
                 entrypoint = [rest for k, rest in runtime if k == "ENTRYPOINT"]
                 self.assertEqual(entrypoint, ['["/usr/local/bin/tally-server"]'])
+
+    def test_base_images_are_build_arguments(self):
+        """Every FROM names an earlier stage or a build argument declared
+        before the first FROM with a default, so a digest can pin it; a
+        default that pins one is a well-formed sha256 digest."""
+        for name in DOCKERFILES:
+            path = os.path.join(DOCKER_DIR, name)
+            arguments, stage_names = {}, set()
+            for keyword, rest in instructions(path):
+                if keyword == "ARG" and not stage_names:
+                    argument, _, default = rest.partition("=")
+                    arguments[argument] = default
+                if keyword != "FROM":
+                    continue
+                image, *alias = rest.split()
+                with self.subTest(dockerfile=name, image=image):
+                    if image not in stage_names:
+                        match = re.fullmatch(r"\$\{(\w+)\}", image)
+                        self.assertIsNotNone(match, f"FROM {image}: not an ARG")
+                        default = arguments.get(match.group(1))
+                        self.assertTrue(default, f"{image}: no default")
+                        if "@" in default:
+                            self.assertRegex(default, r"@sha256:[0-9a-f]{64}$")
+                if len(alias) == 2:
+                    stage_names.add(alias[1])
+            self.assertEqual(stage_names, {"build", "runtime"})
+
+    def test_probe_comment_matches_the_manifests(self):
+        """What a Dockerfile says about probes is what deploy/k8s does: HTTP
+        GETs of the paths the rendered workload probes."""
+        objects = kustomize_lite.render(os.path.join(SOURCE_DIR, "deploy", "k8s",
+                                                     "overlays", "lws"))
+        container = kustomize_lite.find(objects, "LeaderWorkerSet", "tally")[
+            "spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+        paths = {container[probe]["httpGet"]["path"] for probe in
+                 ("startupProbe", "readinessProbe", "livenessProbe")}
+        checked = 0
+        for name in DOCKERFILES:
+            with open(os.path.join(DOCKER_DIR, name), encoding="utf-8") as f:
+                comments = " ".join(line.lstrip("# ").rstrip() for line in f
+                                    if line.startswith("#"))
+            for sentence in re.split(r"(?<=\.) ", comments):
+                if "probe" not in sentence.lower():
+                    continue
+                with self.subTest(dockerfile=name, sentence=sentence):
+                    self.assertIn("HTTP", sentence)
+                    self.assertNotIn("grpc.health", sentence)
+                    for path in paths:
+                        self.assertIn(path, sentence)
+                    checked += 1
+        self.assertGreater(checked, 0, "no Dockerfile comment on the probes")
 
     def test_both_images_build_with_the_ci_scripts(self):
         for name in DOCKERFILES:

@@ -135,8 +135,9 @@ class PrometheusEndToEndTest(unittest.TestCase):
                 wait_for(lambda r=r: _try_read_json(f"{port_file}.rank{r}"), 60,
                          f"rank {r}'s port file")["metrics_port"]
                 for r in range(1, RANKS)]
-            with open(os.path.join(SOURCE_DIR, "deploy", "k8s", "base",
-                                   "prometheusrule.yaml"), encoding="utf-8") as f:
+            with open(os.path.join(SOURCE_DIR, "deploy", "k8s", "components",
+                                   "monitoring", "prometheusrule.yaml"),
+                      encoding="utf-8") as f:
                 cls.rules = yaml.safe_load(f)["spec"]
             cls.prometheus = Prometheus(
                 cls.temp.name, [f"127.0.0.1:{p}" for p in cls.metrics_ports],
