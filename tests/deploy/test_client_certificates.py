@@ -76,9 +76,10 @@ class CertificateStepsTest(unittest.TestCase):
         names = set(re.findall(r"DNS:([\w.-]+)", result.stdout))
         objects = kustomize_lite.render(os.path.join(
             SOURCE_DIR, "deploy", "k8s", "overlays", "lws-production"))
-        grpc_services = {o["metadata"]["name"] for o in objects
-                         if o["kind"] == "Service" and o["spec"].get("clusterIP") != "None"
-                         and any(p["targetPort"] == "grpc" for p in o["spec"]["ports"])}
+        grpc_services = {
+            o["metadata"]["name"] for o in objects
+            if o["kind"] == "Service" and o["spec"].get("clusterIP") != "None"
+            and any(p["targetPort"] == "grpc" for p in o["spec"]["ports"])}
         self.assertTrue(grpc_services)
         self.assertLessEqual(grpc_services | {"localhost"}, names)
 

@@ -3,12 +3,13 @@
 Every path the Dockerfiles COPY from the build context exists; every script
 they RUN exists and passes `bash -n`; the runtime stage is non-root, has no
 HEALTHCHECK and enters tally-server; the base images are build arguments (to
-pin by digest); what the comments say of probes is what deploy/k8s does. deploy/docker/install-runtime.sh, which
-the build stage runs, is run for real on this build tree into a temporary
-prefix: the binaries it installs start, every shared library they load maps to
-an installed Debian package (the list the runtime stage apt-installs), the
-Python client imports from the prefix, and every path the runtime stage
-copies out of the build stage exists in that prefix.
+pin by digest); what the comments say of probes is what deploy/k8s does.
+deploy/docker/install-runtime.sh, which the build stage runs, is run for real
+on this build tree into a temporary prefix: the binaries it installs start,
+every shared library they load maps to an installed Debian package (the list
+the runtime stage apt-installs), the Python client imports from the prefix,
+and every path the runtime stage copies out of the build stage exists in that
+prefix.
 """
 
 import os

@@ -132,9 +132,19 @@ class _DaemonHandler(http.server.BaseHTTPRequestHandler):
             self.rfile.readline()
 
 
+def docker_cli():
+    """Whether `docker` is Docker's CLI (not, say, podman's stand-in)."""
+    if shutil.which("docker") is None:
+        return False
+    result = subprocess.run(["docker", "--version"], capture_output=True,
+                            text=True, check=False)
+    return result.stdout.startswith("Docker version")
+
+
 def docker_cli_context(root, home):
     """The files the docker CLI's classic builder sends as the context of
-    `root`, captured by a stand-in daemon."""
+    `root`, captured by a stand-in daemon; None, with the CLI's output, when
+    it sent none (a CLI without the classic builder)."""
     socket_path = os.path.join(home, "docker.sock")
     daemon = _StandInDaemon(socket_path)
     thread = threading.Thread(target=daemon.serve_forever, daemon=True)
@@ -151,10 +161,9 @@ def docker_cli_context(root, home):
         daemon.shutdown()
         daemon.server_close()
     if len(daemon.contexts) != 1:
-        raise AssertionError("docker build sent no context:\n"
-                             + result.stdout + result.stderr)
+        return None, result.stdout + result.stderr
     with tarfile.open(fileobj=io.BytesIO(daemon.contexts[0])) as tar:
-        return {m.name for m in tar.getmembers() if not m.isdir()}
+        return {m.name for m in tar.getmembers() if not m.isdir()}, ""
 
 
 class DockerContextTest(unittest.TestCase):
@@ -211,10 +220,12 @@ class DockerContextTest(unittest.TestCase):
                 self.assertEqual(dockerignore.excluded(path, patterns), expected)
 
     def test_docker_cli_sends_the_same_context(self):
-        if shutil.which("docker") is None:
+        if not docker_cli():
             self.skipTest("no docker CLI: dockerignore.py alone computes the context")
         with tempfile.TemporaryDirectory(prefix="tally_docker_") as home:
-            sent = docker_cli_context(self.root, home)
+            sent, output = docker_cli_context(self.root, home)
+        if sent is None:
+            self.skipTest(f"this docker CLI sent no classic-builder context: {output}")
         self.assertEqual(sorted(sent ^ self.context), [])
 
 
