@@ -47,11 +47,10 @@ BUILD_OUTPUTS = [
 
 
 def tracked_files():
-    """The files git tracks in the source tree, or None outside a git
-    checkout. A file staged for deletion but still on disk is not tracked."""
+    """The files git tracks in the source tree that exist on disk, or None
+    outside a git checkout."""
     try:
-        result = subprocess.run(["git", "-C", SOURCE_DIR, "ls-files", "-z",
-                                 "--cached", "--deleted"],
+        result = subprocess.run(["git", "-C", SOURCE_DIR, "ls-files", "-z"],
                                 capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
