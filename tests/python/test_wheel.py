@@ -14,7 +14,6 @@ import tempfile
 import unittest
 import zipfile
 
-from tally_testing import required_env
 
 # Run by the venv's python: a call to a port where nothing listens fails
 # UNAVAILABLE, raised as UnavailableError.
@@ -48,8 +47,16 @@ def venv_missing_reason():
 class WheelTest(unittest.TestCase):
 
     def setUp(self):
-        wheels = glob.glob(os.path.join(required_env("TALLY_PYTHON_WHEEL_DIR"),
-                                        "tally_client-*.whl"))
+        # Set by tests/CMakeLists.txt: empty when the build makes no wheel.
+        wheel_dir = os.environ.get("TALLY_PYTHON_WHEEL_DIR")
+        if wheel_dir is None:
+            raise RuntimeError("TALLY_PYTHON_WHEEL_DIR is not set: run this "
+                               "test through ctest")
+        if not wheel_dir:
+            self.skipTest("the build makes no wheel: its Python lacks pip, "
+                          "setuptools or wheel (CMake's configure output "
+                          "says which)")
+        wheels = glob.glob(os.path.join(wheel_dir, "tally_client-*.whl"))
         self.assertEqual(len(wheels), 1, f"build the wheel first (make): "
                          f"{wheels}")
         self.wheel = wheels[0]
