@@ -155,7 +155,8 @@ class TypingTest(unittest.TestCase):
             self.assertIn("class ModelInfo(_message.Message)", f.read())
 
     def test_the_messages_live_inside_the_client_package(self):
-        self.assertEqual(pb.__name__, "tally_client._proto.tally.v1.trainer_pb2")
+        self.assertEqual(pb.__name__,
+                         "tally_client._proto.tally.v1.trainer_pb2")
         self.assertEqual(pb.DESCRIPTOR.package, "tally.v1")
         self.assertEqual(tally_client.pb_grpc.TrainerStub.__module__,
                          "tally_client._proto.tally.v1.trainer_pb2_grpc")

@@ -35,9 +35,10 @@ except UnavailableError as error:
 
 def venv_missing_reason():
     """Why no venv can be made (python3-venv missing), or None."""
+    # pylint: disable=import-outside-toplevel,unused-import
     try:
-        import ensurepip  # pylint: disable=import-outside-toplevel,unused-import
-        import venv  # pylint: disable=import-outside-toplevel,unused-import
+        import ensurepip
+        import venv
     except ImportError as error:
         return (f"{error}: install Debian's python3-venv to test the wheel's "
                 f"install")

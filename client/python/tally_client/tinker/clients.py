@@ -42,8 +42,8 @@ from tally_client import client as tally
 from tally_client._proto.tally.v1 import trainer_pb2 as pb
 from tally_client.dtypes import DTypeLike
 from tally_client.server import RetryPolicy, ServerClient, TlsLike
-from tally_client.tinker.types import (AdamParams, Datum, ForwardBackwardOutput,
-                                       GetInfoResponse,
+from tally_client.tinker.types import (AdamParams, Datum,
+                                       ForwardBackwardOutput, GetInfoResponse,
                                        GetServerCapabilitiesResponse,
                                        LoadWeightsResponse, ModelData,
                                        OptimStepResponse,
@@ -61,9 +61,9 @@ REDUCTIONS = ("sum", "token_mean", "sample_mean")
 # Datum.loss_fn_inputs keys -> Sample fields. "mask" (the cookbook's RL
 # datums carry one: 0 on prompt positions) is a weight, so that prompt
 # positions count neither in token_mean nor in the policy statistics.
-_SAMPLE_FIELDS: Dict[str, str] = {"target_tokens": "target_tokens", "weights": "weights",
-                  "mask": "weights", "advantages": "advantages",
-                  "logprobs": "sampling_logprobs"}
+_SAMPLE_FIELDS: Dict[str, str] = {
+    "target_tokens": "target_tokens", "weights": "weights", "mask": "weights",
+    "advantages": "advantages", "logprobs": "sampling_logprobs"}
 
 _NO_SAMPLER = ("tally trains and has no sampler: write the weights with "
                "save_weights_for_sampler(name) and serve that directory (a "
