@@ -3,7 +3,7 @@ BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps configure build test demo bench format clean
+.PHONY: all deps configure build wheel test demo bench format clean
 
 all: build
 
@@ -15,6 +15,11 @@ configure: deps
 
 build: configure
 	cmake --build $(BUILD_DIR) -j$(JOBS)
+
+# The Python client's wheel alone (`build` makes it too):
+# $(BUILD_DIR)/dist/tally_client-<version>-py3-none-any.whl.
+wheel: configure
+	cmake --build $(BUILD_DIR) --target tally_python_wheel
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS) --timeout 900

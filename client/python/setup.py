@@ -1,9 +1,9 @@
 """Generates the tally.v1 gRPC stubs (and google.rpc's error details, as
-tally.rpc) from ../../proto at build time.
+tally.rpc) from ../../proto at build time, with generate_stubs.py.
 
-The stubs are written into the build tree as the `tally` package, never into
-the source, so an installed client always matches the proto/ it was built
-from. Set TALLY_PROTO_ROOT when building a copy of this directory that has no
+The stubs (modules and .pyi) are written into the build tree as the
+tally_client._proto package, never into the source, so an installed client
+always matches the proto/ it was built from. Set TALLY_PROTO_ROOT when building a copy of this directory that has no
 ../../proto beside it. The first generator found is used:
 
 1. PROTOC (and GRPC_PYTHON_PLUGIN, else grpc_python_plugin on PATH), when set;
@@ -19,7 +19,6 @@ Without any, the build stops with a message naming what to install.
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 
 from setuptools import setup
@@ -29,9 +28,8 @@ from setuptools.errors import ExecError, FileError, PlatformError
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROTO_ROOT = os.path.normpath(os.environ.get(
     "TALLY_PROTO_ROOT", os.path.join(HERE, "..", "..", "proto")))
-PROTOS = ["tally/v1/trainer.proto"]
-# Generated as tally.rpc: a `google` package would shadow protobuf's.
-RPC_PROTOS = ["rpc/status.proto", "rpc/error_details.proto"]
+sys.path.insert(0, HERE)
+import generate_stubs  # pylint: disable=wrong-import-position
 
 NO_GENERATOR = """\
 tally-client generates its gRPC stubs from proto/ at build time and found no
@@ -72,59 +70,22 @@ def protoc_command():
     raise PlatformError(NO_GENERATOR.format(missing=", ".join(missing)))
 
 
-def run_protoc(command):
-    """Runs a generator command line.
-
-    Args:
-        command: the program and its arguments.
-
-    Raises:
-        ExecError: the generator failed; the message holds the command.
-    """
-    try:
-        failed = subprocess.run(command, check=False).returncode != 0
-    except OSError as error:
-        raise ExecError(f"{command[0]}: {error}") from error
-    if failed:
-        raise ExecError(f"generating the gRPC stubs failed: {' '.join(command)}")
-
-
 class BuildWithStubs(build_py):
-    """build_py that also writes tally/v1/*_pb2*.py into build_lib."""
+    """build_py that also writes tally_client/_proto/** into build_lib."""
 
     def run(self):
-        if not os.path.isfile(os.path.join(PROTO_ROOT, PROTOS[0])):
+        trainer = os.path.join(PROTO_ROOT, generate_stubs.PROTOS[0][0])
+        if not os.path.isfile(trainer):
             raise FileError(
-                f"{os.path.join(PROTO_ROOT, PROTOS[0])} not found: build from "
-                "a tally checkout (client/python beside proto/), or set "
-                "TALLY_PROTO_ROOT to its proto/ directory")
+                f"{trainer} not found: build from a tally checkout "
+                "(client/python beside proto/), or set TALLY_PROTO_ROOT to "
+                "its proto/ directory")
         protoc = protoc_command()
         super().run()
-        out = self.build_lib
-        os.makedirs(os.path.join(out, "tally", "v1"), exist_ok=True)
-        run_protoc(protoc + [f"--proto_path={PROTO_ROOT}", f"--python_out={out}",
-                             f"--grpc_python_out={out}"]
-                   + [os.path.join(PROTO_ROOT, p) for p in PROTOS])
-        google = os.path.join(PROTO_ROOT, "google")
-        run_protoc(protoc + [f"--proto_path={google}",
-                             f"--python_out={os.path.join(out, 'tally')}"]
-                   + [os.path.join(google, p) for p in RPC_PROTOS])
-        for package in ("tally", os.path.join("tally", "v1"),
-                        os.path.join("tally", "rpc")):
-            init = os.path.join(out, package, "__init__.py")
-            if not os.path.exists(init):
-                open(init, "w", encoding="utf-8").close()
-
-    def find_package_modules(self, package, package_dir):
-        # tally/ and tally/v1/ exist only in the build tree.
-        if package.startswith("tally") and not package.startswith("tally_"):
-            return []
-        return super().find_package_modules(package, package_dir)
-
-    def check_package(self, package, package_dir):
-        if package.startswith("tally") and not package.startswith("tally_"):
-            return None
-        return super().check_package(package, package_dir)
+        try:
+            generate_stubs.generate(protoc, PROTO_ROOT, self.build_lib)
+        except generate_stubs.GenerateError as error:
+            raise ExecError(str(error)) from error
 
 
 setup(cmdclass={"build_py": BuildWithStubs})

@@ -46,7 +46,7 @@ fi
 mkdir -p "$prefix$(dirname "$default_text")"
 ln -sfr "$share_dir/pride_and_prejudice.txt" "$prefix$default_text"
 cp -r "$source_dir/client/python/tally_client" "$share_dir/python/"
-cp -r "$build_dir/python_stubs/tally" "$share_dir/python/"
+cp -r "$build_dir/python_stubs/tally_client/_proto" "$share_dir/python/tally_client/"
 find "$share_dir/python" -name __pycache__ -prune -exec rm -rf {} +
 
 # Libraries the binaries load, mapped to the packages that ship them.

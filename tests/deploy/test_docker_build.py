@@ -209,7 +209,7 @@ class InstallRuntimeTest(unittest.TestCase):
         python_dir = os.path.join(self.prefix, "usr", "local", "share", "tally", "python")
         result = subprocess.run(
             [sys.executable, "-c",
-             "import tally_client, tally.v1.trainer_pb2 as pb; "
+             "import tally_client; from tally_client import pb; "
              "print(tally_client.sample([1], [2]).target_tokens[0], "
              "pb.OptimStepRequest.DESCRIPTOR.name)"],
             env={"PYTHONPATH": python_dir, "PATH": os.environ["PATH"]},

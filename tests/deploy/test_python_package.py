@@ -76,7 +76,7 @@ class PythonPackageTest(unittest.TestCase):
         probe = subprocess.run(
             [sys.executable, "-c",
              "import tally_client\n"
-             "from tally.v1 import trainer_pb2 as pb\n"
+             "from tally_client._proto.tally.v1 import trainer_pb2 as pb\n"
              "print(' '.join(sorted(m.name for m in "
              "pb.DESCRIPTOR.services_by_name['Trainer'].methods)))\n"
              "print(tally_client.TrainingClient.__module__)"],

@@ -53,7 +53,7 @@ def _import_stubs():
     if stubs_dir not in sys.path:
         sys.path.insert(0, stubs_dir)
     # pylint: disable-next=import-outside-toplevel
-    from tally.v1 import trainer_pb2, trainer_pb2_grpc
+    from tally_client._proto.tally.v1 import trainer_pb2, trainer_pb2_grpc
     return trainer_pb2, trainer_pb2_grpc
 
 

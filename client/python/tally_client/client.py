@@ -35,25 +35,34 @@ one nor abort one when they fail.
     print(step.result().grad_norm, sum(c.result().loss_sum for c in calls))
 """
 
+from __future__ import annotations
+
 import concurrent.futures
-import random
 import threading
-import time
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence,
+                    Tuple, TypeVar, Union)
 
 import grpc
 
-from tally.v1 import trainer_pb2 as pb
-from tally.v1 import trainer_pb2_grpc as pb_grpc
+from tally_client._proto.tally.v1 import trainer_pb2 as pb
+from tally_client.dtypes import DTypeLike, parse_dtype
+from tally_client.errors import (AbortedError, NotFoundError,
+                                 PendingWindowError, TallyError,
+                                 WindowAbortedError)
+from tally_client.samples import SampleLike, to_samples
+from tally_client.server import RetryPolicy, ServerClient, TlsLike
 
-from tally_client.errors import error_details, is_retryable
-from tally_client.samples import to_samples
-
+# A future of a call's response message.
+Future = concurrent.futures.Future
 
 # The API revision with exactly-once sequencing (ordered by seq_id, retries
 # answered from a cache) reports where a client resumes.
 SERVER_ORDERS_BY_SEQ_ID = "next_seq_id" in pb.ModelInfo.DESCRIPTOR.fields_by_name
 
-_REDUCTIONS = {
+# A proto enum type.
+E = TypeVar("E")
+
+_REDUCTIONS: Dict[str, pb.LossReduction] = {
     "token_mean": pb.LOSS_REDUCTION_TOKEN_MEAN,
     "sample_mean": pb.LOSS_REDUCTION_SAMPLE_MEAN,
     "sum": pb.LOSS_REDUCTION_SUM,
@@ -61,7 +70,7 @@ _REDUCTIONS = {
 
 # forward_backward's per-token objectives by Tinker's names (the proto's
 # LossFn has the formulas).
-_LOSS_FNS = {
+_LOSS_FNS: Dict[str, pb.LossFn] = {
     "cross_entropy": pb.LOSS_FN_CROSS_ENTROPY,
     "importance_sampling": pb.LOSS_FN_IMPORTANCE_SAMPLING,
     "ppo": pb.LOSS_FN_PPO,
@@ -69,112 +78,25 @@ _LOSS_FNS = {
     "dro": pb.LOSS_FN_DRO,
 }
 
-# export_weights dtypes by name; None: the model's.
-_EXPORT_DTYPES = {
-    None: pb.DTYPE_UNSPECIFIED,
-    "float32": pb.DTYPE_FLOAT32,
-    "float64": pb.DTYPE_FLOAT64,
-    "bfloat16": pb.DTYPE_BFLOAT16,
-    "float16": pb.DTYPE_FLOAT16,
-}
-
-
-class TallyError(Exception):
-    """A call failed for good; `code` is its grpc.StatusCode, `reason` the
-    server's ErrorInfo reason (None when it sent none)."""
-
-    def __init__(self, method, code, details, reason=None):
-        suffix = f" [{reason}]" if reason else ""
-        super().__init__(f"{method}: {code.name}: {details}{suffix}")
-        self.method = method
-        self.code = code
-        self.details = details
-        self.reason = reason
-
-
-class WindowAbortedError(TallyError):
-    """The accumulation window cannot be stepped: call abort_window() and
-    redo its forward_backward calls."""
-
-    def __init__(self, method, code, details, reason=None):
-        super().__init__(
-            method, code,
-            f"{details} -- the accumulation window is poisoned or incomplete: "
-            f"call abort_window() and redo the window's forward_backward calls",
-            reason)
-
-
-class PendingWindowError(TallyError):
-    """The model has a pending window this client did not send (another
-    client's, or one restored from a checkpoint). Choose explicitly:
-    TrainingClient(..., pending_window="abort") discards it, "continue" adds
-    this client's calls to it; pending_window() shows it."""
-
-
-class RetryPolicy:
-    """Attempts per call (the first included) and the exponential backoff
-    between them, with up to 10% jitter."""
-
-    def __init__(self, max_attempts=8, initial_backoff=0.1, max_backoff=5.0):
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
-        self.max_attempts = max_attempts
-        self.initial_backoff = initial_backoff
-        self.max_backoff = max_backoff
-
-    def backoff(self, attempt):
-        """Seconds to wait after failed attempt number `attempt` (1-based)."""
-        base = min(self.max_backoff, self.initial_backoff * 2 ** (attempt - 1))
-        return base * (1 + 0.1 * random.random())
-
-
-class Tls:
-    """TLS settings: root CA (None: the system's), and for mutual TLS a client
-    certificate and key. Each is PEM bytes or a path."""
-
-    def __init__(self, ca_cert=None, client_cert=None, client_key=None,
-                 server_name=None):
-        self.ca_cert = ca_cert
-        self.client_cert = client_cert
-        self.client_key = client_key
-        self.server_name = server_name
-
-    def credentials(self):
-        def read(value):
-            if value is None or isinstance(value, bytes):
-                return value
-            with open(value, "rb") as f:
-                return f.read()
-        return grpc.ssl_channel_credentials(
-            root_certificates=read(self.ca_cert),
-            private_key=read(self.client_key),
-            certificate_chain=read(self.client_cert))
-
-
-def make_channel(target, tls=None, max_message_bytes=256 << 20):
-    """An insecure channel for tls None/False; TLS for True (system roots), a
-    Tls, or grpc.ChannelCredentials."""
-    options = [("grpc.max_send_message_length", max_message_bytes),
-               ("grpc.max_receive_message_length", max_message_bytes)]
-    if not tls:
-        return grpc.insecure_channel(target, options=options)
-    if tls is True:
-        tls = Tls()
-    if isinstance(tls, Tls):
-        if tls.server_name:
-            options.append(("grpc.ssl_target_name_override", tls.server_name))
-        tls = tls.credentials()
-    return grpc.secure_channel(target, tls, options=options)
+# A LoRA adapter argument: a rank, a dict of LoraConfig fields, a
+# pb.LoraConfig, or None (no adapter).
+LoraLike = Union[None, int, Dict[str, Any], pb.LoraConfig]
 
 
 class TrainingClient:
     """A model's training calls. Thread-safe; results come as futures."""
 
-    def __init__(self, target, model_id, token=None, tls=None, *,
-                 timeout=600.0, retry=None, channel=None, first_seq_id=None,
-                 pending_window="refuse"):
-        """`token`: sent as "authorization: Bearer <token>". `timeout`: seconds
-        per attempt. `channel`: use this channel instead of opening one.
+    def __init__(self, target: str, model_id: str,
+                 token: Optional[str] = None, tls: TlsLike = None, *,
+                 timeout: float = 600.0, retry: Optional[RetryPolicy] = None,
+                 channel: Optional[grpc.Channel] = None,
+                 first_seq_id: Optional[int] = None,
+                 pending_window: str = "refuse",
+                 server: Optional[ServerClient] = None) -> None:
+        """`target`, `token`, `tls`, `timeout`, `retry`, `channel`: the
+        connection, as ServerClient's; `server`: use this ServerClient's
+        connection instead (the others are then ignored, and close() leaves
+        it open; ServerClient.training_client does this).
         `first_seq_id`: the seq_id of the first mutating call (default: the
         model's next_seq_id when the server reports one, else 1).
         `pending_window`: what the first mutating call does when the model
@@ -187,12 +109,10 @@ class TrainingClient:
                              f"'continue', not {pending_window!r}")
         self._on_pending_window = pending_window
         self.model_id = model_id
-        self._channel = channel or make_channel(target, tls)
-        self._owns_channel = channel is None
-        self._stub = pb_grpc.TrainerStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._timeout = timeout
-        self._retry = retry or RetryPolicy()
+        self._owns_server = server is None
+        self.server = server or ServerClient(target, token, tls,
+                                             timeout=timeout, retry=retry,
+                                             channel=channel)
         self._lock = threading.Lock()
         self._next_seq_id = first_seq_id
         # Set once the first mutating call took its seq_id.
@@ -203,14 +123,14 @@ class TrainingClient:
         # the server's next_seq_id.
         self._resync_seq_id = False
         # Futures of the calls made since the last window-closing call.
-        self._in_flight = []
+        self._in_flight: List[Future] = []
         # The last window-closing call, which later calls wait for when the
         # server does not order requests by seq_id.
-        self._closing = None
+        self._closing: Optional[Future] = None
 
     # ---- model management (not sequenced) --------------------------------
 
-    def create_model(self, **fields):
+    def create_model(self, **fields: Any) -> pb.ModelInfo:
         """CreateModel for this model id; `fields` as in CreateModelRequest
         (config, default_adam and lora may be dicts). Blocks; returns
         ModelInfo.
@@ -225,7 +145,13 @@ class TrainingClient:
                                       "train_unembed": False})
 
         ModelInfo.lora echoes the adapter, ModelInfo.base names the shared
-        base, trainable_parameters counts the adapter's parameters."""
+        base, trainable_parameters counts the adapter's parameters.
+
+        `dtype` takes the spellings of tally_client.dtypes ("bf16",
+        "float32", pb.DTYPE_BFLOAT16, ...); another is a ValueError naming
+        them."""
+        if "dtype" in fields:
+            fields["dtype"] = parse_dtype(fields["dtype"], "dtype")
         if isinstance(fields.get("config"), dict):
             fields["config"] = pb.ModelConfig(**fields["config"])
         if isinstance(fields.get("default_adam"), dict):
@@ -237,26 +163,31 @@ class TrainingClient:
         request = pb.CreateModelRequest(model_id=self.model_id, **fields)
         return self._call("CreateModel", request, retryable=False).result()
 
-    def server_info(self):
-        """GetServerInfo: the server's version, compute backend, mesh,
-        model families, dtypes, losses, features and limits."""
-        return self._call("GetServerInfo", pb.GetServerInfoRequest(),
-                          retryable=True).result()
+    def server_info(self) -> pb.ServerInfo:
+        """GetServerInfo (kept here for older callers: ServerClient has it
+        too)."""
+        return self.server.server_info()
 
-    def get_model(self):
+    def get_model(self) -> pb.ModelInfo:
+        """GetModel: this model's ModelInfo."""
         return self._call("GetModel", pb.GetModelRequest(model_id=self.model_id),
                           retryable=True).result()
 
-    def delete_model(self):
+    def delete_model(self) -> pb.DeleteModelResponse:
+        """DeleteModel: deletes this model."""
         return self._call("DeleteModel",
                           pb.DeleteModelRequest(model_id=self.model_id),
                           retryable=False).result()
 
     # ---- training (sequenced) --------------------------------------------
 
-    def forward_backward(self, samples, reduction="token_mean",
-                         forward_only=False, return_logprobs=False,
-                         loss_fn="cross_entropy", loss_fn_config=None):
+    def forward_backward(
+            self, samples: Sequence[SampleLike],
+            reduction: Union[str, pb.LossReduction] = "token_mean",
+            forward_only: bool = False, return_logprobs: bool = False,
+            loss_fn: Union[str, pb.LossFn] = "cross_entropy",
+            loss_fn_config: Optional[Dict[str, float]] = None
+    ) -> Future[pb.ForwardBackwardResponse]:
         """Future of a ForwardBackwardResponse. `samples`: pb.Sample objects,
         tuples or dicts of samples.sample()'s arguments, with tokens and
         per-token values as lists, numpy arrays or torch tensors.
@@ -277,7 +208,9 @@ class TrainingClient:
             loss_fn_config=loss_fn_config or {})
         return self._send_sequenced("ForwardBackward", request, in_window=True)
 
-    def optim_step(self, adam=None, max_grad_norm=None, **fields):
+    def optim_step(self, adam: Optional[Dict[str, Any]] = None,
+                   max_grad_norm: Optional[float] = None,
+                   **fields: Any) -> Future[pb.OptimStepResponse]:
         """Future of an OptimStepResponse. `adam`: a dict of AdamParams fields
         (unset ones: the model's defaults); `max_grad_norm` None: the model's
         default, 0: no clipping."""
@@ -288,14 +221,15 @@ class TrainingClient:
             request.max_grad_norm = max_grad_norm
         return self._close_window("OptimStep", request)
 
-    def abort_window(self):
+    def abort_window(self) -> Future[pb.AbortAccumulationResponse]:
         """Future of an AbortAccumulationResponse: discards the pending
         window."""
         return self._close_window(
             "AbortAccumulation",
             pb.AbortAccumulationRequest(model_id=self.model_id))
 
-    def save(self, path, allow_pending=False):
+    def save(self, path: str, allow_pending: bool = False
+             ) -> Future[pb.SaveCheckpointResponse]:
         """Future of a SaveCheckpointResponse (path: a server-side directory):
         the weights, optimizer state and step. With a pending window the
         server refuses it (FAILED_PRECONDITION; the window stays as it
@@ -310,7 +244,8 @@ class TrainingClient:
                                         in_window=False)
         return self._close_window("SaveCheckpoint", request)
 
-    def export_weights(self, path, dtype=None, merge=False):
+    def export_weights(self, path: str, dtype: DTypeLike = None,
+                       merge: bool = False) -> Future[pb.ExportWeightsResponse]:
         """Future of an ExportWeightsResponse: writes the weights every
         earlier optim_step produced to the server-side directory `path` for
         inference (Tinker's save_weights_for_sampler): a full model as an HF
@@ -319,48 +254,45 @@ class TrainingClient:
         vLLM's --lora-modules over the base), or with `merge` as an HF model
         directory of its base with the adapter merged in (W + alpha / rank *
         B A). `merge` on a model without an adapter is INVALID_ARGUMENT.
-        `dtype`: "bfloat16", "float16", "float32", "float64", a pb.DType, or
-        None for the model's. Weights only: it neither waits for nor closes
-        the pending window, and its failure does not abort the window."""
-        if dtype is not None and not isinstance(dtype, str):
-            dtype_value = dtype
-        elif dtype in _EXPORT_DTYPES:
-            dtype_value = _EXPORT_DTYPES[dtype]
-        else:
-            valid = ", ".join(sorted(d for d in _EXPORT_DTYPES if d))
-            raise ValueError(f"unknown dtype {dtype!r}; valid: {valid}")
+        `dtype`: a spelling of tally_client.dtypes ("bf16", "float16",
+        ...), a pb.DType, or None for the model's. Weights only: it neither
+        waits for nor closes the pending window, and its failure does not
+        abort the window."""
         request = pb.ExportWeightsRequest(
-            model_id=self.model_id, path=path, dtype=dtype_value,
+            model_id=self.model_id, path=path,
+            dtype=parse_dtype(dtype, "dtype"),
             merge=bool(merge))
         return self._send_sequenced("ExportWeights", request, in_window=False)
 
-    def load(self, path, load_optimizer=True):
+    def load(self, path: str, load_optimizer: bool = True
+             ) -> Future[pb.LoadCheckpointResponse]:
         """Future of a LoadCheckpointResponse; discards the pending window."""
         return self._close_window(
             "LoadCheckpoint",
             pb.LoadCheckpointRequest(model_id=self.model_id, path=path,
                                      load_optimizer=load_optimizer))
 
-    def close(self):
-        if self._owns_channel:
-            self._channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # ---- internals ---------------------------------------------------------
-
-    def pending_window(self):
+    def pending_window(self) -> Tuple[int, int, int]:
         """(calls, tokens, samples) accumulated on the server for this
         model and not yet stepped, whoever sent them."""
         info = self.get_model()
         return (info.accumulated_calls, info.accumulated_tokens,
                 info.accumulated_samples)
 
-    def _take_seq_id(self):
+    def close(self) -> None:
+        """Closes the connection, unless it is a ServerClient passed in."""
+        if self._owns_server:
+            self.server.close()
+
+    def __enter__(self) -> "TrainingClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------
+
+    def _take_seq_id(self) -> int:
         """The next seq_id; the caller holds self._lock."""
         if self._resync_seq_id:
             self._resync_seq_id = False
@@ -373,7 +305,7 @@ class TrainingClient:
         self._next_seq_id += 1
         return seq_id
 
-    def _server_next_seq_id(self, attaching):
+    def _server_next_seq_id(self, attaching: bool) -> int:
         """The server's next_seq_id; when `attaching` (this client's first
         mutating call), first settles a pending window it did not send."""
         try:
@@ -381,7 +313,7 @@ class TrainingClient:
                               pb.GetModelRequest(model_id=self.model_id),
                               retryable=True).result()
         except TallyError as error:
-            if error.code == grpc.StatusCode.NOT_FOUND:
+            if isinstance(error, NotFoundError):
                 return 1
             raise
         # Servers without exactly-once sequencing do not report it.
@@ -403,26 +335,27 @@ class TrainingClient:
             return next_seq_id + 1
         return next_seq_id
 
-    def _send_sequenced(self, method, request, in_window):
+    def _send_sequenced(self, method: str, request: Any,
+                        in_window: bool) -> Future:
         """Future of `method(request)` under the next seq_id, sent at once
         (on a server that does not order by seq_id: once the last
         window-closing call has finished). `in_window`: the call belongs
         to the pending window, so the window-closing call waits for it and
         an OptimStep after its failure aborts the window instead."""
-        result = concurrent.futures.Future()
+        result: Future = Future()
         with self._lock:
             request.seq_id = self._take_seq_id()
             closing = self._closing
             if in_window:
                 self._in_flight.append(result)
 
-        def send():
+        def send() -> None:
             _chain(self._call_sequenced(method, request), result)
 
         _when_all_done([] if closing is None else [closing], send)
         return result
 
-    def _close_window(self, method, request):
+    def _close_window(self, method: str, request: Any) -> Future:
         """Sends `request` once every call in flight has finished. An
         OptimStep after a call that failed for good aborts the window instead,
         under the step's seq_id (the sequence must stay gap-free). The next
@@ -431,19 +364,19 @@ class TrainingClient:
         _left_behind): a refused closing call (a bad hyperparameter, a
         checkpoint path that does not load, a save with a pending window)
         leaves the window as it was, and the client goes on with it."""
-        result = concurrent.futures.Future()
+        result: Future = Future()
         # Done when this call is; failed only if the window it leaves behind
         # must be aborted before the next OptimStep.
-        left = concurrent.futures.Future()
+        left: Future = Future()
         with self._lock:
             request.seq_id = self._take_seq_id()
             earlier, self._in_flight = self._in_flight, [left]
             if not SERVER_ORDERS_BY_SEQ_ID:
                 self._closing = result
 
-        def send():
-            failed = [f.exception() for f in earlier
-                      if f.exception() is not None]
+        def send() -> None:
+            failed = [error for error in (f.exception() for f in earlier)
+                      if error is not None]
             if failed and method == "OptimStep":
                 self._abort_instead(request, failed[0], result, left)
                 return
@@ -455,7 +388,8 @@ class TrainingClient:
         _when_all_done(earlier, send)
         return result
 
-    def _abort_instead(self, step, cause, result, left):
+    def _abort_instead(self, step: pb.OptimStepRequest, cause: BaseException,
+                       result: Future, left: Future) -> None:
         """Aborts the window under OptimStep `step`'s seq_id; `result` (the
         step's future) raises WindowAbortedError naming `cause`, the failed
         call of the window. `left` fails only if the abort did too (the
@@ -464,7 +398,7 @@ class TrainingClient:
                                             seq_id=step.seq_id)
         aborted = self._call_sequenced("AbortAccumulation", abort)
 
-        def done(f):
+        def done(f: Future) -> None:
             if f.exception() is not None:
                 left.set_exception(f.exception())
                 result.set_exception(f.exception())
@@ -477,7 +411,7 @@ class TrainingClient:
 
         aborted.add_done_callback(done)
 
-    def _call_sequenced(self, method, request):
+    def _call_sequenced(self, method: str, request: Any) -> Future:
         """Future of sequenced `method(request)`, retried like _call. A call
         that fails for good without using its seq_id on the server (refused
         by the server's request validation, its retries spent before it
@@ -485,13 +419,13 @@ class TrainingClient:
         server's gap timeout poisons the window; so before the failure is
         reported, the seq_id is filled (_fill_unused_seq_id). ABORTED needs
         no filling: the client takes its next seq_id from the server."""
-        result = concurrent.futures.Future()
+        result: Future = Future()
 
-        def done(call):
+        def done(call: Future) -> None:
             error = call.exception()
             if error is None:
                 result.set_result(call.result())
-            elif getattr(error, "code", None) == grpc.StatusCode.ABORTED:
+            elif isinstance(error, AbortedError):
                 result.set_exception(error)
             else:
                 self._fill_unused_seq_id(request.seq_id).add_done_callback(
@@ -500,18 +434,18 @@ class TrainingClient:
         self._call(method, request, retryable=True).add_done_callback(done)
         return result
 
-    def _fill_unused_seq_id(self, seq_id):
+    def _fill_unused_seq_id(self, seq_id: int) -> Future:
         """Future done once `seq_id` is used on the server. If the model's
         next_seq_id is not past it, nothing ran under it (only this client
         sends it): a forward-only ForwardBackward of one token, which changes
         neither the weights nor the window, takes its place. A GetModel or
         filler that fails leaves the gap to the server's timeout."""
-        filled = concurrent.futures.Future()
+        filled: Future = Future()
         info = self._call("GetModel",
                           pb.GetModelRequest(model_id=self.model_id),
                           retryable=True)
 
-        def check(f):
+        def check(f: Future) -> None:
             if f.exception() is not None or not (
                     0 < getattr(f.result(), "next_seq_id", 0) <= seq_id):
                 filled.set_result(None)
@@ -526,45 +460,22 @@ class TrainingClient:
         info.add_done_callback(check)
         return filled
 
-    def _call(self, method, request, retryable):
-        """Future of `method(request)`, retried on transient failures when
-        `retryable` (sequenced or read-only calls)."""
-        result = concurrent.futures.Future()
-        rpc = getattr(self._stub, method)
+    def _call(self, method: str, request: Any, retryable: bool) -> Future:
+        """Future of `method(request)` (ServerClient.call). A sequenced call
+        that ends ABORTED makes the next seq_id come from the server."""
+        result: Future = Future()
 
-        def attempt(number):
-            call = rpc.future(request, timeout=self._timeout,
-                              metadata=self._metadata)
+        def done(call: Future) -> None:
+            sequenced = getattr(request, "seq_id", 0) != 0
+            if sequenced and isinstance(call.exception(), AbortedError):
+                self._resync_seq_id = True
+            _copy_outcome(call, result)
 
-            def done(call):
-                try:
-                    result.set_result(call.result())
-                    return
-                except grpc.RpcError as error:
-                    code, details = error.code(), error.details()
-                    reason, delay = error_details(error)
-                if (retryable and is_retryable(code, reason, delay)
-                        and number < self._retry.max_attempts):
-                    timer = threading.Timer(
-                        max(self._retry.backoff(number), delay or 0.0),
-                        attempt, args=(number + 1,))
-                    timer.daemon = True
-                    timer.start()
-                    return
-                if code == grpc.StatusCode.ABORTED and getattr(
-                        request, "seq_id", 0):
-                    self._resync_seq_id = True
-                error_type = (WindowAbortedError
-                              if code == grpc.StatusCode.ABORTED else TallyError)
-                result.set_exception(error_type(method, code, details, reason))
-
-            call.add_done_callback(done)
-
-        attempt(1)
+        self.server.call(method, request, retryable).add_done_callback(done)
         return result
 
 
-def lora_config(lora):
+def lora_config(lora: LoraLike) -> Optional[pb.LoraConfig]:
     """The pb.LoraConfig of `lora`: a pb.LoraConfig, a dict of its fields
     (rank, alpha, train_attn, train_mlp, train_unembed, seed, init_adapter;
     unset train_* are true, alpha 0 is 32), or an int rank. None: None (no
@@ -590,7 +501,7 @@ def lora_config(lora):
                      f"pb.LoraConfig, not {type(lora).__name__}")
 
 
-def _enum_value(values, name, what):
+def _enum_value(values: Mapping[str, E], name: Union[str, E], what: str) -> E:
     """The proto enum value `values[name]` for a str `name`; any other
     `name` is taken to be the enum value itself."""
     if not isinstance(name, str):
@@ -601,7 +512,8 @@ def _enum_value(values, name, what):
     return values[name]
 
 
-def _left_behind(closing, earlier_failure, left):
+def _left_behind(closing: Future, earlier_failure: Optional[BaseException],
+                 left: Future) -> None:
     """Completes `left` when window-closing call `closing` is done: failed,
     so that the next OptimStep aborts the window instead of stepping, if the
     server answered ABORTED (a poisoned window) or INTERNAL (the server
@@ -619,23 +531,28 @@ def _left_behind(closing, earlier_failure, left):
         left.set_result(None)
 
 
-def _chain(source, target):
+def _copy_outcome(done: Future, target: Future) -> None:
+    """Completes `target` like the finished future `done`."""
+    error = done.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(done.result())
+
+
+def _chain(source: Future, target: Future) -> None:
     """Completes concurrent.futures.Future `target` like `source`."""
-    def copy(f):
-        if f.exception() is not None:
-            target.set_exception(f.exception())
-        else:
-            target.set_result(f.result())
-    source.add_done_callback(copy)
+    source.add_done_callback(lambda f: _copy_outcome(f, target))
 
 
-def _when_all_done(futures, callback):
+def _when_all_done(futures: Sequence[Future],
+                   callback: Callable[[], None]) -> None:
     """Runs `callback()` once every future in `futures` is done (at once if
     none), on the thread that completes the last one."""
     remaining = [len(futures) + 1]
     lock = threading.Lock()
 
-    def one_done(_):
+    def one_done(_: Optional[Future]) -> None:
         with lock:
             remaining[0] -= 1
             last = remaining[0] == 0
@@ -645,29 +562,3 @@ def _when_all_done(futures, callback):
     for future in futures:
         future.add_done_callback(one_done)
     one_done(None)
-
-
-def wait_for_serving(target, timeout=60.0, tls=None):
-    """Polls grpc.health.v1 until the server at `target` is SERVING."""
-    # grpc_health is not a Debian package: the health service is called by
-    # its method path, with the request and response parsed by hand (an
-    # empty request; the response's field 1 is the status enum).
-    channel = make_channel(target, tls)
-    check = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                request_serializer=lambda _: b"",
-                                response_deserializer=lambda b: b)
-    deadline = time.monotonic() + timeout
-    last = None
-    try:
-        while time.monotonic() < deadline:
-            try:
-                answer = check(None, timeout=2)
-                if answer == b"\x08\x01":  # status: SERVING
-                    return
-                last = f"health answer {answer!r}"
-            except grpc.RpcError as error:
-                last = f"{error.code().name}: {error.details()}"
-            time.sleep(0.1)
-    finally:
-        channel.close()
-    raise TimeoutError(f"{target} not SERVING after {timeout}s; last: {last}")

@@ -1,4 +1,17 @@
-"""Why a call failed: the ErrorInfo reason tally attaches to its errors.
+"""Why a call failed: an exception class per gRPC status code, and the
+ErrorInfo reason tally attaches to its errors.
+
+Every failure the clients raise is a TallyError of the class of its status
+code (InvalidArgumentError, NotFoundError, ResourceExhaustedError, ...;
+error_class() maps a code to its class), carrying the code, the server's
+details and its reason:
+
+    try:
+        info = client.get_model()
+    except tally_client.NotFoundError:
+        info = client.create_model(dtype="bf16")
+    except tally_client.TallyError as error:
+        print(error.code, error.reason)
 
 The server sends, with a failed call's status code, a google.rpc.Status in
 gRPC's `grpc-status-details-bin` trailer holding a google.rpc.ErrorInfo (a
@@ -12,9 +25,13 @@ succeed, a google.rpc.RetryInfo. docs/reliability.md lists the reasons.
         if is_retryable(error.code(), reason, delay): ...
 """
 
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Type
+
 import grpc
 
-from tally.rpc import error_details_pb2, status_pb2
+from tally_client._proto.tally.rpc import error_details_pb2, status_pb2
 
 ERROR_DOMAIN = "tally.v1"
 
@@ -26,10 +43,145 @@ TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
 _DETAILS_KEY = "grpc-status-details-bin"
 
 
-def error_details(error):
+class TallyError(Exception):
+    """A call failed for good; `code` is its grpc.StatusCode, `reason` the
+    server's ErrorInfo reason (None when it sent none). Raised as the
+    subclass of its code (error_class)."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str,
+                 reason: Optional[str] = None) -> None:
+        suffix = f" [{reason}]" if reason else ""
+        super().__init__(f"{method}: {code.name}: {details}{suffix}")
+        self.method = method
+        self.code = code
+        self.details = details
+        self.reason = reason
+
+
+class CancelledError(TallyError):
+    """CANCELLED: the call was cancelled, usually by the caller."""
+
+
+class UnknownError(TallyError):
+    """UNKNOWN: an error without a better code."""
+
+
+class InvalidArgumentError(TallyError):
+    """INVALID_ARGUMENT: a field of the request is bad; the details name
+    it."""
+
+
+class DeadlineExceededError(TallyError):
+    """DEADLINE_EXCEEDED: no answer within the timeout (retried first)."""
+
+
+class NotFoundError(TallyError):
+    """NOT_FOUND: no such model, checkpoint or directory."""
+
+
+class AlreadyExistsError(TallyError):
+    """ALREADY_EXISTS: what the call would create exists."""
+
+
+class PermissionDeniedError(TallyError):
+    """PERMISSION_DENIED: the token may not do this (e.g. a path outside
+    the server's --checkpoint-root)."""
+
+
+class ResourceExhaustedError(TallyError):
+    """RESOURCE_EXHAUSTED: a queue, memory or message limit; the reason
+    says which, and whether a retry can succeed."""
+
+
+class FailedPreconditionError(TallyError):
+    """FAILED_PRECONDITION: the model's state does not allow the call (a
+    save with a pending window, a step with nothing accumulated)."""
+
+
+class AbortedError(TallyError):
+    """ABORTED: the call was abandoned (a poisoned window, a sequence
+    gap)."""
+
+
+class OutOfRangeError(TallyError):
+    """OUT_OF_RANGE: a value past its valid range."""
+
+
+class UnimplementedError(TallyError):
+    """UNIMPLEMENTED: the server does not have this method or feature."""
+
+
+class InternalError(TallyError):
+    """INTERNAL: the server failed; the window is poisoned."""
+
+
+class UnavailableError(TallyError):
+    """UNAVAILABLE: the server cannot be reached or is shutting down
+    (retried first)."""
+
+
+class DataLossError(TallyError):
+    """DATA_LOSS: stored data are damaged (a checkpoint's files)."""
+
+
+class UnauthenticatedError(TallyError):
+    """UNAUTHENTICATED: no token, or a wrong one."""
+
+
+class WindowAbortedError(AbortedError):
+    """The accumulation window cannot be stepped: call abort_window() and
+    redo its forward_backward calls."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str,
+                 reason: Optional[str] = None) -> None:
+        super().__init__(
+            method, code,
+            f"{details} -- the accumulation window is poisoned or incomplete: "
+            f"call abort_window() and redo the window's forward_backward calls",
+            reason)
+
+
+class PendingWindowError(FailedPreconditionError):
+    """The model has a pending window this client did not send (another
+    client's, or one restored from a checkpoint). Choose explicitly:
+    TrainingClient(..., pending_window="abort") discards it, "continue" adds
+    this client's calls to it; pending_window() shows it."""
+
+
+_CLASS_OF_CODE: Dict[grpc.StatusCode, Type[TallyError]] = {
+    grpc.StatusCode.CANCELLED: CancelledError,
+    grpc.StatusCode.UNKNOWN: UnknownError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    # A call the server aborted leaves a window that must be redone.
+    grpc.StatusCode.ABORTED: WindowAbortedError,
+    grpc.StatusCode.OUT_OF_RANGE: OutOfRangeError,
+    grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+    grpc.StatusCode.INTERNAL: InternalError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DATA_LOSS: DataLossError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+}
+
+
+def error_class(code: grpc.StatusCode) -> Type[TallyError]:
+    """The exception class the clients raise for status `code`
+    (WindowAbortedError for ABORTED; TallyError for OK, which no failure
+    has)."""
+    return _CLASS_OF_CODE.get(code, TallyError)
+
+
+def error_details(
+        error: grpc.RpcError) -> Tuple[Optional[str], Optional[float]]:
     """(reason, retry_delay_seconds) of a grpc.RpcError; None for either
     that the server did not send."""
-    reason = delay = None
+    reason: Optional[str] = None
+    delay: Optional[float] = None
     trailers = error.trailing_metadata() if hasattr(
         error, "trailing_metadata") else None
     for key, value in trailers or ():
@@ -51,7 +203,8 @@ def error_details(error):
     return reason, delay
 
 
-def is_retryable(code, reason, retry_delay):
+def is_retryable(code: grpc.StatusCode, reason: Optional[str],
+                 retry_delay: Optional[float]) -> bool:
     """Whether retrying the same request can succeed: for a tally reason, the
     server says so by sending a RetryInfo (its table in base/error_reason.cc
     is the only list); without one, for a transient code."""

@@ -8,12 +8,22 @@ tally.v1 Samples.
     samples_from_batch(tokens, targets)  # 2-D; -100 targets are ignored
 """
 
-from tally.v1 import trainer_pb2 as pb
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from tally_client._proto.tally.v1 import trainer_pb2 as pb
 
 IGNORE_INDEX = -100
 
+# Per-token values: a list or tuple, a 1-D numpy array or torch tensor.
+Values = Any
+# What to_samples takes for one sample: a pb.Sample, a tuple of sample()'s
+# positional arguments, or a dict of its keyword arguments.
+SampleLike = Union[pb.Sample, Tuple[Values, ...], Dict[str, Values]]
 
-def to_list(values):
+
+def to_list(values: Values) -> List[Any]:
     """A flat Python list from a list, tuple, numpy array or torch tensor."""
     if hasattr(values, "detach"):  # torch.Tensor
         values = values.detach().cpu()
@@ -22,8 +32,10 @@ def to_list(values):
     return list(values)
 
 
-def sample(input_tokens, target_tokens, weights=None, advantages=None,
-           sampling_logprobs=None):
+def sample(input_tokens: Values, target_tokens: Values,
+           weights: Optional[Values] = None,
+           advantages: Optional[Values] = None,
+           sampling_logprobs: Optional[Values] = None) -> pb.Sample:
     """A Sample; target_tokens[i] follows input_tokens[:i + 1], -100 ignores
     a position. The optional per-token values, one per token: weights scale
     each position's loss (any sign; 0 ignores it), advantages and
@@ -47,12 +59,12 @@ def sample(input_tokens, target_tokens, weights=None, advantages=None,
     return result
 
 
-def to_samples(samples):
+def to_samples(samples: Iterable[SampleLike]) -> List[pb.Sample]:
     """Samples from pb.Sample objects, (inputs, targets[, weights[,
     advantages[, sampling_logprobs]]]) tuples, or dicts of sample()'s
     arguments ({"input_tokens", "target_tokens"[, "weights", "advantages",
     "sampling_logprobs"]})."""
-    out = []
+    out: List[pb.Sample] = []
     for item in samples:
         if isinstance(item, pb.Sample):
             out.append(item)
@@ -63,8 +75,10 @@ def to_samples(samples):
     return out
 
 
-def samples_from_batch(input_tokens, target_tokens, weights=None,
-                       pad_target=IGNORE_INDEX):
+def samples_from_batch(input_tokens: Sequence[Values],
+                       target_tokens: Sequence[Values],
+                       weights: Optional[Sequence[Values]] = None,
+                       pad_target: int = IGNORE_INDEX) -> List[pb.Sample]:
     """One Sample per row of 2-D inputs/targets (lists, numpy, torch); each
     row is cut after its last target that is not `pad_target`, so padding
     costs nothing on the server."""

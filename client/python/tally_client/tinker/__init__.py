@@ -23,7 +23,7 @@ transformers), checkpoint paths are server-side directories, and failures
 raise tally_client's TallyError.
 """
 
-from tally_client.client import TallyError, WindowAbortedError
+from tally_client.errors import TallyError, WindowAbortedError
 from tally_client.tinker import types
 from tally_client.tinker.clients import (DEMO_MODEL, REDUCTIONS, APIFuture,
                                          ServiceClient, TrainingClient)

@@ -26,6 +26,8 @@ made with reduction="token_mean" or "sample_mean" has tally normalize the
 gradients of a whole accumulation window at optim_step instead.
 """
 
+from __future__ import annotations
+
 import asyncio
 import concurrent.futures
 import copy
@@ -33,12 +35,15 @@ import dataclasses
 import os
 import threading
 import warnings
-
-from tally.v1 import trainer_pb2 as pb
+from typing import (Any, Callable, Dict, Generator, Generic, Iterable, List,
+                    Mapping, Optional, Sequence, Tuple, TypeVar)
 
 from tally_client import client as tally
-from tally_client.tinker.types import (Datum, ForwardBackwardOutput,
-                                       GetInfoResponse,
+from tally_client._proto.tally.v1 import trainer_pb2 as pb
+from tally_client.dtypes import DTypeLike
+from tally_client.server import RetryPolicy, ServerClient, TlsLike
+from tally_client.tinker.types import (AdamParams, Datum,
+                                       ForwardBackwardOutput, GetInfoResponse,
                                        GetServerCapabilitiesResponse,
                                        LoadWeightsResponse, ModelData,
                                        OptimStepResponse,
@@ -56,9 +61,9 @@ REDUCTIONS = ("sum", "token_mean", "sample_mean")
 # Datum.loss_fn_inputs keys -> Sample fields. "mask" (the cookbook's RL
 # datums carry one: 0 on prompt positions) is a weight, so that prompt
 # positions count neither in token_mean nor in the policy statistics.
-_SAMPLE_FIELDS = {"target_tokens": "target_tokens", "weights": "weights",
-                  "mask": "weights", "advantages": "advantages",
-                  "logprobs": "sampling_logprobs"}
+_SAMPLE_FIELDS: Dict[str, str] = {
+    "target_tokens": "target_tokens", "weights": "weights", "mask": "weights",
+    "advantages": "advantages", "logprobs": "sampling_logprobs"}
 
 _NO_SAMPLER = ("tally trains and has no sampler: write the weights with "
                "save_weights_for_sampler(name) and serve that directory (a "
@@ -71,18 +76,25 @@ _NO_SAMPLER = ("tally trains and has no sampler: write the weights with "
 _LORA_ARGUMENTS = ("rank", "seed", "train_attn", "train_mlp", "train_unembed")
 
 
-class APIFuture:
+T = TypeVar("T")
+
+# A custom loss: (data, logprobs per datum) -> (loss tensor, metrics).
+CustomLossFn = Callable[[List[Datum], List[Any]], Tuple[Any, Dict[str, float]]]
+
+
+class APIFuture(Generic[T]):
     """The result of a submitted request, like Tinker's APIFuture:
     result() blocks, `await future` (or result_async()) waits in asyncio.
     A submitted request cannot be cancelled."""
 
-    def __init__(self, source, convert):
+    def __init__(self, source: concurrent.futures.Future,
+                 convert: Callable[[Any], T]) -> None:
         """The result of concurrent.futures.Future `source`, passed through
         `convert`."""
-        self._future = concurrent.futures.Future()
+        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._future.set_running_or_notify_cancel()
 
-        def done(finished):
+        def done(finished: concurrent.futures.Future) -> None:
             try:
                 value = convert(finished.result())
             # The request's error, or converting's: either completes it.
@@ -93,27 +105,27 @@ class APIFuture:
 
         source.add_done_callback(done)
 
-    def result(self, timeout=None):
+    def result(self, timeout: Optional[float] = None) -> T:
         """The result; raises TimeoutError after `timeout` seconds (None:
         waits as long as it takes) and the request's error if it failed."""
         return self._future.result(timeout)
 
-    async def result_async(self, timeout=None):
+    async def result_async(self, timeout: Optional[float] = None) -> T:
         """result() for asyncio."""
         return await asyncio.wait_for(asyncio.wrap_future(self._future),
                                       timeout)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
 
-    def future(self):
+    def future(self) -> concurrent.futures.Future[T]:
         """The underlying concurrent.futures.Future."""
         return self._future
 
 
-def _unsupported(name, instead):
+def _unsupported(name: str, instead: str) -> Callable[..., Any]:
     """A method that raises NotImplementedError naming what to use."""
-    def method(self, *args, **kwargs):
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{name}: {instead}")
     method.__name__ = name
     method.__doc__ = f"Not supported by tally: {instead}."
@@ -124,8 +136,10 @@ class TrainingClient:
     """One model on a tally server, driven with Tinker's TrainingClient
     calls. Made by ServiceClient; thread-safe."""
 
-    def __init__(self, client, model_name, reduction="sum", *,
-                 create_fields=None, saved_states=None):
+    def __init__(self, client: tally.TrainingClient, model_name: str,
+                 reduction: str = "sum", *,
+                 create_fields: Optional[Dict[str, Any]] = None,
+                 saved_states: Optional[_SavedStates] = None) -> None:
         """`client`: the tally_client.TrainingClient of the model.
         `model_name`: the base_model it was created from. `reduction`: how
         forward_backward's losses reduce (see REDUCTIONS).
@@ -144,7 +158,10 @@ class TrainingClient:
 
     # ---- forward and backward -------------------------------------------
 
-    def forward_backward(self, data, loss_fn, loss_fn_config=None):
+    def forward_backward(
+            self, data: Iterable[Datum], loss_fn: str,
+            loss_fn_config: Optional[Dict[str, float]] = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Future of a ForwardBackwardOutput: accumulates the gradient of
         `loss_fn` ("cross_entropy", "importance_sampling", "ppo", "cispo",
         "dro") over the Datums `data` until the next optim_step.
@@ -154,13 +171,18 @@ class TrainingClient:
         return self._forward_backward(data, loss_fn, loss_fn_config,
                                       forward_only=False)
 
-    def forward(self, data, loss_fn, loss_fn_config=None):
+    def forward(
+            self, data: Iterable[Datum], loss_fn: str,
+            loss_fn_config: Optional[Dict[str, float]] = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Future of a ForwardBackwardOutput without gradients: the logprobs
         and losses only."""
         return self._forward_backward(data, loss_fn, loss_fn_config,
                                       forward_only=True)
 
-    def forward_backward_custom(self, data, loss_fn):
+    def forward_backward_custom(
+            self, data: Iterable[Datum],
+            loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
         """Future of the ForwardBackwardOutput of an arbitrary loss of the
         logprobs: `loss_fn(data, logprobs)` (one torch tensor per datum)
         returns (loss tensor, metrics). Runs forward() and waits for it,
@@ -173,13 +195,18 @@ class TrainingClient:
             data, loss_fn, self.forward(_targets_only(data),
                                         "cross_entropy").result())
 
-    async def forward_backward_custom_async(self, data, loss_fn):
+    async def forward_backward_custom_async(
+            self, data: Iterable[Datum],
+            loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
         """forward_backward_custom for asyncio."""
         data = list(data)
         forward = await self.forward(_targets_only(data), "cross_entropy")
         return self._custom_backward(data, loss_fn, forward)
 
-    def _forward_backward(self, data, loss_fn, loss_fn_config, forward_only):
+    def _forward_backward(
+            self, data: Iterable[Datum], loss_fn: str,
+            loss_fn_config: Optional[Dict[str, float]],
+            forward_only: bool) -> APIFuture[ForwardBackwardOutput]:
         call = self._client.forward_backward(
             [_to_sample(datum) for datum in data], reduction=self._reduction,
             forward_only=forward_only, return_logprobs=True, loss_fn=loss_fn,
@@ -188,7 +215,9 @@ class TrainingClient:
                          lambda response: _forward_backward_output(loss_fn,
                                                                    response))
 
-    def _custom_backward(self, data, loss_fn, forward):
+    def _custom_backward(
+            self, data: List[Datum], loss_fn: CustomLossFn,
+            forward: ForwardBackwardOutput) -> APIFuture[ForwardBackwardOutput]:
         """Sends the linear surrogate of `loss_fn` at the logprobs of
         `forward`."""
         logprobs = [output["logprobs"].to_torch().requires_grad_()
@@ -208,7 +237,8 @@ class TrainingClient:
 
     # ---- optimizer --------------------------------------------------------
 
-    def optim_step(self, adam_params):
+    def optim_step(self, adam_params: AdamParams
+                   ) -> APIFuture[OptimStepResponse]:
         """Future of an OptimStepResponse: one AdamW step on the gradients
         accumulated since the last one, with AdamParams `adam_params` (every
         field sent, Tinker's defaults included; grad_clip_norm 0: no
@@ -225,7 +255,8 @@ class TrainingClient:
 
     # ---- checkpoints ------------------------------------------------------
 
-    def save_state(self, name, ttl_seconds=None):
+    def save_state(self, name: str, ttl_seconds: Optional[int] = None
+                   ) -> APIFuture[SaveWeightsResponse]:
         """Future of a SaveWeightsResponse: weights, optimizer state and step
         as a checkpoint at `name` (absolute, or relative: under
         <model_id>/weights/ of the server's --checkpoint-root); a LoRA
@@ -238,7 +269,7 @@ class TrainingClient:
         call = self._client.save(self._path(name, "weights"),
                                  allow_pending=True)
 
-        def saved(response):
+        def saved(response: pb.SaveCheckpointResponse) -> SaveWeightsResponse:
             if self._saved_states is not None and self._create_fields and \
                     self._create_fields.get("lora") is not None:
                 self._saved_states.record(response.path, self._model_name,
@@ -247,18 +278,21 @@ class TrainingClient:
 
         return APIFuture(call, saved)
 
-    def load_state(self, path):
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Future of a LoadWeightsResponse: weights and step from the
         checkpoint `path` (a save_state path); the optimizer restarts from
         zero moments. Discards the pending window."""
         return self._load(path, load_optimizer=False)
 
-    def load_state_with_optimizer(self, path):
+    def load_state_with_optimizer(self, path: str
+                                  ) -> APIFuture[LoadWeightsResponse]:
         """load_state that also restores the optimizer state."""
         return self._load(path, load_optimizer=True)
 
-    def save_weights_for_sampler(self, name, ttl_seconds=None, *,
-                                 merge=False, dtype=None):
+    def save_weights_for_sampler(
+            self, name: str, ttl_seconds: Optional[int] = None, *,
+            merge: bool = False, dtype: DTypeLike = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """Future of a SaveWeightsForSamplerResponse: the weights for
         inference at `name` (absolute, or under
         <model_id>/sampler_weights/ of --checkpoint-root). A LoRA model
@@ -276,11 +310,12 @@ class TrainingClient:
         return APIFuture(call, lambda response: SaveWeightsForSamplerResponse(
             path=response.path))
 
-    def _load(self, path, load_optimizer):
+    def _load(self, path: str,
+              load_optimizer: bool) -> APIFuture[LoadWeightsResponse]:
         call = self._client.load(path, load_optimizer=load_optimizer)
         return APIFuture(call, lambda _: LoadWeightsResponse(path=path))
 
-    def _path(self, name, kind):
+    def _path(self, name: str, kind: str) -> str:
         """The server-side directory for checkpoint `name` of `kind`, named
         like Tinker's tinker://<model_id>/<kind>/<name>."""
         return name if name.startswith("/") else \
@@ -288,7 +323,7 @@ class TrainingClient:
 
     # ---- information ------------------------------------------------------
 
-    def get_info(self):
+    def get_info(self) -> GetInfoResponse:
         """A GetInfoResponse (blocks): is_lora and lora_rank from the
         model's LoraConfig, tally's whole ModelInfo as model_info."""
         info = self._client.get_model()
@@ -300,39 +335,51 @@ class TrainingClient:
             lora_rank=lora_rank or None, model_name=self._model_name,
             model_info=info)
 
-    async def get_info_async(self):
+    async def get_info_async(self) -> GetInfoResponse:
         """get_info for asyncio."""
         return await asyncio.to_thread(self.get_info)
 
     # ---- the *_async variants: coroutines that submit and return the
     # future, as Tinker's do -----------------------------------------------
 
-    async def forward_backward_async(self, data, loss_fn, loss_fn_config=None):
+    async def forward_backward_async(
+            self, data: Iterable[Datum], loss_fn: str,
+            loss_fn_config: Optional[Dict[str, float]] = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         """forward_backward for asyncio."""
         return self.forward_backward(data, loss_fn, loss_fn_config)
 
-    async def forward_async(self, data, loss_fn, loss_fn_config=None):
+    async def forward_async(
+            self, data: Iterable[Datum], loss_fn: str,
+            loss_fn_config: Optional[Dict[str, float]] = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         """forward for asyncio."""
         return self.forward(data, loss_fn, loss_fn_config)
 
-    async def optim_step_async(self, adam_params):
+    async def optim_step_async(self, adam_params: AdamParams
+                               ) -> APIFuture[OptimStepResponse]:
         """optim_step for asyncio."""
         return self.optim_step(adam_params)
 
-    async def save_state_async(self, name, ttl_seconds=None):
+    async def save_state_async(self, name: str,
+                               ttl_seconds: Optional[int] = None
+                               ) -> APIFuture[SaveWeightsResponse]:
         """save_state for asyncio."""
         return self.save_state(name, ttl_seconds)
 
-    async def load_state_async(self, path):
+    async def load_state_async(self, path: str
+                               ) -> APIFuture[LoadWeightsResponse]:
         """load_state for asyncio."""
         return self.load_state(path)
 
-    async def load_state_with_optimizer_async(self, path):
+    async def load_state_with_optimizer_async(
+            self, path: str) -> APIFuture[LoadWeightsResponse]:
         """load_state_with_optimizer for asyncio."""
         return self.load_state_with_optimizer(path)
 
-    async def save_weights_for_sampler_async(self, name, ttl_seconds=None,
-                                             **kwargs):
+    async def save_weights_for_sampler_async(
+            self, name: str, ttl_seconds: Optional[int] = None,
+            **kwargs: Any) -> APIFuture[SaveWeightsForSamplerResponse]:
         """save_weights_for_sampler for asyncio."""
         return self.save_weights_for_sampler(name, ttl_seconds, **kwargs)
 
@@ -359,8 +406,11 @@ class ServiceClient:
         training = service.create_lora_training_client("/data/Qwen3-0.6B")
     """
 
-    def __init__(self, base_url=None, api_key=None, tls=None,
-                 user_metadata=None, *, timeout=600.0, retry=None):
+    def __init__(self, base_url: Optional[str] = None,
+                 api_key: Optional[str] = None, tls: TlsLike = None,
+                 user_metadata: Optional[Dict[str, str]] = None, *,
+                 timeout: float = 600.0,
+                 retry: Optional[RetryPolicy] = None) -> None:
         """`base_url`: "host:port", "grpc://host:port", or
         "grpcs://host:port" for TLS with the system's roots (default
         "localhost:50051"). `api_key`: the bearer token (default: the
@@ -368,30 +418,32 @@ class ServiceClient:
         TrainingClient (True, a Tls, or grpc.ChannelCredentials).
         `user_metadata`: accepted for Tinker compatibility, not stored.
         `timeout`, `retry`: per-attempt seconds and RetryPolicy of every
-        call."""
+        call. Every call goes through the tally_client.ServerClient
+        `self.server` (server_info(), list_models())."""
         del user_metadata  # tally keeps no run metadata
-        self._target, url_tls = _parse_base_url(base_url or "localhost:50051")
-        self._token = api_key if api_key is not None else os.environ.get(
+        target, url_tls = _parse_base_url(base_url or "localhost:50051")
+        token = api_key if api_key is not None else os.environ.get(
             "TALLY_TOKEN")
-        self._channel = tally.make_channel(self._target,
-                                           url_tls if tls is None else tls)
-        self._timeout = timeout
-        self._retry = retry
+        self.server = ServerClient(target, token,
+                                   url_tls if tls is None else tls,
+                                   timeout=timeout, retry=retry)
         self._saved_states = _SavedStates()
 
-    def get_server_capabilities(self):
+    def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         """A GetServerCapabilitiesResponse: the base_model names that need
         no checkpoint (DEMO_MODEL; any server-side HF directory works too)
         and the server's ServerInfo."""
         return GetServerCapabilitiesResponse(
             supported_models=[SupportedModel(model_name=DEMO_MODEL)],
-            server_info=self._tally_client("").server_info())
+            server_info=self.server.server_info())
 
-    def create_lora_training_client(self, base_model, rank=32, seed=None,
-                                    train_mlp=True, train_attn=True,
-                                    train_unembed=True, user_metadata=None, *,
-                                    reduction="sum", base_seed=None,
-                                    **create_model_fields):
+    def create_lora_training_client(
+            self, base_model: str, rank: Optional[int] = 32,
+            seed: Optional[int] = None, train_mlp: bool = True,
+            train_attn: bool = True, train_unembed: bool = True,
+            user_metadata: Optional[Dict[str, str]] = None, *,
+            reduction: str = "sum", base_seed: Optional[int] = None,
+            **create_model_fields: Any) -> TrainingClient:
         """A TrainingClient of a new LoRA model: PEFT's adapter of rank
         `rank` (alpha 32, as Tinker's) on the attention's q, k, v and o
         projections (`train_attn`), the MLP's gate, up and down projections
@@ -438,9 +490,10 @@ class ServiceClient:
                                   train_unembed=train_unembed)
         return self._create(base_model, fields, reduction)
 
-    def create_training_client_from_state(self, path, user_metadata=None, *,
-                                          reduction="sum",
-                                          **create_model_fields):
+    def create_training_client_from_state(
+            self, path: str, user_metadata: Optional[Dict[str, str]] = None,
+            *, reduction: str = "sum",
+            **create_model_fields: Any) -> TrainingClient:
         """A TrainingClient of a new model with the weights and step of the
         tally checkpoint `path` (a save_state path); the optimizer starts
         from zero moments. `create_model_fields` as
@@ -458,8 +511,9 @@ class ServiceClient:
         return client
 
     def create_training_client_from_state_with_optimizer(
-            self, path, user_metadata=None, *, reduction="sum",
-            **create_model_fields):
+            self, path: str, user_metadata: Optional[Dict[str, str]] = None,
+            *, reduction: str = "sum",
+            **create_model_fields: Any) -> TrainingClient:
         """create_training_client_from_state that also restores the
         optimizer state."""
         del user_metadata
@@ -467,22 +521,25 @@ class ServiceClient:
         client.load_state_with_optimizer(path).result()
         return client
 
-    async def get_server_capabilities_async(self):
+    async def get_server_capabilities_async(
+            self) -> GetServerCapabilitiesResponse:
         """get_server_capabilities for asyncio."""
         return await asyncio.to_thread(self.get_server_capabilities)
 
-    async def create_lora_training_client_async(self, *args, **kwargs):
+    async def create_lora_training_client_async(
+            self, *args: Any, **kwargs: Any) -> TrainingClient:
         """create_lora_training_client for asyncio."""
         return await asyncio.to_thread(self.create_lora_training_client,
                                        *args, **kwargs)
 
-    async def create_training_client_from_state_async(self, *args, **kwargs):
+    async def create_training_client_from_state_async(
+            self, *args: Any, **kwargs: Any) -> TrainingClient:
         """create_training_client_from_state for asyncio."""
         return await asyncio.to_thread(self.create_training_client_from_state,
                                        *args, **kwargs)
 
     async def create_training_client_from_state_with_optimizer_async(
-            self, *args, **kwargs):
+            self, *args: Any, **kwargs: Any) -> TrainingClient:
         """create_training_client_from_state_with_optimizer for asyncio."""
         return await asyncio.to_thread(
             self.create_training_client_from_state_with_optimizer,
@@ -497,31 +554,34 @@ class ServiceClient:
         "tallyctl or the Trainer service's ListModels, checkpoints are "
         "directories under the server's --checkpoint-root")
 
-    def close(self):
+    def close(self) -> None:
         """Closes the channel every TrainingClient of this ServiceClient
         uses."""
-        self._channel.close()
+        self.server.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "ServiceClient":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _create(self, model_name, fields, reduction):
+    def _create(self, model_name: str, fields: Dict[str, Any],
+                reduction: str) -> TrainingClient:
         """A TrainingClient of a model made by CreateModel(`fields`)."""
         fields = dict(fields)
         model_id = fields.pop("model_id", "")
-        info = self._tally_client(model_id).create_model(**copy.deepcopy(
-            fields))
+        info = self.server.training_client(model_id).create_model(
+            **copy.deepcopy(fields))
         # A new model executes seq_id 1 first: no GetModel on the first call.
         return TrainingClient(
-            self._tally_client(info.model_id,
-                               first_seq_id=max(1, info.next_seq_id)),
+            self.server.training_client(
+                info.model_id, first_seq_id=max(1, info.next_seq_id)),
             model_name, reduction, create_fields=fields,
             saved_states=self._saved_states)
 
-    def _create_from_state(self, path, create_model_fields, reduction):
+    def _create_from_state(self, path: str,
+                           create_model_fields: Dict[str, Any],
+                           reduction: str) -> TrainingClient:
         """The model a load of state `path` fits: a LoRA state this
         ServiceClient saved is an adapter of the same base and LoraConfig
         (its first values: the state, loaded again right after for the
@@ -543,34 +603,28 @@ class ServiceClient:
             fields["lora"].init_adapter = path
         return self._create(model_name, fields, reduction)
 
-    def _tally_client(self, model_id, first_seq_id=None):
-        return tally.TrainingClient(
-            self._target, model_id, token=self._token, channel=self._channel,
-            timeout=self._timeout, retry=self._retry,
-            first_seq_id=first_seq_id)
-
-
 class _SavedStates:
     """The LoRA states a ServiceClient's TrainingClients saved: server path
     -> (model name, CreateModel fields), which rebuild the adapter's model
     (its checkpoint holds the adapter, not the base). Thread-safe."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._states = {}
+        self._states: Dict[str, Tuple[str, Dict[str, Any]]] = {}
 
-    def record(self, path, model_name, fields):
+    def record(self, path: str, model_name: str,
+               fields: Mapping[str, Any]) -> None:
         fields = {k: v for k, v in fields.items() if k != "model_id"}
         with self._lock:
             self._states[path] = (model_name, copy.deepcopy(fields))
 
-    def get(self, path):
+    def get(self, path: str) -> Optional[Tuple[str, Dict[str, Any]]]:
         with self._lock:
             known = self._states.get(path)
         return None if known is None else (known[0], copy.deepcopy(known[1]))
 
 
-def _parse_base_url(base_url):
+def _parse_base_url(base_url: str) -> Tuple[str, Optional[bool]]:
     """(gRPC target, TLS default) of a base_url."""
     scheme, separator, target = base_url.partition("://")
     if not separator:
@@ -581,16 +635,16 @@ def _parse_base_url(base_url):
                      f"host:port, grpc://host:port or grpcs://host:port")
 
 
-def _warn_ttl(ttl_seconds):
+def _warn_ttl(ttl_seconds: Optional[int]) -> None:
     if ttl_seconds is not None:
         warnings.warn("tally keeps checkpoints until they are deleted: "
                       "ttl_seconds is ignored", stacklevel=3)
 
 
-def _to_sample(datum):
+def _to_sample(datum: Datum) -> pb.Sample:
     """The tally Sample of a Datum."""
     tokens = datum.model_input.to_ints()
-    fields = {}
+    fields: Dict[str, List[Any]] = {}
     for key, tensor in datum.loss_fn_inputs.items():
         if key not in _SAMPLE_FIELDS:
             raise ValueError(
@@ -610,7 +664,7 @@ def _to_sample(datum):
     return pb.Sample(input_tokens=tokens, **fields)
 
 
-def _targets_only(data):
+def _targets_only(data: Sequence[Datum]) -> List[Datum]:
     """`data` with only the target_tokens of each Datum (what forward needs
     for cross_entropy's logprobs)."""
     return [Datum(model_input=datum.model_input,
@@ -619,7 +673,9 @@ def _targets_only(data):
             for datum in data]
 
 
-def _forward_backward_output(loss_fn, response):
+def _forward_backward_output(
+        loss_fn: str,
+        response: pb.ForwardBackwardResponse) -> ForwardBackwardOutput:
     """The ForwardBackwardOutput of a ForwardBackwardResponse."""
     outputs = [{"logprobs": _vector(result.logprobs),
                 "elementwise_loss": _vector(result.token_losses)}
@@ -643,11 +699,12 @@ def _forward_backward_output(loss_fn, response):
                                  loss_fn_outputs=outputs, metrics=metrics)
 
 
-def _vector(values):
+def _vector(values: Sequence[float]) -> TensorData:
     return TensorData(data=list(values), dtype="float32", shape=[len(values)])
 
 
-def _optim_step_response(response):
+def _optim_step_response(
+        response: pb.OptimStepResponse) -> OptimStepResponse:
     """The OptimStepResponse of a tally OptimStepResponse."""
     metrics = dict(response.metrics)
     metrics.update(grad_norm=response.grad_norm, clip_coef=response.clip_coef,

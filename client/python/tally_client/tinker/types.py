@@ -13,11 +13,15 @@ only by the conversions that return them (TensorData.to_numpy / to_torch).
     datum.loss_fn_inputs["weights"].to_numpy()
 """
 
+from __future__ import annotations
+
 import array
 import dataclasses
 import math
 import sys
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Sequence
+
+from tally_client._proto.tally.v1 import trainer_pb2 as pb
 
 # The per-token objectives forward_backward accepts (Tinker's names).
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo",
@@ -52,7 +56,7 @@ class ModelInput:
     chunks: List[EncodedTextChunk]
 
     @classmethod
-    def from_ints(cls, tokens) -> "ModelInput":
+    def from_ints(cls, tokens: Sequence[int]) -> "ModelInput":
         """A ModelInput of one chunk holding `tokens`."""
         return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
 
@@ -87,7 +91,7 @@ class TensorData:
     dtype: str
     shape: Optional[List[int]] = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.dtype not in _TYPECODES:
             raise ValueError(f"TensorData dtype must be one of "
                              f"{sorted(_TYPECODES)}, not {self.dtype!r}")
@@ -103,7 +107,7 @@ class TensorData:
                                  f"shape {self.shape}")
 
     @classmethod
-    def from_numpy(cls, array_like) -> "TensorData":
+    def from_numpy(cls, array_like: Any) -> "TensorData":
         """From a numpy array: float kinds become float32, integer kinds
         int64."""
         return cls(data=array_like.flatten().tolist(),
@@ -112,7 +116,7 @@ class TensorData:
                    shape=list(array_like.shape))
 
     @classmethod
-    def from_torch(cls, tensor) -> "TensorData":
+    def from_torch(cls, tensor: Any) -> "TensorData":
         """From a torch tensor: floating dtypes become float32, the others
         int64."""
         return cls(data=tensor.detach().cpu().flatten().tolist(),
@@ -120,13 +124,13 @@ class TensorData:
                    else "int64",
                    shape=list(tensor.shape))
 
-    def to_numpy(self):
+    def to_numpy(self) -> Any:
         """A numpy array of this dtype and shape."""
         import numpy  # pylint: disable=import-outside-toplevel
         values = numpy.array(self.data, dtype=self.dtype)
         return values if self.shape is None else values.reshape(self.shape)
 
-    def to_torch(self):
+    def to_torch(self) -> Any:
         """A torch tensor of this dtype and shape."""
         import torch  # pylint: disable=import-outside-toplevel
         values = torch.tensor(self.data, dtype=getattr(torch, self.dtype))
@@ -137,7 +141,7 @@ class TensorData:
         return _nest(self.data, self.shape or [len(self.data)])
 
 
-def _dtype_of_kind(kind, dtype):
+def _dtype_of_kind(kind: str, dtype: Any) -> str:
     if kind == "f":
         return "float32"
     if kind in "iu":
@@ -145,7 +149,7 @@ def _dtype_of_kind(kind, dtype):
     raise ValueError(f"TensorData holds floats or integers, not {dtype}")
 
 
-def _nest(values, shape):
+def _nest(values: List[Any], shape: List[int]) -> List[Any]:
     if len(shape) <= 1:
         return list(values)
     step = len(values) // shape[0] if shape[0] else 0
@@ -153,7 +157,7 @@ def _nest(values, shape):
             for i in range(shape[0])]
 
 
-def to_tensor_data(key, value) -> TensorData:
+def to_tensor_data(key: str, value: Any) -> TensorData:
     """`value` of loss_fn_inputs[`key`] as TensorData: a TensorData, a
     ModelInput (its tokens), a numpy array, a torch tensor, or a flat list
     (stored in the key's dtype: int64 for "target_tokens", float32 for
@@ -191,7 +195,7 @@ class Datum:
     loss_fn_inputs: Dict[str, TensorData] = dataclasses.field(
         default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "loss_fn_inputs", {
             key: to_tensor_data(key, value)
             for key, value in self.loss_fn_inputs.items()})
@@ -272,7 +276,7 @@ class GetInfoResponse:
     is_lora: bool = False
     lora_rank: Optional[int] = None
     model_name: Optional[str] = None
-    model_info: Any = None
+    model_info: Optional[pb.ModelInfo] = None
 
 
 @dataclasses.dataclass
@@ -288,4 +292,4 @@ class GetServerCapabilitiesResponse:
     ServerInfo (families, dtypes, losses, mesh, limits)."""
 
     supported_models: List[SupportedModel]
-    server_info: Any = None
+    server_info: Optional[pb.ServerInfo] = None
