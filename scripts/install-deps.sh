@@ -15,8 +15,9 @@ PACKAGES=(
   nlohmann-json3-dev curl
   # deploy/ checks and tests: manifests, alert rules, a real Prometheus,
   # network namespaces for the multi-host rendezvous test, pip for the
-  # Python client package.
+  # Python client package, its wheel and its type check.
   yamllint python3-yaml prometheus iproute2 python3-pip python3-setuptools
+  python3-wheel python3-venv mypy  # the client wheel, its offline install, its types
   libssl-dev openssl               # checkpoint SHA-256; test certificates
   clang libclang-rt-14-dev         # the libFuzzer request fuzzer
 )
