@@ -567,7 +567,7 @@ class LoraModelsTest(LoraTestCase):
         self.assertEqual(info_a.base, info_b.base)
         self.assertNotEqual(info_a.base, info_c.base)  # another dtype
         self.assertEqual(info_full.base, "")
-        self.assertFalse(info_full.HasField("lora"))
+        self.assertIsNone(info_full.lora)
         self.assertEqual(info_full.trainable_parameters,
                          info_full.num_parameters)
         count = lora_parameter_count(CONFIG, targets, 2)

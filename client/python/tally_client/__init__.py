@@ -8,9 +8,12 @@
     step = client.optim_step(max_grad_norm=1.0)
     print(fb.result().loss_mean, step.result().grad_norm)
 
-Results are the tally.v1 messages (`tally_client.pb`, typed by the .pyi stubs
-shipped beside them); failures raise the TallyError subclass of their gRPC
-status code (tally_client.errors). Tinker's Python SDK on tally:
+Results are frozen dataclasses (tally_client.results: ModelInfo,
+ServerInfo, ForwardBackwardResult, OptimStepResult, ...) with the field names
+of their tally.v1 message and the message itself as `.raw`; the messages
+are `tally_client.pb`, typed by the .pyi stubs shipped beside them. Failures
+raise the TallyError subclass of their gRPC status code
+(tally_client.errors). Tinker's Python SDK on tally:
 tally_client.tinker.
 """
 
@@ -37,18 +40,26 @@ from tally_client.errors import (TRANSIENT_CODES, AbortedError,
                                  UnavailableError, UnimplementedError,
                                  UnknownError, WindowAbortedError, error_class,
                                  error_details, is_retryable)
+from tally_client.results import (AbortResult, DeleteResult, DType,
+                                  ExportResult, ForwardBackwardResult,
+                                  GradSync, LoadResult, LossReduction,
+                                  ModelInfo, ModelList, OptimStepResult,
+                                  Optimizer, SaveResult, ServerInfo)
 from tally_client.samples import sample, samples_from_batch, to_samples
 from tally_client.server import (RetryPolicy, ServerClient, Tls, make_channel,
                                  wait_for_serving)
 
 __all__ = [
-    "AbortedError", "AlreadyExistsError", "CancelledError", "DataLossError",
-    "DeadlineExceededError", "FailedPreconditionError", "InternalError",
-    "InvalidArgumentError", "NotFoundError", "OutOfRangeError",
-    "PendingWindowError", "PermissionDeniedError", "ResourceExhaustedError",
-    "RetryPolicy", "ServerClient", "TRANSIENT_CODES", "TallyError", "Tls",
-    "TrainingClient", "UnauthenticatedError", "UnavailableError",
-    "UnimplementedError", "UnknownError", "WindowAbortedError", "error_class",
-    "error_details", "is_retryable", "lora_config", "make_channel",
-    "parse_dtype", "pb", "pb_grpc", "sample", "samples_from_batch",
-    "to_samples", "wait_for_serving"]
+    "AbortResult", "AbortedError", "AlreadyExistsError", "CancelledError",
+    "DType", "DataLossError", "DeadlineExceededError", "DeleteResult",
+    "ExportResult", "FailedPreconditionError", "ForwardBackwardResult",
+    "GradSync", "InternalError", "InvalidArgumentError", "LoadResult",
+    "LossReduction", "ModelInfo", "ModelList", "NotFoundError",
+    "OptimStepResult", "Optimizer", "OutOfRangeError", "PendingWindowError",
+    "PermissionDeniedError", "ResourceExhaustedError", "RetryPolicy",
+    "SaveResult", "ServerClient", "ServerInfo", "TRANSIENT_CODES",
+    "TallyError", "Tls", "TrainingClient", "UnauthenticatedError",
+    "UnavailableError", "UnimplementedError", "UnknownError",
+    "WindowAbortedError", "error_class", "error_details", "is_retryable",
+    "lora_config", "make_channel", "parse_dtype", "pb", "pb_grpc", "sample",
+    "samples_from_batch", "to_samples", "wait_for_serving"]

@@ -33,6 +33,10 @@ one nor abort one when they fail.
     calls = [client.forward_backward(batch) for batch in window]
     step = client.optim_step(adam={"learning_rate": 3e-4}, max_grad_norm=1.0)
     print(step.result().grad_norm, sum(c.result().loss_sum for c in calls))
+
+Results are the typed, frozen dataclasses of tally_client.results
+(ModelInfo, ForwardBackwardResult, OptimStepResult, ...), with the response
+message's field names and the message itself as `.raw`.
 """
 
 from __future__ import annotations
@@ -49,10 +53,14 @@ from tally_client.dtypes import DTypeLike, parse_dtype
 from tally_client.errors import (AbortedError, NotFoundError,
                                  PendingWindowError, TallyError,
                                  WindowAbortedError)
+from tally_client.results import (AbortResult, DeleteResult, ExportResult,
+                                  ForwardBackwardResult, LoadResult,
+                                  LoraConfig, ModelInfo, OptimStepResult,
+                                  SaveResult, ServerInfo, TypedMessage)
 from tally_client.samples import SampleLike, to_samples
 from tally_client.server import RetryPolicy, ServerClient, TlsLike
 
-# A future of a call's response message.
+# A future of a call's result.
 Future = concurrent.futures.Future
 
 # The API revision with exactly-once sequencing (ordered by seq_id, retries
@@ -61,6 +69,8 @@ SERVER_ORDERS_BY_SEQ_ID = "next_seq_id" in pb.ModelInfo.DESCRIPTOR.fields_by_nam
 
 # A proto enum type.
 E = TypeVar("E")
+# A call's result type.
+R = TypeVar("R")
 
 _REDUCTIONS: Dict[str, pb.LossReduction] = {
     "token_mean": pb.LOSS_REDUCTION_TOKEN_MEAN,
@@ -79,8 +89,8 @@ _LOSS_FNS: Dict[str, pb.LossFn] = {
 }
 
 # A LoRA adapter argument: a rank, a dict of LoraConfig fields, a
-# pb.LoraConfig, or None (no adapter).
-LoraLike = Union[None, int, Dict[str, Any], pb.LoraConfig]
+# pb.LoraConfig or results.LoraConfig (ModelInfo.lora), or None (no adapter).
+LoraLike = Union[None, int, Dict[str, Any], pb.LoraConfig, LoraConfig]
 
 
 class TrainingClient:
@@ -130,10 +140,10 @@ class TrainingClient:
 
     # ---- model management (not sequenced) --------------------------------
 
-    def create_model(self, **fields: Any) -> pb.ModelInfo:
+    def create_model(self, **fields: Any) -> ModelInfo:
         """CreateModel for this model id; `fields` as in CreateModelRequest
-        (config, default_adam and lora may be dicts). Blocks; returns
-        ModelInfo.
+        (config, default_adam and lora may be dicts, or the typed values of
+        another model's ModelInfo). Blocks; returns its ModelInfo.
 
         `lora` makes the model a LoRA adapter over a frozen base (built
         from init_checkpoint, or from config and seed, in dtype) that every
@@ -150,6 +160,8 @@ class TrainingClient:
         `dtype` takes the spellings of tally_client.dtypes ("bf16",
         "float32", pb.DTYPE_BFLOAT16, ...); another is a ValueError naming
         them."""
+        fields = {name: value.raw if isinstance(value, TypedMessage) else value
+                  for name, value in fields.items()}
         if "dtype" in fields:
             fields["dtype"] = parse_dtype(fields["dtype"], "dtype")
         if isinstance(fields.get("config"), dict):
@@ -161,23 +173,26 @@ class TrainingClient:
             if lora is not None:
                 fields["lora"] = lora
         request = pb.CreateModelRequest(model_id=self.model_id, **fields)
-        return self._call("CreateModel", request, retryable=False).result()
+        return ModelInfo.from_proto(
+            self._call("CreateModel", request, retryable=False).result())
 
-    def server_info(self) -> pb.ServerInfo:
+    def server_info(self) -> ServerInfo:
         """GetServerInfo (kept here for older callers: ServerClient has it
         too)."""
         return self.server.server_info()
 
-    def get_model(self) -> pb.ModelInfo:
+    def get_model(self) -> ModelInfo:
         """GetModel: this model's ModelInfo."""
-        return self._call("GetModel", pb.GetModelRequest(model_id=self.model_id),
-                          retryable=True).result()
+        return ModelInfo.from_proto(self._call(
+            "GetModel", pb.GetModelRequest(model_id=self.model_id),
+            retryable=True).result())
 
-    def delete_model(self) -> pb.DeleteModelResponse:
-        """DeleteModel: deletes this model."""
-        return self._call("DeleteModel",
-                          pb.DeleteModelRequest(model_id=self.model_id),
-                          retryable=False).result()
+    def delete_model(self) -> DeleteResult:
+        """DeleteModel: deletes this model; the result holds the model as
+        it was."""
+        return DeleteResult.from_proto(self._call(
+            "DeleteModel", pb.DeleteModelRequest(model_id=self.model_id),
+            retryable=False).result())
 
     # ---- training (sequenced) --------------------------------------------
 
@@ -187,8 +202,8 @@ class TrainingClient:
             forward_only: bool = False, return_logprobs: bool = False,
             loss_fn: Union[str, pb.LossFn] = "cross_entropy",
             loss_fn_config: Optional[Dict[str, float]] = None
-    ) -> Future[pb.ForwardBackwardResponse]:
-        """Future of a ForwardBackwardResponse. `samples`: pb.Sample objects,
+    ) -> Future[ForwardBackwardResult]:
+        """Future of a ForwardBackwardResult. `samples`: pb.Sample objects,
         tuples or dicts of samples.sample()'s arguments, with tokens and
         per-token values as lists, numpy arrays or torch tensors.
         `reduction`: "token_mean", "sample_mean", "sum" or a
@@ -206,12 +221,14 @@ class TrainingClient:
             forward_only=forward_only, return_logprobs=return_logprobs,
             loss_fn=_enum_value(_LOSS_FNS, loss_fn, "loss_fn"),
             loss_fn_config=loss_fn_config or {})
-        return self._send_sequenced("ForwardBackward", request, in_window=True)
+        return self._send_sequenced("ForwardBackward", request,
+                                    ForwardBackwardResult.from_proto,
+                                    in_window=True)
 
     def optim_step(self, adam: Optional[Dict[str, Any]] = None,
                    max_grad_norm: Optional[float] = None,
-                   **fields: Any) -> Future[pb.OptimStepResponse]:
-        """Future of an OptimStepResponse. `adam`: a dict of AdamParams fields
+                   **fields: Any) -> Future[OptimStepResult]:
+        """Future of an OptimStepResult. `adam`: a dict of AdamParams fields
         (unset ones: the model's defaults); `max_grad_norm` None: the model's
         default, 0: no clipping."""
         request = pb.OptimStepRequest(model_id=self.model_id, **fields)
@@ -219,34 +236,37 @@ class TrainingClient:
             request.adam.CopyFrom(pb.AdamParams(**adam))
         if max_grad_norm is not None:
             request.max_grad_norm = max_grad_norm
-        return self._close_window("OptimStep", request)
+        return self._close_window("OptimStep", request,
+                                  OptimStepResult.from_proto)
 
-    def abort_window(self) -> Future[pb.AbortAccumulationResponse]:
-        """Future of an AbortAccumulationResponse: discards the pending
-        window."""
+    def abort_window(self) -> Future[AbortResult]:
+        """Future of an AbortResult: discards the pending window."""
         return self._close_window(
             "AbortAccumulation",
-            pb.AbortAccumulationRequest(model_id=self.model_id))
+            pb.AbortAccumulationRequest(model_id=self.model_id),
+            AbortResult.from_proto)
 
     def save(self, path: str, allow_pending: bool = False
-             ) -> Future[pb.SaveCheckpointResponse]:
-        """Future of a SaveCheckpointResponse (path: a server-side directory):
+             ) -> Future[SaveResult]:
+        """Future of a SaveResult (path: a server-side directory):
         the weights, optimizer state and step. With a pending window the
         server refuses it (FAILED_PRECONDITION; the window stays as it
         was), unless `allow_pending`: then it saves the state every earlier
         optim_step produced, without the window's gradients, and the window
         stays pending for the next optim_step (Tinker's save_state; the
-        response's unsaved_* fields count what the checkpoint lacks)."""
+        result's unsaved_* fields count what the checkpoint lacks)."""
         request = pb.SaveCheckpointRequest(model_id=self.model_id, path=path,
                                            allow_pending=allow_pending)
         if allow_pending:
             return self._send_sequenced("SaveCheckpoint", request,
+                                        SaveResult.from_proto,
                                         in_window=False)
-        return self._close_window("SaveCheckpoint", request)
+        return self._close_window("SaveCheckpoint", request,
+                                  SaveResult.from_proto)
 
     def export_weights(self, path: str, dtype: DTypeLike = None,
-                       merge: bool = False) -> Future[pb.ExportWeightsResponse]:
-        """Future of an ExportWeightsResponse: writes the weights every
+                       merge: bool = False) -> Future[ExportResult]:
+        """Future of an ExportResult: writes the weights every
         earlier optim_step produced to the server-side directory `path` for
         inference (Tinker's save_weights_for_sampler): a full model as an HF
         model directory; a LoRA model as a PEFT adapter directory
@@ -262,15 +282,17 @@ class TrainingClient:
             model_id=self.model_id, path=path,
             dtype=parse_dtype(dtype, "dtype"),
             merge=bool(merge))
-        return self._send_sequenced("ExportWeights", request, in_window=False)
+        return self._send_sequenced("ExportWeights", request,
+                                    ExportResult.from_proto, in_window=False)
 
     def load(self, path: str, load_optimizer: bool = True
-             ) -> Future[pb.LoadCheckpointResponse]:
-        """Future of a LoadCheckpointResponse; discards the pending window."""
+             ) -> Future[LoadResult]:
+        """Future of a LoadResult; discards the pending window."""
         return self._close_window(
             "LoadCheckpoint",
             pb.LoadCheckpointRequest(model_id=self.model_id, path=path,
-                                     load_optimizer=load_optimizer))
+                                     load_optimizer=load_optimizer),
+            LoadResult.from_proto)
 
     def pending_window(self) -> Tuple[int, int, int]:
         """(calls, tokens, samples) accumulated on the server for this
@@ -336,13 +358,15 @@ class TrainingClient:
         return next_seq_id
 
     def _send_sequenced(self, method: str, request: Any,
-                        in_window: bool) -> Future:
-        """Future of `method(request)` under the next seq_id, sent at once
+                        convert: Callable[[Any], R],
+                        in_window: bool) -> Future[R]:
+        """Future of `convert` of `method(request)`'s response, under the
+        next seq_id, sent at once
         (on a server that does not order by seq_id: once the last
         window-closing call has finished). `in_window`: the call belongs
         to the pending window, so the window-closing call waits for it and
         an OptimStep after its failure aborts the window instead."""
-        result: Future = Future()
+        result: Future[R] = Future()
         with self._lock:
             request.seq_id = self._take_seq_id()
             closing = self._closing
@@ -350,13 +374,15 @@ class TrainingClient:
                 self._in_flight.append(result)
 
         def send() -> None:
-            _chain(self._call_sequenced(method, request), result)
+            _chain(self._call_sequenced(method, request), result, convert)
 
         _when_all_done([] if closing is None else [closing], send)
         return result
 
-    def _close_window(self, method: str, request: Any) -> Future:
-        """Sends `request` once every call in flight has finished. An
+    def _close_window(self, method: str, request: Any,
+                      convert: Callable[[Any], R]) -> Future[R]:
+        """Sends `request` once every call in flight has finished; the
+        future's result is `convert` of the response. An
         OptimStep after a call that failed for good aborts the window instead,
         under the step's seq_id (the sequence must stay gap-free). The next
         window waits for this call too, but only counts it as a failed call
@@ -364,7 +390,7 @@ class TrainingClient:
         _left_behind): a refused closing call (a bad hyperparameter, a
         checkpoint path that does not load, a save with a pending window)
         leaves the window as it was, and the client goes on with it."""
-        result: Future = Future()
+        result: Future[R] = Future()
         # Done when this call is; failed only if the window it leaves behind
         # must be aborted before the next OptimStep.
         left: Future = Future()
@@ -381,7 +407,7 @@ class TrainingClient:
                 self._abort_instead(request, failed[0], result, left)
                 return
             sent = self._call_sequenced(method, request)
-            _chain(sent, result)
+            _chain(sent, result, convert)
             sent.add_done_callback(
                 lambda f: _left_behind(f, failed[0] if failed else None, left))
 
@@ -389,7 +415,7 @@ class TrainingClient:
         return result
 
     def _abort_instead(self, step: pb.OptimStepRequest, cause: BaseException,
-                       result: Future, left: Future) -> None:
+                       result: Future[Any], left: Future) -> None:
         """Aborts the window under OptimStep `step`'s seq_id; `result` (the
         step's future) raises WindowAbortedError naming `cause`, the failed
         call of the window. `left` fails only if the abort did too (the
@@ -476,14 +502,17 @@ class TrainingClient:
 
 
 def lora_config(lora: LoraLike) -> Optional[pb.LoraConfig]:
-    """The pb.LoraConfig of `lora`: a pb.LoraConfig, a dict of its fields
-    (rank, alpha, train_attn, train_mlp, train_unembed, seed, init_adapter;
-    unset train_* are true, alpha 0 is 32), or an int rank. None: None (no
-    adapter, a full model). Unknown keys are a ValueError."""
+    """The pb.LoraConfig of `lora`: a pb.LoraConfig, a results.LoraConfig
+    (a ModelInfo's lora), a dict of its fields (rank, alpha, train_attn,
+    train_mlp, train_unembed, seed, init_adapter; unset train_* are true,
+    alpha 0 is 32), or an int rank. None: None (no adapter, a full model).
+    Unknown keys are a ValueError."""
     if lora is None:
         return None
     if isinstance(lora, pb.LoraConfig):
         return lora
+    if isinstance(lora, LoraConfig):
+        return lora.raw
     if isinstance(lora, bool):
         raise ValueError("lora must be a rank, a dict of LoraConfig fields or "
                          "a pb.LoraConfig, not a bool")
@@ -498,7 +527,7 @@ def lora_config(lora: LoraLike) -> Optional[pb.LoraConfig]:
         # None leaves a field unset (train_*: true, seed: the model's).
         return pb.LoraConfig(**{k: v for k, v in lora.items() if v is not None})
     raise ValueError(f"lora must be a rank, a dict of LoraConfig fields or a "
-                     f"pb.LoraConfig, not {type(lora).__name__}")
+                     f"LoraConfig, not {type(lora).__name__}")
 
 
 def _enum_value(values: Mapping[str, E], name: Union[str, E], what: str) -> E:
@@ -531,18 +560,28 @@ def _left_behind(closing: Future, earlier_failure: Optional[BaseException],
         left.set_result(None)
 
 
-def _copy_outcome(done: Future, target: Future) -> None:
-    """Completes `target` like the finished future `done`."""
+def _copy_outcome(done: Future, target: Future,
+                  convert: Callable[[Any], Any] = lambda value: value) -> None:
+    """Completes `target` like the finished future `done`, its result
+    passed through `convert` (whose error fails `target`)."""
     error = done.exception()
     if error is not None:
         target.set_exception(error)
-    else:
-        target.set_result(done.result())
+        return
+    try:
+        value = convert(done.result())
+    # Converting's error completes the future too.
+    except Exception as convert_error:  # pylint: disable=broad-except
+        target.set_exception(convert_error)
+        return
+    target.set_result(value)
 
 
-def _chain(source: Future, target: Future) -> None:
-    """Completes concurrent.futures.Future `target` like `source`."""
-    source.add_done_callback(lambda f: _copy_outcome(f, target))
+def _chain(source: Future, target: Future,
+           convert: Callable[[Any], Any]) -> None:
+    """Completes concurrent.futures.Future `target` like `source`, its
+    result passed through `convert`."""
+    source.add_done_callback(lambda f: _copy_outcome(f, target, convert))
 
 
 def _when_all_done(futures: Sequence[Future],

@@ -6,7 +6,8 @@ It holds the gRPC channel, the bearer token, the per-attempt timeout and
 the RetryPolicy; call() sends one RPC and retries it, with exponential
 backoff at least the server's RetryInfo delay apart, while the failure is
 one a retry can fix (tally_client.errors.is_retryable). A failure for good
-raises the TallyError subclass of its status code.
+raises the TallyError subclass of its status code. Results are the typed
+dataclasses of tally_client.results.
 
     with ServerClient("localhost:50051", token="s3cret") as server:
         print(server.server_info().version)
@@ -28,6 +29,7 @@ import grpc
 from tally_client._proto.tally.v1 import trainer_pb2 as pb
 from tally_client._proto.tally.v1 import trainer_pb2_grpc as pb_grpc
 from tally_client.errors import error_class, error_details, is_retryable
+from tally_client.results import ModelList, ServerInfo
 
 if TYPE_CHECKING:
     from tally_client.client import TrainingClient
@@ -124,16 +126,17 @@ class ServerClient:
         self._timeout = timeout
         self._retry = retry or RetryPolicy()
 
-    def server_info(self) -> pb.ServerInfo:
+    def server_info(self) -> ServerInfo:
         """GetServerInfo: the server's version, compute backend, mesh,
         model families, dtypes, losses, features and limits."""
-        return self.call("GetServerInfo", pb.GetServerInfoRequest(),
-                         retryable=True).result()
+        return ServerInfo.from_proto(self.call(
+            "GetServerInfo", pb.GetServerInfoRequest(),
+            retryable=True).result())
 
-    def list_models(self, page_size: int = 0) -> pb.ListModelsResponse:
-        """ListModels, every page: `models` holds every model of the server,
-        `unresumed` the models --resume could not restore. `page_size`: the
-        models per call (0: the server's default)."""
+    def list_models(self, page_size: int = 0) -> ModelList:
+        """ListModels, every page: `models` holds every model of the server
+        (ModelInfo), `unresumed` the models --resume could not restore.
+        `page_size`: the models per call (0: the server's default)."""
         result = pb.ListModelsResponse()
         token = ""
         while True:
@@ -143,7 +146,7 @@ class ServerClient:
             result.unresumed.extend(page.unresumed)
             token = page.next_page_token
             if not token:
-                return result
+                return ModelList.from_proto(result)
 
     def training_client(self, model_id: str,
                         **options: Any) -> "TrainingClient":

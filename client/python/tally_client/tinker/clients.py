@@ -41,6 +41,8 @@ from typing import (Any, Callable, Dict, Generator, Generic, Iterable, List,
 from tally_client import client as tally
 from tally_client._proto.tally.v1 import trainer_pb2 as pb
 from tally_client.dtypes import DTypeLike
+from tally_client.results import (ForwardBackwardResult, OptimStepResult,
+                                  SaveResult)
 from tally_client.server import RetryPolicy, ServerClient, TlsLike
 from tally_client.tinker.types import (AdamParams, Datum,
                                        ForwardBackwardOutput, GetInfoResponse,
@@ -269,7 +271,7 @@ class TrainingClient:
         call = self._client.save(self._path(name, "weights"),
                                  allow_pending=True)
 
-        def saved(response: pb.SaveCheckpointResponse) -> SaveWeightsResponse:
+        def saved(response: SaveResult) -> SaveWeightsResponse:
             if self._saved_states is not None and self._create_fields and \
                     self._create_fields.get("lora") is not None:
                 self._saved_states.record(response.path, self._model_name,
@@ -327,13 +329,13 @@ class TrainingClient:
         """A GetInfoResponse (blocks): is_lora and lora_rank from the
         model's LoraConfig, tally's whole ModelInfo as model_info."""
         info = self._client.get_model()
-        lora_rank = info.lora.rank if info.HasField("lora") else 0
+        lora_rank = info.lora.rank if info.lora is not None else 0
         return GetInfoResponse(
             model_data=ModelData(arch=info.config.model_type or "llama",
                                  model_name=self._model_name),
             model_id=info.model_id, is_lora=lora_rank > 0,
             lora_rank=lora_rank or None, model_name=self._model_name,
-            model_info=info)
+            model_info=info.raw)
 
     async def get_info_async(self) -> GetInfoResponse:
         """get_info for asyncio."""
@@ -435,7 +437,7 @@ class ServiceClient:
         and the server's ServerInfo."""
         return GetServerCapabilitiesResponse(
             supported_models=[SupportedModel(model_name=DEMO_MODEL)],
-            server_info=self.server.server_info())
+            server_info=self.server.server_info().raw)
 
     def create_lora_training_client(
             self, base_model: str, rank: Optional[int] = 32,
@@ -675,15 +677,15 @@ def _targets_only(data: Sequence[Datum]) -> List[Datum]:
 
 def _forward_backward_output(
         loss_fn: str,
-        response: pb.ForwardBackwardResponse) -> ForwardBackwardOutput:
-    """The ForwardBackwardOutput of a ForwardBackwardResponse."""
+        response: ForwardBackwardResult) -> ForwardBackwardOutput:
+    """The ForwardBackwardOutput of a ForwardBackwardResult."""
     outputs = [{"logprobs": _vector(result.logprobs),
                 "elementwise_loss": _vector(result.token_losses)}
                for result in response.samples]
     metrics = {"loss:sum": response.loss_sum,
                "valid_tokens:sum": float(response.valid_tokens)}
     policy = response.policy
-    if policy.tokens:
+    if policy is not None and policy.tokens:
         metrics.update({
             "policy_tokens:sum": float(policy.tokens),
             "ratio:mean": policy.ratio_mean,
@@ -704,8 +706,8 @@ def _vector(values: Sequence[float]) -> TensorData:
 
 
 def _optim_step_response(
-        response: pb.OptimStepResponse) -> OptimStepResponse:
-    """The OptimStepResponse of a tally OptimStepResponse."""
+        response: OptimStepResult) -> OptimStepResponse:
+    """The OptimStepResponse of a tally OptimStepResult."""
     metrics = dict(response.metrics)
     metrics.update(grad_norm=response.grad_norm, clip_coef=response.clip_coef,
                    learning_rate=response.learning_rate,
