@@ -126,6 +126,22 @@ class ResultClassTest(unittest.TestCase):
                 mine = {f.name for f in dataclasses.fields(cls)} - {"raw"}
                 self.assertEqual(mine, fields)
 
+    def test_only_fields_with_presence_can_be_none(self):
+        for name, cls in CLASSES.items():
+            hints = typing.get_type_hints(cls)
+            for field in descriptor(name).fields:
+                if field.name in LEFT_OUT.get(name, set()):
+                    continue
+                hint = hints[field.name]
+                optional = typing.get_origin(hint) is typing.Union and \
+                    type(None) in typing.get_args(hint)
+                with self.subTest(message=name, field=field.name):
+                    if optional:
+                        self.assertTrue(field.has_presence)
+                    elif field.has_presence:
+                        # Always set by the server: converted even unset.
+                        self.assertIsNotNone(field.message_type)
+
     def test_every_nested_message_has_a_class(self):
         for name in CLASSES:
             for field in descriptor(name).fields:

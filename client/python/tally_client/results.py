@@ -118,10 +118,19 @@ def _field_value(message: Any, name: str, hint: Any) -> Any:
         origin, args = typing.get_origin(hint), typing.get_args(hint)
     value = getattr(message, name)
     if origin is list:
+        if not _converts(args[0]):  # logprobs: many floats, copied at once
+            return list(value)
         return [_value(args[0], item) for item in value]
     if origin is dict:
         return {key: _value(args[1], item) for key, item in value.items()}
     return _value(hint, value)
+
+
+def _converts(kind: Any) -> bool:
+    """Whether values of type `kind` are converted (not kept as they
+    are): nested messages and enums."""
+    return isinstance(kind, type) and issubclass(kind, (TypedMessage,
+                                                        enum.IntEnum))
 
 
 def _value(kind: Any, value: Any) -> Any:
