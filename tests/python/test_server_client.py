@@ -11,7 +11,8 @@ import unittest
 
 import grpc
 
-from tally_client import (FailedPreconditionError, InvalidArgumentError,
+from tally_client import (DType, FailedPreconditionError,
+                          InvalidArgumentError, ModelInfo, ModelList,
                           NotFoundError, RetryPolicy, ServerClient, TallyError,
                           TrainingClient, pb)
 from tally_testing import TINY_LLAMA, TallyServer
@@ -51,10 +52,11 @@ class ServerClientTest(unittest.TestCase):
         for model_id in ids:
             self.new_model(model_id)
         paged = self.server.list_models(page_size=1)
-        self.assertIsInstance(paged, pb.ListModelsResponse)
+        self.assertIsInstance(paged, ModelList)
+        self.assertTrue(all(isinstance(m, ModelInfo) for m in paged.models))
         self.assertEqual(sorted(m.model_id for m in paged.models
                                 if m.model_id.startswith("list-")), ids)
-        self.assertEqual(paged.next_page_token, "")
+        self.assertEqual(len(paged.raw.models), len(paged.models))
         self.assertEqual(sorted(m.model_id for m in paged.models),
                          sorted(m.model_id for m in
                                 self.server.list_models().models))
@@ -63,6 +65,7 @@ class ServerClientTest(unittest.TestCase):
         info = self.server.server_info()
         self.assertEqual(info.mesh.world_size, 1)
         self.assertIn(pb.DTYPE_BFLOAT16, info.dtypes)
+        self.assertIn(DType.BFLOAT16, info.dtypes)
         with TrainingClient(self.target, "no-such-model") as client:
             self.assertEqual(client.server_info(), info)
 
