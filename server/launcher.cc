@@ -77,7 +77,7 @@ void WriteAll(int fd, absl::string_view data) {
 }
 
 // Copies every rank's stdout and stderr to the launcher's, line by line with
-// a "[rank r] " prefix, from a single poll() thread.
+// the stream's prefix ("[rank r] ", or none), from a single poll() thread.
 class OutputTagger {
  public:
   OutputTagger() = default;
@@ -86,9 +86,8 @@ class OutputTagger {
   ~OutputTagger() { Finish(); }
 
   // Takes ownership of `read_fd`; its lines go to `destination_fd`.
-  void AddStream(int rank, int read_fd, int destination_fd) {
-    streams_.push_back(
-        {absl::StrCat("[rank ", rank, "] "), read_fd, destination_fd, ""});
+  void AddStream(std::string prefix, int read_fd, int destination_fd) {
+    streams_.push_back({std::move(prefix), read_fd, destination_fd, ""});
   }
 
   void Start() {
@@ -291,6 +290,7 @@ class RankGroup {
     for (int rank = 0; rank < options_.nproc; ++rank) {
       absl::StatusOr<pid_t> pid = Spawn(rank);
       if (!pid.ok()) {
+        Log(LogLevel::kError, pid.status().ToString());
         result_ = pid.status();
         BeginStop(SIGTERM);
         break;
@@ -336,8 +336,10 @@ class RankGroup {
       return absl::ErrnoToStatus(fork_errno,
                                  absl::StrCat("fork for rank ", rank));
     }
-    tagger_.AddStream(rank, stdout_pipe[0], STDOUT_FILENO);
-    tagger_.AddStream(rank, stderr_pipe[0], STDERR_FILENO);
+    const std::string prefix =
+        options_.tag_output ? absl::StrCat("[rank ", rank, "] ") : "";
+    tagger_.AddStream(prefix, stdout_pipe[0], STDOUT_FILENO);
+    tagger_.AddStream(prefix, stderr_pipe[0], STDERR_FILENO);
     return pid;
   }
 
@@ -471,17 +473,24 @@ absl::Status ValidateOptions(const LaunchOptions& options) {
   return absl::OkStatus();
 }
 
+// The ranks' MASTER_PORT, once the options are valid.
+absl::StatusOr<int> MasterPort(const LaunchOptions& options) {
+  TALLY_RETURN_IF_ERROR(ValidateOptions(options));
+  if (options.master_port != 0) return options.master_port;
+  return PickFreePort(options.master_addr);
+}
+
 }  // namespace
 
 absl::Status LaunchAndSupervise(const LaunchOptions& options) {
-  TALLY_RETURN_IF_ERROR(ValidateOptions(options));
-  int master_port = options.master_port;
-  if (master_port == 0) {
-    TALLY_ASSIGN_OR_RETURN(master_port, PickFreePort(options.master_addr));
+  const absl::StatusOr<int> master_port = MasterPort(options);
+  if (!master_port.ok()) {
+    Log(LogLevel::kError, master_port.status().message());
+    return master_port.status();
   }
   // Blocked before the output thread starts, so that it inherits the mask.
   ScopedSignalBlock block_signals;
-  return RankGroup(options, master_port).Run();
+  return RankGroup(options, *master_port).Run();
 }
 
 std::vector<std::string> ArgsForRanks(int argc, const char* const* argv) {

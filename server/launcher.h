@@ -41,6 +41,9 @@ struct LaunchOptions {
   int master_port = 0;
   // How long ranks may take to exit after SIGTERM before they get SIGKILL.
   absl::Duration stop_grace = absl::Seconds(10);
+  // Prefix each line the ranks write with "[rank r] "; off for JSON logs,
+  // whose lines carry their rank.
+  bool tag_output = true;
 };
 
 // Starts options.nproc ranks and waits for all of them. Rank r gets RANK=r,
@@ -52,7 +55,8 @@ struct LaunchOptions {
 // launcher, which forwards it to every rank. When a rank exits non-zero or is
 // killed by a signal, the other ranks get SIGTERM, then SIGKILL after
 // stop_grace, and the result is INTERNAL naming the first failed rank and its
-// exit status or signal. INVALID_ARGUMENT names a bad option.
+// exit status or signal. INVALID_ARGUMENT names a bad option. Every failure
+// it returns was logged when the launcher met it.
 absl::Status LaunchAndSupervise(const LaunchOptions& options);
 
 // argv without the launcher's own `--nproc-per-node N` /
