@@ -87,7 +87,6 @@ int main(int argc, char** argv) {
     return tally::LaunchAndSupervise(launch).ok() ? 0 : 1;
   }
 
-  tally::SetLogRank(options.rank_env.rank);
   absl::StatusOr<std::unique_ptr<tally::Engine>> engine =
       tally::CreateRankEngine(options);
   if (!engine.ok()) {

@@ -230,6 +230,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     const ServerOptions& options) {
+  TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
+  SetLogRank(env.rank);  // every line of this process from now on
   // Before the first matmul: BLIS reads its thread count once, at its first
   // call.
   TALLY_RETURN_IF_ERROR(SetComputeThreads(
@@ -248,7 +250,6 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
       absl::StrCat("device: ", device.device.str(), " (", device.why, ")"));
   engine_options.device = device.device;
   engine_options.allow_tf32 = options.allow_tf32;
-  TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
   if (env.world_size != options.mesh.world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the world has ", env.world_size, " ranks (from ",

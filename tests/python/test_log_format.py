@@ -41,7 +41,7 @@ class JsonLogTest(ServerTestCase):
         self.assertEqual([k for k, n in seen.items() if n > 1], [])
         for rank in (0, 1):
             joined = [m for r, m in seen if r == rank
-                      and re.match(rf"rank {rank} of 2 \(local rank", m)]
+                      and re.match(rf"rank {rank} of 2 \(", m)]
             self.assertEqual(len(joined), 1, seen)
 
 
