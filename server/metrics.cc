@@ -716,6 +716,10 @@ void ServerMetrics::SetModelCount(size_t count) {
 void ServerMetrics::RemoveModel(const std::string& model_id) {
   absl::MutexLock lock(&mu_);
   RemoveRankSeries(model_id);
+  RemoveModelSeries(model_id);
+}
+
+void ServerMetrics::RemoveModelSeries(const std::string& model_id) {
   auto it = series_.find(model_id);
   if (it == series_.end()) return;
   const ModelSeries& s = *it->second;
@@ -834,6 +838,11 @@ void ServerMetrics::RecordRankStateLocked() {
     if (live.count(id) == 0) gone.push_back(id);
   }
   for (const std::string& id : gone) RemoveRankSeries(id);
+  gone.clear();
+  for (const auto& [id, series] : series_) {
+    if (live.count(id) == 0) gone.push_back(id);
+  }
+  for (const std::string& id : gone) RemoveModelSeries(id);
 }
 
 void ServerMetrics::RecordDuplicate(const std::string& model_id) {

@@ -116,7 +116,8 @@ class ServerMetrics {
                                      double seconds);
   void ObserveOptimStepSeconds(const std::string& model_id, double seconds);
   // Copies this rank's collective counters and shard sizes from the engine;
-  // models gone from the engine lose their series.
+  // models gone from the engine lose their series, and on rank 0 every
+  // model the engine holds has its request-level series.
   void RecordRankState();
   // From now on RecordRankState also reads the memory of `device`, the
   // rank's, into the device memory gauges (server/device_metrics.h); nothing
@@ -155,6 +156,8 @@ class ServerMetrics {
   RankModelSeries& RankSeries(const std::string& model_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveRankSeries(const std::string& model_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveModelSeries(const std::string& model_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The labels of model `id`'s execution-time histograms: model_id on rank
   // 0; none on the other ranks, whose histograms every model shares (they

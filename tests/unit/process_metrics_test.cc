@@ -83,7 +83,7 @@ TEST(ProcessMetricsTest, OpenFdsCountsDescriptors) {
 }
 
 TEST(ProcessMetricsTest, CollectsTheSixFamiliesWithTheLabels) {
-  const ProcessMetrics metrics({{"rank", "3"}});
+  const ProcessMetrics metrics(prometheus::Labels{{"rank", "3"}});
   std::map<std::string, prometheus::MetricType> families;
   for (const prometheus::MetricFamily& family : metrics.Collect()) {
     families[family.name] = family.type;
