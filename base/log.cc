@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/log_json.h"
 
 namespace tally {
 namespace {
@@ -84,25 +85,23 @@ LogContext::LogContext(absl::string_view model, absl::string_view request_id)
 
 LogContext::~LogContext() { t_context = outer_; }
 
-std::string FormatLogLine(LogLevel level, absl::string_view message,
-                          absl::Time time) {
-  if (static_cast<LogFormat>(g_format.load()) == LogFormat::kText) {
-    return absl::StrCat(LevelTag(level), UtcTime(time), " ", getpid(), "] ",
-                        message, "\n");
-  }
-  const LogContext* context = t_context;
-  auto text_or_null = [](const std::string& text) {
+namespace {
+
+// The JSON line: `rank` kNoRank and an empty model or request id are null.
+std::string JsonLine(LogLevel level, absl::string_view message, absl::Time time,
+                     int rank, absl::string_view model,
+                     absl::string_view request_id) {
+  auto text_or_null = [](absl::string_view text) {
     return text.empty() ? nlohmann::ordered_json(nullptr)
-                        : nlohmann::ordered_json(text);
+                        : nlohmann::ordered_json(std::string(text));
   };
-  const int rank = g_rank;
   const nlohmann::ordered_json line = {
       {"time", UtcTime(time)},
       {"level", LevelName(level)},
       {"rank", rank == kNoRank ? nlohmann::ordered_json(nullptr)
                                : nlohmann::ordered_json(rank)},
-      {"model", context ? text_or_null(context->model_) : nullptr},
-      {"request_id", context ? text_or_null(context->request_id_) : nullptr},
+      {"model", text_or_null(model)},
+      {"request_id", text_or_null(request_id)},
       {"message", std::string(message)},
   };
   // Invalid UTF-8 (a model id, an exception's text) is replaced, never
@@ -111,6 +110,24 @@ std::string FormatLogLine(LogLevel level, absl::string_view message,
       line.dump(-1, ' ', false,
                 nlohmann::ordered_json::error_handler_t::replace),
       "\n");
+}
+
+}  // namespace
+
+std::string FormatLogLine(LogLevel level, absl::string_view message,
+                          absl::Time time) {
+  if (static_cast<LogFormat>(g_format.load()) == LogFormat::kText) {
+    return absl::StrCat(LevelTag(level), UtcTime(time), " ", getpid(), "] ",
+                        message, "\n");
+  }
+  const LogContext* context = t_context;
+  return JsonLine(level, message, time, g_rank, context ? context->model_ : "",
+                  context ? context->request_id_ : "");
+}
+
+std::string JsonLogLine(LogLevel level, absl::string_view message,
+                        absl::Time time, int rank) {
+  return JsonLine(level, message, time, rank, "", "");
 }
 
 void Log(LogLevel level, absl::string_view message) {

@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
+#include "base/log_json.h"
 #include "base/status.h"
 
 extern char** environ;
@@ -76,18 +77,20 @@ void WriteAll(int fd, absl::string_view data) {
   }
 }
 
-// Copies every rank's stdout and stderr to the launcher's, line by line with
-// the stream's prefix ("[rank r] ", or none), from a single poll() thread.
+// Copies every rank's stdout and stderr to the launcher's, line by line,
+// from a single poll() thread: with a "[rank r] " prefix, or for JSON logs
+// as they are, a line that is no JSON object (a library's own) wrapped into
+// one of rank r.
 class OutputTagger {
  public:
-  OutputTagger() = default;
+  explicit OutputTagger(bool json) : json_(json) {}
   OutputTagger(const OutputTagger&) = delete;
   OutputTagger& operator=(const OutputTagger&) = delete;
   ~OutputTagger() { Finish(); }
 
   // Takes ownership of `read_fd`; its lines go to `destination_fd`.
-  void AddStream(std::string prefix, int read_fd, int destination_fd) {
-    streams_.push_back({std::move(prefix), read_fd, destination_fd, ""});
+  void AddStream(int rank, int read_fd, int destination_fd) {
+    streams_.push_back({rank, read_fd, destination_fd, ""});
   }
 
   void Start() {
@@ -104,7 +107,7 @@ class OutputTagger {
 
  private:
   struct Stream {
-    std::string prefix;
+    int rank;
     int fd;
     int destination;
     std::string pending;  // a line not yet ended by '\n'
@@ -155,9 +158,8 @@ class OutputTagger {
          (eol = stream.pending.find('\n', line_start)) != std::string::npos;
          line_start = eol + 1) {
       WriteAll(stream.destination,
-               absl::StrCat(stream.prefix,
-                            absl::string_view(stream.pending)
-                                .substr(line_start, eol + 1 - line_start)));
+               Tagged(stream, absl::string_view(stream.pending)
+                                  .substr(line_start, eol - line_start)));
     }
     stream.pending.erase(0, line_start);
     if (stream.pending.size() >= kMaxLineBytes) EmitPartialLine(stream);
@@ -166,9 +168,15 @@ class OutputTagger {
 
   void EmitPartialLine(Stream& stream) {
     if (stream.pending.empty()) return;
-    WriteAll(stream.destination,
-             absl::StrCat(stream.prefix, stream.pending, "\n"));
+    WriteAll(stream.destination, Tagged(stream, stream.pending));
     stream.pending.clear();
+  }
+
+  // `line` (without its '\n') as the launcher writes it, with its '\n'.
+  std::string Tagged(const Stream& stream, absl::string_view line) const {
+    if (!json_) return absl::StrCat("[rank ", stream.rank, "] ", line, "\n");
+    if (absl::StartsWith(line, "{")) return absl::StrCat(line, "\n");
+    return JsonLogLine(LogLevel::kInfo, line, absl::Now(), stream.rank);
   }
 
   void Close(Stream& stream) {
@@ -178,6 +186,7 @@ class OutputTagger {
     stream.fd = -1;
   }
 
+  const bool json_;
   std::vector<Stream> streams_;
   std::atomic<bool> finishing_{false};
   std::thread thread_;
@@ -279,7 +288,9 @@ struct RankProcess {
 class RankGroup {
  public:
   RankGroup(const LaunchOptions& options, int master_port)
-      : options_(options), master_port_(master_port) {}
+      : options_(options),
+        master_port_(master_port),
+        tagger_(options.json_output) {}
 
   absl::Status Run() {
     Log(LogLevel::kInfo,
@@ -336,10 +347,8 @@ class RankGroup {
       return absl::ErrnoToStatus(fork_errno,
                                  absl::StrCat("fork for rank ", rank));
     }
-    const std::string prefix =
-        options_.tag_output ? absl::StrCat("[rank ", rank, "] ") : "";
-    tagger_.AddStream(prefix, stdout_pipe[0], STDOUT_FILENO);
-    tagger_.AddStream(prefix, stderr_pipe[0], STDERR_FILENO);
+    tagger_.AddStream(rank, stdout_pipe[0], STDOUT_FILENO);
+    tagger_.AddStream(rank, stderr_pipe[0], STDERR_FILENO);
     return pid;
   }
 

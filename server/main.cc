@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
     // Rank 0 drains and finishes its requests before the ranks exit.
     launch.stop_grace = absl::Seconds(options.shutdown_drain_secs +
                                       options.exit_timeout_secs + 10);
-    launch.tag_output = log_format == tally::LogFormat::kText;
+    launch.json_output = log_format == tally::LogFormat::kJson;
     // Its failures are already logged, each once.
     return tally::LaunchAndSupervise(launch).ok() ? 0 : 1;
   }

@@ -30,7 +30,10 @@ class JsonLogTest(ServerTestCase):
         self.assertTrue(lines)
         seen = collections.Counter()
         for line in lines:
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                self.fail(f"not a JSON line: {line!r}")
             self.assertEqual(list(record), FIELDS, line)
             self.assertRegex(record["time"],
                              r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
