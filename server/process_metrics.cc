@@ -89,8 +89,9 @@ absl::StatusOr<double> MaxOpenFiles() {
 absl::StatusOr<double> OpenFds() {
   const std::string path = absl::StrCat(kSelf, "/fd");
   DIR* dir = opendir(path.c_str());
-  if (dir == nullptr)
+  if (dir == nullptr) {
     return absl::NotFoundError(absl::StrCat("cannot list ", path));
+  }
   double count = 0;
   while (const dirent* entry = readdir(dir)) {
     if (entry->d_name[0] != '.') ++count;
