@@ -8,7 +8,11 @@
 
 namespace tally {
 
-CommandExecutor::CommandExecutor() : thread_([this] { Loop(); }) {}
+CommandExecutor::CommandExecutor(Liveness* liveness)
+    : heartbeat_(liveness == nullptr
+                     ? nullptr
+                     : liveness->Register("executor", Liveness::kLoopBound)),
+      thread_([this] { Loop(); }) {}
 
 CommandExecutor::~CommandExecutor() { Stop(); }
 
@@ -25,6 +29,7 @@ void CommandExecutor::Stop() {
     stopping_ = true;
   }
   if (thread_.joinable()) thread_.join();
+  heartbeat_.reset();  // no loop left to watch
 }
 
 bool CommandExecutor::HasWorkOrStopping() const {
@@ -32,11 +37,15 @@ bool CommandExecutor::HasWorkOrStopping() const {
 }
 
 void CommandExecutor::Loop() {
+  const absl::Condition work(this, &CommandExecutor::HasWorkOrStopping);
+  const absl::Duration period =
+      heartbeat_ ? heartbeat_->period() : absl::InfiniteDuration();
   while (true) {
     std::function<void()> command;
+    if (heartbeat_) heartbeat_->Beat();
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &CommandExecutor::HasWorkOrStopping));
+      if (!mu_.AwaitWithTimeout(work, period)) continue;  // idle: beat again
       if (queue_.empty()) return;  // stopping and drained
       command = std::move(queue_.front());
       queue_.pop_front();
@@ -44,6 +53,7 @@ void CommandExecutor::Loop() {
     // Commands answer their own failures (RequestScheduler turns a thrown
     // exception into INTERNAL); one that still escapes must not end the
     // process, nor the commands queued behind it.
+    Liveness::Busy busy(heartbeat_.get());
     try {
       command();
     } catch (const std::exception& e) {

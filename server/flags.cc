@@ -183,6 +183,9 @@ ABSL_FLAG(int64_t, metrics_port, tally::Defaults().metrics_port,
           "Prometheus /metrics port (local rank r: N + r); 0 picks a free one");
 ABSL_FLAG(std::string, log_level, tally::Defaults().log_level,
           "debug, info, warning or error");
+ABSL_FLAG(std::string, log_format, tally::Defaults().log_format,
+          "text, or json: one object per line with time, level, rank, model, "
+          "request_id and message");
 
 namespace tally {
 namespace {
@@ -257,7 +260,10 @@ const std::vector<FlagSection>& Sections() {
         {"auth-tokens-file", "PATH"},
         {"metrics-auth-file", "PATH"},
         {"allow-insecure-remote", nullptr}}},
-      {"Metrics and logging", {{"metrics-port", "N"}, {"log-level", "LEVEL"}}},
+      {"Metrics and logging",
+       {{"metrics-port", "N"},
+        {"log-level", "LEVEL"},
+        {"log-format", "FORMAT"}}},
   };
   return *sections;
 }
@@ -424,6 +430,10 @@ absl::Status SetServingOptions(ServerOptions& o) {
   o.log_level = absl::GetFlag(FLAGS_log_level);
   if (!ParseLogLevel(o.log_level).ok()) {
     return BadValue("log-level", o.log_level, "debug, info, warning or error");
+  }
+  o.log_format = absl::GetFlag(FLAGS_log_format);
+  if (!ParseLogFormat(o.log_format).ok()) {
+    return BadValue("log-format", o.log_format, "text or json");
   }
   return absl::OkStatus();
 }

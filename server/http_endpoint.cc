@@ -46,9 +46,9 @@ bool Authorized(mg_connection* connection, const BasicCredentials& scraper) {
 
 class HttpEndpoint::MetricsHandler : public CivetHandler {
  public:
-  MetricsHandler(std::shared_ptr<prometheus::Registry> registry,
+  MetricsHandler(std::shared_ptr<prometheus::Collectable> metrics,
                  std::optional<BasicCredentials> scraper)
-      : registry_(std::move(registry)), scraper_(std::move(scraper)) {}
+      : metrics_(std::move(metrics)), scraper_(std::move(scraper)) {}
 
   bool handleGet(CivetServer*, mg_connection* connection) override {
     if (scraper_.has_value() && !Authorized(connection, *scraper_)) {
@@ -58,14 +58,14 @@ class HttpEndpoint::MetricsHandler : public CivetHandler {
       return true;
     }
     const std::string body =
-        prometheus::TextSerializer().Serialize(registry_->Collect());
+        prometheus::TextSerializer().Serialize(metrics_->Collect());
     Respond(connection, 200, "OK", "text/plain; version=0.0.4; charset=utf-8",
             body);
     return true;
   }
 
  private:
-  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> metrics_;
   std::optional<BasicCredentials> scraper_;
 };
 
@@ -90,7 +90,8 @@ class HttpEndpoint::ProbeHandler : public CivetHandler {
 };
 
 absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
-    const std::string& address, std::shared_ptr<prometheus::Registry> registry,
+    const std::string& address,
+    std::shared_ptr<prometheus::Collectable> metrics,
     std::optional<BasicCredentials> scraper) {
   std::unique_ptr<HttpEndpoint> endpoint(new HttpEndpoint());
   // Enough threads that a few slow or idle scrapers cannot starve the
@@ -111,9 +112,9 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
   }
   endpoint->port_ = ports.front();
   endpoint->metrics_ =
-      std::make_unique<MetricsHandler>(std::move(registry), std::move(scraper));
-  endpoint->healthz_ =
-      std::make_unique<ProbeHandler>([] { return absl::OkStatus(); });
+      std::make_unique<MetricsHandler>(std::move(metrics), std::move(scraper));
+  endpoint->healthz_ = std::make_unique<ProbeHandler>(
+      [e = endpoint.get()] { return e->Health(); });
   endpoint->readyz_ = std::make_unique<ProbeHandler>(
       [e = endpoint.get()] { return e->Readiness(); });
   endpoint->server_->addHandler("/metrics", endpoint->metrics_.get());
@@ -149,6 +150,23 @@ absl::Status HttpEndpoint::Readiness() const {
   const absl::Status checked = check();
   if (checked.ok()) return checked;
   return absl::UnavailableError(absl::StrCat("not ready: ", checked.message()));
+}
+
+void HttpEndpoint::SetLivenessCheck(std::function<absl::Status()> check) {
+  absl::MutexLock lock(&mu_);
+  liveness_check_ = std::move(check);
+}
+
+absl::Status HttpEndpoint::Health() const {
+  std::function<absl::Status()> check;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!liveness_check_) return absl::OkStatus();
+    check = liveness_check_;
+  }
+  const absl::Status checked = check();
+  if (checked.ok()) return checked;
+  return absl::UnavailableError(absl::StrCat("unhealthy: ", checked.message()));
 }
 
 }  // namespace tally

@@ -1,9 +1,12 @@
 // HttpEndpoint: a rank's HTTP port — Prometheus' /metrics and the
 // Kubernetes probes.
 //
-//   GET /metrics  the registry in Prometheus' text format; behind HTTP Basic
+//   GET /metrics  the collectable (a registry) in Prometheus' text format;
+//                 behind HTTP Basic
 //                 credentials when given (401 otherwise)
-//   GET /healthz  200 while the process serves HTTP (liveness)
+//   GET /healthz  200 while the rank can make progress: the process serves
+//                 HTTP and what the liveness check says (its loops beat:
+//                 server/health.h), else 503 with the reason
 //   GET /readyz   200 while the rank is ready for work, else 503 with the
 //                 reason (draining, a failed rank, not started, or what the
 //                 readiness check says: a command that stopped progressing)
@@ -19,6 +22,7 @@
 #ifndef TALLY_SERVER_HTTP_ENDPOINT_H_
 #define TALLY_SERVER_HTTP_ENDPOINT_H_
 
+#include <prometheus/collectable.h>
 #include <prometheus/registry.h>
 
 #include <functional>
@@ -40,7 +44,7 @@ class HttpEndpoint {
   // until SetReady(true, ...).
   static absl::StatusOr<std::unique_ptr<HttpEndpoint>> Start(
       const std::string& address,
-      std::shared_ptr<prometheus::Registry> registry,
+      std::shared_ptr<prometheus::Collectable> metrics,
       std::optional<BasicCredentials> scraper);
   ~HttpEndpoint();
 
@@ -53,6 +57,12 @@ class HttpEndpoint {
   void SetReadinessCheck(std::function<absl::Status()> check);
   // /readyz's answer: OK, or UNAVAILABLE with the reason.
   absl::Status Readiness() const;
+  // Consulted by every /healthz (none: always healthy): an error makes the
+  // rank unhealthy, with the error's message as the reason. Called on the
+  // probe's thread, so it must not block.
+  void SetLivenessCheck(std::function<absl::Status()> check);
+  // /healthz's answer: OK, or UNAVAILABLE with the reason.
+  absl::Status Health() const;
 
  private:
   class MetricsHandler;
@@ -69,6 +79,7 @@ class HttpEndpoint {
   absl::Status readiness_ ABSL_GUARDED_BY(mu_) =
       absl::UnavailableError("starting");
   std::function<absl::Status()> check_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::Status()> liveness_check_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tally

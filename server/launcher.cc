@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
+#include "base/log_json.h"
 #include "base/status.h"
 
 extern char** environ;
@@ -76,19 +77,20 @@ void WriteAll(int fd, absl::string_view data) {
   }
 }
 
-// Copies every rank's stdout and stderr to the launcher's, line by line with
-// a "[rank r] " prefix, from a single poll() thread.
+// Copies every rank's stdout and stderr to the launcher's, line by line,
+// from a single poll() thread: with a "[rank r] " prefix, or for JSON logs
+// as they are, a line that is no JSON object (a library's own) wrapped into
+// one of rank r.
 class OutputTagger {
  public:
-  OutputTagger() = default;
+  explicit OutputTagger(bool json) : json_(json) {}
   OutputTagger(const OutputTagger&) = delete;
   OutputTagger& operator=(const OutputTagger&) = delete;
   ~OutputTagger() { Finish(); }
 
   // Takes ownership of `read_fd`; its lines go to `destination_fd`.
   void AddStream(int rank, int read_fd, int destination_fd) {
-    streams_.push_back(
-        {absl::StrCat("[rank ", rank, "] "), read_fd, destination_fd, ""});
+    streams_.push_back({rank, read_fd, destination_fd, ""});
   }
 
   void Start() {
@@ -105,7 +107,7 @@ class OutputTagger {
 
  private:
   struct Stream {
-    std::string prefix;
+    int rank;
     int fd;
     int destination;
     std::string pending;  // a line not yet ended by '\n'
@@ -156,9 +158,8 @@ class OutputTagger {
          (eol = stream.pending.find('\n', line_start)) != std::string::npos;
          line_start = eol + 1) {
       WriteAll(stream.destination,
-               absl::StrCat(stream.prefix,
-                            absl::string_view(stream.pending)
-                                .substr(line_start, eol + 1 - line_start)));
+               Tagged(stream, absl::string_view(stream.pending)
+                                  .substr(line_start, eol - line_start)));
     }
     stream.pending.erase(0, line_start);
     if (stream.pending.size() >= kMaxLineBytes) EmitPartialLine(stream);
@@ -167,9 +168,15 @@ class OutputTagger {
 
   void EmitPartialLine(Stream& stream) {
     if (stream.pending.empty()) return;
-    WriteAll(stream.destination,
-             absl::StrCat(stream.prefix, stream.pending, "\n"));
+    WriteAll(stream.destination, Tagged(stream, stream.pending));
     stream.pending.clear();
+  }
+
+  // `line` (without its '\n') as the launcher writes it, with its '\n'.
+  std::string Tagged(const Stream& stream, absl::string_view line) const {
+    if (!json_) return absl::StrCat("[rank ", stream.rank, "] ", line, "\n");
+    if (absl::StartsWith(line, "{")) return absl::StrCat(line, "\n");
+    return JsonLogLine(LogLevel::kInfo, line, absl::Now(), stream.rank);
   }
 
   void Close(Stream& stream) {
@@ -179,6 +186,7 @@ class OutputTagger {
     stream.fd = -1;
   }
 
+  const bool json_;
   std::vector<Stream> streams_;
   std::atomic<bool> finishing_{false};
   std::thread thread_;
@@ -280,7 +288,9 @@ struct RankProcess {
 class RankGroup {
  public:
   RankGroup(const LaunchOptions& options, int master_port)
-      : options_(options), master_port_(master_port) {}
+      : options_(options),
+        master_port_(master_port),
+        tagger_(options.json_output) {}
 
   absl::Status Run() {
     Log(LogLevel::kInfo,
@@ -291,6 +301,7 @@ class RankGroup {
     for (int rank = 0; rank < options_.nproc; ++rank) {
       absl::StatusOr<pid_t> pid = Spawn(rank);
       if (!pid.ok()) {
+        Log(LogLevel::kError, pid.status().ToString());
         result_ = pid.status();
         BeginStop(SIGTERM);
         break;
@@ -471,17 +482,24 @@ absl::Status ValidateOptions(const LaunchOptions& options) {
   return absl::OkStatus();
 }
 
+// The ranks' MASTER_PORT, once the options are valid.
+absl::StatusOr<int> MasterPort(const LaunchOptions& options) {
+  TALLY_RETURN_IF_ERROR(ValidateOptions(options));
+  if (options.master_port != 0) return options.master_port;
+  return PickFreePort(options.master_addr);
+}
+
 }  // namespace
 
 absl::Status LaunchAndSupervise(const LaunchOptions& options) {
-  TALLY_RETURN_IF_ERROR(ValidateOptions(options));
-  int master_port = options.master_port;
-  if (master_port == 0) {
-    TALLY_ASSIGN_OR_RETURN(master_port, PickFreePort(options.master_addr));
+  const absl::StatusOr<int> master_port = MasterPort(options);
+  if (!master_port.ok()) {
+    Log(LogLevel::kError, master_port.status().message());
+    return master_port.status();
   }
   // Blocked before the output thread starts, so that it inherits the mask.
   ScopedSignalBlock block_signals;
-  return RankGroup(options, master_port).Run();
+  return RankGroup(options, *master_port).Run();
 }
 
 std::vector<std::string> ArgsForRanks(int argc, const char* const* argv) {

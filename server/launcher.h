@@ -2,8 +2,8 @@
 // PyTorch): `tally-server --nproc-per-node N ...` starts N copies of itself on
 // this machine with the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE,
 // LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), prefixes their output lines
-// with "[rank r] ", and supervises them: the first rank that fails stops the
-// others and names itself in the returned status.
+// with "[rank r] " (or keeps them JSON), and supervises them: the first rank
+// that fails stops the others and names itself in the returned status.
 //
 //   tally::LaunchOptions launch;  // ranks run this very binary
 //   launch.nproc = 4;
@@ -41,6 +41,10 @@ struct LaunchOptions {
   int master_port = 0;
   // How long ranks may take to exit after SIGTERM before they get SIGKILL.
   absl::Duration stop_grace = absl::Seconds(10);
+  // The ranks log JSON (--log-format json): their lines pass as they are,
+  // a line that is not a JSON object is wrapped into one of its rank, and
+  // none gets the "[rank r] " prefix.
+  bool json_output = false;
 };
 
 // Starts options.nproc ranks and waits for all of them. Rank r gets RANK=r,
@@ -52,7 +56,8 @@ struct LaunchOptions {
 // launcher, which forwards it to every rank. When a rank exits non-zero or is
 // killed by a signal, the other ranks get SIGTERM, then SIGKILL after
 // stop_grace, and the result is INTERNAL naming the first failed rank and its
-// exit status or signal. INVALID_ARGUMENT names a bad option.
+// exit status or signal. INVALID_ARGUMENT names a bad option. Every failure
+// it returns was logged when the launcher met it.
 absl::Status LaunchAndSupervise(const LaunchOptions& options);
 
 // argv without the launcher's own `--nproc-per-node N` /

@@ -56,6 +56,9 @@ int main(int argc, char** argv) {
   }
   const tally::ServerOptions& options = flags->options;
   tally::SetLogLevel(*tally::ParseLogLevel(options.log_level));
+  const tally::LogFormat log_format =
+      *tally::ParseLogFormat(options.log_format);
+  tally::SetLogFormat(log_format);
 
   // Block the shutdown signals before any thread starts, so every thread
   // inherits the mask and sigwait below (or the launcher) is their only
@@ -79,12 +82,9 @@ int main(int argc, char** argv) {
     // Rank 0 drains and finishes its requests before the ranks exit.
     launch.stop_grace = absl::Seconds(options.shutdown_drain_secs +
                                       options.exit_timeout_secs + 10);
-    absl::Status status = tally::LaunchAndSupervise(launch);
-    if (!status.ok()) {
-      tally::Log(tally::LogLevel::kError, std::string(status.message()));
-      return 1;
-    }
-    return 0;
+    launch.json_output = log_format == tally::LogFormat::kJson;
+    // Its failures are already logged, each once.
+    return tally::LaunchAndSupervise(launch).ok() ? 0 : 1;
   }
 
   absl::StatusOr<std::unique_ptr<tally::Engine>> engine =

@@ -1,17 +1,23 @@
 #include "server/metrics.h"
 
+#include <google/protobuf/descriptor.h>
 #include <prometheus/metric_family.h>
 
 #include <cmath>
+#include <iterator>
+#include <limits>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "runtime/compute_backend.h"
 #include "runtime/zero.h"
+#include "server/process_metrics.h"
 
 namespace tally {
 namespace {
@@ -49,20 +55,34 @@ prometheus::Histogram::BucketBoundaries CheckpointBuckets() {
   return DoublingFromOneMs(25);
 }
 
-// The series of tally_policy: label stat, and the v1::PolicyStats field.
+// The tally_policy_* families, one per unit (see PolicyStat).
+enum PolicyFamily : size_t {
+  kImportanceRatio,  // trainer / sampler token probability
+  kClippedRatio,     // clipped tokens / valid tokens
+  kLogprobGapNats,   // |trainer - sampler| log-probability
+  kKlNats,           // KL(sampler || trainer) estimates
+  kNumPolicyFamilies
+};
+static_assert(kNumPolicyFamilies ==
+              std::tuple_size_v<ServerMetrics::PolicyFamilies>);
+
+// A series of the tally_policy_* families: its family, its one label (none
+// when `label` is null), and the v1::PolicyStats field it shows.
 struct PolicyStat {
-  const char* name;
+  PolicyFamily family;
+  const char* label;
+  const char* value_label;
   double (v1::PolicyStats::*value)() const;
 };
 constexpr PolicyStat kPolicyStats[] = {
-    {"ratio_mean", &v1::PolicyStats::ratio_mean},
-    {"ratio_min", &v1::PolicyStats::ratio_min},
-    {"ratio_max", &v1::PolicyStats::ratio_max},
-    {"clipped_fraction", &v1::PolicyStats::clipped_fraction},
-    {"logprob_gap_mean", &v1::PolicyStats::logprob_gap_mean},
-    {"logprob_gap_max", &v1::PolicyStats::logprob_gap_max},
-    {"kl_k1", &v1::PolicyStats::kl_k1},
-    {"kl_k3", &v1::PolicyStats::kl_k3},
+    {kImportanceRatio, "stat", "mean", &v1::PolicyStats::ratio_mean},
+    {kImportanceRatio, "stat", "min", &v1::PolicyStats::ratio_min},
+    {kImportanceRatio, "stat", "max", &v1::PolicyStats::ratio_max},
+    {kClippedRatio, nullptr, nullptr, &v1::PolicyStats::clipped_fraction},
+    {kLogprobGapNats, "stat", "mean", &v1::PolicyStats::logprob_gap_mean},
+    {kLogprobGapNats, "stat", "max", &v1::PolicyStats::logprob_gap_max},
+    {kKlNats, "estimator", "k1", &v1::PolicyStats::kl_k1},
+    {kKlNats, "estimator", "k3", &v1::PolicyStats::kl_k3},
 };
 
 // The `phase` of a ForwardBackward: "train" (accumulating) or "eval"
@@ -178,7 +198,7 @@ struct TrainingFamilies {
   prometheus::Family<prometheus::Gauge>* pending_tokens;
   prometheus::Family<prometheus::Gauge>* loss;
   prometheus::Family<prometheus::Gauge>* window_loss;
-  prometheus::Family<prometheus::Gauge>* policy;
+  ServerMetrics::PolicyFamilies policy;
   prometheus::Family<prometheus::Gauge>* model_step;
   prometheus::Family<prometheus::Histogram>* forward_backward_seconds;
   prometheus::Family<prometheus::Histogram>* optim_step_seconds;
@@ -218,11 +238,24 @@ TrainingFamilies RegisterTrainingFamilies(FamilyBuilder& build) {
       "tally_window_loss",
       "Loss of the last OptimStep's window: its loss sum over the step's "
       "normalizer");
-  f.policy = build.Gauge(
-      "tally_policy",
-      "Trainer vs sampler policy over the valid tokens of the last "
-      "ForwardBackward call whose samples carried sampling_logprobs "
-      "(PolicyStats), by stat");
+  // Trainer vs sampler policy over the valid tokens of the last
+  // ForwardBackward call whose samples carried sampling_logprobs
+  // (PolicyStats), one family per unit.
+  f.policy[kImportanceRatio] = build.Gauge(
+      "tally_policy_importance_ratio",
+      "Trainer over sampler token probability of the last RL call, by stat "
+      "(mean, min, max)");
+  f.policy[kClippedRatio] = build.Gauge(
+      "tally_policy_clipped_tokens_ratio",
+      "Fraction of the last RL call's valid tokens whose ratio was clipped");
+  f.policy[kLogprobGapNats] = build.Gauge(
+      "tally_policy_logprob_gap_nats",
+      "Trainer vs sampler log-probability gap of the last RL call in nats, by "
+      "stat (mean, max)");
+  f.policy[kKlNats] = build.Gauge(
+      "tally_policy_kl_nats",
+      "KL(sampler, trainer) estimate of the last RL call in nats, by "
+      "estimator (k1, k3)");
   f.model_step =
       build.Gauge("tally_model_step", "Optimizer steps applied to the model");
   f.forward_backward_seconds =
@@ -370,8 +403,34 @@ prometheus::Gauge* RegisterServerInfo(FamilyBuilder& build,
   return models;
 }
 
-// Serves `registry` on `address` (behind HTTP Basic auth with `scraper`);
-// UNAVAILABLE when it did not bind.
+// Every label value RecordAuthFailure and RecordMemoryRefusal get: rank 0
+// creates their series at 0, so dashboards and alerts see 0 before the
+// first refusal rather than no data.
+constexpr const char* kAuthFailureReasons[] = {"missing_token",
+                                               "invalid_token"};
+constexpr const char* kMemoryRefusals[] = {"model", "call"};
+
+// What /metrics serves: the registry's families, then other collectables'.
+class Collectables : public prometheus::Collectable {
+ public:
+  explicit Collectables(
+      std::vector<std::shared_ptr<prometheus::Collectable>> parts)
+      : parts_(std::move(parts)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> families;
+    for (const auto& part : parts_) {
+      std::vector<prometheus::MetricFamily> more = part->Collect();
+      families.insert(families.end(), std::make_move_iterator(more.begin()),
+                      std::make_move_iterator(more.end()));
+    }
+    return families;
+  }
+
+ private:
+  const std::vector<std::shared_ptr<prometheus::Collectable>> parts_;
+};
+
 }  // namespace
 
 struct ServerMetrics::ModelSeries {
@@ -393,8 +452,8 @@ struct ServerMetrics::ModelSeries {
   // never evaluated carry no eval series.
   prometheus::Counter* eval_valid_tokens;
   prometheus::Counter* eval_loss_sum;
-  // tally_policy by kPolicyStats' order: empty until the model's first call
-  // with sampling_logprobs.
+  // The tally_policy_* series by kPolicyStats' order: NaN until the model's
+  // first call with sampling_logprobs.
   std::vector<prometheus::Gauge*> policy;
   // The loss of the pending window so far (WindowLossTerm of each call):
   // what tally_window_loss divides by the step's normalizer.
@@ -463,11 +522,34 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   m->checkpoint_last_success_ = reliability.checkpoint_last_success;
   m->auth_failures_ = reliability.auth_failures;
   m->models_ = RegisterServerInfo(build, *engine);
+  if (engine->mesh().rank() == 0) m->StartRequestSeriesAtZero();
+  auto served = std::make_shared<Collectables>(
+      std::vector<std::shared_ptr<prometheus::Collectable>>{
+          m->registry_, std::make_shared<ProcessMetrics>(prometheus::Labels{
+                            {"rank", absl::StrCat(engine->mesh().rank())}})});
   TALLY_ASSIGN_OR_RETURN(
-      m->http_, HttpEndpoint::Start(address, m->registry_, std::move(scraper)));
+      m->http_,
+      HttpEndpoint::Start(address, std::move(served), std::move(scraper)));
   absl::MutexLock lock(&m->mu_);
   m->RecordRankStateLocked();
   return m;
+}
+
+void ServerMetrics::StartRequestSeriesAtZero() {
+  for (const char* reason : kAuthFailureReasons) {
+    auth_failures_->Add({{"reason", reason}});
+  }
+  for (const char* refused : kMemoryRefusals) {
+    memory_refusals_->Add({{"refused", refused}});
+  }
+  memory_admitted_bytes_->Add({});
+  // Every RPC's OK count, so that request rates start from 0.
+  const google::protobuf::ServiceDescriptor* trainer =
+      v1::ModelInfo::descriptor()->file()->FindServiceByName("Trainer");
+  for (int i = 0; i < trainer->method_count(); ++i) {
+    requests_->Add({{"method", trainer->method(i)->name()},
+                    {"code", absl::StatusCodeToString(absl::StatusCode::kOk)}});
+  }
 }
 
 ServerMetrics::ModelSeries& ServerMetrics::Series(const std::string& id) {
@@ -490,7 +572,7 @@ ServerMetrics::ModelSeries& ServerMetrics::Series(const std::string& id) {
         &duplicate_requests_->Add(l), &poisoned_windows_->Add(l),
         &loss_sum_->Add(PhaseLabels(id, "train")), &window_loss_->Add(l),
         /*eval_valid_tokens=*/nullptr, /*eval_loss_sum=*/nullptr,
-        /*policy=*/{}, /*window_loss_sum=*/0.0});
+        PolicySeries(id), /*window_loss_sum=*/0.0});
   }
   return *slot;
 }
@@ -538,7 +620,7 @@ void ServerMetrics::RecordForwardBackward(
   if (std::isfinite(result.loss_sum())) {
     (accumulated ? s.loss_sum : s.eval_loss_sum)->Increment(result.loss_sum());
   }
-  if (result.has_policy()) RecordPolicy(model_id, result.policy(), s);
+  if (result.has_policy()) RecordPolicy(result.policy(), s);
   if (accumulated) {
     s.samples->Increment(static_cast<double>(result.num_samples()));
     s.pending_tokens->Set(static_cast<double>(result.accumulated_tokens()));
@@ -547,15 +629,20 @@ void ServerMetrics::RecordForwardBackward(
   RecordRankStateLocked();
 }
 
-void ServerMetrics::RecordPolicy(const std::string& model_id,
-                                 const v1::PolicyStats& policy,
-                                 ModelSeries& s) {
-  if (s.policy.empty()) {
-    for (const PolicyStat& stat : kPolicyStats) {
-      s.policy.push_back(
-          &policy_->Add({{"model_id", model_id}, {"stat", stat.name}}));
-    }
+std::vector<prometheus::Gauge*> ServerMetrics::PolicySeries(
+    const std::string& model_id) {
+  std::vector<prometheus::Gauge*> series;
+  for (const PolicyStat& stat : kPolicyStats) {
+    prometheus::Labels labels = {{"model_id", model_id}};
+    if (stat.label != nullptr) labels[stat.label] = stat.value_label;
+    series.push_back(&policy_[stat.family]->Add(labels));
+    series.back()->Set(std::numeric_limits<double>::quiet_NaN());
   }
+  return series;
+}
+
+void ServerMetrics::RecordPolicy(const v1::PolicyStats& policy,
+                                 ModelSeries& s) {
   // A call without valid tokens has no statistics to show.
   if (policy.tokens() == 0) return;
   for (size_t i = 0; i < std::size(kPolicyStats); ++i) {
@@ -629,6 +716,10 @@ void ServerMetrics::SetModelCount(size_t count) {
 void ServerMetrics::RemoveModel(const std::string& model_id) {
   absl::MutexLock lock(&mu_);
   RemoveRankSeries(model_id);
+  RemoveModelSeries(model_id);
+}
+
+void ServerMetrics::RemoveModelSeries(const std::string& model_id) {
   auto it = series_.find(model_id);
   if (it == series_.end()) return;
   const ModelSeries& s = *it->second;
@@ -646,7 +737,9 @@ void ServerMetrics::RemoveModel(const std::string& model_id) {
   poisoned_windows_->Remove(s.poisoned_windows);
   loss_sum_->Remove(s.loss_sum);
   window_loss_->Remove(s.window_loss);
-  for (prometheus::Gauge* gauge : s.policy) policy_->Remove(gauge);
+  for (size_t i = 0; i < std::size(kPolicyStats); ++i) {
+    policy_[kPolicyStats[i].family]->Remove(s.policy[i]);
+  }
   if (s.eval_valid_tokens != nullptr) {
     valid_tokens_->Remove(s.eval_valid_tokens);
     loss_sum_->Remove(s.eval_loss_sum);
@@ -690,8 +783,11 @@ void ServerMetrics::RecordRankStateLocked() {
       const auto op = static_cast<CommOp>(i);
       const CommCounter& now = comm->stats().Get(op);
       const std::string key = absl::StrCat(roles, "/", CommOpName(op));
-      // Ops a communicator never ran get no series (most pairs of the 6x6).
-      if (now.calls == 0 && comm_series_.count(key) == 0) continue;
+      // Ops a communicator never ran get no series (most pairs of the 6x6),
+      // except the world's, which start at 0 (the dashboard's traffic).
+      const bool world =
+          absl::StrContains(absl::StrCat("+", roles, "+"), "+world+");
+      if (now.calls == 0 && !world && comm_series_.count(key) == 0) continue;
       auto& slot = comm_series_[key];
       if (!slot) {
         const prometheus::Labels l = {{"communicator", roles},
@@ -711,6 +807,9 @@ void ServerMetrics::RecordRankStateLocked() {
   std::set<std::string> live;
   for (const ModelSummary& summary : engine_->ListModels()) {
     live.insert(summary.model_id);
+    // Rank 0's request-level series exist as soon as the model does (a
+    // --demo-model or a resumed one included), before its first request.
+    if (engine_->mesh().rank() == 0) Series(summary.model_id);
     absl::StatusOr<CausalLm*> model = engine_->model(summary.model_id);
     if (!model.ok()) continue;
     // The shards, and under ZeRO-1/2 the gathered copies (and ZeRO-1's
@@ -739,6 +838,11 @@ void ServerMetrics::RecordRankStateLocked() {
     if (live.count(id) == 0) gone.push_back(id);
   }
   for (const std::string& id : gone) RemoveRankSeries(id);
+  gone.clear();
+  for (const auto& [id, series] : series_) {
+    if (live.count(id) == 0) gone.push_back(id);
+  }
+  for (const std::string& id : gone) RemoveModelSeries(id);
 }
 
 void ServerMetrics::RecordDuplicate(const std::string& model_id) {

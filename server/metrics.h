@@ -8,7 +8,10 @@
 // collectives (calls and bytes per communicator and op) and the bytes of its
 // parameter, gradient and optimizer-state shards. Every metric is documented
 // in docs/metrics.md; labels are bounded (model ids, RPC names, status
-// codes, communicator roles), never request ids.
+// codes, communicator roles), never request ids. Every series a dashboard
+// panel or alert plots exists before its first event (at 0, or NaN for a
+// statistic not computed yet), and /metrics also carries the process_*
+// series (server/process_metrics.h).
 //
 //   TALLY_ASSIGN_OR_RETURN(
 //       auto metrics,
@@ -25,11 +28,13 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <array>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -43,6 +48,10 @@ namespace tally {
 
 class ServerMetrics {
  public:
+  // The tally_policy_* families (importance ratio, clipped tokens ratio,
+  // log-probability gap, KL), one per unit.
+  using PolicyFamilies = std::array<prometheus::Family<prometheus::Gauge>*, 4>;
+
   // Binds `address` ("host:port", port 0 picks a free one). `engine` (not
   // owned, outlives the metrics, only read) gives the `rank` label and the rank
   // state. The request-flow recorders (RecordRequest, RecordDuplicate,
@@ -67,6 +76,10 @@ class ServerMetrics {
   // HttpEndpoint::SetReadinessCheck.
   void SetReadinessCheck(std::function<absl::Status()> check) {
     http_->SetReadinessCheck(std::move(check));
+  }
+  // HttpEndpoint::SetLivenessCheck.
+  void SetLivenessCheck(std::function<absl::Status()> check) {
+    http_->SetLivenessCheck(std::move(check));
   }
 
   // Front end (rank 0).
@@ -103,7 +116,8 @@ class ServerMetrics {
                                      double seconds);
   void ObserveOptimStepSeconds(const std::string& model_id, double seconds);
   // Copies this rank's collective counters and shard sizes from the engine;
-  // models gone from the engine lose their series.
+  // models gone from the engine lose their series, and on rank 0 every
+  // model the engine holds has its request-level series.
   void RecordRankState();
   // From now on RecordRankState also reads the memory of `device`, the
   // rank's, into the device memory gauges (server/device_metrics.h); nothing
@@ -130,6 +144,10 @@ class ServerMetrics {
  private:
   ServerMetrics() = default;
 
+  // Rank 0: the series of the refusal counters, the admitted bytes and every
+  // RPC's OK count, at 0 before anything happens.
+  void StartRequestSeriesAtZero();
+
   struct ModelSeries;
   struct RankModelSeries;
   struct CommSeries;
@@ -139,14 +157,19 @@ class ServerMetrics {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveRankSeries(const std::string& model_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveModelSeries(const std::string& model_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The labels of model `id`'s execution-time histograms: model_id on rank
   // 0; none on the other ranks, whose histograms every model shares (they
   // would otherwise multiply each model's 50 series by the world size).
   prometheus::Labels TimingLabels(const std::string& id) const;
   void RecordRankStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sets tally_policy of `s`, the series of model_id.
-  void RecordPolicy(const std::string& model_id, const v1::PolicyStats& policy,
-                    ModelSeries& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Creates model_id's tally_policy_* series (at NaN).
+  std::vector<prometheus::Gauge*> PolicySeries(const std::string& model_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the tally_policy_* series of `s`.
+  void RecordPolicy(const v1::PolicyStats& policy, ModelSeries& s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Engine* engine_ = nullptr;
   std::shared_ptr<prometheus::Registry> registry_;
@@ -162,7 +185,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>* loss_ = nullptr;
   prometheus::Family<prometheus::Counter>* loss_sum_ = nullptr;
   prometheus::Family<prometheus::Gauge>* window_loss_ = nullptr;
-  prometheus::Family<prometheus::Gauge>* policy_ = nullptr;
+  PolicyFamilies policy_{};
   prometheus::Family<prometheus::Gauge>* model_step_ = nullptr;
   prometheus::Family<prometheus::Histogram>* forward_backward_seconds_ =
       nullptr;

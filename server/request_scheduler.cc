@@ -49,6 +49,9 @@ std::function<void(const absl::Status&)> RequestScheduler::ReplyOnce(
 }
 
 absl::Status RequestScheduler::RunGuarded(const ScheduledRequest& request) {
+  // What the command logs names its model and request (its seq_id).
+  const LogContext context(
+      request.model_id, request.seq_id > 0 ? absl::StrCat(request.seq_id) : "");
   std::string what;
   try {
     return request.run();

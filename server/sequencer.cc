@@ -196,6 +196,10 @@ uint64_t RequestFingerprint(const google::protobuf::Message& request) {
 Sequencer::Sequencer(SequencerOptions options, SequencerHooks hooks)
     : options_(std::move(options)),
       hooks_(std::move(hooks)),
+      heartbeat_(
+          options_.liveness == nullptr
+              ? nullptr
+              : options_.liveness->Register("sequencer", Liveness::kLoopBound)),
       gap_timer_([this] { GapTimerLoop(); }) {}
 
 Sequencer::~Sequencer() {
@@ -525,14 +529,17 @@ void Sequencer::GapTimerLoop() {
     return q.gap_since +
            (q.restored ? options_.restored_gap_timeout : options_.gap_timeout);
   };
+  const absl::Duration period =
+      heartbeat_ ? heartbeat_->period() : absl::InfiniteDuration();
   while (!exiting_) {
+    if (heartbeat_) heartbeat_->Beat();
     absl::Time earliest = absl::InfiniteFuture();
     for (const auto& [id, queue] : models_) {
       earliest = std::min(earliest, deadline(*queue));
     }
     const absl::Time now = absl::Now();
     if (earliest > now) {
-      gap_changed_.WaitWithDeadline(&mu_, earliest);
+      gap_changed_.WaitWithDeadline(&mu_, std::min(earliest, now + period));
       continue;
     }
     // Models whose window a lost request poisoned, and the answers.

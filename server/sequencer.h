@@ -55,6 +55,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/health.h"
 
 namespace tally {
 
@@ -101,6 +102,9 @@ struct SequencerOptions {
   // ... as long as the kept responses of the model total at most
   // `cache_bytes`; beyond it the oldest outside the last `cache_size` go.
   size_t cache_bytes = size_t{256} << 20;
+  // Optional, outlives the Sequencer: the gap timer's loop beats on it as
+  // "sequencer" (server/health.h).
+  Liveness* liveness = nullptr;
 };
 
 // The observers (metrics) are optional; none of the hooks may call back into
@@ -241,6 +245,7 @@ class Sequencer {
   absl::Status stopped_ ABSL_GUARDED_BY(mu_);
   bool exiting_ ABSL_GUARDED_BY(mu_) = false;
   absl::CondVar gap_changed_;
+  const std::unique_ptr<Liveness::Heartbeat> heartbeat_;
   std::thread gap_timer_;
 };
 

@@ -230,6 +230,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
     const ServerOptions& options) {
+  TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
+  SetLogRank(env.rank);  // every line of this process from now on
   // Before the first matmul: BLIS reads its thread count once, at its first
   // call.
   TALLY_RETURN_IF_ERROR(SetComputeThreads(
@@ -248,7 +250,6 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
       absl::StrCat("device: ", device.device.str(), " (", device.why, ")"));
   engine_options.device = device.device;
   engine_options.allow_tf32 = options.allow_tf32;
-  TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
   if (env.world_size != options.mesh.world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the world has ", env.world_size, " ranks (from ",
@@ -260,11 +261,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateRankEngine(
   if (env.world_size == 1) {
     TALLY_ASSIGN_OR_RETURN(engine, Engine::CreateSingleRank(engine_options));
   } else {
-    Log(LogLevel::kInfo,
-        absl::StrCat("rank ", env.rank, " of ", env.world_size, " (from ",
-                     env.source, "), mesh ", options.mesh.ToString(),
-                     ", rendezvous at ", env.master_addr, ":",
-                     env.master_port));
+    // ProcessGroups::Create logs the rank, its source, master and mesh.
     TALLY_ASSIGN_OR_RETURN(
         auto groups,
         ProcessGroups::Create(
@@ -397,6 +394,9 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
       ServerMetrics::Create(absl::StrCat(options.host, ":", metrics_port),
                             s->engine_.get(), std::move(scraper)));
   SetReadinessCheck(*s->metrics_, *s->engine_, s->progress_.get());
+  s->liveness_ = std::make_unique<Liveness>();
+  s->metrics_->SetLivenessCheck(
+      [liveness = s->liveness_.get()] { return liveness->Check(); });
   TALLY_ASSIGN_OR_RETURN(const RankDevice device, ChooseRankDevice(options));
   s->metrics_->WatchDeviceMemory(device.device);
   TALLY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
@@ -443,7 +443,8 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
     s->resume_ = s->checkpointer_->Resume();
   }
   s->metrics_->SetModelCount(s->engine_->num_models());
-  s->executor_ = std::make_unique<CommandExecutor>();
+  s->executor_ = std::make_unique<CommandExecutor>(s->liveness_.get());
+  service_options.sequencing.liveness = s->liveness_.get();
 
   service_options.sequencing.gap_timeout =
       absl::Seconds(options.seq_gap_timeout_secs);

@@ -27,6 +27,7 @@
 #include "server/auth.h"
 #include "server/checkpointer.h"
 #include "server/executor.h"
+#include "server/health.h"
 #include "server/metrics.h"
 #include "server/progress_watch.h"
 #include "server/trainer_service.h"
@@ -56,6 +57,7 @@ struct ServerOptions {
   // Tokens of one ForwardBackward, all samples together.
   int64_t max_tokens_per_call = int64_t{1} << 20;
   std::string log_level = "info";
+  std::string log_format = "text";  // --log-format: text or json
   // Create model "demo" (the embedded default config) at start.
   bool demo_model = false;
   // Written as {"grpc_port": N, "metrics_port": M} once serving; ranks > 0
@@ -171,6 +173,9 @@ class TallyServer {
 
   ServerOptions options_;
   std::unique_ptr<Engine> engine_;
+  // Before executor_ and service_, whose loops beat on it, and metrics_,
+  // whose /healthz checks it.
+  std::unique_ptr<Liveness> liveness_;
   // Before metrics_, whose scrapes read its queue depth until destroyed.
   std::unique_ptr<CommandExecutor> executor_;
   // Before metrics_, whose /readyz reads it (null on one rank).

@@ -1,8 +1,8 @@
 // The local rank launcher: environment, failure propagation, signal
-// forwarding, the SIGKILL escalation and the "[rank r] " output prefix, with
-// /bin/sh ranks. Tests where the launcher itself receives signals run it in a
-// forked child: in this multi-threaded test binary, other threads do not
-// block SIGTERM, so the signal could land on one of them.
+// forwarding, the SIGKILL escalation and the "[rank r] " output prefix (or
+// JSON lines), with /bin/sh ranks. Tests where the launcher itself receives
+// signals run it in a forked child: in this multi-threaded test binary, other
+// threads do not block SIGTERM, so the signal could land on one of them.
 #include "server/launcher.h"
 
 #include <fcntl.h>
@@ -18,11 +18,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -340,6 +342,31 @@ TEST_F(LauncherTest, OutputLinesArePrefixedWithTheRank) {
     const auto more_line =
         std::find(out.begin(), out.end(), absl::StrCat(prefix, "more ", rank));
     EXPECT_LT(out_line, more_line) << "rank " << rank;
+  }
+}
+
+// --log-format json: JSON lines pass unchanged; any other line (a library's
+// own format) becomes a JSON object of its rank; no prefix.
+TEST_F(LauncherTest, JsonOutputWrapsForeignLines) {
+  constexpr int kRanks = 2;
+  LaunchOptions options =
+      ShellRanks(kRanks, "echo '{\"rank\":'$RANK'}'; echo plain $RANK");
+  options.json_output = true;
+  const pid_t launcher = ForkLauncher(options, Path("stdout"));
+  ASSERT_EQ(WaitForExit(launcher, absl::Seconds(10)), 0)
+      << ReadFile(Path("result"));
+  const std::vector<std::string> out = Lines(ReadFile(Path("stdout")));
+  ASSERT_EQ(out.size(), 2u * kRanks) << ReadFile(Path("stdout"));
+  for (int rank = 0; rank < kRanks; ++rank) {
+    EXPECT_TRUE(Contains(out, absl::StrCat("{\"rank\":", rank, "}")));
+    const auto wrapped = std::find_if(out.begin(), out.end(), [&](auto& line) {
+      return absl::StrContains(line, absl::StrCat("plain ", rank));
+    });
+    ASSERT_NE(wrapped, out.end()) << rank;
+    const nlohmann::json line = nlohmann::json::parse(*wrapped);
+    EXPECT_EQ(line["rank"], rank);
+    EXPECT_EQ(line["level"], "info");
+    EXPECT_EQ(line["message"], absl::StrCat("plain ", rank));
   }
 }
 

@@ -169,6 +169,7 @@ TEST(ServerFlagsTest, BadFlagsAreNamed) {
        std::vector<Case>{{{"--grpc-port", "70000"}, "--grpc-port"},
                          {{"--grpc-port", "abc"}, "--grpc-port"},
                          {{"--log-level", "loud"}, "--log-level"},
+                         {{"--log-format", "yaml"}, "--log-format"},
                          {{"--max-message-bytes", "10"}, "--max-message-bytes"},
                          {{"--metrics-port"}, "--metrics-port"},
                          {{"--no-such-flag"}, "--no-such-flag"},

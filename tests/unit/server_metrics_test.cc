@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -82,6 +83,33 @@ int64_t Bytes(CausalLm& model, bool gradients) {
     if (t.defined()) total += t.numel() * t.element_size();
   }
   return total;
+}
+
+// Rank 0 starts every refusal counter a dashboard or alert plots at 0, one
+// series per reason, and counts from there; /metrics also carries the
+// process_* series.
+TEST(ServerMetricsTest, RefusalCountersStartAtZero) {
+  auto engine = Engine::CreateSingleRank({});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto metrics = ServerMetrics::Create("127.0.0.1:0", engine->get());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  const std::string auth = "tally_auth_failures_total{rank=\"0\",reason=";
+  const std::string memory = "tally_memory_refusals_total{rank=\"0\",refused=";
+  std::string text = Scrape((*metrics)->port());
+  EXPECT_EQ(Value(text, auth + "\"missing_token\"}"), 0) << text;
+  EXPECT_EQ(Value(text, auth + "\"invalid_token\"}"), 0) << text;
+  EXPECT_EQ(Value(text, memory + "\"model\"}"), 0) << text;
+  EXPECT_EQ(Value(text, memory + "\"call\"}"), 0) << text;
+  EXPECT_EQ(Value(text, "tally_memory_admitted_bytes{rank=\"0\"}"), 0);
+  EXPECT_GT(Value(text, "process_resident_memory_bytes{rank=\"0\"}"), 0);
+
+  (*metrics)->RecordAuthFailure("invalid_token");
+  (*metrics)->RecordMemoryRefusal("call");
+  text = Scrape((*metrics)->port());
+  EXPECT_EQ(Value(text, auth + "\"missing_token\"}"), 0);
+  EXPECT_EQ(Value(text, auth + "\"invalid_token\"}"), 1);
+  EXPECT_EQ(Value(text, memory + "\"model\"}"), 0);
+  EXPECT_EQ(Value(text, memory + "\"call\"}"), 1);
 }
 
 TEST(ServerMetricsTest, RankStateFollowsTheEngine) {
@@ -351,9 +379,10 @@ TEST_F(ModelMetricsTest, LossSumsByPhaseAndTheWindowLoss) {
   EXPECT_EQ(text.find("model_id=\"m\""), std::string::npos) << text;
 }
 
-// tally_policy: absent until a call carries sampling_logprobs, then the
-// call's PolicyStats per stat (eight series per model), kept by calls
-// without them, and dropped with the model.
+// The tally_policy_* families, one per unit: NaN from the model's first
+// call until a call carries sampling_logprobs, then that call's PolicyStats
+// (eight series per model), kept by calls without them, and dropped with
+// the model.
 TEST_F(ModelMetricsTest, PolicyStatisticsOfTheLastRlCall) {
   ServerMetrics& m = *metrics_;
   auto call = [&](std::vector<Sample> samples, const char* loss) {
@@ -361,39 +390,47 @@ TEST_F(ModelMetricsTest, PolicyStatisticsOfTheLastRlCall) {
     args.loss = ParseLossSpec(loss, {}).value();
     return Call(args);
   };
-  auto stat = [](const std::string& text, const char* name) {
-    return Value(text, absl::StrCat("tally_policy{rank=\"0\",model_id=\"m\","
-                                    "stat=\"",
-                                    name, "\"}"));
-  };
+  const std::string model = "{rank=\"0\",model_id=\"m\"";
+  const std::string ratio = "tally_policy_importance_ratio" + model;
+  const std::string gap = "tally_policy_logprob_gap_nats" + model;
+  const std::string clipped = "tally_policy_clipped_tokens_ratio" + model + "}";
+  const std::string kl = "tally_policy_kl_nats{rank=\"0\",estimator=";
   call(MakeSamples(vocab_, {3, 5}, 7), "cross_entropy");
-  EXPECT_EQ(Scrape(m.port()).find("tally_policy{"), std::string::npos);
+  std::string text = Scrape(m.port());
+  EXPECT_TRUE(std::isnan(Value(text, ratio + ",stat=\"mean\"}"))) << text;
+  EXPECT_TRUE(std::isnan(Value(text, clipped))) << text;
+  EXPECT_TRUE(std::isnan(Value(text, kl + "\"k3\",model_id=\"m\"}"))) << text;
 
   std::vector<Sample> rl = MakeSamples(vocab_, {4, 6}, 8);
   testing::AddPolicyInputs(rl, -std::log(vocab_), 9);
   const v1::PolicyStats policy = call(rl, "ppo").policy();
   ASSERT_EQ(policy.tokens(), 10);
   call(MakeSamples(vocab_, {2}, 10), "cross_entropy");  // keeps them
-  const std::string text = Scrape(m.port());
-  EXPECT_NEAR(stat(text, "ratio_mean"), policy.ratio_mean(), 1e-15);
-  EXPECT_NEAR(stat(text, "ratio_min"), policy.ratio_min(), 1e-15);
-  EXPECT_NEAR(stat(text, "ratio_max"), policy.ratio_max(), 1e-15);
-  EXPECT_NEAR(stat(text, "clipped_fraction"), policy.clipped_fraction(), 1e-15);
+  text = Scrape(m.port());
+  EXPECT_NEAR(Value(text, ratio + ",stat=\"mean\"}"), policy.ratio_mean(),
+              1e-15);
+  EXPECT_NEAR(Value(text, ratio + ",stat=\"min\"}"), policy.ratio_min(), 1e-15);
+  EXPECT_NEAR(Value(text, ratio + ",stat=\"max\"}"), policy.ratio_max(), 1e-15);
+  EXPECT_NEAR(Value(text, clipped), policy.clipped_fraction(), 1e-15);
   EXPECT_GT(policy.clipped_fraction(), 0);
-  EXPECT_NEAR(stat(text, "logprob_gap_mean"), policy.logprob_gap_mean(), 1e-15);
-  EXPECT_NEAR(stat(text, "logprob_gap_max"), policy.logprob_gap_max(), 1e-15);
-  EXPECT_NEAR(stat(text, "kl_k1"), policy.kl_k1(), 1e-15);
-  EXPECT_NEAR(stat(text, "kl_k3"), policy.kl_k3(), 1e-15);
+  EXPECT_NEAR(Value(text, gap + ",stat=\"mean\"}"), policy.logprob_gap_mean(),
+              1e-15);
+  EXPECT_NEAR(Value(text, gap + ",stat=\"max\"}"), policy.logprob_gap_max(),
+              1e-15);
+  EXPECT_NEAR(Value(text, kl + "\"k1\",model_id=\"m\"}"), policy.kl_k1(),
+              1e-15);
+  EXPECT_NEAR(Value(text, kl + "\"k3\",model_id=\"m\"}"), policy.kl_k3(),
+              1e-15);
 
   ASSERT_TRUE(engine_->DeleteModel("m").ok());
   m.RemoveModel("m");
-  EXPECT_EQ(Scrape(m.port()).find("tally_policy{"), std::string::npos);
+  EXPECT_EQ(Scrape(m.port()).find("tally_policy_"), std::string::npos);
 }
 
-// The series one model adds to rank 0, as docs/metrics.md counts them: 102
+// The series one model adds to rank 0, as docs/metrics.md counts them: 110
 // once it trained and stepped (the grad norm histogram's 36, the execution
-// histograms' 2 x 25, 13 gauges and counters, 3 shard sizes), 2 more once
-// evaluated, 8 more once a call carries sampling_logprobs.
+// histograms' 2 x 25, 13 gauges and counters, 8 policy statistics, 3 shard
+// sizes), 2 more once evaluated, none once a call carries sampling_logprobs.
 TEST_F(ModelMetricsTest, SeriesPerModelAreBoundedAsDocumented) {
   auto count = [&] {
     const std::string text = Scrape(metrics_->port());
@@ -416,9 +453,9 @@ TEST_F(ModelMetricsTest, SeriesPerModelAreBoundedAsDocumented) {
   ForwardBackwardArgs rl{samples};
   rl.loss = ParseLossSpec("ppo", {}).value();
   Call(rl);
-  EXPECT_EQ(trained, 102);
+  EXPECT_EQ(trained, 110);
   EXPECT_EQ(evaluated - trained, 2);
-  EXPECT_EQ(count() - evaluated, 8);
+  EXPECT_EQ(count() - evaluated, 0);
 }
 
 // The largest finite buckets docs/metrics.md states: ForwardBackward and
