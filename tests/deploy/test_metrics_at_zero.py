@@ -3,8 +3,8 @@
 Starts a single-rank tally-server with its demo model and sends it no RPC,
 scrapes its /metrics once, and checks that every metric named by a query of
 deploy/k8s/base/grafana-dashboard.json (panels and variables) and by an alert
-of the PrometheusRule (deploy/k8s/components/monitoring/prometheusrule.yaml,
-or deploy/k8s/base/prometheusrule.yaml before the move) has at least one
+of the PrometheusRule (deploy/k8s/components/monitoring/prometheusrule.yaml)
+has at least one
 sample: a panel or alert must never see "no data" for a counter that has not
 counted yet. The metric names come from parsing the PromQL expressions, not
 from a list here. The process_* series are there too (their values:
@@ -24,8 +24,7 @@ from tally_testing import TallyServer
 
 SOURCE_DIR = os.environ["TALLY_SOURCE_DIR"]
 K8S_DIR = os.path.join(SOURCE_DIR, "deploy", "k8s")
-RULE_PATHS = [os.path.join(K8S_DIR, "components", "monitoring", "prometheusrule.yaml"),
-              os.path.join(K8S_DIR, "base", "prometheusrule.yaml")]
+RULE_PATH = os.path.join(K8S_DIR, "components", "monitoring", "prometheusrule.yaml")
 
 # Series Prometheus adds to every scrape itself; no exporter serves them.
 PROMETHEUS_SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped",
@@ -76,8 +75,7 @@ def dashboard_exprs():
 
 
 def rule_exprs():
-    path = next(p for p in RULE_PATHS if os.path.exists(p))
-    with open(path, encoding="utf-8") as f:
+    with open(RULE_PATH, encoding="utf-8") as f:
         rules = yaml.safe_load(f)["spec"]
     return [r["expr"] for g in rules["groups"] for r in g["rules"]]
 
