@@ -4,8 +4,7 @@ Starts a single-rank tally-server with its demo model and sends it no RPC,
 scrapes its /metrics once, and checks that every metric named by a query of
 deploy/k8s/base/grafana-dashboard.json (panels and variables) and by an alert
 of the PrometheusRule (deploy/k8s/components/monitoring/prometheusrule.yaml)
-has at least one
-sample: a panel or alert must never see "no data" for a counter that has not
+has at least one sample: a panel or alert must never see "no data" for a counter that has not
 counted yet. The metric names come from parsing the PromQL expressions, not
 from a list here. The process_* series are there too (their values:
 tests/unit/process_metrics_test.cc).
