@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -13,6 +14,9 @@
 
 namespace tally {
 namespace {
+
+// The payload that marks a FlagError (its value is unused).
+constexpr char kFlagErrorPayload[] = "tally.dev/command-line-error";
 
 // Breaks `text` into lines of at most `width` characters at spaces.
 std::string WrapWords(const std::string& text, size_t width) {
@@ -33,6 +37,22 @@ std::string WrapWords(const std::string& text, size_t width) {
 }
 
 }  // namespace
+
+absl::Status FlagError(absl::string_view message) {
+  absl::Status status = absl::InvalidArgumentError(message);
+  status.SetPayload(kFlagErrorPayload, absl::Cord());
+  return status;
+}
+
+absl::Status FlagValueError(absl::string_view flag, absl::string_view value,
+                            absl::string_view expected) {
+  return FlagError(
+      absl::StrCat("flag --", flag, ": '", value, "' is not ", expected));
+}
+
+bool IsFlagError(const absl::Status& status) {
+  return status.GetPayload(kFlagErrorPayload).has_value();
+}
 
 FlagParser::FlagParser(std::string usage, std::vector<std::string> positional,
                        std::string description)
@@ -96,8 +116,7 @@ const FlagParser::Flag* FlagParser::Find(const std::string& name) const {
 
 absl::Status FlagParser::Assign(const Flag& flag, const std::string& text) {
   auto bad_value = [&](const char* expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("flag --", flag.name, ": '", text, "' is not ", expected));
+    return FlagValueError(flag.name, text, expected);
   };
   return std::visit(
       [&](auto* value) -> absl::Status {
@@ -141,14 +160,14 @@ absl::StatusOr<std::vector<std::string>> FlagParser::Parse(
       continue;
     }
     if (arg[1] != '-') {
-      return absl::InvalidArgumentError(
+      return FlagError(
           absl::StrCat("unknown flag ", arg, " (flags start with --)"));
     }
     const size_t equals = arg.find('=');
     const std::string name = arg.substr(2, equals - 2);
     const Flag* flag = Find(name);
     if (flag == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
+      return FlagError(absl::StrCat("unknown flag --", name));
     }
     std::string value;
     if (equals != std::string::npos) {
@@ -158,14 +177,13 @@ absl::StatusOr<std::vector<std::string>> FlagParser::Parse(
     } else if (i + 1 < args.size()) {
       value = args[++i];
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("flag --", name, " needs a value"));
+      return FlagError(absl::StrCat("flag --", name, " needs a value"));
     }
     absl::Status assigned = Assign(*flag, value);
     if (!assigned.ok()) return assigned;
   }
   if (positional.size() != positional_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
+    return FlagError(absl::StrCat(
         "expected ", positional_.size(), " argument(s)",
         positional_.empty()
             ? ""

@@ -2,7 +2,10 @@
 // (tallyctl's), bound straight to typed variables, with generated --help.
 //
 // Flags are `--name value` or `--name=value`; a bool flag is just `--name`.
-// `--` ends the flags. Parse errors are INVALID_ARGUMENT naming the flag.
+// `--` ends the flags. Parse errors are INVALID_ARGUMENT naming the flag,
+// marked as command-line errors (IsFlagError): a CLI exits 2 for them, and
+// for the flag values it checks itself (FlagValueError), but 1 for a
+// server's INVALID_ARGUMENT.
 //
 //   int steps = 30;
 //   std::optional<double> lr;  // absent unless given
@@ -21,9 +24,19 @@
 #include <variant>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace tally {
+
+// INVALID_ARGUMENT `message`, marked as an error in the command line.
+absl::Status FlagError(absl::string_view message);
+// FlagError "flag --<flag>: '<value>' is not <expected>".
+absl::Status FlagValueError(absl::string_view flag, absl::string_view value,
+                            absl::string_view expected);
+// True for the errors FlagError made (and FlagParser::Parse returns).
+bool IsFlagError(const absl::Status& status);
 
 class FlagParser {
  public:

@@ -1,11 +1,11 @@
 // tallyctl: command-line client of a tally server. Manages models and runs a
 // small next-byte-prediction training loop on a text file.
 //
-//   tallyctl create --model-id demo --seed 1
+//   tallyctl create --model-id demo --seed 1 --dtype bf16
 //   tallyctl train demo --steps 30 --calls-per-step 4
-//   tallyctl save demo /tmp/ckpt && tallyctl list
+//   tallyctl save demo /tmp/ckpt && tallyctl list --output json
 //   tallyctl export demo /tmp/demo-hf --dtype bfloat16
-//   tallyctl list --target tally:50051 --ca-cert ca.pem --token "$TOKEN"
+//   tallyctl server-info --target tally:50051 --ca-cert ca.pem --token "$T"
 //
 // The commands that change a model (train, load, abort) send its next
 // seq_ids as the server reports them, so a retried call is answered from the
@@ -14,10 +14,11 @@
 // export change nothing and stay unsequenced.
 //
 // Exit status: 0 on success, 1 when the server or a file on it fails (the
-// gRPC code and message go to stderr), 2 on a command-line error (an
-// unreadable --ca-cert, --client-cert or --client-key included).
+// gRPC code and message go to stderr), 2 on a command-line error: an
+// unknown command or flag, a missing argument or flag value, a flag value
+// tallyctl refuses (FlagError, client/command_line.h), an unreadable
+// --ca-cert, --client-cert or --client-key.
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -31,8 +32,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
@@ -40,8 +44,11 @@
 #include "base/file_text.h"
 #include "base/status.h"
 #include "client/command_line.h"
+#include "client/dtype_names.h"
+#include "client/output.h"
 #include "client/text_batcher.h"
 #include "client/trainer_client.h"
+#include "nlohmann/json.hpp"
 
 namespace tally {
 namespace {
@@ -55,40 +62,32 @@ absl::Status Annotate(const absl::Status& status, const std::string& where) {
                       absl::StrCat(where, ": ", status.message()));
 }
 
-// "DTYPE_FLOAT32" -> "float32".
+// "OPTIMIZER_ADAMW" -> "adamw".
 std::string EnumLabel(const std::string& name, absl::string_view prefix) {
-  std::string label(absl::StripPrefix(name, prefix));
-  std::transform(label.begin(), label.end(), label.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
-  return label;
+  return absl::AsciiStrToLower(absl::StripPrefix(name, prefix));
 }
 
-std::string DTypeLabel(v1::DType dtype) {
-  return EnumLabel(v1::DType_Name(dtype), "DTYPE_");
-}
 std::string OptimizerLabel(v1::Optimizer optimizer) {
   return EnumLabel(v1::Optimizer_Name(optimizer), "OPTIMIZER_");
 }
 
-// The dtype of `allowed` whose label is --dtype's `label`.
+std::string YesNo(bool value) { return value ? "yes" : "no"; }
+
+// The dtype of `allowed` that --dtype's `name` spells (client/dtype_names.h).
 absl::StatusOr<v1::DType> ParseDTypeFlag(
-    const std::string& label, const std::vector<v1::DType>& allowed) {
-  std::string expected;
-  for (size_t i = 0; i < allowed.size(); ++i) {
-    if (DTypeLabel(allowed[i]) == label) return allowed[i];
-    const char* separator = i == 0                    ? ""
-                            : i + 1 == allowed.size() ? " or "
-                                                      : ", ";
-    absl::StrAppend(&expected, separator, DTypeLabel(allowed[i]));
+    const std::string& name, const std::vector<v1::DType>& allowed) {
+  const std::optional<v1::DType> dtype = ProtoDTypeNamed(name);
+  if (dtype.has_value() &&
+      std::find(allowed.begin(), allowed.end(), *dtype) != allowed.end()) {
+    return *dtype;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("flag --dtype: '", label, "' is not ", expected));
+  return FlagValueError("dtype", name, DTypeSpellings(allowed));
 }
 
-void PrintModelInfo(const v1::ModelInfo& info) {
+void PrintModelInfo(std::ostream& out, const v1::ModelInfo& info) {
   const v1::ModelConfig& c = info.config();
   const v1::AdamParams& adam = info.default_adam();
-  std::cout << absl::StrFormat(
+  out << absl::StrFormat(
       "model %s\n"
       "  step %d, %d parameters, %s, %s\n"
       "  config: vocab_size=%d hidden_size=%d intermediate_size=%d "
@@ -109,7 +108,7 @@ void PrintModelInfo(const v1::ModelInfo& info) {
       info.accumulated_tokens(), info.accumulated_samples());
   if (info.has_lora()) {
     const v1::LoraConfig& lora = info.lora();
-    std::cout << absl::StrFormat(
+    out << absl::StrFormat(
         "  LoRA adapter: rank=%d alpha=%g attn=%s mlp=%s unembed=%s, %d "
         "trainable parameters (%d bytes)\n"
         "  base: %s\n",
@@ -142,20 +141,22 @@ class SeqIds {
 };
 
 // "<what>: 3 calls, 120 tokens, 4 samples" when calls > 0.
-void PrintWindow(const std::string& what, int64_t calls, int64_t tokens,
-                 int64_t samples) {
+void PrintWindow(std::ostream& out, const std::string& what, int64_t calls,
+                 int64_t tokens, int64_t samples) {
   if (calls == 0) return;
-  std::cout << absl::StrFormat("%s: %d calls, %d tokens, %d samples\n", what,
-                               calls, tokens, samples);
+  out << absl::StrFormat("%s: %d calls, %d tokens, %d samples\n", what, calls,
+                         tokens, samples);
 }
 
-// One subcommand: binds its flags, then runs against a connected client.
+// One subcommand: binds its flags, then runs against a connected client,
+// printing its results to `out`. A flag value it refuses is a FlagError.
 class Command {
  public:
   virtual ~Command() = default;
   virtual void AddFlags(FlagParser& flags) {}
   virtual absl::Status Run(TrainerClient& client,
-                           const std::vector<std::string>& args) = 0;
+                           const std::vector<std::string>& args,
+                           Output& out) = 0;
 };
 
 class CreateCommand : public Command {
@@ -163,14 +164,20 @@ class CreateCommand : public Command {
   void AddFlags(FlagParser& flags) override {
     flags.Add("model-id", &model_id_, "model id (empty: the server picks one)");
     flags.Add("seed", &seed_, "parameter initialization seed");
-    flags.Add("dtype", &dtype_, "parameter dtype: float32 or float64");
+    flags.Add("dtype", &dtype_,
+              "float32, float64, or bfloat16 (mixed precision: float32 "
+              "parameters and optimizer state, bfloat16 matmuls); also fp32, "
+              "fp64, bf16 or DTYPE_<NAME>, any case");
     flags.Add("optimizer", &optimizer_, "adamw or sgd");
     flags.Add("lr", &lr_, "default learning rate (default: the server's)");
     flags.Add("max-grad-norm", &max_grad_norm_,
               "default gradient clipping norm (0: no clipping)");
     flags.Add("init-checkpoint", &init_checkpoint_,
-              "tally checkpoint or HF Llama directory to start from (with "
-              "--lora-rank: the shared, frozen base)");
+              "model to start from: a tally checkpoint, or an HF model "
+              "directory (config.json + safetensors) of a family the server "
+              "trains (model types in 'tallyctl server-info': llama, qwen2, "
+              "qwen3, mistral, mixtral); with --lora-rank the shared, frozen "
+              "base");
     flags.Add("lora-rank", &lora_rank_,
               "LoRA rank: the model is an adapter over a frozen base shared "
               "with the other adapters of that base (0: a full model)");
@@ -182,22 +189,22 @@ class CreateCommand : public Command {
               "from");
   }
 
-  absl::Status Run(TrainerClient& client,
-                   const std::vector<std::string>& args) override {
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
     v1::CreateModelRequest request;
     request.set_model_id(model_id_);
     request.set_seed(seed_);
     TALLY_ASSIGN_OR_RETURN(
         v1::DType dtype,
-        ParseDTypeFlag(dtype_, {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT64}));
+        ParseDTypeFlag(dtype_, {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT64,
+                                v1::DTYPE_BFLOAT16}));
     request.set_dtype(dtype);
     if (optimizer_ == "adamw") {
       request.set_optimizer(v1::OPTIMIZER_ADAMW);
     } else if (optimizer_ == "sgd") {
       request.set_optimizer(v1::OPTIMIZER_SGD);
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "flag --optimizer: '", optimizer_, "' is not adamw or sgd"));
+      return FlagValueError("optimizer", optimizer_, "adamw or sgd");
     }
     if (lr_.has_value()) {
       request.mutable_default_adam()->set_learning_rate(*lr_);
@@ -208,14 +215,15 @@ class CreateCommand : public Command {
       TALLY_RETURN_IF_ERROR(SetLora(*request.mutable_lora()));
     } else if (lora_alpha_ != 0 || lora_targets_ != kAllLoraTargets ||
                !lora_init_adapter_.empty()) {
-      return absl::InvalidArgumentError(
+      return FlagError(
           "flags --lora-alpha, --lora-targets and --lora-init-adapter need "
           "--lora-rank");
     }
     TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.CreateModel(request));
-    std::cout << "created ";
-    PrintModelInfo(info);
-    return absl::OkStatus();
+    return out.Print(info, [&](std::ostream& os) {
+      os << "created ";
+      PrintModelInfo(os, info);
+    });
   }
 
  private:
@@ -246,8 +254,7 @@ class CreateCommand : public Command {
       } else if (part == "unembed") {
         lora.set_train_unembed(true);
       } else {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "flag --lora-targets: '", part, "' is not attn, mlp or unembed"));
+        return FlagValueError("lora-targets", part, "attn, mlp or unembed");
       }
     }
     lora.set_init_adapter(lora_init_adapter_);
@@ -257,52 +264,58 @@ class CreateCommand : public Command {
 
 class ListCommand : public Command {
  public:
-  absl::Status Run(TrainerClient& client,
-                   const std::vector<std::string>& args) override {
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
     TALLY_ASSIGN_OR_RETURN(v1::ListModelsResponse response,
                            client.ListAllModels());
+    return out.Print(response,
+                     [&](std::ostream& os) { PrintTable(os, response); });
+  }
+
+ private:
+  static void PrintTable(std::ostream& os,
+                         const v1::ListModelsResponse& response) {
     if (response.models().empty()) {
-      std::cout << "no models\n";
-      return absl::OkStatus();
+      os << "no models\n";
+      return;
     }
     constexpr char kRow[] = "%-20s %8s %12s %-8s %-9s %s\n";
-    std::cout << absl::StrFormat(kRow, "MODEL", "STEP", "PARAMETERS", "DTYPE",
-                                 "OPTIMIZER", "PENDING CALLS");
+    os << absl::StrFormat(kRow, "MODEL", "STEP", "PARAMETERS", "DTYPE",
+                          "OPTIMIZER", "PENDING CALLS");
     for (const v1::ModelInfo& info : response.models()) {
-      std::cout << absl::StrFormat(
-          kRow, info.model_id(), absl::StrCat(info.step()),
-          absl::StrCat(info.num_parameters()), DTypeLabel(info.dtype()),
-          OptimizerLabel(info.optimizer()),
-          absl::StrCat(info.accumulated_calls()));
+      os << absl::StrFormat(kRow, info.model_id(), absl::StrCat(info.step()),
+                            absl::StrCat(info.num_parameters()),
+                            DTypeLabel(info.dtype()),
+                            OptimizerLabel(info.optimizer()),
+                            absl::StrCat(info.accumulated_calls()));
     }
-    return absl::OkStatus();
   }
 };
 
 class InfoCommand : public Command {
  public:
-  absl::Status Run(TrainerClient& client,
-                   const std::vector<std::string>& args) override {
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
     v1::GetModelRequest request;
     request.set_model_id(args[0]);
     TALLY_ASSIGN_OR_RETURN(v1::ModelInfo info, client.GetModel(request));
-    PrintModelInfo(info);
-    return absl::OkStatus();
+    return out.Print(info, [&](std::ostream& os) { PrintModelInfo(os, info); });
   }
 };
 
 class DeleteCommand : public Command {
  public:
-  absl::Status Run(TrainerClient& client,
-                   const std::vector<std::string>& args) override {
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
     v1::DeleteModelRequest request;
     request.set_model_id(args[0]);
     TALLY_ASSIGN_OR_RETURN(v1::DeleteModelResponse response,
                            client.DeleteModel(request));
-    std::cout << absl::StrFormat("deleted model %s (at step %d)\n",
-                                 response.model().model_id(),
-                                 response.model().step());
-    return absl::OkStatus();
+    return out.Print(response, [&](std::ostream& os) {
+      os << absl::StrFormat("deleted model %s (at step %d)\n",
+                            response.model().model_id(),
+                            response.model().step());
+    });
   }
 };
 
@@ -314,20 +327,21 @@ class SaveCommand : public Command {
               "the checkpoint does not hold; the model keeps them)");
   }
 
-  absl::Status Run(TrainerClient& client,
-                   const std::vector<std::string>& args) override {
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
     v1::SaveCheckpointRequest request;
     request.set_model_id(args[0]);
     request.set_path(args[1]);
     request.set_allow_pending(allow_pending_);
     TALLY_ASSIGN_OR_RETURN(v1::SaveCheckpointResponse response,
                            client.SaveCheckpoint(request));
-    std::cout << absl::StrFormat("saved model %s at step %d to %s (%d bytes)\n",
-                                 args[0], response.step(), response.path(),
-                                 response.bytes_written());
-    PrintWindow("without the pending window", response.unsaved_calls(),
-                response.unsaved_tokens(), response.unsaved_samples());
-    return absl::OkStatus();
+    return out.Print(response, [&](std::ostream& os) {
+      os << absl::StrFormat("saved model %s at step %d to %s (%d bytes)\n",
+                            args[0], response.step(), response.path(),
+                            response.bytes_written());
+      PrintWindow(os, "without the pending window", response.unsaved_calls(),
+                  response.unsaved_tokens(), response.unsaved_samples());
+    });
   }
 
  private:
@@ -336,21 +350,23 @@ class SaveCommand : public Command {
 
 class AbortCommand : public Command {
  public:
-  absl::Status Run(TrainerClient& client,
-                   const std::vector<std::string>& args) override {
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
     TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, args[0]));
     v1::AbortAccumulationRequest request;
     request.set_model_id(args[0]);
     request.set_seq_id(seq_ids.Next());
     TALLY_ASSIGN_OR_RETURN(v1::AbortAccumulationResponse response,
                            client.AbortAccumulation(request));
-    if (response.discarded_calls() == 0) {
-      std::cout << "model " << args[0] << " had no pending window\n";
-    }
-    PrintWindow(absl::StrCat("discarded the pending window of model ", args[0]),
-                response.discarded_calls(), response.discarded_tokens(),
-                response.discarded_samples());
-    return absl::OkStatus();
+    return out.Print(response, [&](std::ostream& os) {
+      if (response.discarded_calls() == 0) {
+        os << "model " << args[0] << " had no pending window\n";
+      }
+      PrintWindow(
+          os, absl::StrCat("discarded the pending window of model ", args[0]),
+          response.discarded_calls(), response.discarded_tokens(),
+          response.discarded_samples());
+    });
   }
 };
 
@@ -358,15 +374,16 @@ class ExportCommand : public Command {
  public:
   void AddFlags(FlagParser& flags) override {
     flags.Add("dtype", &dtype_,
-              "stored dtype: float32, float64, bfloat16 or float16 (empty: "
-              "the model's)");
+              "stored dtype: float32, float64, bfloat16 or float16; also "
+              "fp32, fp64, bf16, fp16 or DTYPE_<NAME>, any case (empty: the "
+              "model's)");
     flags.Add("merge", &merge_,
               "a LoRA model: the base with the adapter merged in, as a full "
               "HF directory (default: the adapter in PEFT's format)");
   }
 
-  absl::Status Run(TrainerClient& client,
-                   const std::vector<std::string>& args) override {
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
     v1::ExportWeightsRequest request;
     request.set_model_id(args[0]);
     request.set_path(args[1]);
@@ -380,11 +397,12 @@ class ExportCommand : public Command {
     request.set_merge(merge_);
     TALLY_ASSIGN_OR_RETURN(v1::ExportWeightsResponse response,
                            client.ExportWeights(request));
-    std::cout << absl::StrFormat(
-        "exported the weights of model %s to %s (%d files, %d bytes)\n",
-        args[0], response.path(), response.files_size(),
-        response.bytes_written());
-    return absl::OkStatus();
+    return out.Print(response, [&](std::ostream& os) {
+      os << absl::StrFormat(
+          "exported the weights of model %s to %s (%d files, %d bytes)\n",
+          args[0], response.path(), response.files_size(),
+          response.bytes_written());
+    });
   }
 
  private:
@@ -399,8 +417,8 @@ class LoadCommand : public Command {
               "load weights only; optimizer moments restart from zero");
   }
 
-  absl::Status Run(TrainerClient& client,
-                   const std::vector<std::string>& args) override {
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
     TALLY_ASSIGN_OR_RETURN(SeqIds seq_ids, SeqIds::Of(client, args[0]));
     v1::LoadCheckpointRequest request;
     request.set_model_id(args[0]);
@@ -409,18 +427,94 @@ class LoadCommand : public Command {
     request.set_load_optimizer(!no_optimizer_);
     TALLY_ASSIGN_OR_RETURN(v1::LoadCheckpointResponse response,
                            client.LoadCheckpoint(request));
-    std::cout << absl::StrFormat(
-        "loaded %s into model %s (%s): now at step %d\n", args[1], args[0],
-        no_optimizer_ ? "weights only" : "weights and optimizer state",
-        response.model().step());
-    PrintWindow("discarded the pending window", response.discarded_calls(),
-                response.discarded_tokens(), response.discarded_samples());
-    return absl::OkStatus();
+    return out.Print(response, [&](std::ostream& os) {
+      os << absl::StrFormat(
+          "loaded %s into model %s (%s): now at step %d\n", args[1], args[0],
+          no_optimizer_ ? "weights only" : "weights and optimizer state",
+          response.model().step());
+      PrintWindow(os, "discarded the pending window",
+                  response.discarded_calls(), response.discarded_tokens(),
+                  response.discarded_samples());
+    });
   }
 
  private:
   bool no_optimizer_ = false;
 };
+
+// "a, b, c", or "none".
+template <typename Range, typename Formatter>
+std::string ListOr(const Range& items, Formatter format) {
+  return items.empty() ? "none" : absl::StrJoin(items, ", ", format);
+}
+
+void PrintServerInfo(std::ostream& out, const v1::ServerInfo& info) {
+  const v1::ServerInfo::Compute& compute = info.compute();
+  const v1::ServerInfo::Mesh& mesh = info.mesh();
+  const v1::ServerInfo::Limits& limits = info.limits();
+  const v1::ServerInfo::Devices& devices = info.devices();
+  out << absl::StrFormat(
+      "tally-server %s\n"
+      "  compute: BLAS %s (%s), oneDNN %s, %d threads, CUDA %s\n"
+      "  device: %s (%s)\n"
+      "  mesh: world_size=%d dp_replicate=%d dp_shard=%d cp=%d ep=%d pp=%d "
+      "tp=%d zero_stage=%d\n"
+      "  model types: %s\n"
+      "  dtypes: %s\n"
+      "  reductions: %s\n"
+      "  losses: %s\n"
+      "  features: %s\n"
+      "  limits (0: none): max_message_bytes=%d max_tokens_per_call=%d "
+      "max_batch_tokens=%d max_memory_bytes=%d max_memory_bytes_per_tenant=%d "
+      "max_queued_requests=%d max_queued_requests_per_model=%d "
+      "max_queued_requests_per_tenant=%d\n"
+      "  authentication: %s\n",
+      info.version(), compute.blas(), compute.blas_library(),
+      YesNo(compute.onednn()), compute.threads(),
+      YesNo(compute.cuda_available()), devices.device(), devices.reason(),
+      mesh.world_size(), mesh.dp_replicate(), mesh.dp_shard(), mesh.cp(),
+      mesh.ep(), mesh.pp(), mesh.tp(), mesh.zero_stage(),
+      ListOr(info.model_types(), absl::StreamFormatter()),
+      ListOr(info.dtypes(),
+             [](std::string* text, int dtype) {
+               absl::StrAppend(text, DTypeLabel(static_cast<v1::DType>(dtype)));
+             }),
+      ListOr(info.reductions(),
+             [](std::string* text, int reduction) {
+               absl::StrAppend(
+                   text,
+                   EnumLabel(v1::LossReduction_Name(
+                                 static_cast<v1::LossReduction>(reduction)),
+                             "LOSS_REDUCTION_"));
+             }),
+      ListOr(info.losses(), absl::StreamFormatter()),
+      ListOr(info.features(), absl::StreamFormatter()),
+      limits.max_message_bytes(), limits.max_tokens_per_call(),
+      limits.max_batch_tokens(), limits.max_memory_bytes(),
+      limits.max_memory_bytes_per_tenant(), limits.max_queued_requests(),
+      limits.max_queued_requests_per_model(),
+      limits.max_queued_requests_per_tenant(), YesNo(info.authentication()));
+  for (const v1::ServerInfo::Devices::Gpu& gpu : devices.gpus()) {
+    out << absl::StrFormat("  GPU %d: %s, compute capability %s, %d bytes\n",
+                           gpu.index(), gpu.name(), gpu.compute_capability(),
+                           gpu.total_memory_bytes());
+  }
+  if (devices.gpus().empty() && !devices.no_gpu_reason().empty()) {
+    out << "  GPUs: none (" << devices.no_gpu_reason() << ")\n";
+  }
+}
+
+// "42s", "3m05s", "1h02m": a whole number of seconds, rounded up.
+std::string FormatEta(absl::Duration eta) {
+  const int64_t seconds =
+      absl::ToInt64Seconds(absl::Ceil(eta, absl::Seconds(1)));
+  if (seconds >= 3600) {
+    return absl::StrFormat("%dh%02dm", seconds / 3600, seconds % 3600 / 60);
+  }
+  if (seconds >= 60)
+    return absl::StrFormat("%dm%02ds", seconds / 60, seconds % 60);
+  return absl::StrFormat("%ds", seconds);
+}
 
 // "[########............] 12/30"
 std::string ProgressBar(int64_t done, int64_t total) {
@@ -456,12 +550,14 @@ class TrainCommand : public Command {
               "the server's Prometheus endpoint, printed at the end");
   }
 
-  absl::Status Run(TrainerClient& client,
-                   const std::vector<std::string>& args) override {
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
     const std::string& model_id = args[0];
-    if (steps_ < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("flag --steps must be >= 1, got ", steps_));
+    if (steps_ < 1)
+      return FlagValueError("steps", absl::StrCat(steps_), ">= 1");
+    if (max_len_ != 0 && max_len_ < 2) {
+      return FlagValueError("max-len", absl::StrCat(max_len_),
+                            "0 or >= 2 (BOS + one byte)");
     }
     v1::GetModelRequest get;
     get.set_model_id(model_id);
@@ -469,64 +565,32 @@ class TrainCommand : public Command {
     TALLY_ASSIGN_OR_RETURN(TextBatcher batcher, MakeBatcher(info));
     SeqIds seq_ids = SeqIds::From(info);
 
-    std::cout << absl::StrFormat(
-        "training model %s (%d parameters, step %d) on %s (%d bytes): "
-        "%d steps x %d calls, samples of %d..%d tokens\n",
-        model_id, info.num_parameters(), info.step(), text_,
-        batcher.text().size(), steps_, batcher_options_.calls_per_step,
-        batcher_options_.min_len, batcher_options_.max_len);
-
+    if (!out.json()) {
+      std::cout << absl::StrFormat(
+          "training model %s (%d parameters, step %d) on %s (%d bytes): "
+          "%d steps x %d calls, samples of %d..%d tokens\n",
+          model_id, info.num_parameters(), info.step(), text_,
+          batcher.text().size(), steps_, batcher_options_.calls_per_step,
+          batcher_options_.min_len, batcher_options_.max_len);
+    }
     double first_loss = 0.0;
     double last_loss = 0.0;
     int64_t model_step = info.step();
+    const absl::Time started = absl::Now();
     for (int64_t step = 1; step <= steps_; ++step) {
       const absl::Time start = absl::Now();
-      double loss_sum = 0.0;
-      int64_t valid_tokens = 0;
-      std::vector<std::vector<v1::Sample>> calls = batcher.NextStep();
-      for (size_t c = 0; c < calls.size(); ++c) {
-        v1::ForwardBackwardRequest request;
-        request.set_model_id(model_id);
-        request.set_seq_id(seq_ids.Next());
-        request.set_reduction(v1::LOSS_REDUCTION_TOKEN_MEAN);
-        for (v1::Sample& sample : calls[c]) {
-          *request.add_samples() = std::move(sample);
-        }
-        absl::StatusOr<v1::ForwardBackwardResponse> response =
-            client.ForwardBackward(request);
-        if (!response.ok()) {
-          return Annotate(
-              response.status(),
-              absl::StrFormat("step %d, ForwardBackward call %d", step, c + 1));
-        }
-        loss_sum += response->loss_sum();
-        valid_tokens += response->valid_tokens();
-      }
-      v1::OptimStepRequest optim;
-      optim.set_model_id(model_id);
-      optim.set_seq_id(seq_ids.Next());
-      if (lr_.has_value()) optim.mutable_adam()->set_learning_rate(*lr_);
-      if (max_grad_norm_.has_value()) optim.set_max_grad_norm(*max_grad_norm_);
-      absl::StatusOr<v1::OptimStepResponse> stepped = client.OptimStep(optim);
-      if (!stepped.ok()) {
-        return Annotate(stepped.status(),
-                        absl::StrFormat("step %d, OptimStep", step));
-      }
-      model_step = stepped->step();
-      const double loss =
-          valid_tokens > 0 ? loss_sum / valid_tokens : std::nan("");
-      if (step == 1) first_loss = loss;
-      last_loss = loss;
-      std::cout << absl::StrFormat(
-          "%s  loss %.4f  tokens %5d  grad_norm %8.4f  clip %.3f  "
-          "time %.2fs%s\n",
-          ProgressBar(step, steps_), loss, valid_tokens, stepped->grad_norm(),
-          stepped->clip_coef(), absl::ToDoubleSeconds(absl::Now() - start),
-          stepped->skipped()
-              ? absl::StrCat("  SKIPPED: ", stepped->skip_reason())
-              : "");
-      std::cout.flush();
+      TALLY_ASSIGN_OR_RETURN(
+          const StepResult result,
+          TrainStep(client, model_id, step, batcher.NextStep(), seq_ids));
+      const absl::Time now = absl::Now();
+      // The steps left at the mean pace so far.
+      const absl::Duration eta = (now - started) / step * (steps_ - step);
+      PrintStep(out, step, result, now - start, eta);
+      model_step = result.optim.step();
+      if (step == 1) first_loss = result.loss();
+      last_loss = result.loss();
     }
+    if (out.json()) return absl::OkStatus();
     std::cout << absl::StrFormat(
         "loss %.4f -> %.4f over %d steps (%+.1f%%); model %s is at step %d\n",
         first_loss, last_loss, steps_,
@@ -536,6 +600,87 @@ class TrainCommand : public Command {
   }
 
  private:
+  struct StepResult {
+    double loss_sum = 0.0;
+    int64_t valid_tokens = 0;
+    v1::OptimStepResponse optim;
+
+    // Mean loss over the step's valid tokens.
+    double loss() const {
+      return valid_tokens > 0 ? loss_sum / valid_tokens : std::nan("");
+    }
+  };
+
+  // One optimizer step: the ForwardBackward `calls`, then OptimStep.
+  absl::StatusOr<StepResult> TrainStep(
+      TrainerClient& client, const std::string& model_id, int64_t step,
+      std::vector<std::vector<v1::Sample>> calls, SeqIds& seq_ids) const {
+    StepResult result;
+    for (size_t c = 0; c < calls.size(); ++c) {
+      v1::ForwardBackwardRequest request;
+      request.set_model_id(model_id);
+      request.set_seq_id(seq_ids.Next());
+      request.set_reduction(v1::LOSS_REDUCTION_TOKEN_MEAN);
+      for (v1::Sample& sample : calls[c]) {
+        *request.add_samples() = std::move(sample);
+      }
+      absl::StatusOr<v1::ForwardBackwardResponse> response =
+          client.ForwardBackward(request);
+      if (!response.ok()) {
+        return Annotate(
+            response.status(),
+            absl::StrFormat("step %d, ForwardBackward call %d", step, c + 1));
+      }
+      result.loss_sum += response->loss_sum();
+      result.valid_tokens += response->valid_tokens();
+    }
+    v1::OptimStepRequest optim;
+    optim.set_model_id(model_id);
+    optim.set_seq_id(seq_ids.Next());
+    if (lr_.has_value()) optim.mutable_adam()->set_learning_rate(*lr_);
+    if (max_grad_norm_.has_value()) optim.set_max_grad_norm(*max_grad_norm_);
+    absl::StatusOr<v1::OptimStepResponse> stepped = client.OptimStep(optim);
+    if (!stepped.ok()) {
+      return Annotate(stepped.status(),
+                      absl::StrFormat("step %d, OptimStep", step));
+    }
+    result.optim = *std::move(stepped);
+    return result;
+  }
+
+  // One line per step: a progress bar and the step's figures, or a JSON
+  // object of them; tokens/s counts the step's valid tokens.
+  void PrintStep(Output& out, int64_t step, const StepResult& result,
+                 absl::Duration took, absl::Duration eta) const {
+    const double seconds = absl::ToDoubleSeconds(took);
+    const double tokens_per_second =
+        seconds > 0 ? static_cast<double>(result.valid_tokens) / seconds : 0.0;
+    const v1::OptimStepResponse& optim = result.optim;
+    const nlohmann::ordered_json record = {
+        {"step", step},
+        {"steps", steps_},
+        {"model_step", optim.step()},
+        {"loss", result.loss()},
+        {"valid_tokens", result.valid_tokens},
+        {"grad_norm", optim.grad_norm()},
+        {"clip_coef", optim.clip_coef()},
+        {"seconds", seconds},
+        {"tokens_per_second", tokens_per_second},
+        {"eta_seconds", absl::ToDoubleSeconds(eta)},
+        {"skipped", optim.skipped()},
+        {"skip_reason", optim.skip_reason()}};
+    out.Print(
+        record,
+        absl::StrFormat(
+            "%s  loss %.4f  tokens %5d  grad_norm %8.4f  clip %.3f  "
+            "time %.2fs  %.0f tok/s  eta %s%s\n",
+            ProgressBar(step, steps_), result.loss(), result.valid_tokens,
+            optim.grad_norm(), optim.clip_coef(), seconds, tokens_per_second,
+            FormatEta(eta),
+            optim.skipped() ? absl::StrCat("  SKIPPED: ", optim.skip_reason())
+                            : ""));
+  }
+
   // Sample lengths must fit the model's context and ids its vocabulary.
   absl::StatusOr<TextBatcher> MakeBatcher(const v1::ModelInfo& info) {
     constexpr int kPreferredMaxLen = 128;
@@ -550,20 +695,27 @@ class TrainCommand : public Command {
           info.config().vocab_size(), "; byte-level training needs >= ",
           byte_vocab::kBos + 1, " (256 bytes + BOS)"));
     }
-    if (max_len_ != 0 && max_len_ < 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "flag --max-len must be >= 2 (BOS + one byte), got ", max_len_));
-    }
     if (max_len_ > context) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "flag --max-len ", max_len_, " exceeds model ", info.model_id(),
-          "'s max_position_embeddings ", context));
+      return FlagError(absl::StrCat("flag --max-len ", max_len_,
+                                    " exceeds model ", info.model_id(),
+                                    "'s max_position_embeddings ", context));
     }
     batcher_options_.max_len =
         max_len_ > 0 ? max_len_ : std::min(kPreferredMaxLen, context);
     batcher_options_.min_len =
         std::min(kPreferredMinLen, batcher_options_.max_len);
-    return TextBatcher::FromFile(text_, batcher_options_);
+    absl::StatusOr<TextBatcher> batcher =
+        TextBatcher::FromFile(text_, batcher_options_);
+    if (batcher.status().code() != absl::StatusCode::kInvalidArgument) {
+      return batcher;  // a batcher, or a file error
+    }
+    // The options it refuses are this command's flags.
+    return FlagError(absl::StrReplaceAll(
+        batcher.status().message(),
+        {{"options.calls_per_step", "flag --calls-per-step"},
+         {"options.max_samples_per_call", "flag --max-samples-per-call"},
+         {"options.zero_weight_probability", "flag --zero-weight-probability"},
+         {"options.max_len", "flag --max-len"}}));
   }
 
   // Flags bind the counts, the zero-weight probability and the seed here;
@@ -575,6 +727,16 @@ class TrainCommand : public Command {
   std::optional<double> lr_;
   std::optional<double> max_grad_norm_;
   std::string metrics_url_;
+};
+
+class ServerInfoCommand : public Command {
+ public:
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
+    TALLY_ASSIGN_OR_RETURN(v1::ServerInfo info, client.GetServerInfo());
+    return out.Print(info,
+                     [&](std::ostream& os) { PrintServerInfo(os, info); });
+  }
 };
 
 // How to reach and authenticate to the server: every command's flags.
@@ -605,9 +767,12 @@ class ConnectionFlags {
       const char* env = std::getenv("TALLY_TOKEN");
       if (env != nullptr) options.token = env;
     }
+    if (!(deadline_seconds_ > 0)) {
+      return FlagValueError("deadline-seconds", absl::StrCat(deadline_seconds_),
+                            "> 0");
+    }
     if (client_cert_.empty() != client_key_.empty()) {
-      return absl::InvalidArgumentError(
-          "flags --client-cert and --client-key go together");
+      return FlagError("flags --client-cert and --client-key go together");
     }
     if (!tls_ && ca_cert_.empty() && client_cert_.empty() &&
         server_name_.empty()) {
@@ -651,6 +816,13 @@ const std::vector<CommandSpec>& Commands() {
        "--init-checkpoint. With --lora-rank it is a LoRA adapter over that "
        "model, frozen and shared by every adapter of the same base.",
        [] { return std::make_unique<CreateCommand>(); }},
+      {"server-info",
+       {},
+       "Shows what the server is and accepts.",
+       "Shows the server's version, compute (BLAS, threads, device, GPUs), "
+       "mesh, the model types, dtypes, losses and features it supports, its "
+       "limits and whether it requires a token (GetServerInfo).",
+       [] { return std::make_unique<ServerInfoCommand>(); }},
       {"list",
        {},
        "Lists the models.",
@@ -702,8 +874,10 @@ const std::vector<CommandSpec>& Commands() {
        "ForwardBackward calls with uneven sample counts and lengths "
        "(TOKEN_MEAN, a masked prompt prefix per sample) and one OptimStep; "
        "one line is printed per step: mean loss over the step's valid "
-       "tokens, valid tokens, pre-clip gradient norm, clip coefficient and "
-       "time.",
+       "tokens, valid tokens, pre-clip gradient norm, clip coefficient, "
+       "time, valid tokens per second and the estimated time left (the mean "
+       "step time so far times the steps left); with --output json one "
+       "object per step.",
        [] { return std::make_unique<TrainCommand>(); }},
   };
   return *commands;
@@ -713,9 +887,13 @@ std::string Overview() {
   std::string text =
       "usage: tallyctl COMMAND [ARGS] [flags]\n\n"
       "Command-line client of a tally training server.\n\ncommands:\n";
+  size_t width = 0;
   for (const CommandSpec& spec : Commands()) {
-    absl::StrAppend(&text,
-                    absl::StrFormat("  %-7s %s\n", spec.name, spec.summary));
+    width = std::max(width, spec.name.size());
+  }
+  for (const CommandSpec& spec : Commands()) {
+    absl::StrAppend(
+        &text, absl::StrFormat("  %-*s  %s\n", width, spec.name, spec.summary));
   }
   absl::StrAppend(&text,
                   "\nRun 'tallyctl COMMAND --help' for a command's flags, "
@@ -750,9 +928,13 @@ int Main(std::vector<std::string> args) {
   }
 
   ConnectionFlags connection;
+  std::string output = "text";
   FlagParser flags(absl::StrCat("tallyctl ", spec->name), spec->positional,
                    spec->description);
   connection.Add(flags);
+  flags.Add("output", &output,
+            "text, or json: each result as one line of JSON (protobuf's JSON "
+            "mapping of the response, proto field names)");
   std::unique_ptr<Command> command = spec->make();
   command->AddFlags(flags);
 
@@ -762,22 +944,23 @@ int Main(std::vector<std::string> args) {
     std::cout << flags.Help();
     return 0;
   }
-  if (!positional.ok()) {
-    std::cerr << "tallyctl " << spec->name << ": "
-              << positional.status().message() << "\n"
+  auto usage_error = [&](const absl::Status& status) {
+    std::cerr << "tallyctl " << spec->name << ": " << status.message() << "\n"
               << flags.UsageLine() << "\nRun 'tallyctl " << spec->name
               << " --help' for details.\n";
     return kExitUsage;
-  }
+  };
+  if (!positional.ok()) return usage_error(positional.status());
+  const absl::StatusOr<Output::Format> format = Output::FormatNamed(output);
+  if (!format.ok()) return usage_error(format.status());
   absl::StatusOr<TrainerClientOptions> options = connection.Options();
-  if (!options.ok()) {
-    std::cerr << "tallyctl " << spec->name << ": " << options.status().message()
-              << "\n";
-    return kExitUsage;
-  }
+  if (!options.ok()) return usage_error(options.status());
 
+  Output out(*format, std::cout);
   TrainerClient client(*options);
-  if (absl::Status status = command->Run(client, *positional); !status.ok()) {
+  const absl::Status status = command->Run(client, *positional, out);
+  if (IsFlagError(status)) return usage_error(status);
+  if (!status.ok()) {
     std::cerr << "tallyctl " << spec->name << ": " << status.ToString() << "\n";
     return kExitFailure;
   }

@@ -1,4 +1,10 @@
 // tally-server: see `tally-server --help` and docs/architecture.md.
+//
+// Exit status: 0 after a clean shutdown; 2 when it refuses its command line
+// or configuration (an unknown flag, a missing or bad flag value, flags that
+// contradict each other, a file a flag names that cannot be read, a rank
+// environment that does not fit the mesh); 1 on any other failure (a busy
+// port, a failed rendezvous, a dead rank, an overrun --exit-timeout-secs).
 #include <unistd.h>
 
 #include <csignal>
@@ -31,6 +37,15 @@ void ExecAgainWithPassiveOpenMp(char** argv) {
   // Still here: exec failed; run on with libgomp's default.
 }
 
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+// Why a rank 0 could not start: INVALID_ARGUMENT is its configuration.
+int StartFailureExitCode(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kInvalidArgument ? kExitUsage
+                                                             : kExitFailure;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -44,7 +59,7 @@ int main(int argc, char** argv) {
       tally::ParseServerFlags(argc, argv);
   if (!flags.ok()) {
     std::cerr << "tally-server: " << flags.status().message() << "\n";
-    return 2;
+    return kExitUsage;
   }
   if (flags->help) {
     std::cout << tally::ServerUsage();
@@ -92,7 +107,7 @@ int main(int argc, char** argv) {
   if (!engine.ok()) {
     tally::Log(tally::LogLevel::kError,
                absl::StrCat("cannot start: ", engine.status().ToString()));
-    return 1;
+    return StartFailureExitCode(engine.status());
   }
   if ((*engine)->mesh().rank() != 0) {
     // Ranks > 0 ignore SIGTERM (it stays blocked): they stop when rank 0,
@@ -110,7 +125,7 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     tally::Log(tally::LogLevel::kError,
                absl::StrCat("cannot start: ", server.status().ToString()));
-    return 1;
+    return StartFailureExitCode(server.status());
   }
   // Until a signal, or a failed collective (a dead or hung rank), after
   // which the process must exit for its supervisor to restart the group.

@@ -22,6 +22,7 @@
 #include "runtime/device_query.h"
 #include "server/admission.h"
 #include "server/commands.h"
+#include "server/listen_port.h"
 #include "server/server_info.h"
 #include "server/token_auth_processor.h"
 
@@ -387,6 +388,10 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   TALLY_ASSIGN_OR_RETURN(
       const int metrics_port,
       LocalRankPort(options, options.metrics_port, "--metrics-port"));
+  TALLY_RETURN_IF_ERROR(
+      CheckCanListen(options.host, options.grpc_port, "--grpc-port"));
+  TALLY_RETURN_IF_ERROR(
+      CheckCanListen(options.host, metrics_port, "--metrics-port"));
   TALLY_ASSIGN_OR_RETURN(std::optional<BasicCredentials> scraper,
                          MetricsScraper(options));
   TALLY_ASSIGN_OR_RETURN(
@@ -472,6 +477,8 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // A port another process listens on is refused, not shared.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(absl::StrCat(options.host, ":", options.grpc_port),
                            credentials, &s->grpc_port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
@@ -479,8 +486,9 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   builder.RegisterService(s->service_.get());
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->grpc_port_ == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on ", options.host, ":", options.grpc_port));
+    return absl::UnavailableError(absl::StrCat("--grpc-port: cannot listen on ",
+                                               options.host, ":",
+                                               options.grpc_port));
   }
   SetServing(*s->server_, *s->metrics_, true);
   Log(LogLevel::kInfo,
@@ -506,6 +514,9 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
   TALLY_ASSIGN_OR_RETURN(
       const int grpc_port,
       LocalRankPort(options, options.grpc_port, "--grpc-port"));
+  TALLY_RETURN_IF_ERROR(CheckCanListen(options.host, grpc_port, "--grpc-port"));
+  TALLY_RETURN_IF_ERROR(
+      CheckCanListen(options.host, metrics_port, "--metrics-port"));
   TALLY_ASSIGN_OR_RETURN(std::optional<BasicCredentials> scraper,
                          MetricsScraper(options));
   const std::unique_ptr<ProgressWatch> progress =
@@ -519,12 +530,13 @@ absl::Status ServeWorkerRank(const ServerOptions& options,
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound_grpc_port = 0;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(absl::StrCat(options.host, ":", grpc_port),
                            grpc::InsecureServerCredentials(), &bound_grpc_port);
   std::unique_ptr<grpc::Server> health = builder.BuildAndStart();
   if (!health || bound_grpc_port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", options.host, ":", grpc_port));
+    return absl::UnavailableError(absl::StrCat("--grpc-port: cannot listen on ",
+                                               options.host, ":", grpc_port));
   }
   SetServing(*health, *metrics, true);
   Log(LogLevel::kInfo,

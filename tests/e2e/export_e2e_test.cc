@@ -616,7 +616,7 @@ TEST_F(ExportE2eTest, LoraAdapterExportsAsPeftOrMergedWhateverTheMesh) {
   EXPECT_TRUE(fs::exists(InRoot("ctl/config.json")));
   const auto [refused, refused_output] =
       Tallyctl("create --model-id d --lora-rank 2 --lora-targets attn,ffn");
-  EXPECT_EQ(refused, 1);
+  EXPECT_EQ(refused, 2);  // a command-line error
   EXPECT_THAT(refused_output, HasSubstr("'ffn' is not attn, mlp or unembed"));
 }
 
@@ -631,9 +631,9 @@ TEST_F(ExportE2eTest, TallyctlExportsWithADtype) {
   EXPECT_EQ(ReadJson(InRoot("ctl/config.json")).value("torch_dtype", ""),
             "bfloat16");
   const auto [refused_code, refused] = Tallyctl("export m ctl2 --dtype int8");
-  EXPECT_EQ(refused_code, 1) << refused;
-  EXPECT_THAT(refused,
-              HasSubstr("'int8' is not float32, float64, bfloat16 or float16"));
+  EXPECT_EQ(refused_code, 2) << refused;  // a command-line error
+  EXPECT_THAT(refused, HasSubstr("'int8' is not float32 (fp32), float64 "
+                                 "(fp64), bfloat16 (bf16) or float16 (fp16)"));
   EXPECT_FALSE(fs::exists(InRoot("ctl2")));
 }
 

@@ -1,0 +1,53 @@
+#include "client/output.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/command_line.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace tally {
+
+absl::StatusOr<Output::Format> Output::FormatNamed(absl::string_view name) {
+  if (name == "text") return Format::kText;
+  if (name == "json") return Format::kJson;
+  return FlagValueError("output", name, "text or json");
+}
+
+absl::Status Output::Print(const google::protobuf::Message& message,
+                           const std::function<void(std::ostream&)>& text) {
+  if (!json()) {
+    text(out_);
+    out_.flush();
+    return absl::OkStatus();
+  }
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string line;
+  const auto printed =
+      google::protobuf::util::MessageToJsonString(message, &line, options);
+  if (!printed.ok()) {
+    return absl::InternalError(absl::StrCat("cannot print ",
+                                            message.GetTypeName(),
+                                            " as JSON: ", printed.ToString()));
+  }
+  out_ << line << "\n";
+  out_.flush();
+  return absl::OkStatus();
+}
+
+void Output::Print(const nlohmann::ordered_json& record,
+                   absl::string_view text) {
+  if (json()) {
+    // Strings hold what the server sent: replace bytes that are not UTF-8.
+    out_ << record.dump(-1, ' ', false,
+                        nlohmann::json::error_handler_t::replace)
+         << "\n";
+  } else {
+    out_ << text;
+  }
+  out_.flush();
+}
+
+}  // namespace tally

@@ -1,0 +1,275 @@
+// tallyctl and tally-server as a user runs them: a command line either one
+// refuses exits 2 naming the flag; a busy gRPC or metrics port stops the
+// server with one line naming the port and its flag; tallyctl creates
+// bfloat16 models, shows GetServerInfo, prints results as JSON with
+// --output json, and train reports tokens/s and an ETA per step.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/trainer_client.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/json_util.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/e2e_util.h"
+#include "tests/e2e/server_process.h"
+#include "tests/testing/held_port.h"
+
+namespace tally {
+namespace {
+
+using ::google::protobuf::util::MessageDifferencer;
+using ::tally::testing::HeldPort;
+using ::tally::testing::RunCommand;
+using ::tally::testing::ServerProcess;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// `$<env_var> args`, its exit status and output (stderr included); bounded
+// so that a binary that unexpectedly serves cannot hang the test.
+std::pair<int, std::string> RunBinary(const char* env_var,
+                                      const std::string& args) {
+  const char* binary = std::getenv(env_var);
+  EXPECT_NE(binary, nullptr) << env_var << " must name the binary";
+  if (binary == nullptr) return {-1, ""};
+  return RunCommand(absl::StrCat("timeout 120 ", binary, " ", args));
+}
+
+// Parses `text` (protobuf's JSON mapping) into a message of type T.
+template <typename T>
+T FromJson(const std::string& text) {
+  T message;
+  EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(text, &message).ok())
+      << text;
+  return message;
+}
+
+struct RefusedCase {
+  std::string args;
+  std::string message;
+};
+
+// `$<env_var> prefix args` exits 2 with `message` in its output for each
+// case.
+void ExpectExit2Naming(const char* env_var, const std::string& prefix,
+                       const std::vector<RefusedCase>& cases) {
+  for (const RefusedCase& c : cases) {
+    const auto [exit_code, output] =
+        RunBinary(env_var, absl::StrCat(prefix, " ", c.args));
+    EXPECT_EQ(exit_code, 2) << c.args << "\n" << output;
+    EXPECT_THAT(output, HasSubstr(c.message)) << c.args;
+  }
+}
+
+TEST(CliFlagsE2eTest, TallyctlRefusesABadCommandLineWithExit2) {
+  // Refused before any call (there is no server).
+  ExpectExit2Naming(
+      "TALLY_CTL", "",
+      {{"create --dtype int8",
+        "flag --dtype: 'int8' is not float32 (fp32), float64 (fp64) or "
+        "bfloat16 (bf16), any case, or DTYPE_<NAME>"},
+       {"create --dtype fp16", "flag --dtype: 'fp16' is not float32"},
+       {"export m out --dtype fp8",
+        "flag --dtype: 'fp8' is not float32 (fp32), float64 (fp64), bfloat16 "
+        "(bf16) or float16 (fp16)"},
+       {"create --optimizer adam", "flag --optimizer: 'adam' is not adamw"},
+       {"create --lora-targets attn", "need --lora-rank"},
+       {"create --lora-rank 2 --lora-targets attn,ffn",
+        "flag --lora-targets: 'ffn' is not attn, mlp or unembed"},
+       {"list --output yaml", "flag --output: 'yaml' is not text or json"},
+       {"list --frobnicate", "unknown flag --frobnicate"},
+       {"info", "expected 1 argument(s) (MODEL), got 0"},
+       {"train m --steps 0", "flag --steps: '0' is not >= 1"},
+       {"train m --max-len 1", "flag --max-len: '1' is not 0 or >= 2"},
+       {"list --deadline-seconds -1", "flag --deadline-seconds: '-1'"},
+       {"list --client-cert c.pem", "--client-cert and --client-key go"},
+       {"list --ca-cert /nonexistent/ca.pem", "--ca-cert: cannot read"},
+       {"frobnicate", "unknown command 'frobnicate'"},
+       {"train m --steps", "flag --steps needs a value"}});
+}
+
+TEST(CliFlagsE2eTest, ServerRefusesABadCommandLineWithExit2) {
+  ExpectExit2Naming(
+      "TALLY_SERVER", "",
+      {{"--threads -1", "--threads: expected an integer in [0, 1024]"},
+       {"--frobnicate", "unknown flag --frobnicate"},
+       {"--demo-model=maybe", "--demo-model: expected true or false"},
+       {"--log-level", "--log-level needs a value"}});
+  // Found when the server starts (on free ports), after the flags parsed.
+  ExpectExit2Naming(
+      "TALLY_SERVER", "--host 127.0.0.1 --grpc-port 0 --metrics-port 0",
+      {{"--checkpoint-on-exit", "--checkpoint-on-exit needs --checkpoint-dir"},
+       {"--shutdown-drain-secs 40 --exit-timeout-secs 30",
+        "--shutdown-drain-secs (40) must be less than --exit-timeout-secs"},
+       {"--tls-cert /nonexistent/cert.pem", "--tls-cert and --tls-key go"}});
+}
+
+// A port another socket listens on stops the server with exit 1 and one
+// line naming the flag and the port, not gRPC's or CivetServer's own errors.
+void ExpectBusyPortRefused(const std::string& flag) {
+  HeldPort held;
+  ASSERT_GT(held.port(), 0);
+  const absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+      ServerProcess::Start(testing::ServerBinaryFromEnv(),
+                           {flag, absl::StrCat(held.port())});
+  ASSERT_FALSE(server.ok()) << flag << " " << held.port() << " was served";
+  const std::string log(server.status().message());
+  EXPECT_THAT(log, HasSubstr("exit code 1"));
+  EXPECT_THAT(log, HasSubstr(absl::StrCat(
+                       flag, ": cannot listen on 127.0.0.1:", held.port(),
+                       ": Address already in use")));
+  EXPECT_THAT(log, Not(HasSubstr("chttp2")));
+  EXPECT_THAT(log, Not(HasSubstr("CivetServer")));
+}
+
+TEST(CliPortsE2eTest, ABusyGrpcPortIsNamedWithItsFlag) {
+  ExpectBusyPortRefused("--grpc-port");
+}
+
+TEST(CliPortsE2eTest, ABusyMetricsPortIsNamedWithItsFlag) {
+  ExpectBusyPortRefused("--metrics-port");
+}
+
+class TallyctlE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = testing::StartServerOrFail({"--threads", "1"}, servers_);
+    ASSERT_NE(server_, nullptr);
+    TrainerClientOptions options;
+    options.target = server_->grpc_target();
+    client_ = std::make_unique<TrainerClient>(options);
+  }
+  void TearDown() override {
+    client_.reset();
+    testing::ExpectCleanShutdown(servers_, absl::Seconds(30));
+  }
+
+  // `tallyctl args` against the server: exit status and output.
+  std::pair<int, std::string> Tallyctl(const std::string& args) {
+    return RunBinary("TALLY_CTL",
+                     absl::StrCat(args, " --target ", server_->grpc_target()));
+  }
+
+  std::vector<std::unique_ptr<ServerProcess>> servers_;
+  ServerProcess* server_ = nullptr;
+  std::unique_ptr<TrainerClient> client_;
+};
+
+TEST_F(TallyctlE2eTest, CreatesABfloat16ModelAndPrintsItAsJson) {
+  const auto [created, created_output] =
+      Tallyctl("create --model-id b --dtype BF16");
+  ASSERT_EQ(created, 0) << created_output;
+  EXPECT_THAT(created_output, HasSubstr("created model b"));
+  EXPECT_THAT(created_output, HasSubstr(", bfloat16, adamw"));
+  v1::GetModelRequest get;
+  get.set_model_id("b");
+  const absl::StatusOr<v1::ModelInfo> info = client_->GetModel(get);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->dtype(), v1::DTYPE_BFLOAT16);
+
+  const auto [shown, json] = Tallyctl("info b --output json");
+  ASSERT_EQ(shown, 0) << json;
+  EXPECT_EQ(std::count(json.begin(), json.end(), '\n'), 1) << json;
+  EXPECT_TRUE(MessageDifferencer::Equals(FromJson<v1::ModelInfo>(json), *info))
+      << json;
+
+  const auto [listed, list_json] = Tallyctl("list --output json");
+  ASSERT_EQ(listed, 0) << list_json;
+  const absl::StatusOr<v1::ListModelsResponse> models =
+      client_->ListAllModels();
+  ASSERT_TRUE(models.ok()) << models.status();
+  EXPECT_TRUE(MessageDifferencer::Equals(
+      FromJson<v1::ListModelsResponse>(list_json), *models))
+      << list_json;
+
+  const auto [deleted, delete_json] = Tallyctl("delete b --output json");
+  ASSERT_EQ(deleted, 0) << delete_json;
+  EXPECT_EQ(FromJson<v1::DeleteModelResponse>(delete_json).model().model_id(),
+            "b");
+}
+
+TEST_F(TallyctlE2eTest, ServerInfoShowsGetServerInfo) {
+  const absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const auto [text_code, text] = Tallyctl("server-info");
+  ASSERT_EQ(text_code, 0) << text;
+  EXPECT_THAT(text,
+              HasSubstr(absl::StrCat("tally-server ", info->version(), "\n")));
+  EXPECT_THAT(
+      text,
+      HasSubstr(absl::StrCat(
+          "  model types: ", absl::StrJoin(info->model_types(), ", "), "\n")));
+  EXPECT_THAT(
+      text, HasSubstr(absl::StrCat(
+                "  features: ", absl::StrJoin(info->features(), ", "), "\n")));
+  EXPECT_THAT(text, HasSubstr("  dtypes: float32, float64, bfloat16\n"));
+  EXPECT_THAT(
+      text, HasSubstr(absl::StrCat(" max_tokens_per_call=",
+                                   info->limits().max_tokens_per_call(), " ")));
+
+  const auto [json_code, json] = Tallyctl("server-info --output json");
+  ASSERT_EQ(json_code, 0) << json;
+  EXPECT_TRUE(MessageDifferencer::Equals(FromJson<v1::ServerInfo>(json), *info))
+      << json;
+}
+
+TEST_F(TallyctlE2eTest, TrainPrintsTokensPerSecondAndAnEtaPerStep) {
+  ASSERT_EQ(Tallyctl("create --model-id t").first, 0);
+  const std::string train = "train t --calls-per-step 1 --max-len 32";
+  const auto [text_code, text] = Tallyctl(train + " --steps 2");
+  ASSERT_EQ(text_code, 0) << text;
+  std::vector<std::string> step_lines;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StrContains(line, " tok/s  eta ")) {
+      step_lines.emplace_back(line);
+    }
+  }
+  ASSERT_EQ(step_lines.size(), 2u) << text;
+  EXPECT_THAT(step_lines[0], HasSubstr("] 1/2  loss "));
+  EXPECT_THAT(step_lines[1], HasSubstr("] 2/2  loss "));
+  EXPECT_TRUE(absl::EndsWith(step_lines[1], " tok/s  eta 0s")) << text;
+
+  const auto [json_code, json] = Tallyctl(train + " --steps 3 --output json");
+  ASSERT_EQ(json_code, 0) << json;
+  std::vector<nlohmann::json> records;
+  for (absl::string_view line : absl::StrSplit(json, '\n', absl::SkipEmpty())) {
+    records.push_back(nlohmann::json::parse(line, nullptr, false));
+    ASSERT_FALSE(records.back().is_discarded()) << line;
+  }
+  ASSERT_EQ(records.size(), 3u) << json;
+  for (size_t i = 0; i < records.size(); ++i) {
+    const nlohmann::json& r = records[i];
+    SCOPED_TRACE(r.dump());
+    EXPECT_EQ(r["step"], i + 1);
+    EXPECT_EQ(r["steps"], 3);
+    EXPECT_EQ(r["model_step"], 2 + i + 1);  // after the 2 text-mode steps
+    EXPECT_TRUE(std::isfinite(r["loss"].get<double>()));
+    const double seconds = r["seconds"].get<double>();
+    const int64_t tokens = r["valid_tokens"].get<int64_t>();
+    EXPECT_GT(tokens, 0);
+    ASSERT_GT(seconds, 0.0);
+    EXPECT_DOUBLE_EQ(r["tokens_per_second"].get<double>(), tokens / seconds);
+    EXPECT_GE(r["eta_seconds"].get<double>(), 0.0);
+    EXPECT_EQ(r["skipped"], false);
+  }
+  EXPECT_EQ(records.back()["eta_seconds"], 0.0);
+  v1::GetModelRequest get;
+  get.set_model_id("t");
+  const absl::StatusOr<v1::ModelInfo> info = client_->GetModel(get);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->step(), 5);
+}
+
+}  // namespace
+}  // namespace tally
