@@ -102,7 +102,7 @@ struct CheckpointContents {
   std::string server_state;      // empty when the checkpoint holds none
 };
 
-// Reads a tally checkpoint or an HF Llama directory (config.json plus
+// Reads a tally checkpoint or an HF directory of a supported family (config.json plus
 // model.safetensors or a sharded model.safetensors.index.json). Every file
 // read is first checked against checksums.sha256: a mismatch (a corrupt or
 // truncated file), a listed file that is missing or a read file the list does
