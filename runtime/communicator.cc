@@ -96,7 +96,9 @@ void Communicator::ClearFailure() {
   failure_ = absl::OkStatus();
 }
 
-void Communicator::Abort(const absl::Status& why) { Latch(why).IgnoreError(); }
+void Communicator::CloseConnections(const absl::Status& why) {
+  Latch(why).IgnoreError();
+}
 
 absl::Status Communicator::Rejoin(std::unique_ptr<Communicator> fresh) {
   return absl::UnimplementedError(
@@ -129,7 +131,7 @@ class AbortableGlooGroup : public c10d::ProcessGroupGloo {
 
   // A hard close (TCP reset) of every pair: each peer's pending send or
   // receive on it fails with a connection error.
-  void CloseConnections() {
+  void ResetPairs() {
     for (const std::shared_ptr<gloo::Context>& context : contexts_) {
       gloo::transport::Context& transport =
           GlooContextAccess::Transport(*context);
@@ -156,10 +158,10 @@ class ProcessGroupCommunicator : public Communicator {
   int rank() const override { return group_->getRank(); }
   int size() const override { return group_->getSize(); }
 
-  void Abort(const absl::Status& why) override {
-    Communicator::Abort(why);
+  void CloseConnections(const absl::Status& why) override {
+    Communicator::CloseConnections(why);
     if (auto* gloo = dynamic_cast<AbortableGlooGroup*>(group_.get())) {
-      gloo->CloseConnections();
+      gloo->ResetPairs();
     }
   }
 

@@ -18,9 +18,9 @@
 //   TALLY_RETURN_IF_ERROR(sum.Wait());
 //
 // A rank that fails between two collectives while its peers wait in the
-// next one calls Abort(): its peers' collectives then fail at once instead of
-// waiting out the timeout, and Rejoin() later puts a freshly formed group of
-// the same ranks under the same Communicator (runtime/distributed.h).
+// next one calls CloseConnections(): its peers' collectives then fail at once
+// instead of waiting out the timeout, and Rejoin() later puts a freshly formed
+// group of the same ranks under the same Communicator (runtime/distributed.h).
 #ifndef TALLY_RUNTIME_COMMUNICATOR_H_
 #define TALLY_RUNTIME_COMMUNICATOR_H_
 
@@ -140,7 +140,8 @@ class Communicator {
   absl::Status failure() const;
 
   // Called once, with the error, when the group first fails (a collective's
-  // error or Abort), on the thread that saw it. Set it before any collective.
+  // error or CloseConnections), on the thread that saw it. Set it before any
+  // collective.
   void SetFailureListener(std::function<void(const absl::Status&)> listener);
 
   // Fails the group with `why` (unless it failed already) and, where the
@@ -148,7 +149,7 @@ class Communicator {
   // in a collective of this group fails within moments instead of waiting
   // out the timeout. Collectives of this rank in flight on the group may
   // still wait for theirs. Idempotent.
-  virtual void Abort(const absl::Status& why);
+  virtual void CloseConnections(const absl::Status& why);
 
   // Takes the c10d group of `fresh` (a group just formed over the same ranks
   // in the same positions) in place of this one's, and forgets the failure:
@@ -180,7 +181,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeProcessGroupCommunicator(
     c10::intrusive_ptr<compat::C10dBackend> group);
 
 // A Gloo group of `size` ranks over `store` whose connections
-// Communicator::Abort can close (ProcessGroupGloo itself cannot: its
+// Communicator::CloseConnections can close (ProcessGroupGloo itself cannot: its
 // destructor waits for the collectives in flight). Throws as c10d does.
 c10::intrusive_ptr<compat::C10dBackend> MakeAbortableGlooGroup(
     c10::intrusive_ptr<c10d::Store> store, int rank, int size,

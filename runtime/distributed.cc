@@ -461,7 +461,7 @@ void ProcessGroups::CloseDataGroups(const absl::Status& why) {
                    why.message()));
   // A group of one rank has no peer to release (and never fails).
   for (Communicator* group : DataGroups()) {
-    if (group != nullptr && group->size() > 1) group->Abort(closed);
+    if (group != nullptr && group->size() > 1) group->CloseConnections(closed);
   }
 }
 
