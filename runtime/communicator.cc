@@ -1,5 +1,9 @@
 #include "runtime/communicator.h"
 
+#include <gloo/context.h>
+#include <gloo/transport/context.h>
+#include <gloo/transport/pair.h>
+
 #include <atomic>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -67,12 +71,38 @@ absl::Status Communicator::SendRecv(const torch::Tensor& send, int dst,
       "parallelism needs it)");
 }
 
+void Communicator::SetFailureListener(
+    std::function<void(const absl::Status&)> listener) {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  failure_listener_ = std::move(listener);
+}
+
 absl::Status Communicator::Latch(absl::Status result) {
-  if (!result.ok()) {
+  if (result.ok()) return result;
+  std::function<void(const absl::Status&)> listener;
+  {
     std::lock_guard<std::mutex> lock(failure_mu_);
-    if (failure_.ok()) failure_ = result;
+    if (!failure_.ok()) return result;
+    failure_ = result;
+    listener = failure_listener_;
   }
+  // Outside the lock: the listener may abort this very group.
+  if (listener) listener(result);
   return result;
+}
+
+void Communicator::ClearFailure() {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  failure_ = absl::OkStatus();
+}
+
+void Communicator::CloseConnections(const absl::Status& why) {
+  Latch(why).IgnoreError();
+}
+
+absl::Status Communicator::Rejoin(std::unique_ptr<Communicator> fresh) {
+  return absl::UnimplementedError(
+      "this communicator backend cannot take a re-formed group");
 }
 
 absl::StatusOr<torch::Tensor> Communicator::Latch(
@@ -82,6 +112,38 @@ absl::StatusOr<torch::Tensor> Communicator::Latch(
 }
 
 namespace {
+
+// The connections (pairs) of a gloo::Context: a protected member, read
+// through a pointer to it formed in a class derived from its owner. Only a
+// virtual call follows, so nothing links against Gloo itself (a LibTorch may
+// keep it inside its own library).
+struct GlooContextAccess : gloo::Context {
+  static gloo::transport::Context& Transport(gloo::Context& context) {
+    return *(context.*&GlooContextAccess::transportContext_);
+  }
+};
+
+// ProcessGroupGloo with a way to close its connections while peers wait
+// in one of its collectives (c10d 1.13 has no abort for Gloo).
+class AbortableGlooGroup : public c10d::ProcessGroupGloo {
+ public:
+  using c10d::ProcessGroupGloo::ProcessGroupGloo;
+
+  // A hard close (TCP reset) of every pair: each peer's pending send or
+  // receive on it fails with a connection error.
+  void ResetPairs() {
+    for (const std::shared_ptr<gloo::Context>& context : contexts_) {
+      gloo::transport::Context& transport =
+          GlooContextAccess::Transport(*context);
+      for (int peer = 0; peer < context->size; ++peer) {
+        if (peer == context->rank) continue;
+        const std::unique_ptr<gloo::transport::Pair>& pair =
+            transport.getPair(peer);
+        if (pair) pair->close();
+      }
+    }
+  }
+};
 
 int64_t Bytes(const torch::Tensor& t) {
   return t.numel() * static_cast<int64_t>(t.element_size());
@@ -95,6 +157,29 @@ class ProcessGroupCommunicator : public Communicator {
 
   int rank() const override { return group_->getRank(); }
   int size() const override { return group_->getSize(); }
+
+  void CloseConnections(const absl::Status& why) override {
+    Communicator::CloseConnections(why);
+    if (auto* gloo = dynamic_cast<AbortableGlooGroup*>(group_.get())) {
+      gloo->ResetPairs();
+    }
+  }
+
+  absl::Status Rejoin(std::unique_ptr<Communicator> fresh) override {
+    auto* other = dynamic_cast<ProcessGroupCommunicator*>(fresh.get());
+    if (other == nullptr || other->nccl_ != nccl_ || other->rank() != rank() ||
+        other->size() != size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rejoin: the re-formed group (rank ", fresh->rank(), " of ",
+          fresh->size(), ") does not match this one (rank ", rank(), " of ",
+          size(), ")"));
+    }
+    // The old group goes here: its connections are closed, and it waits
+    // for no collective that has not failed.
+    group_ = other->group_;
+    ClearFailure();
+    return absl::OkStatus();
+  }
 
   absl::Status AllReduce(torch::Tensor& tensor, ReduceOp op) override {
     return AllReduceAsync(tensor, op).Wait();
@@ -246,6 +331,16 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeProcessGroupCommunicator(
   if (!group) return absl::InvalidArgumentError("null process group");
   return std::unique_ptr<Communicator>(
       new ProcessGroupCommunicator(std::move(group)));
+}
+
+c10::intrusive_ptr<compat::C10dBackend> MakeAbortableGlooGroup(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+    std::shared_ptr<gloo::transport::Device> device,
+    std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(std::move(device));
+  return c10::make_intrusive<AbortableGlooGroup>(std::move(store), rank, size,
+                                                 options);
 }
 
 namespace {

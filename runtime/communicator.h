@@ -16,12 +16,18 @@
 //   tally::PendingCollective sum = world->AllReduceAsync(buf, kSum);
 //   ...  // compute; `buf` stays untouched
 //   TALLY_RETURN_IF_ERROR(sum.Wait());
+//
+// A rank that fails between two collectives while its peers wait in the
+// next one calls CloseConnections(): its peers' collectives then fail at once
+// instead of waiting out the timeout, and Rejoin() later puts a freshly formed
+// group of the same ranks under the same Communicator (runtime/distributed.h).
 #ifndef TALLY_RUNTIME_COMMUNICATOR_H_
 #define TALLY_RUNTIME_COMMUNICATOR_H_
 
 #include <torch/torch.h>
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -36,6 +42,10 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "runtime/torch_compat.h"
+
+namespace gloo::transport {
+class Device;
+}  // namespace gloo::transport
 
 namespace tally {
 
@@ -129,16 +139,38 @@ class Communicator {
   // the group cannot be trusted again: later collectives fail at once with it.
   absl::Status failure() const;
 
+  // Called once, with the error, when the group first fails (a collective's
+  // error or CloseConnections), on the thread that saw it. Set it before any
+  // collective.
+  void SetFailureListener(std::function<void(const absl::Status&)> listener);
+
+  // Fails the group with `why` (unless it failed already) and, where the
+  // backend allows (Gloo), closes its connections at once, so a peer waiting
+  // in a collective of this group fails within moments instead of waiting
+  // out the timeout. Collectives of this rank in flight on the group may
+  // still wait for theirs. Idempotent.
+  virtual void CloseConnections(const absl::Status& why);
+
+  // Takes the c10d group of `fresh` (a group just formed over the same ranks
+  // in the same positions) in place of this one's, and forgets the failure:
+  // whoever holds this Communicator goes on with the new group. The stats
+  // carry on. UNIMPLEMENTED for backends that cannot (this base, NCCL);
+  // INVALID_ARGUMENT when `fresh` is of another kind, rank or size.
+  virtual absl::Status Rejoin(std::unique_ptr<Communicator> fresh);
+
  protected:
   // Returns `result`, remembering its error if it is the first.
   absl::Status Latch(absl::Status result);
   absl::StatusOr<torch::Tensor> Latch(absl::StatusOr<torch::Tensor> result);
+  // Forgets the failure (Rejoin).
+  void ClearFailure();
 
   CommStats stats_;
 
  private:
   mutable std::mutex failure_mu_;
   absl::Status failure_;
+  std::function<void(const absl::Status&)> failure_listener_;
 };
 
 // Wraps a c10d group (compat::C10dBackend: Gloo on CPU, or a c10d NCCL
@@ -147,6 +179,14 @@ class Communicator {
 // result, at 2x the bytes of a ring reduce-scatter.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeProcessGroupCommunicator(
     c10::intrusive_ptr<compat::C10dBackend> group);
+
+// A Gloo group of `size` ranks over `store` whose connections
+// Communicator::CloseConnections can close (ProcessGroupGloo itself cannot: its
+// destructor waits for the collectives in flight). Throws as c10d does.
+c10::intrusive_ptr<compat::C10dBackend> MakeAbortableGlooGroup(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+    std::shared_ptr<gloo::transport::Device> device,
+    std::chrono::milliseconds timeout);
 
 // The communicator of one rank over an in-memory store: what the single-rank
 // server runs on, so the collective code path is the real one. A Gloo group

@@ -152,23 +152,19 @@ struct GroupContext {
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooGroup(
     const GroupContext& context, const std::string& name, int group_rank,
     int group_size, std::chrono::milliseconds op_timeout) {
-  return CatchTorch("creating a gloo group",
-                    [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {
-                      auto options =
-                          c10d::ProcessGroupGloo::Options::create(op_timeout);
-                      options->devices.push_back(context.gloo_device);
-                      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
-                          name, context.store);
-                      auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(
-                          prefixed, group_rank, group_size, options);
-                      // Constructing a Gloo group is no synchronization point:
-                      // a rank may start connecting the next group while a peer
-                      // still handshakes this one on the same device. The
-                      // barrier finishes every pair of this group first, so
-                      // groups connect one at a time.
-                      group->barrier()->wait();
-                      return MakeProcessGroupCommunicator(group);
-                    });
+  return CatchTorch(
+      "creating a gloo group",
+      [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {
+        auto group = MakeAbortableGlooGroup(
+            c10::make_intrusive<c10d::PrefixStore>(name, context.store),
+            group_rank, group_size, context.gloo_device, op_timeout);
+        // Constructing a Gloo group is no synchronization point: a rank may
+        // start connecting the next group while a peer still handshakes this
+        // one on the same device. The barrier finishes every pair of this
+        // group first, so groups connect one at a time.
+        group->barrier()->wait();
+        return MakeProcessGroupCommunicator(group);
+      });
 }
 
 // The group of `ranks` (this rank among them) under its own key prefix, so
@@ -337,57 +333,29 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
   const absl::Time deadline = absl::Now() + rendezvous_timeout;
   std::unique_ptr<ProcessGroups> groups(new ProcessGroups());
 
-  GroupContext context{{}, {}, env.rank, deadline, device};
+  groups->mesh_.emplace(mesh);
+  groups->collective_timeout_ = collective_timeout;
+  groups->device_ = device;
   if (env.world_size > 1) {
     TALLY_ASSIGN_OR_RETURN(groups->store_, ConnectStore(env, deadline));
-    TALLY_ASSIGN_OR_RETURN(context.gloo_device, MakeGlooDevice(env));
-    context.store = groups->store_;
+    TALLY_ASSIGN_OR_RETURN(groups->gloo_device_, MakeGlooDevice(env));
   }
-  auto make_group = [&](const std::string& name, const std::vector<int>& ranks,
-                        absl::Duration timeout, bool gloo = false) {
-    return MakeGroup(context, name, ranks, timeout, gloo);
-  };
   std::vector<int> everyone(env.world_size);
   std::iota(everyone.begin(), everyone.end(), 0);
-  TALLY_ASSIGN_OR_RETURN(groups->world_,
-                         make_group("world", everyone, collective_timeout));
   // Rank 0 sends commands and must notice a dead or hung rank; the others
   // wait for the next command, however long the server sits idle.
   TALLY_ASSIGN_OR_RETURN(
       groups->control_,
-      make_group("control", everyone,
-                 env.rank == 0 ? collective_timeout : kControlTimeout,
-                 /*gloo=*/true));
-  for (const std::vector<MeshDim>& dims : CreatedGroupDims()) {
-    const std::vector<int> ranks = mesh.GroupRanks(dims);
-    // Named by its members, so the name is unique among all ranks' groups.
-    TALLY_ASSIGN_OR_RETURN(
-        std::unique_ptr<Communicator> group,
-        make_group(absl::StrCat(DimsName(dims), "/", absl::StrJoin(ranks, ",")),
-                   ranks, collective_timeout));
-    groups->groups_.emplace_back(dims, std::move(group));
-  }
-  const std::vector<int> ep_ranks = mesh.ExpertParallelRanks();
-  TALLY_ASSIGN_OR_RETURN(
-      groups->expert_parallel_,
-      make_group(absl::StrCat("ep/", absl::StrJoin(ep_ranks, ",")), ep_ranks,
-                 collective_timeout));
-  if (mesh.size(MeshDim::kEp) > 1) {
-    const std::vector<int> ranks = mesh.ExpertDataParallelRanks();
-    TALLY_ASSIGN_OR_RETURN(
-        groups->owned_expert_data_parallel_,
-        make_group(absl::StrCat("expert_dp/", absl::StrJoin(ranks, ",")), ranks,
-                   collective_timeout));
-    groups->expert_data_parallel_ = groups->owned_expert_data_parallel_.get();
-  } else {
-    TALLY_ASSIGN_OR_RETURN(groups->expert_data_parallel_,
-                           groups->group({MeshDim::kDpReplicate,
-                                          MeshDim::kDpShard, MeshDim::kCp}));
-  }
+      MakeGroup(
+          {groups->store_, groups->gloo_device_, env.rank, deadline, device},
+          "control", everyone,
+          env.rank == 0 ? collective_timeout : kControlTimeout,
+          /*gloo=*/true));
+  TALLY_RETURN_IF_ERROR(groups->FormDataGroups("", deadline));
 
   if (env.world_size > 1) {
-    // A barrier: once it completes, no rank needs the store any more, so
-    // rank 0 may take it down. Its traffic is start-up, not the caller's.
+    // A barrier: every rank joined every group. Its traffic is start-up, not
+    // the caller's. Rank 0 keeps the store up: FailFast and Recover use it.
     torch::Tensor token = torch::zeros({1});
     TALLY_RETURN_IF_ERROR(groups->world_->AllReduce(token, ReduceOp::kSum));
     groups->world_->stats().Reset();
@@ -399,18 +367,164 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(
 
 ProcessGroups::~ProcessGroups() = default;
 
-absl::Status ProcessGroups::failure() const {
-  for (const Communicator* group : {world_.get(), control_.get()}) {
-    if (!group->failure().ok()) return group->failure();
+absl::Status ProcessGroups::FormDataGroups(const std::string& prefix,
+                                           absl::Time deadline) {
+  const Mesh& mesh = *mesh_;
+  const GroupContext context{store_, gloo_device_, mesh.rank(), deadline,
+                             device_};
+  const bool reform = world_ != nullptr;
+  auto form = [&](const std::string& name, const std::vector<int>& ranks,
+                  std::unique_ptr<Communicator>& slot) -> absl::Status {
+    // A group of one rank waits for no peer and never fails.
+    if (reform && ranks.size() == 1) return absl::OkStatus();
+    TALLY_ASSIGN_OR_RETURN(
+        std::unique_ptr<Communicator> fresh,
+        MakeGroup(context, prefix + name, ranks, collective_timeout_,
+                  /*gloo=*/false));
+    if (reform) return slot->Rejoin(std::move(fresh));
+    slot = std::move(fresh);
+    slot->SetFailureListener(
+        [this](const absl::Status& why) { CloseDataGroups(why); });
+    return absl::OkStatus();
+  };
+  std::vector<int> everyone(mesh.world_size());
+  std::iota(everyone.begin(), everyone.end(), 0);
+  TALLY_RETURN_IF_ERROR(form("world", everyone, world_));
+  const std::vector<std::vector<MeshDim>>& created = CreatedGroupDims();
+  if (!reform) {
+    for (const std::vector<MeshDim>& dims : created) {
+      groups_.emplace_back(dims, nullptr);
+    }
   }
-  for (const auto& [dims, group] : groups_) {
-    if (!group->failure().ok()) return group->failure();
+  for (auto& [dims, group] : groups_) {
+    const std::vector<int> ranks = mesh.GroupRanks(dims);
+    // Named by its members, so the name is unique among all ranks' groups.
+    TALLY_RETURN_IF_ERROR(
+        form(absl::StrCat(DimsName(dims), "/", absl::StrJoin(ranks, ",")),
+             ranks, group));
   }
-  for (const Communicator* group :
+  const std::vector<int> ep_ranks = mesh.ExpertParallelRanks();
+  TALLY_RETURN_IF_ERROR(form(absl::StrCat("ep/", absl::StrJoin(ep_ranks, ",")),
+                             ep_ranks, expert_parallel_));
+  if (mesh.size(MeshDim::kEp) > 1) {
+    const std::vector<int> ranks = mesh.ExpertDataParallelRanks();
+    TALLY_RETURN_IF_ERROR(
+        form(absl::StrCat("expert_dp/", absl::StrJoin(ranks, ",")), ranks,
+             owned_expert_data_parallel_));
+    expert_data_parallel_ = owned_expert_data_parallel_.get();
+  } else if (!reform) {
+    TALLY_ASSIGN_OR_RETURN(
+        expert_data_parallel_,
+        group({MeshDim::kDpReplicate, MeshDim::kDpShard, MeshDim::kCp}));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<Communicator*> ProcessGroups::DataGroups() const {
+  std::vector<Communicator*> all = {world_.get()};
+  for (const auto& [dims, group] : groups_) all.push_back(group.get());
+  for (Communicator* group :
        {expert_parallel_.get(), owned_expert_data_parallel_.get()}) {
+    if (group != nullptr) all.push_back(group);
+  }
+  return all;
+}
+
+absl::Status ProcessGroups::DataFailure() const {
+  for (const Communicator* group : DataGroups()) {
     if (group != nullptr && !group->failure().ok()) return group->failure();
   }
   return absl::OkStatus();
+}
+
+absl::Status ProcessGroups::failure() const {
+  if (control_ != nullptr && !control_->failure().ok()) {
+    return control_->failure();
+  }
+  return DataFailure();
+}
+
+namespace {
+
+constexpr char kFailedFastKey[] = "tally/failed_fast/";
+
+}  // namespace
+
+bool ProcessGroups::Recoverable() const {
+  return store_ != nullptr && !device_.is_cuda();
+}
+
+void ProcessGroups::CloseDataGroups(const absl::Status& why) {
+  if (closing_.exchange(true)) return;
+  const absl::Status closed = absl::AbortedError(
+      absl::StrCat("this rank's process groups were closed after a failure: ",
+                   why.message()));
+  // A group of one rank has no peer to release (and never fails).
+  for (Communicator* group : DataGroups()) {
+    if (group != nullptr && group->size() > 1) group->CloseConnections(closed);
+  }
+}
+
+void ProcessGroups::FailFast(const absl::Status& why) {
+  if (why.ok() || !Recoverable() || !DataFailure().ok()) return;
+  // Before any connection closes: a peer that sees its collective fail
+  // finds the mark when it recovers.
+  absl::Status marked = CatchTorch("marking the failure", [&] {
+    store_->add(absl::StrCat(kFailedFastKey, generation_), 1);
+  });
+  if (!marked.ok()) {
+    Log(LogLevel::kWarning,
+        absl::StrCat("rank ", mesh_->rank(),
+                     " could not announce its failure: ", marked.message()));
+  }
+  Log(LogLevel::kWarning,
+      absl::StrCat("rank ", mesh_->rank(),
+                   " failed between collectives, closing its process groups "
+                   "so that its peers stop waiting: ",
+                   why.message()));
+  failed_fast_ = why;
+  CloseDataGroups(why);
+}
+
+bool ProcessGroups::FailedFastByARank() {
+  absl::StatusOr<int64_t> marks =
+      CatchTorch("reading the failure mark", [&]() -> absl::StatusOr<int64_t> {
+        return store_->add(absl::StrCat(kFailedFastKey, generation_), 0);
+      });
+  return marks.ok() && *marks > 0;
+}
+
+absl::Status ProcessGroups::Recover(absl::Status local) {
+  const absl::Status failed = DataFailure();
+  if (failed.ok()) return local;
+  if (local.ok()) local = failed;
+  if (!Recoverable() || !control_->failure().ok() || !FailedFastByARank()) {
+    return local;
+  }
+  // The ranks that failed on their own tell; the others only heard of it.
+  absl::Status agreed = AgreeOnStatus(
+      *control_, failed_fast_.ok() ? absl::OkStatus() : local, "this command");
+  if (!control_->failure().ok()) return local;
+  if (agreed.ok()) agreed = local;
+  // The next generation's groups, under keys no earlier group used.
+  ++generation_;
+  store_->setTimeout(ToChrono(collective_timeout_));
+  const absl::Status reformed = FormDataGroups(
+      absl::StrCat("gen", generation_, "/"), absl::Now() + collective_timeout_);
+  if (!reformed.ok()) {
+    return absl::Status(reformed.code(),
+                        absl::StrCat(agreed.message(),
+                                     "; re-forming the process groups "
+                                     "afterwards failed: ",
+                                     reformed.message()));
+  }
+  closing_ = false;
+  failed_fast_ = absl::OkStatus();
+  Log(LogLevel::kInfo,
+      absl::StrCat("rank ", mesh_->rank(),
+                   " re-formed its process groups (generation ", generation_,
+                   ") after: ", agreed.message()));
+  return agreed;
 }
 
 absl::StatusOr<Communicator*> ProcessGroups::group(std::vector<MeshDim> dims) {

@@ -23,9 +23,18 @@
 //                          groups->group({tally::MeshDim::kDpReplicate,
 //                                         tally::MeshDim::kDpShard}));
 //   TALLY_RETURN_IF_ERROR(dp->AllReduce(tokens, tally::ReduceOp::kSum));
+//
+// A rank that fails on its own while its peers may wait in a collective
+// calls FailFast(error); at the end of the command every rank calls
+// Recover(status), which agrees on the status and re-forms the groups:
+//
+//   absl::Status local = ComputeSomething();  // fails on one rank
+//   if (!local.ok()) groups->FailFast(local);
+//   local = groups->Recover(local);  // the same status on every rank
 #ifndef TALLY_RUNTIME_DISTRIBUTED_H_
 #define TALLY_RUNTIME_DISTRIBUTED_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -131,11 +140,58 @@ class ProcessGroups {
   // The first collective failure of any group (Communicator::failure).
   absl::Status failure() const;
 
+  // This rank failed on its own (`why`) between two collectives while its
+  // peers may wait in the next one: marks the failure in the store as a live
+  // rank's and closes every connection of every group but control(), so
+  // that each peer's collective fails at once. A peer whose collective fails
+  // closes its own groups in turn, so every rank's groups fail within
+  // moments, wherever it waits. Nothing (the failure is only this rank's)
+  // in a world of one rank, on CUDA (NCCL groups are not re-formed) or once
+  // a group failed already.
+  void FailFast(const absl::Status& why);
+
+  // At the end of a command, on every rank, with the command's `local`
+  // status: `local` unchanged while no group failed. When the groups failed
+  // because a rank called FailFast, every rank agrees on the status over
+  // control() (AgreeOnStatus: the failing rank's own status, which the others
+  // quote naming it) and the ranks re-form every group but control() under
+  // a fresh store prefix: the same Communicator objects go on with new c10d
+  // groups (Communicator::Rejoin), and failure() is OK again. A failure no
+  // rank announced (a dead or hung rank, a timeout) returns `local` (or the
+  // failure when `local` is OK) with the groups left failed, as does an
+  // agreement or a re-forming that fails.
+  absl::Status Recover(absl::Status local);
+
+  // How many times the groups were re-formed.
+  int generation() const { return generation_; }
+
  private:
   ProcessGroups() = default;
 
+  // Forms (generation 0) or re-forms every group but control() under
+  // `prefix` in the store.
+  absl::Status FormDataGroups(const std::string& prefix, absl::Time deadline);
+  // Every group but control().
+  std::vector<Communicator*> DataGroups() const;
+  // FailFast can announce a failure and Recover re-form the groups: a store
+  // (more than one rank) and Gloo groups.
+  bool Recoverable() const;
+  // Fails and closes every group but control(), once.
+  void CloseDataGroups(const absl::Status& why);
+  // A rank called FailFast since the groups were last formed.
+  bool FailedFastByARank();
+  absl::Status DataFailure() const;
+
   // Declared first so the groups using it are destroyed before it.
   c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<gloo::transport::Device> gloo_device_;
+  std::optional<Mesh> mesh_;
+  absl::Duration collective_timeout_;
+  torch::Device device_ = torch::kCPU;
+  int generation_ = 0;
+  std::atomic<bool> closing_{false};
+  // What this rank's FailFast announced since the groups were last formed.
+  absl::Status failed_fast_;
   std::unique_ptr<Communicator> world_;
   std::unique_ptr<Communicator> control_;
   std::vector<std::pair<std::vector<MeshDim>, std::unique_ptr<Communicator>>>

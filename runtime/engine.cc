@@ -231,6 +231,16 @@ absl::Status CheckAuxiliaryLossesApply(const CausalLm& model,
   return absl::OkStatus();
 }
 
+// Whether `model`'s forward and backward run collectives inside a stage:
+// tensor, context and expert parallelism, ZeRO-3's parameter gathers.
+bool CommunicatesInThePass(const CausalLm& model) {
+  const ModelSharding& sharding = model.sharding();
+  return sharding.tp_size() > 1 || sharding.cp_size() > 1 ||
+         sharding.ep_size() > 1 ||
+         (sharding.dp_shard_size() > 1 &&
+          sharding.zero_stage == ZeroStage::kParameters);
+}
+
 // Raises `status` as the exception a torch error would be, inside code that
 // reports failures by throwing (the stage callbacks).
 void ThrowIfError(const absl::Status& status) {
@@ -620,6 +630,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
   }
   absl::StatusOr<ForwardBackwardResult> result =
       RunForwardBackward(*state, args, *loss);
+  if (!result.ok()) result = Recover(result.status());
   // Validation passed, so a failure here happened mid-computation, possibly
   // after some micro-batches added their gradients.
   if (!result.ok() && !args.forward_only &&
@@ -699,6 +710,12 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
     // Earlier backwards only accumulate into what the last one sums.
     if (overlapped && b + 1 == plan.num_batches()) overlapped->Arm();
   };
+  // Its peers may wait in a collective inside the pass that this rank will
+  // not join. (Else the schedule's own agreements and transfers of zeros
+  // let every rank finish, gradient sums in flight included.)
+  if (CommunicatesInThePass(model)) {
+    stage.failed = [&](const absl::Status& failure) { FailFast(failure); };
+  }
   // The last backward starts the gradient sums: its replicas agree first,
   // so that none starts a sum that a replica which failed would not join.
   if (overlapped) {
@@ -738,6 +755,14 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
 
 absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
   return AgreeUnlessFailed(*this, *groups_.world, std::move(local));
+}
+
+void Engine::FailFast(const absl::Status& local) {
+  if (process_groups_) process_groups_->FailFast(local);
+}
+
+absl::Status Engine::Recover(absl::Status status) {
+  return process_groups_ ? process_groups_->Recover(std::move(status)) : status;
 }
 
 bool Engine::NeedsGradientSync(CausalLm& model) const {
@@ -919,9 +944,18 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     }
     state->replicas_summed = true;
   }
-  TALLY_ASSIGN_OR_RETURN(ClipResult clip,
-                         ComputeClip(params, normalizer, mesh_, *groups_.world,
-                                     args.norm_type, max_norm));
+  // A rank that fails computing its part of the norm leaves the others in
+  // its all-reduce: it fails fast, and the ranks recover together.
+  absl::Status norm_ready = InjectedFault(FaultPoint::kGradNorm);
+  absl::StatusOr<ClipResult> clipped =
+      norm_ready.ok() ? ComputeClip(params, normalizer, mesh_, *groups_.world,
+                                    args.norm_type, max_norm)
+                      : norm_ready;
+  if (!clipped.ok()) {
+    FailFast(clipped.status());
+    return Recover(clipped.status());
+  }
+  const ClipResult& clip = *clipped;
   OptimStepResult result;
   result.grad_norm = clip.norm.total;
   result.clip_coef = clip.clip_coef;
@@ -1058,7 +1092,7 @@ absl::Status Engine::WriteOnRankZero(
   }
   if (written.ok()) written = InjectedFault(FaultPoint::kWrite);
   if (writer && written.ok()) written = write(*model, *optimizer);
-  return AgreeAcrossRanks(written);
+  return Recover(AgreeAcrossRanks(written));
 }
 
 absl::Status Engine::GatherOnWriter(
@@ -1085,7 +1119,19 @@ absl::Status Engine::GatherOnWriter(
   // Before the gathers, so a writer that could not allocate stops every
   // rank rather than leaving them in a collective.
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(ready));
+  const absl::Status gathered = GatherStagesOnWriter(
+      state, with_optimizer_state, trainable_only, full_model, full_optimizer);
+  // A rank failing partway leaves its peers in the next gather or transfer.
+  FailFast(gathered);
+  return gathered;
+}
 
+absl::Status Engine::GatherStagesOnWriter(
+    ModelState& state, bool with_optimizer_state, bool trainable_only,
+    std::unique_ptr<CausalLm>& full_model,
+    std::unique_ptr<Optimizer>& full_optimizer) {
+  CausalLm& model = *state.model;
+  const bool writer = mesh_.rank() == 0;
   // Each stage gathers the parameters it owns (the last stage's copy of a
   // tied embedding is stage 0's) over its tp and dp_shard groups, in the
   // model's order, each parameter followed by its optimizer state.
@@ -1103,6 +1149,7 @@ absl::Status Engine::GatherOnWriter(
   for (const Parameter& p : model.parameters()) {
     if (model.OwningStage(p.name, stages) != stage) continue;
     if (trainable_only && !p.trainable && !IsLoraParameter(p.name)) continue;
+    TALLY_RETURN_IF_ERROR(InjectedFault(FaultPoint::kGather));
     TALLY_ASSIGN_OR_RETURN(torch::Tensor full, model.GatherFull(p, p.tensor));
     stage_tensors.push_back(std::move(full));
     if (!p.trainable) continue;

@@ -178,7 +178,10 @@ class Engine {
   const EngineGroups& groups() const { return groups_; }
   // The first failure of a collective on this rank's groups, OK while there
   // was none. A failed or timed-out collective leaves the groups unusable
-  // (peers may be anywhere in the operation): the process must restart.
+  // (peers may be anywhere in the operation): the process must restart,
+  // unless the failure was a rank's that failed between collectives
+  // (ProcessGroups::FailFast): the command that saw it re-forms the groups
+  // before it returns (ProcessGroups::Recover), and this is OK again.
   absl::Status CollectiveFailure() const;
   size_t num_models() const { return models_.size(); }
   // Whether a LoRA base of `base_key` (BaseKey) is in memory: some model
@@ -267,6 +270,13 @@ class Engine {
                               bool trainable_only,
                               std::unique_ptr<CausalLm>& full_model,
                               std::unique_ptr<Optimizer>& full_optimizer);
+  // GatherOnWriter once the writer holds its empty copy: every stage's
+  // tensors gathered and sent to it.
+  absl::Status GatherStagesOnWriter(ModelState& state,
+                                    bool with_optimizer_state,
+                                    bool trainable_only,
+                                    std::unique_ptr<CausalLm>& full_model,
+                                    std::unique_ptr<Optimizer>& full_optimizer);
   // Runs `write` on rank 0 with the whole model and its optimizer (gathered
   // there by GatherOnWriter when the model is sharded or staged, every other
   // rank helping) and returns on every rank once all agree on the outcome:
@@ -278,6 +288,13 @@ class Engine {
   // Every rank returns an error if any rank's `local` is one, so no rank
   // applies what another refused.
   absl::Status AgreeAcrossRanks(absl::Status local);
+  // A local failure (`local`, while no collective failed) between two
+  // collectives: closes this rank's groups so no peer waits for it
+  // (ProcessGroups::FailFast). Nothing on one rank.
+  void FailFast(const absl::Status& local);
+  // At the end of a command that may have called FailFast on some rank:
+  // ProcessGroups::Recover, `status` unchanged on one rank.
+  absl::Status Recover(absl::Status status);
   static void ClearWindow(ModelState& state);
   // What changed in a model's shards, for RefreshGathered.
   enum class ShardsChanged {

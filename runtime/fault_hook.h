@@ -26,7 +26,10 @@ enum class FaultPoint {
   kBuildModel,       // CreateModel, building this rank's part of the model
   kForward,          // ForwardBackward, each micro-batch's forward (throws)
   kBackward,         // ForwardBackward, each micro-batch's backward (throws)
+  kGradNorm,         // OptimStep, this rank's part of the gradient norm
   kOptimizerUpdate,  // OptimStep, this rank's update of its parameters
+  kGather,           // SaveCheckpoint / ExportWeights, before each tensor
+                     // this rank helps gather for the writer
   kWrite,            // SaveCheckpoint / ExportWeights, before the write
   kLoad,             // LoadCheckpoint, reading and staging the checkpoint
 };

@@ -108,7 +108,9 @@ class StageRun {
   // Runs `fn` (a callback) unless the stage already failed.
   template <typename Fn>
   void Local(Fn&& fn) {
-    if (failure_.ok()) failure_ = CatchTorch("forward_backward", fn);
+    if (!failure_.ok()) return;
+    failure_ = CatchTorch("forward_backward", fn);
+    if (!failure_.ok() && callbacks_.failed) callbacks_.failed(failure_);
   }
   torch::Tensor Zeros(size_t b) const {
     return callbacks_.boundary_like(b).zero_();

@@ -51,6 +51,10 @@ struct StageCallbacks {
   // peer would not finish. (Never a group spanning stages: a neighbour may
   // wait for this stage's last backward before it can agree.)
   std::function<absl::Status(absl::Status so_far)> agree;
+  // Optional: called once, with the error, when a callback or a backward of
+  // this stage first fails (its own error, or a collective's inside it; not
+  // a transfer between stages), before the stage sends its zeros.
+  std::function<void(const absl::Status& failure)> failed;
 };
 
 // `pp`: this rank's pipeline group (group rank = stage). Without `backward`

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -31,11 +32,12 @@ constexpr int kFailingRank = 1;
 constexpr absl::Duration kCollectiveTimeout = absl::Seconds(10);
 
 absl::StatusOr<std::unique_ptr<Engine>> RankEngine(
-    const MeshShape& shape, const RankEnv& env, const EngineOptions& options) {
+    const MeshShape& shape, const RankEnv& env, const EngineOptions& options,
+    absl::Duration collective_timeout = kCollectiveTimeout) {
   TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
   TALLY_ASSIGN_OR_RETURN(
       auto groups,
-      ProcessGroups::Create(env, mesh, absl::Seconds(60), kCollectiveTimeout));
+      ProcessGroups::Create(env, mesh, absl::Seconds(60), collective_timeout));
   return Engine::Create(options, mesh, std::move(groups));
 }
 
@@ -300,6 +302,195 @@ TEST(RankFailureTest, EveryCommandFailingOnOneRankFailsOnEveryRank) {
                            engine->OptimStep("m", {}));
     EXPECT_EQ(step.step, 2);
     EXPECT_TRUE(engine->CollectiveFailure().ok());
+    return absl::OkStatus();
+  });
+}
+
+// A rank that fails between two collectives of one stage's compute, or of
+// the norm or the gather before a write, leaves its peers waiting in the next
+// one: it closes its groups (ProcessGroups::FailFast), so the call fails on
+// every rank long before a collective would time out; the ranks re-form
+// their groups, and the next calls give the bits of a run that never saw
+// the failed call.
+constexpr absl::Duration kLongTimeout = absl::Seconds(60);
+
+struct RecoveryCase {
+  const char* name;
+  MeshShape shape;
+  FaultPoint point;
+  int nth;  // which visit of the point fails
+  bool moe = false;
+};
+
+void PrintTo(const RecoveryCase& c, std::ostream* os) { *os << c.name; }
+
+// Two models of one spec on one engine: "m" sees the failed call, "clean"
+// does not.
+absl::StatusOr<std::unique_ptr<Engine>> EngineWithTwinModels(
+    const RecoveryCase& c, const RankEnv& env) {
+  TALLY_ASSIGN_OR_RETURN(
+      auto engine,
+      RankEngine(c.shape, env, FewTokensPerMicroBatch(), kLongTimeout));
+  for (const char* id : {"m", "clean"}) {
+    ModelSpec spec =
+        testing::TinySpec(id, DType::kFloat64, OptimizerKind::kAdamW);
+    if (c.moe) spec.config = testing::MoeConfig(spec.config);
+    TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
+  }
+  return engine;
+}
+
+// Runs `command` with the fault armed: it fails alike on every rank within
+// a third of the collective timeout, and leaves the groups working.
+void ExpectFailsFastAlike(Engine& engine, const RecoveryCase& c,
+                          const RankEnv& env, absl::StatusCode code,
+                          const std::function<absl::Status()>& command) {
+  absl::Status failed;
+  const absl::Time start = absl::Now();
+  {
+    InjectedFailure failure(env.rank, c.point, c.nth);
+    failed = command();
+  }
+  EXPECT_LT(absl::Now() - start, kLongTimeout / 3);
+  EXPECT_TRUE(engine.CollectiveFailure().ok()) << engine.CollectiveFailure();
+  // On the re-formed groups.
+  ExpectFailedAlike(engine.world(), failed, code);
+}
+
+// One training step of `id` on Call(2), then the loss of Call(3).
+absl::StatusOr<double> StepAndEvaluate(Engine& engine, const std::string& id) {
+  TALLY_RETURN_IF_ERROR(engine.ForwardBackward(id, {Call(2)}).status());
+  TALLY_RETURN_IF_ERROR(engine.OptimStep(id, {}).status());
+  ForwardBackwardArgs eval{Call(3)};
+  eval.forward_only = true;
+  TALLY_ASSIGN_OR_RETURN(const ForwardBackwardResult result,
+                         engine.ForwardBackward(id, eval));
+  return result.loss_sum;
+}
+
+class InPassFailureTest : public ::testing::TestWithParam<RecoveryCase> {};
+
+TEST_P(InPassFailureTest, FailsFastOnEveryRankAndTheNextCallsAreExact) {
+  const RecoveryCase& c = GetParam();
+  testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine, EngineWithTwinModels(c, env));
+    ExpectFailsFastAlike(*engine, c, env, absl::StatusCode::kInternal, [&] {
+      return engine->ForwardBackward("m", {Call(1)}).status();
+    });
+    TALLY_ASSIGN_OR_RETURN(const bool poisoned, engine->WindowPoisoned("m"));
+    EXPECT_TRUE(poisoned);
+    TALLY_RETURN_IF_ERROR(engine->AbortAccumulation("m").status());
+    TALLY_ASSIGN_OR_RETURN(const double loss, StepAndEvaluate(*engine, "m"));
+    TALLY_ASSIGN_OR_RETURN(const double clean_loss,
+                           StepAndEvaluate(*engine, "clean"));
+    EXPECT_EQ(loss, clean_loss);
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * clean, engine->model("clean"));
+    EXPECT_TRUE(testing::AllEqual(testing::ParameterValues(*model),
+                                  testing::ParameterValues(*clean)));
+    return absl::OkStatus();
+  });
+}
+
+MeshShape Tp2() {
+  MeshShape shape;
+  shape.tp = 2;
+  return shape;
+}
+
+MeshShape Cp2() {
+  MeshShape shape;
+  shape.cp = 2;
+  return shape;
+}
+
+// ZeRO-3 (the default stage): each layer's parameters are gathered in the
+// forward and their gradients reduce-scattered in the backward.
+MeshShape DpShard2() {
+  MeshShape shape;
+  shape.dp_shard = 2;
+  return shape;
+}
+
+MeshShape DpShard2Ep2() {
+  MeshShape shape = DpShard2();
+  shape.ep = 2;
+  return shape;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    OneRank, InPassFailureTest,
+    ::testing::Values(
+        // The peer waits in the second micro-batch's first collective, or
+        // in the first backward's.
+        RecoveryCase{"Tp2SecondForward", Tp2(), FaultPoint::kForward, 2},
+        RecoveryCase{"Tp2FirstBackward", Tp2(), FaultPoint::kBackward, 1},
+        RecoveryCase{"Cp2SecondForward", Cp2(), FaultPoint::kForward, 2},
+        RecoveryCase{"Zero3SecondForward", DpShard2(), FaultPoint::kForward, 2},
+        RecoveryCase{"Zero3FirstBackward", DpShard2(), FaultPoint::kBackward,
+                     1},
+        RecoveryCase{"Ep2MoeSecondForward", DpShard2Ep2(), FaultPoint::kForward,
+                     2, /*moe=*/true}),
+    [](const ::testing::TestParamInfo<RecoveryCase>& info) {
+      return std::string(info.param.name);
+    });
+
+// A rank that fails computing its part of the gradient norm: the others
+// wait in the norm's all-reduce. Nothing was written, so the window stays
+// and the retried OptimStep steps exactly like a clean one.
+TEST(RankFailureTest, AFailureInTheNormFailsFastAndTheRetryIsExact) {
+  const RecoveryCase c{"Zero3Norm", DpShard2(), FaultPoint::kGradNorm, 1};
+  testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine, EngineWithTwinModels(c, env));
+    for (const char* id : {"m", "clean"}) {
+      TALLY_RETURN_IF_ERROR(engine->ForwardBackward(id, {Call(1)}).status());
+    }
+    ExpectFailsFastAlike(*engine, c, env, absl::StatusCode::kResourceExhausted,
+                         [&] { return engine->OptimStep("m", {}).status(); });
+    TALLY_ASSIGN_OR_RETURN(const ModelSummary summary, engine->GetModel("m"));
+    EXPECT_TRUE(summary.damage.empty()) << summary.damage;
+    for (const char* id : {"m", "clean"}) {
+      TALLY_ASSIGN_OR_RETURN(const OptimStepResult step,
+                             engine->OptimStep(id, {}));
+      EXPECT_EQ(step.step, 1);
+    }
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * clean, engine->model("clean"));
+    EXPECT_TRUE(testing::AllEqual(testing::ParameterValues(*model),
+                                  testing::ParameterValues(*clean)));
+    return absl::OkStatus();
+  });
+}
+
+// A rank that fails partway through gathering a sharded model for the
+// writer (after its first tensor): the others wait in the next gather. The
+// write fails fast everywhere, the model is untouched, and the next write
+// works.
+TEST(RankFailureTest, AFailurePartwayThroughTheGatherFailsFast) {
+  const RecoveryCase c{"Zero3Gather", DpShard2(), FaultPoint::kGather, 2};
+  testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine, EngineWithTwinModels(c, env));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
+    const std::vector<torch::Tensor> before = testing::ParameterValues(*model);
+    const std::string dir = absl::StrCat(::testing::TempDir(),
+                                         "tally_gatherfail_", env.master_port);
+    for (const char* write : {"save", "export"}) {
+      SCOPED_TRACE(write);
+      const std::string path = absl::StrCat(dir, "/", write);
+      auto run = [&]() -> absl::Status {
+        if (std::string(write) == "save") {
+          return engine->SaveCheckpoint("m", path).status();
+        }
+        return engine->ExportWeights("m", path).status();
+      };
+      ExpectFailsFastAlike(*engine, c, env,
+                           absl::StatusCode::kResourceExhausted, run);
+      TALLY_RETURN_IF_ERROR(run());
+    }
+    EXPECT_TRUE(testing::AllEqual(testing::ParameterValues(*model), before));
+    TALLY_RETURN_IF_ERROR(
+        engine->LoadCheckpoint("m", dir + "/save", true).status());
+    EXPECT_TRUE(testing::AllEqual(testing::ParameterValues(*model), before));
     return absl::OkStatus();
   });
 }
