@@ -73,6 +73,8 @@ dnnl::matmul& CachedPrimitive(const torch::Tensor& a, const torch::Tensor& b,
 
 }  // namespace
 
+bool HasBf16ToFloat32Matmul() { return true; }
+
 absl::StatusOr<torch::Tensor> MatmulBf16ToFloat32(const torch::Tensor& a,
                                                   const torch::Tensor& b) {
   if (absl::Status s = CheckOperand(a, "a"); !s.ok()) return s;

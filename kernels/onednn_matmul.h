@@ -13,6 +13,12 @@
 // rows or columns are contiguous is read in place, any other is copied
 // first). Primitives are cached per thread by shape and strides.
 //
+// Built only against Debian's LibTorch 1.x, which itself links the system
+// libdnnl.so.2 (kernels/CMakeLists.txt); with another LibTorch (a PyTorch
+// wheel's, which carries its own oneDNN) onednn_matmul_stub.cc stands in:
+// HasBf16ToFloat32Matmul() is false and the matmul UNIMPLEMENTED.
+//
+//   if (!tally::HasBf16ToFloat32Matmul()) { /* take another path */ }
 //   torch::Tensor x = ...;  // [M, K] bfloat16, CPU
 //   torch::Tensor w = ...;  // [N, K] bfloat16, CPU (a linear's weight)
 //   TALLY_ASSIGN_OR_RETURN(torch::Tensor y,
@@ -27,10 +33,14 @@
 
 namespace tally {
 
+// Whether this build has the matmul below (false with onednn_matmul_stub.cc).
+bool HasBf16ToFloat32Matmul();
+
 // a [M, K] @ b [K, N] as a fresh contiguous float32 [M, N] tensor. a and b
 // must be 2-D bfloat16 CPU tensors with matching inner sizes; anything else
 // (another dtype, a CUDA tensor, other ranks) is INVALID_ARGUMENT naming the
-// operand. A oneDNN failure is INTERNAL.
+// operand. A oneDNN failure is INTERNAL; UNIMPLEMENTED when
+// !HasBf16ToFloat32Matmul().
 absl::StatusOr<torch::Tensor> MatmulBf16ToFloat32(const torch::Tensor& a,
                                                   const torch::Tensor& b);
 

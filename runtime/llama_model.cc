@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "kernels/onednn_matmul.h"
 #include "runtime/blocked_attention.h"
 #include "runtime/lora.h"
 #include "runtime/moe_block.h"
@@ -77,6 +78,12 @@ ShardingPlan LlamaShardingPlan(const LlamaConfig& config) {
   };
   AddLoraRules(plan);
   return plan;
+}
+
+bool TensorParallelInFloat32(int tp, DType dtype, const torch::Device& device) {
+  const torch::ScalarType compute = ComputeScalarType(dtype);
+  return tp > 1 && AtLeastFloat32(compute) != compute && device.is_cpu() &&
+         HasBf16ToFloat32Matmul();
 }
 
 namespace {
@@ -389,8 +396,7 @@ torch::Tensor LlamaModel::ReplicatedWeightInTensorParallel(int index) {
 }
 
 bool LlamaModel::TensorParallelInFloat32() const {
-  return sharding_.tp_size() > 1 &&
-         AtLeastFloat32(compute_type()) != compute_type() && device().is_cpu();
+  return tally::TensorParallelInFloat32(sharding_.tp_size(), dtype(), device());
 }
 
 torch::Tensor LlamaModel::EnterTensorParallel(const torch::Tensor& x) {

@@ -54,6 +54,14 @@ absl::Status ValidatePipelineParallel(const LlamaConfig& config, int pp);
 // How the Llama family's parameters split over the mesh.
 ShardingPlan LlamaShardingPlan(const LlamaConfig& config);
 
+// Whether a model of `dtype` on a mesh of `tp` ranks, on `device`, keeps its
+// tensor-parallel partial sums in float32
+// (LlamaModel::TensorParallelInFloat32): a low-precision dtype, tp > 1, the
+// CPU, and a build with the bfloat16 -> float32 matmul
+// (kernels/onednn_matmul.h; a PyTorch wheel's LibTorch has none and keeps
+// LibTorch's linears).
+bool TensorParallelInFloat32(int tp, DType dtype, const torch::Device& device);
+
 class LlamaModel : public CausalLm {
  public:
   // Initializes from `seed`: normal(0, 0.02) matrices, ones for norms,
@@ -152,7 +160,8 @@ class LlamaModel : public CausalLm {
   // Whether the tp linears keep their partial sums over tp in float32
   // (ColumnParallelLinear / RowParallelLinear, runtime/parallel_ops.h): a
   // low-precision compute dtype on a tp mesh, on the CPU (CUDA keeps
-  // LibTorch's linears).
+  // LibTorch's linears), in a build with the oneDNN matmul (the free
+  // function above).
   bool TensorParallelInFloat32() const;
   // A row-parallel projection (with its LoRA term) reduced over tp, then
   // its bias.

@@ -296,9 +296,9 @@ torch::Tensor Unrows(const torch::Tensor& rows, const torch::Tensor& lead) {
 
 // a [M, K] @ b [K, N] with the sums in SumType (float32 for bfloat16), the
 // result in that dtype: two bfloat16 CPU operands through oneDNN (exact
-// products, float32 sums), any others widened first.
+// products, float32 sums) when the build has it, any others widened first.
 torch::Tensor WideMatmul(const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.scalar_type() == torch::kBFloat16 &&
+  if (HasBf16ToFloat32Matmul() && a.scalar_type() == torch::kBFloat16 &&
       b.scalar_type() == torch::kBFloat16 && a.is_cpu() && b.is_cpu()) {
     return ValueOrThrow(MatmulBf16ToFloat32(a, b), "tensor-parallel matmul");
   }

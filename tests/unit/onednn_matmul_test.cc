@@ -63,7 +63,29 @@ void ExpectWithin(const torch::Tensor& got, const torch::Tensor& want,
       << ", max excess over the bound " << excess.max();
 }
 
-TEST(MatmulBf16ToFloat32Test, MatchesTheFloat32Composition) {
+// The matmul's own tests; a build without it (its LibTorch is not
+// Debian's: kernels/onednn_matmul_stub.cc) skips them, saying so.
+class MatmulBf16ToFloat32Test : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HasBf16ToFloat32Matmul()) {
+      GTEST_SKIP() << "this build has no oneDNN matmul (its LibTorch is not "
+                      "Debian's LibTorch 1.x): kernels/onednn_matmul_stub.cc";
+    }
+  }
+};
+
+TEST(OnednnMatmulStubTest, UnimplementedWithoutTheMatmul) {
+  if (HasBf16ToFloat32Matmul()) {
+    GTEST_SKIP() << "this build has the oneDNN matmul (Debian's LibTorch)";
+  }
+  EXPECT_EQ(MatmulBf16ToFloat32(RandomBf16({4, 8}, 1), RandomBf16({8, 5}, 2))
+                .status()
+                .code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+TEST_F(MatmulBf16ToFloat32Test, MatchesTheFloat32Composition) {
   const torch::Tensor a = RandomBf16({37, 300}, 1);
   const torch::Tensor b = RandomBf16({300, 53}, 2);
   absl::StatusOr<torch::Tensor> got = MatmulBf16ToFloat32(a, b);
@@ -80,7 +102,7 @@ TEST(MatmulBf16ToFloat32Test, MatchesTheFloat32Composition) {
             0.0);
 }
 
-TEST(MatmulBf16ToFloat32Test, ReadsTransposedAndStridedOperands) {
+TEST_F(MatmulBf16ToFloat32Test, ReadsTransposedAndStridedOperands) {
   const torch::Tensor x = RandomBf16({19, 64}, 3);
   const torch::Tensor w = RandomBf16({24, 64}, 4);  // a linear's [out, in]
   const torch::Tensor wide = RandomBf16({64, 48}, 5);
@@ -107,7 +129,7 @@ TEST(MatmulBf16ToFloat32Test, ReadsTransposedAndStridedOperands) {
   }
 }
 
-TEST(MatmulBf16ToFloat32Test, EmptyOperands) {
+TEST_F(MatmulBf16ToFloat32Test, EmptyOperands) {
   absl::StatusOr<torch::Tensor> no_rows =
       MatmulBf16ToFloat32(RandomBf16({0, 8}, 7), RandomBf16({8, 5}, 8));
   ASSERT_TRUE(no_rows.ok()) << no_rows.status();
@@ -118,7 +140,7 @@ TEST(MatmulBf16ToFloat32Test, EmptyOperands) {
   EXPECT_TRUE(torch::equal(*empty_sum, torch::zeros({3, 5})));
 }
 
-TEST(MatmulBf16ToFloat32Test, RefusesWhatItCannotRead) {
+TEST_F(MatmulBf16ToFloat32Test, RefusesWhatItCannotRead) {
   const torch::Tensor a = RandomBf16({4, 8}, 11);
   const torch::Tensor b = RandomBf16({8, 5}, 12);
   struct Case {
