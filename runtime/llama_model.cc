@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "kernels/onednn_matmul.h"
 #include "runtime/blocked_attention.h"
 #include "runtime/lora.h"
 #include "runtime/moe_block.h"
@@ -77,6 +78,12 @@ ShardingPlan LlamaShardingPlan(const LlamaConfig& config) {
   };
   AddLoraRules(plan);
   return plan;
+}
+
+bool TensorParallelInFloat32(int tp, DType dtype, const torch::Device& device) {
+  const torch::ScalarType compute = ComputeScalarType(dtype);
+  return tp > 1 && AtLeastFloat32(compute) != compute && device.is_cpu() &&
+         HasBf16ToFloat32Matmul();
 }
 
 namespace {
@@ -388,21 +395,35 @@ torch::Tensor LlamaModel::ReplicatedWeightInTensorParallel(int index) {
   return Weight(index, sharding_.tp_size() == 1 ? nullptr : sharding_.tp);
 }
 
+bool LlamaModel::TensorParallelInFloat32() const {
+  return tally::TensorParallelInFloat32(sharding_.tp_size(), dtype(), device());
+}
+
 torch::Tensor LlamaModel::EnterTensorParallel(const torch::Tensor& x) {
-  return sharding_.tp_size() == 1
-             ? x
-             : CopyToTensorParallelRegion(x, *sharding_.tp);
+  if (sharding_.tp_size() == 1) return x;
+  return CopyToTensorParallelRegion(
+      TensorParallelInFloat32() ? x.to(torch::kFloat32) : x, *sharding_.tp);
 }
 
 torch::Tensor LlamaModel::LeaveTensorParallel(const torch::Tensor& x) {
-  return sharding_.tp_size() == 1
-             ? x
-             : ReduceFromTensorParallelRegion(x, *sharding_.tp);
+  if (sharding_.tp_size() == 1) return x;
+  torch::Tensor sum = ReduceFromTensorParallelRegion(x, *sharding_.tp);
+  return TensorParallelInFloat32() ? sum.to(compute_type()) : sum;
 }
 
 torch::Tensor LlamaModel::Project(const torch::Tensor& x, int index, int bias) {
+  const bool adapted = lora_[index].a >= 0;
+  if (TensorParallelInFloat32() &&
+      parameters_[index].placements.at(MeshDim::kTp).shard_dim() == 0) {
+    torch::Tensor out = ColumnParallelLinear(x, Weight(index), compute_type());
+    if (bias >= 0) out = out + Weight(bias);
+    if (!adapted) return out;
+    return out + ColumnParallelLoraDelta(x, LoraFactor(lora_[index].a),
+                                         LoraFactor(lora_[index].b),
+                                         lora().scaling());
+  }
   torch::Tensor out = torch::linear(x, Weight(index), Weight(bias));
-  if (lora_[index].a < 0) return out;
+  if (!adapted) return out;
   return out + LoraDelta(x, LoraFactor(lora_[index].a),
                          LoraFactor(lora_[index].b), lora().scaling());
 }
@@ -414,8 +435,20 @@ torch::Tensor LlamaModel::LoraFactor(int index) {
                        : Weight(index);
 }
 
-torch::Tensor LlamaModel::LeaveRowParallel(const torch::Tensor& x, int bias) {
-  torch::Tensor out = LeaveTensorParallel(x);
+torch::Tensor LlamaModel::ProjectRowParallel(const torch::Tensor& x, int index,
+                                             int bias) {
+  torch::Tensor out;
+  if (!TensorParallelInFloat32()) {
+    out = LeaveTensorParallel(Project(x, index));
+  } else {
+    out = LeaveTensorParallel(RowParallelLinear(x, Weight(index)));
+    if (lora_[index].a >= 0) {
+      // B is whole on every rank and its gradient complete: not summed.
+      out = out + RowParallelLoraDelta(x, Weight(lora_[index].a),
+                                       Weight(lora_[index].b), lora().scaling(),
+                                       *sharding_.tp);
+    }
+  }
   return bias < 0 ? out : out + Weight(bias);
 }
 
@@ -485,7 +518,7 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   torch::Tensor out = AttendHeads(q, k, v, mask)
                           .transpose(1, 2)
                           .reshape({batch, seq, heads * d});
-  return LeaveRowParallel(Project(out, slot[kO]), slot[kOBias]);
+  return ProjectRowParallel(out, slot[kO], slot[kOBias]);
 }
 
 torch::Tensor LlamaModel::Mlp(int layer, const torch::Tensor& h,
@@ -504,7 +537,7 @@ torch::Tensor LlamaModel::Mlp(int layer, const torch::Tensor& h,
   torch::Tensor x = EnterTensorParallel(h);
   torch::Tensor gated = torch::silu(Project(x, slot[kGate], slot[kGateBias])) *
                         Project(x, slot[kUp], slot[kUpBias]);
-  return LeaveRowParallel(Project(gated, slot[kDown]), slot[kDownBias]);
+  return ProjectRowParallel(gated, slot[kDown], slot[kDownBias]);
 }
 
 torch::Tensor LlamaModel::Embed(const torch::Tensor& input,

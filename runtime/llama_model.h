@@ -54,6 +54,14 @@ absl::Status ValidatePipelineParallel(const LlamaConfig& config, int pp);
 // How the Llama family's parameters split over the mesh.
 ShardingPlan LlamaShardingPlan(const LlamaConfig& config);
 
+// Whether a model of `dtype` on a mesh of `tp` ranks, on `device`, keeps its
+// tensor-parallel partial sums in float32
+// (LlamaModel::TensorParallelInFloat32): a low-precision dtype, tp > 1, the
+// CPU, and a build with the bfloat16 -> float32 matmul
+// (kernels/onednn_matmul.h; a PyTorch wheel's LibTorch has none and keeps
+// LibTorch's linears).
+bool TensorParallelInFloat32(int tp, DType dtype, const torch::Device& device);
+
 class LlamaModel : public CausalLm {
  public:
   // Initializes from `seed`: normal(0, 0.02) matrices, ones for norms,
@@ -144,11 +152,20 @@ class LlamaModel : public CausalLm {
   // A LoRA factor, ReplicatedWeightInTensorParallel when it is whole on
   // every tp rank (so its partial gradients sum over tp).
   torch::Tensor LoraFactor(int index);
-  // Megatron's f and g: enter / leave a tensor-parallel region.
+  // Megatron's f and g: enter / leave a tensor-parallel region. With
+  // TensorParallelInFloat32 the region's input is widened to float32 and its
+  // output is the float32 sum rounded once to the compute dtype.
   torch::Tensor EnterTensorParallel(const torch::Tensor& x);
   torch::Tensor LeaveTensorParallel(const torch::Tensor& x);
-  // A row-parallel projection's output: reduced over tp, then its bias.
-  torch::Tensor LeaveRowParallel(const torch::Tensor& x, int bias);
+  // Whether the tp linears keep their partial sums over tp in float32
+  // (ColumnParallelLinear / RowParallelLinear, runtime/parallel_ops.h): a
+  // low-precision compute dtype on a tp mesh, on the CPU (CUDA keeps
+  // LibTorch's linears), in a build with the oneDNN matmul (the free
+  // function above).
+  bool TensorParallelInFloat32() const;
+  // A row-parallel projection (with its LoRA term) reduced over tp, then
+  // its bias.
+  torch::Tensor ProjectRowParallel(const torch::Tensor& x, int index, int bias);
   torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w) const;
   // What a layer's attention masks by: the materialized mask [B, 1, T, K]
   // (true: hidden), or, for the blocked path (mask undefined), the layout

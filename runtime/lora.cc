@@ -13,6 +13,7 @@
 #include "base/status.h"
 #include "runtime/checkpoint.h"
 #include "runtime/expected_tensors.h"
+#include "runtime/parallel_ops.h"
 #include "runtime/peft_adapter_config.h"
 
 namespace tally {
@@ -135,6 +136,23 @@ std::vector<ParameterSpec> LoraParameterSpecs(const LlamaConfig& config,
 torch::Tensor LoraDelta(const torch::Tensor& x, const torch::Tensor& a,
                         const torch::Tensor& b, double scaling) {
   return torch::linear(torch::linear(x, a), b) * scaling;
+}
+
+torch::Tensor ColumnParallelLoraDelta(const torch::Tensor& x,
+                                      const torch::Tensor& a,
+                                      const torch::Tensor& b, double scaling) {
+  const torch::Tensor u = ColumnParallelLinear(x, a, torch::kFloat32);
+  return ColumnParallelLinear(u, b, b.scalar_type()) * scaling;
+}
+
+torch::Tensor RowParallelLoraDelta(const torch::Tensor& x,
+                                   const torch::Tensor& a,
+                                   const torch::Tensor& b, double scaling,
+                                   Communicator& tp) {
+  const torch::Tensor u =
+      ReduceFromTensorParallelRegion(RowParallelLinear(x, a), tp)
+          .to(b.scalar_type());
+  return torch::linear(u, b) * scaling;
 }
 
 absl::StatusOr<NamedTensors> MergeLora(NamedTensors weights, double scaling) {

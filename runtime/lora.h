@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "runtime/communicator.h"
 #include "runtime/llama_config.h"
 #include "runtime/lora_config.h"
 #include "runtime/pipeline.h"
@@ -66,6 +67,27 @@ std::vector<ParameterSpec> LoraParameterSpecs(const LlamaConfig& config,
 // (alpha / rank) * (x A^T) B^T for `a` [r, in] and `b` [out, r].
 torch::Tensor LoraDelta(const torch::Tensor& x, const torch::Tensor& a,
                         const torch::Tensor& b, double scaling);
+
+// LoraDelta inside the tensor-parallel region of a bfloat16 model, whose
+// partial sums over tp stay in float32 (runtime/parallel_ops.h).
+//
+// Column-parallel projection (a whole, b this rank's rows): x is the
+// region's float32 input and the result is in b's dtype, as one rank's.
+// x A^T is kept in float32 (rounded as one rank rounds it) so that its
+// gradient, a partial sum over tp, stays float32; A's own partial gradient
+// is rounded once, then summed over tp in float32 on the master's side.
+torch::Tensor ColumnParallelLoraDelta(const torch::Tensor& x,
+                                      const torch::Tensor& a,
+                                      const torch::Tensor& b, double scaling);
+
+// Row-parallel projection (a this rank's columns, b whole): x A^T, a
+// partial sum, is summed over `tp` in float32 and rounded once (one small
+// all-reduce of [..., r]); the rest is LoraDelta's, complete on every rank,
+// so b's gradient is complete too (b must not be summed over tp again).
+torch::Tensor RowParallelLoraDelta(const torch::Tensor& x,
+                                   const torch::Tensor& a,
+                                   const torch::Tensor& b, double scaling,
+                                   Communicator& tp);
 
 // `weights` (HF names, whole tensors) with every adapted weight replaced by
 // W + scaling * B A (computed in the tensors' dtype) and the factors

@@ -66,6 +66,12 @@ double AttentionBytesPerToken(const LlamaConfig& config, DType dtype,
   }
 }
 
+// The row-parallel projections (LlamaShardingPlan's kRowwise weights): their
+// LoRA input of B is the compute dtype's, as on one rank.
+bool RowParallel(const LoraTarget& target) {
+  return target.module == "o_proj" || target.module == "down_proj";
+}
+
 // Parameters, gradients and AdamW's two moments, or SGD's none.
 double StateCopies(OptimizerKind optimizer) {
   return optimizer == OptimizerKind::kAdamW ? 4 : 2;
@@ -113,7 +119,8 @@ double CallActivationBytes(const LlamaConfig& config, DType dtype,
                            const std::vector<int64_t>& sample_lengths,
                            int64_t max_batch_tokens,
                            const AttentionOptions& attention,
-                           bool activation_checkpointing) {
+                           bool activation_checkpointing,
+                           const TensorParallelRegion& tp_region) {
   if (sample_lengths.empty()) return 0;
   const double longest = static_cast<double>(
       *std::max_element(sample_lengths.begin(), sample_lengths.end()));
@@ -139,7 +146,27 @@ double CallActivationBytes(const LlamaConfig& config, DType dtype,
   const double per_token =
       (saved + 2.0 * config.vocab_size) * DTypeBytes(dtype) +
       AttentionBytesPerToken(config, dtype, attention, longest, kept_layers);
-  return kActivationMargin * tokens * per_token;
+  const double float32_region =
+      tp_region.float32 ? Float32TensorParallelBytesPerToken(
+                              config, tp_region.lora, activation_checkpointing)
+                        : 0;
+  return kActivationMargin * tokens * (per_token + float32_region);
+}
+
+double Float32TensorParallelBytesPerToken(const LlamaConfig& config,
+                                          const LoraConfig& lora,
+                                          bool activation_checkpointing) {
+  constexpr double kFloat32Bytes = 4;
+  const double h = config.hidden_size;
+  const double rank = lora.enabled() ? static_cast<double>(lora.rank) : 0;
+  double layer = (config.is_moe() ? 1 : 2) * h;
+  for (const LoraTarget& target : LoraLayerTargets(config, lora)) {
+    if (!RowParallel(target)) layer += rank;
+  }
+  const double unembed = h + (LoraUnembedTarget(config, lora) ? rank : 0);
+  const double kept_layers =
+      activation_checkpointing ? 1 : config.num_hidden_layers;
+  return kFloat32Bytes * (kept_layers * layer + unembed);
 }
 
 }  // namespace tally

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "runtime/llama_config.h"
+#include "runtime/lora_config.h"
 #include "runtime/types.h"
 
 namespace tally {
@@ -67,12 +68,31 @@ double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard);
 // keeps a bfloat16 copy of the probabilities too), and the boolean mask;
 // blocked, kBlockedScoreCopies T x block_keys matrices per head. Under kAuto
 // past the threshold the larger of the blocked bound and a materialized
-// micro-batch of the threshold's length. Times kActivationMargin.
+// micro-batch of the threshold's length. A model whose tp linears keep
+// float32 (`tp_region.float32`) adds Float32TensorParallelBytesPerToken.
+// Times kActivationMargin.
+struct TensorParallelRegion {
+  // TensorParallelInFloat32 (runtime/llama_model.h) holds for the model.
+  bool float32 = false;
+  LoraConfig lora;  // the model's adapter (rank 0: a full model)
+};
 double CallActivationBytes(const LlamaConfig& config, DType dtype,
                            const std::vector<int64_t>& sample_lengths,
                            int64_t max_batch_tokens,
                            const AttentionOptions& attention = {},
-                           bool activation_checkpointing = false);
+                           bool activation_checkpointing = false,
+                           const TensorParallelRegion& tp_region = {});
+
+// What the float32 tensor-parallel region (TensorParallelInFloat32) keeps
+// for backward beyond the dtype's activations, in bytes per token: each kept
+// layer's region inputs widened to float32 (the attention's, and the MLP's
+// unless mixture-of-experts), and the [tokens, rank] float32 input of B of
+// each adapted column-parallel projection (q, k, v, gate, up); once, the
+// unembedding's region input and its LoRA piece. With activation
+// checkpointing one layer's at a time.
+double Float32TensorParallelBytesPerToken(const LlamaConfig& config,
+                                          const LoraConfig& lora,
+                                          bool activation_checkpointing);
 
 }  // namespace tally
 

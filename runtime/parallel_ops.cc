@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/status.h"
+#include "kernels/onednn_matmul.h"
 
 namespace tally {
 namespace {
@@ -281,6 +282,87 @@ class VocabParallelTargetLogprobsFunction
   }
 };
 
+// t [..., D] as a matrix [rows, D] (a view when the layout allows).
+torch::Tensor Rows(const torch::Tensor& t) {
+  return t.reshape({-1, t.size(-1)});
+}
+
+// `rows` [prod(lead), out] back to lead's leading dims: [..., out].
+torch::Tensor Unrows(const torch::Tensor& rows, const torch::Tensor& lead) {
+  std::vector<int64_t> sizes = lead.sizes().vec();
+  sizes.back() = rows.size(1);
+  return rows.view(sizes);
+}
+
+// a [M, K] @ b [K, N] with the sums in SumType (float32 for bfloat16), the
+// result in that dtype: two bfloat16 CPU operands through oneDNN (exact
+// products, float32 sums) when the build has it, any others widened first.
+torch::Tensor WideMatmul(const torch::Tensor& a, const torch::Tensor& b) {
+  if (HasBf16ToFloat32Matmul() && a.scalar_type() == torch::kBFloat16 &&
+      b.scalar_type() == torch::kBFloat16 && a.is_cpu() && b.is_cpu()) {
+    return ValueOrThrow(MatmulBf16ToFloat32(a, b), "tensor-parallel matmul");
+  }
+  const torch::ScalarType wide =
+      torch::promote_types(SumType(a.scalar_type()), SumType(b.scalar_type()));
+  return a.to(wide).mm(b.to(wide));
+}
+
+class ColumnParallelLinearFunction
+    : public torch::autograd::Function<ColumnParallelLinearFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w,
+                               torch::ScalarType out_type) {
+    ctx->save_for_backward({x, w});
+    // x holds w-dtype values (its float32 widening): the cast is exact.
+    return torch::linear(x.to(w.scalar_type()), w).to(out_type);
+  }
+
+  static variable_list backward(AutogradContext* ctx,
+                                variable_list grad_outputs) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor& x = saved[0];
+    const torch::Tensor& w = saved[1];
+    const torch::Tensor g = Rows(grad_outputs[0]);
+    torch::Tensor grad_x = Unrows(WideMatmul(g, w), x);
+    torch::Tensor grad_w =
+        WideMatmul(g.t(), Rows(x).to(g.scalar_type())).to(w.scalar_type());
+    return {grad_x, grad_w, torch::Tensor()};
+  }
+};
+
+class RowParallelLinearFunction
+    : public torch::autograd::Function<RowParallelLinearFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    return Unrows(WideMatmul(Rows(x), w.t()), x);
+  }
+
+  static variable_list backward(AutogradContext* ctx,
+                                variable_list grad_outputs) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor& x = saved[0];
+    const torch::Tensor& w = saved[1];
+    const torch::Tensor g = Rows(grad_outputs[0]).to(w.scalar_type());
+    return {Unrows(WideMatmul(g, w).to(x.scalar_type()), x),
+            WideMatmul(g.t(), Rows(x)).to(w.scalar_type())};
+  }
+};
+
+void CheckLinear(const torch::Tensor& x, const torch::Tensor& w,
+                 torch::ScalarType x_type, const char* op) {
+  TORCH_CHECK(x.defined() && x.is_floating_point() && w.defined() &&
+                  w.is_floating_point(),
+              op, ": x and w must be floating-point tensors");
+  TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), op,
+              ": x ", x.sizes(), " does not match the weight ", w.sizes(),
+              " ([out, in])");
+  TORCH_CHECK(x.scalar_type() == x_type, op, ": x must be ", x_type, " for a ",
+              w.scalar_type(), " weight, got ", x.scalar_type());
+}
+
 }  // namespace
 
 int64_t ShardRows(int64_t full_dim0, int size) {
@@ -409,6 +491,19 @@ torch::Tensor VocabParallelTargetLogprobs(const torch::Tensor& logits_shard,
   }
   return VocabParallelTargetLogprobsFunction::apply(logits_shard, targets,
                                                     vocab_start, &tp);
+}
+
+torch::Tensor ColumnParallelLinear(const torch::Tensor& x,
+                                   const torch::Tensor& w,
+                                   torch::ScalarType out_type) {
+  CheckLinear(x, w, SumType(w.scalar_type()), "ColumnParallelLinear");
+  return ColumnParallelLinearFunction::apply(x, w, out_type);
+}
+
+torch::Tensor RowParallelLinear(const torch::Tensor& x,
+                                const torch::Tensor& w) {
+  CheckLinear(x, w, w.scalar_type(), "RowParallelLinear");
+  return RowParallelLinearFunction::apply(x, w);
 }
 
 }  // namespace tally

@@ -22,6 +22,8 @@
 //   VocabParallelEmbedding          1 AllReduce(SUM)        none
 //   VocabParallelTargetLogprobs     2 AllReduce (MAX; SUM   none
 //                                   of [sum-exp, target])
+//   ColumnParallelLinear            none                    none
+//   RowParallelLinear               none                    none
 //
 // Gradient reductions always SUM (never average): tally normalizes by the
 // global token count in the loss, so averaging here would scale by 1/group.
@@ -132,6 +134,42 @@ torch::Tensor CopyToTensorParallelRegion(const torch::Tensor& x,
 // backward is the identity.
 torch::Tensor ReduceFromTensorParallelRegion(const torch::Tensor& x,
                                              Communicator& tp);
+
+// The tensor-parallel linears of a bfloat16 model (docs/distributed.md,
+// "bf16 reductions"): the products that are partial sums over tp (a
+// row-parallel output, a column-parallel input gradient) stay in float32,
+// so the tp sum rounds them once, as one rank's matmul rounds the whole
+// once; every other product is complete on the rank and rounded once to
+// its dtype, as one rank's. On the CPU a
+// bfloat16 product with a float32 result runs through oneDNN
+// (kernels/onednn_matmul.h); other operands are widened. Any floating
+// dtype works (float32 and float64 compute in their own dtype).
+//
+//   torch::Tensor x = CopyToTensorParallelRegion(h.to(torch::kFloat32), tp);
+//   torch::Tensor a =
+//       torch::silu(ColumnParallelLinear(x, w_gate, torch::kBFloat16));
+//   torch::Tensor y = ReduceFromTensorParallelRegion(
+//       RowParallelLinear(a, w_down), tp).to(torch::kBFloat16);
+
+// A column-parallel linear on the tp region's input. x [..., in] is that
+// input in float32 (for a bfloat16 w: the widened bfloat16 activations, so
+// its gradient, a partial sum over tp, accumulates in float32 before
+// CopyToTensorParallelRegion sums it); w [out_local, in] in the compute
+// dtype. Forward: x @ w^T in w's dtype (rounded once), returned as
+// `out_type`. Backward, both with float32 sums: x's gradient g @ w, kept in
+// float32; w's gradient g^T x, rounded once to w's dtype (with out_type
+// float32, g is itself a partial sum over tp: the LoRA factors,
+// runtime/lora.h).
+torch::Tensor ColumnParallelLinear(const torch::Tensor& x,
+                                   const torch::Tensor& w,
+                                   torch::ScalarType out_type);
+
+// A row-parallel linear: x [..., in_local] and w [out, in_local] in the
+// compute dtype. Forward: the partial output x @ w^T in float32 (for
+// ReduceFromTensorParallelRegion to sum, then one rounding). Backward: the
+// gradient of the sum is rounded to w's dtype, then x's and w's gradients
+// are computed with float32 sums and rounded once to their dtypes.
+torch::Tensor RowParallelLinear(const torch::Tensor& x, const torch::Tensor& w);
 
 // Embedding whose rows [vocab_start, vocab_start + weight_shard.size(0)) live
 // on this rank. ids [...] (int64, global) outside that range contribute zero

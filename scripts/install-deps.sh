@@ -7,6 +7,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake pkg-config
   libtorch-dev libgloo-dev
+  libdnnl-dev                      # oneDNN headers, for kernels/onednn_matmul.h
   libblis4-pthread                 # the fast BLAS behind libblas.so.3 (below)
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev

@@ -19,6 +19,7 @@
 #include "base/status.h"
 #include "runtime/checkpoint.h"
 #include "runtime/directory_identity.h"
+#include "runtime/llama_model.h"
 #include "runtime/memory_estimate.h"
 #include "server/cancellable_reactor.h"
 #include "server/commands.h"
@@ -283,9 +284,13 @@ absl::Status TrainerService::CheckCallFits(
   for (const v1::Sample& sample : request.samples()) {
     lengths.push_back(sample.input_tokens_size());
   }
+  const TensorParallelRegion tp_region{
+      TensorParallelInFloat32(engine_->mesh().shape().tp, model.dtype,
+                              engine_->device()),
+      model.lora};
   return admission_.CheckCall(CallActivationBytes(
       model.config, model.dtype, lengths, options_.max_batch_tokens,
-      options_.attention, model.activation_checkpointing));
+      options_.attention, model.activation_checkpointing, tp_region));
 }
 
 absl::Status TrainerService::CheckTokensPerCall(

@@ -31,17 +31,21 @@ using testing::MakeSamples;
 using testing::RelativeDiff;
 
 // How much further from float32 than the single device a mesh may be, per
-// mesh (measured over 12 variants, 4 measurements each, the distances
-// summed over the ranks). dp_shard: every reduction sums float32 and lands
-// in the float32 master, so the mesh rounds no more than one rank: 0.97x to
-// 1.014x (up to 1.04x when stages 2 and 3 rounded their reduce-scatters to
-// bfloat16). tp: the partial outputs and input gradients of the
-// tensor-parallel matmuls are each rounded to bfloat16 by the matmul before
-// their float32 sum (one rank rounds the whole), which no reduction can
-// undo: up to 1.24x (full) and 1.52x (LoRA AdamW, whose one-rank distance
-// after a sign-like first step is the noisiest).
+// mesh and optimizer (measured over 12 variants, 4 measurements each, the
+// distances summed over the ranks). dp_shard: every reduction sums float32
+// and lands in the float32 master, so the mesh rounds no more than one
+// rank: 0.975x to 1.014x (up to 1.04x when stages 2 and 3 rounded their
+// reduce-scatters to bfloat16). tp: the tensor-parallel linears keep their
+// partial sums in float32 and round each tp sum once (ColumnParallelLinear,
+// RowParallelLinear), so with SGD the mesh is as close as one rank: 0.97x to
+// 1.016x full, 0.88x to 0.95x LoRA (before, each partial was rounded by its
+// matmul: up to 1.24x full and 1.52x LoRA). After a first AdamW step, which
+// moves each element by about +-lr whatever the gradient's size, the
+// distances count sign flips of tiny gradient elements on either side:
+// 0.96x to 1.12x full, 0.72x to 1.22x LoRA, on the mesh as on one rank.
 constexpr double kDataParallelSlack = 0.03;
-constexpr double kTensorParallelSlack = 0.6;
+constexpr double kTensorParallelSgdSlack = 0.03;
+constexpr double kTensorParallelAdamWSlack = 0.3;
 // ZeRO stages 1, 2 and 3 reduce the same float32 values; only the order of
 // float32 additions differs (a window's passes summed before or after the
 // reduction), far below bfloat16's rounding (4e-3).
@@ -50,7 +54,9 @@ constexpr double kStageTolerance = 1e-5;
 struct MeshCase {
   const char* name;
   MeshShape shape;
-  double slack;  // the mesh's contract slack (above)
+  // The mesh's contract slack (above), per optimizer.
+  double sgd_slack;
+  double adamw_slack;
 };
 
 MeshShape Shape(int dp_shard, int tp) {
@@ -236,9 +242,11 @@ TEST_P(MixedPrecisionContractTest, NoFurtherFromFloat32ThanOneRank) {
           for (OptimizerKind optimizer :
                {OptimizerKind::kSgd, OptimizerKind::kAdamW}) {
             for (uint64_t seed : {11, 12, 13}) {
-              TALLY_RETURN_IF_ERROR(CheckVariant(engine, reference, stages,
-                                                 GetParam().slack,
-                                                 {lora, optimizer, seed}));
+              const double slack = optimizer == OptimizerKind::kAdamW
+                                       ? GetParam().adamw_slack
+                                       : GetParam().sgd_slack;
+              TALLY_RETURN_IF_ERROR(CheckVariant(
+                  engine, reference, stages, slack, {lora, optimizer, seed}));
             }
           }
         }
@@ -248,10 +256,13 @@ TEST_P(MixedPrecisionContractTest, NoFurtherFromFloat32ThanOneRank) {
 
 INSTANTIATE_TEST_SUITE_P(
     Meshes, MixedPrecisionContractTest,
-    ::testing::Values(MeshCase{"dp_shard2", Shape(2, 1), kDataParallelSlack},
-                      MeshCase{"tp2", Shape(1, 2), kTensorParallelSlack},
+    ::testing::Values(MeshCase{"dp_shard2", Shape(2, 1), kDataParallelSlack,
+                               kDataParallelSlack},
+                      MeshCase{"tp2", Shape(1, 2), kTensorParallelSgdSlack,
+                               kTensorParallelAdamWSlack},
                       MeshCase{"dp_shard2_tp2", Shape(2, 2),
-                               kTensorParallelSlack}),
+                               kTensorParallelSgdSlack,
+                               kTensorParallelAdamWSlack}),
     MeshName);
 
 }  // namespace
