@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "kernels/onednn_matmul.h"
 #include "runtime/communicator.h"
 #include "runtime/engine.h"
 #include "tests/testing/golden.h"
@@ -46,6 +47,10 @@ using testing::RelativeDiff;
 constexpr double kDataParallelSlack = 0.03;
 constexpr double kTensorParallelSgdSlack = 0.03;
 constexpr double kTensorParallelAdamWSlack = 0.3;
+// A build without the bf16 -> float32 matmul (kernels/onednn_matmul.h: a
+// LibTorch other than Debian's) rounds each tp partial by its matmul, as
+// before: up to 1.24x full and 1.52x LoRA.
+constexpr double kTensorParallelRoundedSlack = 0.6;
 // ZeRO stages 1, 2 and 3 reduce the same float32 values; only the order of
 // float32 additions differs (a window's passes summed before or after the
 // reduction), far below bfloat16's rounding (4e-3).
@@ -242,7 +247,10 @@ TEST_P(MixedPrecisionContractTest, NoFurtherFromFloat32ThanOneRank) {
           for (OptimizerKind optimizer :
                {OptimizerKind::kSgd, OptimizerKind::kAdamW}) {
             for (uint64_t seed : {11, 12, 13}) {
-              const double slack = optimizer == OptimizerKind::kAdamW
+              const bool rounded_tp =
+                  GetParam().shape.tp > 1 && !HasBf16ToFloat32Matmul();
+              const double slack = rounded_tp ? kTensorParallelRoundedSlack
+                                   : optimizer == OptimizerKind::kAdamW
                                        ? GetParam().adamw_slack
                                        : GetParam().sgd_slack;
               TALLY_RETURN_IF_ERROR(CheckVariant(
