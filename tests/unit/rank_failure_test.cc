@@ -201,15 +201,10 @@ TEST_P(ScheduleFailureTest, FailsEveryRankAndTheNextCallWorks) {
   });
 }
 
-MeshShape Pp2() {
+// A mesh of two ranks along one dimension.
+MeshShape TwoAlong(int MeshShape::*dim) {
   MeshShape shape;
-  shape.pp = 2;
-  return shape;
-}
-
-MeshShape DpReplicate2() {
-  MeshShape shape;
-  shape.dp_replicate = 2;
+  shape.*dim = 2;
   return shape;
 }
 
@@ -217,16 +212,21 @@ INSTANTIATE_TEST_SUITE_P(
     OneRank, ScheduleFailureTest,
     ::testing::Values(
         // The last stage fails: the first waits for its gradients.
-        ScheduleCase{"Pp2SecondForward", Pp2(), FaultPoint::kForward, 2},
-        ScheduleCase{"Pp2FirstBackward", Pp2(), FaultPoint::kBackward, 1},
-        ScheduleCase{"Pp2LastBackward", Pp2(), FaultPoint::kBackward, 0},
-        ScheduleCase{"Pp2ForwardOnly", Pp2(), FaultPoint::kForward, 2,
+        ScheduleCase{"Pp2SecondForward", TwoAlong(&MeshShape::pp),
+                     FaultPoint::kForward, 2},
+        ScheduleCase{"Pp2FirstBackward", TwoAlong(&MeshShape::pp),
+                     FaultPoint::kBackward, 1},
+        ScheduleCase{"Pp2LastBackward", TwoAlong(&MeshShape::pp),
+                     FaultPoint::kBackward, 0},
+        ScheduleCase{"Pp2ForwardOnly", TwoAlong(&MeshShape::pp),
+                     FaultPoint::kForward, 2,
                      /*forward_only=*/true},
         // A replica fails before / during the backward that starts the
         // gradient sums.
-        ScheduleCase{"DpFirstForward", DpReplicate2(), FaultPoint::kForward, 1},
-        ScheduleCase{"DpLastBackward", DpReplicate2(), FaultPoint::kBackward,
-                     0}),
+        ScheduleCase{"DpFirstForward", TwoAlong(&MeshShape::dp_replicate),
+                     FaultPoint::kForward, 1},
+        ScheduleCase{"DpLastBackward", TwoAlong(&MeshShape::dp_replicate),
+                     FaultPoint::kBackward, 0}),
     [](const ::testing::TestParamInfo<ScheduleCase>& info) {
       return std::string(info.param.name);
     });
@@ -392,28 +392,12 @@ TEST_P(InPassFailureTest, FailsFastOnEveryRankAndTheNextCallsAreExact) {
   });
 }
 
-MeshShape Tp2() {
-  MeshShape shape;
-  shape.tp = 2;
-  return shape;
-}
-
-MeshShape Cp2() {
-  MeshShape shape;
-  shape.cp = 2;
-  return shape;
-}
-
 // ZeRO-3 (the default stage): each layer's parameters are gathered in the
 // forward and their gradients reduce-scattered in the backward.
-MeshShape DpShard2() {
-  MeshShape shape;
-  shape.dp_shard = 2;
-  return shape;
-}
+MeshShape Zero3Mesh() { return TwoAlong(&MeshShape::dp_shard); }
 
 MeshShape DpShard2Ep2() {
-  MeshShape shape = DpShard2();
+  MeshShape shape = Zero3Mesh();
   shape.ep = 2;
   return shape;
 }
@@ -423,11 +407,15 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // The peer waits in the second micro-batch's first collective, or
         // in the first backward's.
-        RecoveryCase{"Tp2SecondForward", Tp2(), FaultPoint::kForward, 2},
-        RecoveryCase{"Tp2FirstBackward", Tp2(), FaultPoint::kBackward, 1},
-        RecoveryCase{"Cp2SecondForward", Cp2(), FaultPoint::kForward, 2},
-        RecoveryCase{"Zero3SecondForward", DpShard2(), FaultPoint::kForward, 2},
-        RecoveryCase{"Zero3FirstBackward", DpShard2(), FaultPoint::kBackward,
+        RecoveryCase{"Tp2SecondForward", TwoAlong(&MeshShape::tp),
+                     FaultPoint::kForward, 2},
+        RecoveryCase{"Tp2FirstBackward", TwoAlong(&MeshShape::tp),
+                     FaultPoint::kBackward, 1},
+        RecoveryCase{"Cp2SecondForward", TwoAlong(&MeshShape::cp),
+                     FaultPoint::kForward, 2},
+        RecoveryCase{"Zero3SecondForward", Zero3Mesh(), FaultPoint::kForward,
+                     2},
+        RecoveryCase{"Zero3FirstBackward", Zero3Mesh(), FaultPoint::kBackward,
                      1},
         RecoveryCase{"Ep2MoeSecondForward", DpShard2Ep2(), FaultPoint::kForward,
                      2, /*moe=*/true}),
@@ -439,7 +427,7 @@ INSTANTIATE_TEST_SUITE_P(
 // wait in the norm's all-reduce. Nothing was written, so the window stays
 // and the retried OptimStep steps exactly like a clean one.
 TEST(RankFailureTest, AFailureInTheNormFailsFastAndTheRetryIsExact) {
-  const RecoveryCase c{"Zero3Norm", DpShard2(), FaultPoint::kGradNorm, 1};
+  const RecoveryCase c{"Zero3Norm", Zero3Mesh(), FaultPoint::kGradNorm, 1};
   testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
     TALLY_ASSIGN_OR_RETURN(auto engine, EngineWithTwinModels(c, env));
     for (const char* id : {"m", "clean"}) {
@@ -467,7 +455,7 @@ TEST(RankFailureTest, AFailureInTheNormFailsFastAndTheRetryIsExact) {
 // write fails fast everywhere, the model is untouched, and the next write
 // works.
 TEST(RankFailureTest, AFailurePartwayThroughTheGatherFailsFast) {
-  const RecoveryCase c{"Zero3Gather", DpShard2(), FaultPoint::kGather, 2};
+  const RecoveryCase c{"Zero3Gather", Zero3Mesh(), FaultPoint::kGather, 2};
   testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
     TALLY_ASSIGN_OR_RETURN(auto engine, EngineWithTwinModels(c, env));
     TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
