@@ -284,6 +284,19 @@ struct RankProcess {
   bool killed_by_launcher;
 };
 
+// A rank's exit as a status: INVALID_ARGUMENT for the usage status (2: the
+// rank refused its configuration), so the launcher exits as that rank did;
+// INTERNAL otherwise.
+absl::Status ExitStatus(int rank, int wait_status, bool killed_by_launcher,
+                        absl::Duration stop_grace) {
+  std::string description =
+      DescribeExit(rank, wait_status, killed_by_launcher, stop_grace);
+  if (WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 2) {
+    return absl::InvalidArgumentError(std::move(description));
+  }
+  return absl::InternalError(std::move(description));
+}
+
 // Starts the ranks and supervises them until all have exited.
 class RankGroup {
  public:
@@ -398,9 +411,9 @@ class RankGroup {
       const absl::Status failure =
           reaped < 0 ? absl::ErrnoToStatus(
                            errno, absl::StrCat("waitpid for rank ", rank))
-                     : absl::InternalError(DescribeExit(
-                           static_cast<int>(rank), wait_status,
-                           process.killed_by_launcher, options_.stop_grace));
+                     : ExitStatus(static_cast<int>(rank), wait_status,
+                                  process.killed_by_launcher,
+                                  options_.stop_grace);
       if (stopping_) {
         Log(LogLevel::kWarning, failure.message());
       } else {

@@ -40,7 +40,8 @@ void ExecAgainWithPassiveOpenMp(char** argv) {
 constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 
-// Why a rank 0 could not start: INVALID_ARGUMENT is its configuration.
+// Why a rank 0 (or, through the launcher, any rank) could not start:
+// INVALID_ARGUMENT is its configuration.
 int StartFailureExitCode(const absl::Status& status) {
   return status.code() == absl::StatusCode::kInvalidArgument ? kExitUsage
                                                              : kExitFailure;
@@ -98,8 +99,10 @@ int main(int argc, char** argv) {
     launch.stop_grace = absl::Seconds(options.shutdown_drain_secs +
                                       options.exit_timeout_secs + 10);
     launch.json_output = log_format == tally::LogFormat::kJson;
-    // Its failures are already logged, each once.
-    return tally::LaunchAndSupervise(launch).ok() ? 0 : 1;
+    // Its failures are already logged, each once. A rank that refused its
+    // configuration (exit 2) makes the launcher exit 2 as well.
+    const absl::Status launched = tally::LaunchAndSupervise(launch);
+    return launched.ok() ? 0 : StartFailureExitCode(launched);
   }
 
   absl::StatusOr<std::unique_ptr<tally::Engine>> engine =

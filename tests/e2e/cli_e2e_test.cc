@@ -113,6 +113,13 @@ TEST(CliFlagsE2eTest, ServerRefusesABadCommandLineWithExit2) {
        {"--shutdown-drain-secs 40 --exit-timeout-secs 30",
         "--shutdown-drain-secs (40) must be less than --exit-timeout-secs"},
        {"--tls-cert /nonexistent/cert.pem", "--tls-cert and --tls-key go"}});
+  // Through the launcher: the ranks refuse it, and the launcher exits as
+  // they did.
+  ExpectExit2Naming("TALLY_SERVER",
+                    "--nproc-per-node 2 --host 127.0.0.1 --grpc-port 0 "
+                    "--metrics-port 0",
+                    {{"--checkpoint-on-exit",
+                      "--checkpoint-on-exit needs --checkpoint-dir"}});
 }
 
 // A port another socket listens on stops the server with exit 1 and one
