@@ -102,26 +102,26 @@ struct CheckpointContents {
   std::string server_state;      // empty when the checkpoint holds none
 };
 
-// Reads a tally checkpoint or an HF directory of a supported family (config.json plus
-// model.safetensors or a sharded model.safetensors.index.json). Every file
-// read is first checked against checksums.sha256: a mismatch (a corrupt or
-// truncated file), a listed file that is missing or a read file the list does
-// not cover is DATA_LOSS naming the file; so is a format-2 tally checkpoint
-// without the list. HF directories and format-1 checkpoints have no list and
-// are read unchecked. A missing `dir` is NOT_FOUND; a missing or invalid
-// config.json, or no weights file, INVALID_ARGUMENT naming the file. Every
-// tensor's name, shape and dtype is checked against the model config.json
-// (and tally.json's lora) describes before memory for it is allocated
-// (ExpectedTensors): a weight or optimizer state of another shape, or a
-// weight the model has no parameter for, is INVALID_ARGUMENT naming the
-// file, the tensor and the expected shape. JSON files are read through
-// base/json_reader.h: an oversized or too deeply nested one is refused
-// naming it (INVALID_ARGUMENT for config.json, DATA_LOSS for tally.json and
-// the shard index). With `model_config` (a load into an existing model), the
-// tensors are checked against the model that config describes instead, so a
-// directory whose config.json describes a larger model allocates no more
-// than the model being loaded (its config.json must then match the model's,
-// which the load checks before it copies anything).
+// Reads a tally checkpoint or an HF directory of a supported family
+// (config.json plus model.safetensors or a sharded
+// model.safetensors.index.json). Every file read is first checked against
+// checksums.sha256: a mismatch (a corrupt or truncated file), a listed file
+// that is missing or a read file the list does not cover is DATA_LOSS naming
+// the file; so is a format-2 tally checkpoint without the list. HF directories
+// and format-1 checkpoints have no list and are read unchecked. A missing `dir`
+// is NOT_FOUND; a missing or invalid config.json, or no weights file,
+// INVALID_ARGUMENT naming the file. Every tensor's name, shape and dtype is
+// checked against the model config.json (and tally.json's lora) describes
+// before memory for it is allocated (ExpectedTensors): a weight or optimizer
+// state of another shape, or a weight the model has no parameter for, is
+// INVALID_ARGUMENT naming the file, the tensor and the expected shape. JSON
+// files are read through base/json_reader.h: an oversized or too deeply nested
+// one is refused naming it (INVALID_ARGUMENT for config.json, DATA_LOSS for
+// tally.json and the shard index). With `model_config` (a load into an existing
+// model), the tensors are checked against the model that config describes
+// instead, so a directory whose config.json describes a larger model allocates
+// no more than the model being loaded (its config.json must then match the
+// model's, which the load checks before it copies anything).
 absl::StatusOr<CheckpointContents> ReadCheckpoint(
     const std::string& dir, bool read_optimizer,
     const LlamaConfig* model_config = nullptr);

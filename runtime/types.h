@@ -98,8 +98,8 @@ struct ModelSpec {
   AdamParams default_adam;
   double default_max_grad_norm = 0.0;
   GradSync grad_sync = GradSync::kEager;
-  // Tally checkpoint or HF directory of a supported family. Its config.json is used; a
-  // `config` given as well (vocab_size != 0) must equal it.
+  // Tally checkpoint or HF directory of a supported family. Its config.json is
+  // used; a `config` given as well (vocab_size != 0) must equal it.
   std::string init_checkpoint;
   // Parameters that do not train (CausalLm::Freeze patterns, '*' for a layer
   // number); each must match a parameter of the model.

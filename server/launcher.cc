@@ -409,11 +409,11 @@ class RankGroup {
         continue;
       }
       const absl::Status failure =
-          reaped < 0 ? absl::ErrnoToStatus(
-                           errno, absl::StrCat("waitpid for rank ", rank))
-                     : ExitStatus(static_cast<int>(rank), wait_status,
-                                  process.killed_by_launcher,
-                                  options_.stop_grace);
+          reaped < 0
+              ? absl::ErrnoToStatus(errno,
+                                    absl::StrCat("waitpid for rank ", rank))
+              : ExitStatus(static_cast<int>(rank), wait_status,
+                           process.killed_by_launcher, options_.stop_grace);
       if (stopping_) {
         Log(LogLevel::kWarning, failure.message());
       } else {
