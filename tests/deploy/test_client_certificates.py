@@ -88,7 +88,7 @@ class CertificateStepsTest(unittest.TestCase):
             self.skipTest("TALLY_SERVER names no tally-server (ctest sets it)")
         # Imported here: they need the generated stubs, which ctest provides.
         from tally_client import Tls
-        from tally_client.client import make_channel, wait_for_serving
+        from tally_client.server import make_channel, wait_for_serving
         from tally_testing import TallyServer
         server = TallyServer(os.path.join(self.dir, "server"), extra_args=[
             "--tls-cert", self.path("server.crt"), "--tls-key",

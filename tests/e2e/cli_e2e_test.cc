@@ -116,8 +116,8 @@ TEST(CliFlagsE2eTest, ServerRefusesABadCommandLineWithExit2) {
   // Through the launcher: the ranks refuse it, and the launcher exits as
   // they did.
   ExpectExit2Naming("TALLY_SERVER",
-                    "--nproc-per-node 2 --host 127.0.0.1 --grpc-port 0 "
-                    "--metrics-port 0",
+                    "--nproc-per-node 2 --dp-replicate 2 --host 127.0.0.1 "
+                    "--grpc-port 0 --metrics-port 0",
                     {{"--checkpoint-on-exit",
                       "--checkpoint-on-exit needs --checkpoint-dir"}});
 }
