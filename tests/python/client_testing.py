@@ -10,14 +10,10 @@ two training runs.
             self.assertSameTraining(self.train_through(client, 2), expected)
 """
 
-import os
-import shutil
-import tempfile
-import unittest
 
 from fault_proxy import FaultProxy
 from tally_client import RetryPolicy, TrainingClient, sample
-from tally_testing import TINY_LLAMA, TallyServer
+from tally_testing import TINY_LLAMA, SharedServerTestCase
 
 VOCAB = TINY_LLAMA["vocab_size"]
 RTOL = 1e-6
@@ -41,30 +37,15 @@ def window(step, calls=3):
     return batches
 
 
-class ClientServerTestCase(unittest.TestCase):
+class ClientServerTestCase(SharedServerTestCase):
     """A 2-rank tally-server (--dp-shard 2, 1 MiB messages) shared by a
     class's tests, and helpers to train models on it directly or through a
     FaultProxy."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.temp = tempfile.mkdtemp(prefix="tally_client_")
-        cls.server = TallyServer(os.path.join(cls.temp, "server"),
-                                 extra_args=["--nproc-per-node", "2",
-                                             "--dp-shard", "2",
-                                             # Small enough for a test to
-                                             # exceed with one call.
-                                             "--max-message-bytes",
-                                             str(1 << 20)])
-        cls.target = f"localhost:{cls.server.grpc_port}"
-
-    @classmethod
-    def tearDownClass(cls):
-        code = cls.server.terminate()
-        shutil.rmtree(cls.temp, ignore_errors=True)
-        if code != 0:
-            raise AssertionError(f"tally-server exited with {code}:\n"
-                                 f"{cls.server.log_tail()}")
+    SERVER_ARGS = ("--nproc-per-node", "2", "--dp-shard", "2",
+                   # Small enough for a test to exceed with one call.
+                   "--max-message-bytes", str(1 << 20))
+    TEMP_PREFIX = "tally_client_"
 
     def assertSameTraining(self, got, want):
         """[(grad norm, [losses])] per step, to RTOL."""

@@ -169,6 +169,32 @@ class ServerConnection:
         self.stub = stub
 
 
+class SharedServerTestCase(unittest.TestCase):
+    """One tally-server started with SERVER_ARGS for all of a class's tests
+    (cls.tally, cls.target, cls.temp); tearDownClass asserts its clean
+    SIGTERM exit."""
+
+    SERVER_ARGS = ()
+    TEMP_PREFIX = "tally_shared_"
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.temp = tempfile.mkdtemp(prefix=cls.TEMP_PREFIX)
+        cls.tally = TallyServer(os.path.join(cls.temp, "server"),
+                                extra_args=list(cls.SERVER_ARGS))
+        cls.target = f"localhost:{cls.tally.grpc_port}"
+
+    @classmethod
+    def tearDownClass(cls):
+        code = cls.tally.terminate()
+        shutil.rmtree(cls.temp, ignore_errors=True)
+        super().tearDownClass()
+        if code != 0:
+            raise AssertionError(f"tally-server exited with {code}:\n"
+                                 f"{cls.tally.log_tail()}")
+
+
 class ServerTestCase(unittest.TestCase):
     """Gives each test a temp dir and, on start_server(), a tally-server with
     a connected Trainer stub; tearDown asserts a clean SIGTERM exit of every

@@ -4,9 +4,6 @@ TrainingClients that share its connection, the dtype spellings of
 create_model, and the exception class of each status code the server
 answers."""
 
-import os
-import shutil
-import tempfile
 import unittest
 
 import grpc
@@ -15,26 +12,14 @@ from tally_client import (DType, FailedPreconditionError,
                           InvalidArgumentError, ModelInfo, ModelList,
                           NotFoundError, RetryPolicy, ServerClient, TallyError,
                           TrainingClient, pb)
-from tally_testing import TINY_LLAMA, TallyServer
+from tally_testing import TINY_LLAMA, SharedServerTestCase
 
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.05)
 
 
-class ServerClientTest(unittest.TestCase):
+class ServerClientTest(SharedServerTestCase):
 
-    @classmethod
-    def setUpClass(cls):
-        cls.temp = tempfile.mkdtemp(prefix="tally_server_client_")
-        cls.tally = TallyServer(os.path.join(cls.temp, "server"))
-        cls.target = f"localhost:{cls.tally.grpc_port}"
-
-    @classmethod
-    def tearDownClass(cls):
-        code = cls.tally.terminate()
-        shutil.rmtree(cls.temp, ignore_errors=True)
-        if code != 0:
-            raise AssertionError(f"tally-server exited with {code}:\n"
-                                 f"{cls.tally.log_tail()}")
+    TEMP_PREFIX = "tally_server_client_"
 
     def setUp(self):
         self.server = ServerClient(self.target, retry=FAST_RETRY)
