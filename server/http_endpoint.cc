@@ -42,6 +42,12 @@ bool Authorized(mg_connection* connection, const BasicCredentials& scraper) {
                          absl::string_view(decoded).substr(colon + 1));
 }
 
+// A probe's answer from `checked`: OK, or UNAVAILABLE "<what>: <why>".
+absl::Status ProbeAnswer(absl::string_view what, const absl::Status& checked) {
+  if (checked.ok()) return checked;
+  return absl::UnavailableError(absl::StrCat(what, ": ", checked.message()));
+}
+
 }  // namespace
 
 class HttpEndpoint::MetricsHandler : public CivetHandler {
@@ -147,9 +153,7 @@ absl::Status HttpEndpoint::Readiness() const {
     if (!readiness_.ok() || !check_) return readiness_;
     check = check_;
   }
-  const absl::Status checked = check();
-  if (checked.ok()) return checked;
-  return absl::UnavailableError(absl::StrCat("not ready: ", checked.message()));
+  return ProbeAnswer("not ready", check());
 }
 
 void HttpEndpoint::SetLivenessCheck(std::function<absl::Status()> check) {
@@ -164,9 +168,7 @@ absl::Status HttpEndpoint::Health() const {
     if (!liveness_check_) return absl::OkStatus();
     check = liveness_check_;
   }
-  const absl::Status checked = check();
-  if (checked.ok()) return checked;
-  return absl::UnavailableError(absl::StrCat("unhealthy: ", checked.message()));
+  return ProbeAnswer("unhealthy", check());
 }
 
 }  // namespace tally
