@@ -55,10 +55,10 @@ std::string UtcTime(absl::Time time) {
 }  // namespace
 
 absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view name) {
-  if (name == "debug") return LogLevel::kDebug;
-  if (name == "info") return LogLevel::kInfo;
-  if (name == "warning") return LogLevel::kWarning;
-  if (name == "error") return LogLevel::kError;
+  for (LogLevel level : {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning,
+                         LogLevel::kError}) {
+    if (name == LevelName(level)) return level;
+  }
   return absl::InvalidArgumentError(absl::StrCat(
       "log level must be debug, info, warning or error, got '", name, "'"));
 }
