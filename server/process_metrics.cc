@@ -3,15 +3,15 @@
 #include <dirent.h>
 #include <unistd.h>
 
-#include <cstdint>
+#include <fstream>
 #include <limits>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "base/file_text.h"
 #include "base/status.h"
 
 namespace tally {
@@ -19,8 +19,16 @@ namespace {
 
 constexpr char kSelf[] = "/proc/self";
 
-// /proc/stat grows with the CPU count; a few hundred KiB at the most.
-constexpr uint64_t kProcFileLimit = 1 << 20;
+// Not base/file_text.h's ReadFileUpTo: its 64 KiB buffer on the stack
+// overflows the small stacks of the HTTP server's threads, where a scrape
+// runs this.
+absl::StatusOr<std::string> ReadProcFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
 
 absl::Status Unparsable(const std::string& path, absl::string_view what) {
   return absl::DataLossError(absl::StrCat("cannot parse ", what, " in ", path));
@@ -29,8 +37,7 @@ absl::Status Unparsable(const std::string& path, absl::string_view what) {
 // The fields of /proc/<pid>/stat after the command name, which may hold
 // spaces and parentheses: fields[0] is field 3 (state) of proc(5).
 absl::StatusOr<std::vector<std::string>> StatFields(const std::string& path) {
-  TALLY_ASSIGN_OR_RETURN(const std::string text,
-                         ReadFileUpTo(path, kProcFileLimit));
+  TALLY_ASSIGN_OR_RETURN(const std::string text, ReadProcFile(path));
   const size_t close = text.rfind(')');
   if (close == std::string::npos) return Unparsable(path, "the command");
   return absl::StrSplit(
@@ -52,8 +59,7 @@ absl::StatusOr<double> StatField(const std::vector<std::string>& fields,
 // /proc/stat's btime: the boot time in Unix seconds.
 absl::StatusOr<double> BootTime() {
   const std::string path = "/proc/stat";
-  TALLY_ASSIGN_OR_RETURN(const std::string text,
-                         ReadFileUpTo(path, kProcFileLimit));
+  TALLY_ASSIGN_OR_RETURN(const std::string text, ReadProcFile(path));
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     double value = 0;
     if (absl::ConsumePrefix(&line, "btime ") &&
@@ -68,8 +74,7 @@ absl::StatusOr<double> BootTime() {
 // unlimited).
 absl::StatusOr<double> MaxOpenFiles() {
   const std::string path = absl::StrCat(kSelf, "/limits");
-  TALLY_ASSIGN_OR_RETURN(const std::string text,
-                         ReadFileUpTo(path, kProcFileLimit));
+  TALLY_ASSIGN_OR_RETURN(const std::string text, ReadProcFile(path));
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     if (!absl::ConsumePrefix(&line, "Max open files")) continue;
     const std::vector<absl::string_view> words =
