@@ -12,9 +12,12 @@
 
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "base/log.h"
 
 namespace tally {
+
+// base/log.h's, declared here, not included: log.cc writes these lines and
+// includes this header (a caller includes log.h for the levels).
+enum class LogLevel;
 
 // The JSON line (with its '\n') of `message`, written by process `rank`,
 // with no model or request id.

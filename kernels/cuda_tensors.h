@@ -25,8 +25,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/fused_optimizer.h"
-#include "kernels/grad_stats.h"
+#include "kernels/optimizer_math.h"
+#include "kernels/tensor_operands.h"
 
 namespace tally::kernels {
 

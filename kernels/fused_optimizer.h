@@ -32,16 +32,9 @@
 
 #include "absl/status/status.h"
 #include "kernels/optimizer_math.h"
+#include "kernels/tensor_operands.h"
 
 namespace tally::kernels {
-
-// One parameter's operands. For SGD the moments stay undefined.
-struct UpdateOperands {
-  torch::Tensor param;
-  torch::Tensor grad;
-  torch::Tensor exp_avg;
-  torch::Tensor exp_avg_sq;
-};
 
 // OK when the fused kernels can update `tensors`: every defined operand is a
 // contiguous tensor of the parameter's dtype (float32 or float64), shape and

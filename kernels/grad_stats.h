@@ -18,13 +18,9 @@
 
 #include <vector>
 
-namespace tally::kernels {
+#include "kernels/tensor_operands.h"
 
-struct GradStats {
-  double sum_squares = 0.0;  // NaN if any element is NaN
-  double max_abs = 0.0;      // NaN if any element is NaN
-  bool nonfinite = false;    // any NaN or Inf element
-};
+namespace tally::kernels {
 
 // Tensors must be float32 or float64, all on the CPU or all on one CUDA
 // device; non-contiguous tensors are read through a contiguous copy;

@@ -18,6 +18,7 @@
 #include "runtime/fault_hook.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/lora.h"
+#include "runtime/lora_adapter_reader.h"
 #include "runtime/loss.h"
 #include "runtime/loss_registry.h"
 #include "runtime/loss_report.h"

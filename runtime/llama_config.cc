@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "base/json_reader.h"
 #include "base/status.h"
+#include "runtime/families/registry.h"
 #include "runtime/model_family.h"
 
 namespace tally {

@@ -10,6 +10,7 @@
 #include "base/status.h"
 #include "kernels/onednn_matmul.h"
 #include "runtime/blocked_attention.h"
+#include "runtime/families/registry.h"
 #include "runtime/lora.h"
 #include "runtime/moe_block.h"
 #include "runtime/parallel_ops.h"

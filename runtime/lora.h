@@ -19,8 +19,9 @@
 //
 // Files: WriteWeightsExport (weights_export.h) writes an adapter as PEFT's
 // adapter_config.json + adapter_model.safetensors (keys prefixed
-// "base_model.model."), or merged into its base; ReadAdapter reads such a
-// directory, or a tally checkpoint of an adapter, back.
+// "base_model.model."), or merged into its base; ReadAdapter
+// (lora_adapter_reader.h) reads such a directory, or a tally checkpoint of an
+// adapter, back.
 //
 //   torch::Tensor y = torch::linear(x, w) + tally::LoraDelta(x, a, b, 2.0);
 //   TALLY_ASSIGN_OR_RETURN(tally::NamedTensors merged,
@@ -100,18 +101,6 @@ absl::StatusOr<NamedTensors> MergeLora(NamedTensors weights, double scaling);
 // directory, may be empty) goes in base_model_name_or_path.
 std::string PeftAdapterConfig(const LoraConfig& lora,
                               const std::string& base_model);
-
-// The adapter factors a LoRA model starts from: a PEFT adapter directory
-// (adapter_config.json + adapter_model.safetensors) or a tally checkpoint of
-// an adapter (tally.json with its lora section), under tally's parameter
-// names. INVALID_ARGUMENT naming "lora.init_adapter" and what differs when
-// its rank, alpha or target modules are not `lora`'s (CheckPeftAdapterConfig,
-// runtime/peft_adapter_config.h), or it holds anything but the LoRA factors
-// of the model `config` describes, in their shapes (refused before any is
-// allocated); NOT_FOUND for a missing directory.
-absl::StatusOr<NamedTensors> ReadAdapter(const std::string& dir,
-                                         const LlamaConfig& config,
-                                         const LoraConfig& lora);
 
 }  // namespace tally
 

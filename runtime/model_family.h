@@ -6,11 +6,12 @@
 // Qwen3 and Mistral from Llama. A family reads and writes the config.json
 // fields that are its own, refuses those it does not implement naming the
 // field, says which features a config turns on, and checks the combination.
-// Each family lives in runtime/families/<model_type>.cc; model_family.cc
-// lists them. The model code reads only Features().
+// Each family lives in runtime/families/<model_type>.cc;
+// runtime/families/registry.h finds one by name. The model code reads only
+// Features().
 //
 //   TALLY_ASSIGN_OR_RETURN(const tally::ModelFamily* family,
-//                          tally::FindModelFamily("qwen3"));
+//                          tally::FindModelFamily("qwen3"));  // registry.h
 //   tally::ModelFeatures features = family->Features(config);
 //   if (features.qk_norm) { ... }
 #ifndef TALLY_RUNTIME_MODEL_FAMILY_H_
@@ -18,15 +19,16 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
-#include <string>
-#include <vector>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "runtime/llama_config.h"
 
 namespace tally {
+
+// Declared, not included: LlamaConfig's methods ask its family (Validate,
+// FromHfJson, ToHfJson), so llama_config.cc includes this header and
+// llama_config.h stays out of it. A family's file includes both.
+struct LlamaConfig;
 
 // The architecture switches of the shared decoder.
 struct ModelFeatures {
@@ -69,13 +71,6 @@ class ModelFamily {
   // not have or a combination it does not allow.
   virtual absl::Status Validate(const LlamaConfig& config) const = 0;
 };
-
-// NOT_FOUND-free lookup: INVALID_ARGUMENT naming config.model_type and the
-// supported families when `model_type` is none of them.
-absl::StatusOr<const ModelFamily*> FindModelFamily(
-    absl::string_view model_type);
-// The supported model_type strings, sorted.
-std::vector<std::string> SupportedModelTypes();
 
 // Helpers for family files: read config.json `key` into `out` when present
 // and not null; INVALID_ARGUMENT naming the key for a wrong JSON type.

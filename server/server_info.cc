@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/compute_backend.h"
+#include "runtime/families/registry.h"
 #include "runtime/loss_spec.h"
-#include "runtime/model_family.h"
 
 namespace tally {
 namespace {

@@ -1,5 +1,14 @@
 // The supported model families (model_family.h), one file each. Only
-// model_family.cc, which lists them, includes this header.
+// families/registry.cc, which lists them, and the family files include this
+// header; everyone else finds a family through registry.h.
+//
+//   // runtime/families/registry.cc
+//   &LlamaFamily(), &MistralFamily(), ...
+//   // runtime/families/mistral.cc
+//   absl::Status ReadHfFields(const nlohmann::json& json,
+//                             LlamaConfig& config) const override {
+//     return ReadSlidingWindow(json, config);
+//   }
 #ifndef TALLY_RUNTIME_FAMILIES_FAMILIES_H_
 #define TALLY_RUNTIME_FAMILIES_FAMILIES_H_
 

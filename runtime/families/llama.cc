@@ -2,6 +2,8 @@
 // on q, k, v and o; mlp_bias on gate, up and down. No sliding window.
 #include "base/status.h"
 #include "runtime/families/families.h"
+#include "runtime/llama_config.h"
+#include "runtime/model_family.h"
 
 namespace tally {
 namespace {

@@ -3,6 +3,8 @@
 // HF's MistralConfig defaults sliding_window to 4096 when the file omits it.
 #include "base/status.h"
 #include "runtime/families/families.h"
+#include "runtime/llama_config.h"
+#include "runtime/model_family.h"
 
 namespace tally {
 

@@ -4,6 +4,8 @@
 // is not implemented and refused unless 0.
 #include "base/status.h"
 #include "runtime/families/families.h"
+#include "runtime/llama_config.h"
+#include "runtime/model_family.h"
 
 namespace tally {
 namespace {

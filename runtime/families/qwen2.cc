@@ -5,6 +5,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "runtime/families/families.h"
+#include "runtime/llama_config.h"
+#include "runtime/model_family.h"
 
 namespace tally {
 namespace {

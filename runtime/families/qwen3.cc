@@ -4,6 +4,8 @@
 // attention_bias as Llama's.
 #include "base/status.h"
 #include "runtime/families/families.h"
+#include "runtime/llama_config.h"
+#include "runtime/model_family.h"
 
 namespace tally {
 namespace {

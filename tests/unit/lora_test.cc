@@ -22,6 +22,7 @@
 #include "base/status.h"
 #include "runtime/checkpoint.h"
 #include "runtime/engine.h"
+#include "runtime/lora_adapter_reader.h"
 #include "runtime/memory_estimate.h"
 #include "runtime/safetensors.h"
 #include "tests/testing/golden.h"

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "runtime/engine.h"
+#include "runtime/families/registry.h"
 #include "runtime/llama_config.h"
 #include "server/convert.h"
 #include "tests/testing/test_util.h"

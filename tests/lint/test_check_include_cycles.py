@@ -1,0 +1,121 @@
+"""Tests of scripts/check_include_cycles.py on small trees written here."""
+
+import contextlib
+import io
+import os
+import sys
+import tempfile
+import unittest
+
+SOURCE_DIR = os.environ.get(
+    "TALLY_SOURCE_DIR",
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))))
+sys.path.insert(0, os.path.join(SOURCE_DIR, "scripts"))
+
+import check_include_cycles  # noqa: E402
+
+
+class CheckIncludeCyclesTest(unittest.TestCase):
+
+    def setUp(self):
+        directory = tempfile.TemporaryDirectory()
+        self.addCleanup(directory.cleanup)
+        self.root = directory.name
+
+    def write(self, path, *includes):
+        full = os.path.join(self.root, path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "w", encoding="utf-8") as source:
+            for included in includes:
+                source.write(f'#include "{included}"\n')
+            source.write("#include <vector>\n#include \"absl/status/status.h\"\n")
+
+    def check(self, *dirs):
+        """(exit status, output lines) of the checker over `dirs`."""
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            status = check_include_cycles.main(
+                ["--root", self.root, "--dirs", *dirs])
+        return status, out.getvalue().splitlines()
+
+    def test_tree_without_cycle_passes(self):
+        # a.cc includes its own header; b includes a, c includes b and a.
+        self.write("lib/a.h")
+        self.write("lib/a.cc", "lib/a.h")
+        self.write("lib/b.h", "lib/a.h")
+        self.write("lib/b.cc", "lib/b.h")
+        self.write("lib/c.cc", "lib/b.h", "lib/a.h")
+        self.assertEqual(self.check("lib"), (0, []))
+
+    def test_cycle_through_a_source_file_fails(self):
+        # x.h + x.cc are one node: x.cc -> y.h -> z.h -> x.h closes a cycle.
+        self.write("lib/x.h")
+        self.write("lib/x.cc", "lib/x.h", "lib/y.h")
+        self.write("lib/y.h", "lib/z.h")
+        self.write("lib/z.h", "lib/x.h")
+        status, lines = self.check("lib")
+        self.assertEqual(status, 1)
+        self.assertIn("include cycle: lib/x -> lib/y -> lib/z -> lib/x", lines)
+
+    def test_every_cycle_is_printed(self):
+        # Two cycles sharing node p, and one between other directories.
+        self.write("one/p.h", "one/q.h", "one/r.h")
+        self.write("one/q.h", "one/p.h")
+        self.write("one/r.h")
+        self.write("one/r.cc", "one/r.h", "one/p.h")
+        self.write("one/s.h", "two/t.h")
+        self.write("two/t.h")
+        self.write("two/t.cc", "two/t.h", "one/s.h")
+        status, lines = self.check("one", "two")
+        self.assertEqual(status, 1)
+        cycles = [line for line in lines if line.startswith("include cycle")]
+        self.assertEqual(cycles, [
+            "include cycle: one/p -> one/q -> one/p",
+            "include cycle: one/p -> one/r -> one/p",
+            "include cycle: one/s -> two/t -> one/s",
+        ])
+
+    def test_relative_include_is_resolved(self):
+        self.write("lib/sub/m.h", "../n.h")
+        self.write("lib/n.cc", "lib/sub/m.h")
+        self.write("lib/n.h")
+        status, lines = self.check("lib")
+        self.assertEqual(status, 1)
+        self.assertIn("include cycle: lib/n -> lib/sub/m -> lib/n", lines)
+
+    def test_headers_outside_the_checked_dirs_are_ignored(self):
+        # other/ is not checked, so the cycle through it is not seen.
+        self.write("lib/a.cc", "other/b.h")
+        self.write("lib/a.h")
+        self.write("other/b.h", "lib/a.h")
+        self.assertEqual(self.check("lib"), (0, []))
+
+    def test_allowed_cycle_is_reported_but_passes(self):
+        allowed = frozenset({"lib/a", "lib/b"})
+        self.write("lib/a.h", "lib/b.h")
+        self.write("lib/b.h")
+        self.write("lib/b.cc", "lib/b.h", "lib/a.h")
+        original = check_include_cycles.ALLOWED_CYCLES
+        check_include_cycles.ALLOWED_CYCLES = (allowed,)
+        self.addCleanup(setattr, check_include_cycles, "ALLOWED_CYCLES",
+                        original)
+        self.assertEqual(self.check("lib"),
+                         (0, ["allowed include cycle: lib/a -> lib/b -> lib/a"]))
+        # Another cycle beside it still fails.
+        self.write("lib/c.h", "lib/d.h")
+        self.write("lib/d.h", "lib/c.h")
+        status, lines = self.check("lib")
+        self.assertEqual(status, 1)
+        self.assertIn("include cycle: lib/c -> lib/d -> lib/c", lines)
+
+    def test_missing_directory_is_a_usage_error(self):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            with self.assertRaises(SystemExit) as exit_:
+                self.check("absent")
+        self.assertEqual(exit_.exception.code, 2)
+        self.assertIn("--dirs: absent", err.getvalue())
+
+
+if __name__ == "__main__":
+    unittest.main()
