@@ -4,7 +4,8 @@
 # source root. One list for both builds that compile them: runtime/
 # CMakeLists.txt (the tally_runtime_core library, linked by tally_runtime and
 # the torch-free server units) and the fuzzers' standalone clang build
-# (tests/fuzz/standalone), which cannot use the main build's targets.
+# (tests/fuzz/standalone), which cannot use the main build's targets. They
+# call base/'s JSON reader (tally_base; the fuzz build's json_sources).
 set(TALLY_RUNTIME_CORE_SOURCES
   runtime/address.cc
   runtime/families/llama.cc
@@ -19,7 +20,3 @@ set(TALLY_RUNTIME_CORE_SOURCES
   runtime/memory_estimate.cc
   runtime/model_family.cc
   runtime/types.cc)
-# What they call in base/ (tally_base in the main build).
-set(TALLY_RUNTIME_CORE_BASE_SOURCES
-  base/file_text.cc
-  base/json_reader.cc)
