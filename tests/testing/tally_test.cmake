@@ -14,7 +14,9 @@
 #   include(${PROJECT_SOURCE_DIR}/tests/testing/tally_test.cmake)
 #   tally_test(tally_client_test LABEL unit
 #     SOURCES command_line_test.cc LINK tally_client)
-include_guard(GLOBAL)
+# DIRECTORY, not GLOBAL: the variables below must reach every directory that
+# includes it (and those below), the function is global either way.
+include_guard(DIRECTORY)
 include(GoogleTest)
 
 set(TALLY_TEST_ENVIRONMENT
