@@ -1,9 +1,10 @@
-# The README's two commands, `make demo` and `make test`, and `make bench`.
+# The README's two commands, `make demo` and `make test`, the fast loop
+# `make check`, and `make bench`.
 BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps configure build wheel test demo bench format clean
+.PHONY: all deps configure build wheel test check demo bench format clean
 
 all: build
 
@@ -23,6 +24,12 @@ wheel: configure
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS) --timeout 900
+
+# The developer's loop: the unit tests (label unit) and one golden per
+# parallel dimension (golden-check), under 3 minutes on 2 cores once built.
+check: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS) --timeout 900 \
+	  -L '^(unit|golden-check)$$'
 
 demo: build
 	bash scripts/demo.sh $(BUILD_DIR)

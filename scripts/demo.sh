@@ -46,7 +46,7 @@ port_of() {
 }
 
 # Four local ranks: 2 ZeRO-3 shards x 2 tensor-parallel ranks. The results
-# equal a single-rank run (tests/unit/multirank_golden_test.cc).
+# equal a single-rank run (tests/golden/multirank_golden_test.cc).
 mesh_flags=(--nproc-per-node 4 --dp-shard 2 --tp 2)
 echo "demo: starting $server ${mesh_flags[*]}"
 "$server" "${mesh_flags[@]}" --grpc-port 0 --metrics-port 0 \

@@ -201,7 +201,7 @@ struct FlagSection {
 };
 
 // The flags tally-server accepts, in --help order. Every ABSL_FLAG above is
-// here once (tests/unit/server_flags_test.cc checks).
+// here once (server/server_flags_test.cc checks).
 const std::vector<FlagSection>& Sections() {
   static const auto* const sections = new std::vector<FlagSection>{
       {"Serving",

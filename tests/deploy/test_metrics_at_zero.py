@@ -7,7 +7,7 @@ of the PrometheusRule (deploy/k8s/components/monitoring/prometheusrule.yaml)
 has at least one sample: a panel or alert must never see "no data" for a counter that has not
 counted yet. The metric names come from parsing the PromQL expressions, not
 from a list here. The process_* series are there too (their values:
-tests/unit/process_metrics_test.cc).
+server/process_metrics_test.cc).
 """
 
 import json
