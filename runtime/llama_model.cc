@@ -416,12 +416,14 @@ torch::Tensor LlamaModel::Project(const torch::Tensor& x, int index, int bias) {
   const bool adapted = lora_[index].a >= 0;
   if (TensorParallelInFloat32() &&
       parameters_[index].placements.at(MeshDim::kTp).shard_dim() == 0) {
-    torch::Tensor out = ColumnParallelLinear(x, Weight(index), compute_type());
-    if (bias >= 0) out = out + Weight(bias);
+    torch::Tensor out =
+        ColumnParallelLinear(x, Weight(index), compute_type(), Weight(bias));
     if (!adapted) return out;
-    return out + ColumnParallelLoraDelta(x, LoraFactor(lora_[index].a),
-                                         LoraFactor(lora_[index].b),
-                                         lora().scaling());
+    // A is whole on every rank; its gradient is summed over tp inside the
+    // delta, in float32, so it is not summed again.
+    return out + ColumnParallelLoraDelta(x, Weight(lora_[index].a),
+                                         Weight(lora_[index].b),
+                                         lora().scaling(), *sharding_.tp);
   }
   torch::Tensor out = torch::linear(x, Weight(index), Weight(bias));
   if (!adapted) return out;

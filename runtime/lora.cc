@@ -84,8 +84,10 @@ torch::Tensor LoraDelta(const torch::Tensor& x, const torch::Tensor& a,
 
 torch::Tensor ColumnParallelLoraDelta(const torch::Tensor& x,
                                       const torch::Tensor& a,
-                                      const torch::Tensor& b, double scaling) {
-  const torch::Tensor u = ColumnParallelLinear(x, a, torch::kFloat32);
+                                      const torch::Tensor& b, double scaling,
+                                      Communicator& tp) {
+  const torch::Tensor u =
+      ColumnParallelLinear(x, a, torch::kFloat32, /*bias=*/{}, &tp);
   return ColumnParallelLinear(u, b, b.scalar_type()) * scaling;
 }
 

@@ -75,11 +75,13 @@ torch::Tensor LoraDelta(const torch::Tensor& x, const torch::Tensor& a,
 // Column-parallel projection (a whole, b this rank's rows): x is the
 // region's float32 input and the result is in b's dtype, as one rank's.
 // x A^T is kept in float32 (rounded as one rank rounds it) so that its
-// gradient, a partial sum over tp, stays float32; A's own partial gradient
-// is rounded once, then summed over tp in float32 on the master's side.
+// gradient, a partial sum over tp, stays float32; A's gradient is summed
+// over `tp` in float32 and rounded once, as one rank rounds it, so it is
+// complete on every rank (a must not be summed over tp again).
 torch::Tensor ColumnParallelLoraDelta(const torch::Tensor& x,
                                       const torch::Tensor& a,
-                                      const torch::Tensor& b, double scaling);
+                                      const torch::Tensor& b, double scaling,
+                                      Communicator& tp);
 
 // Row-parallel projection (a this rank's columns, b whole): x A^T, a
 // partial sum, is summed over `tp` in float32 and rounded once (one small

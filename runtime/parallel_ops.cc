@@ -30,9 +30,14 @@ void SaveGroup(AutogradContext* ctx, Communicator* group) {
       static_cast<int64_t>(reinterpret_cast<intptr_t>(group));
 }
 
-Communicator& SavedGroup(AutogradContext* ctx) {
-  return *reinterpret_cast<Communicator*>(
+// The group SaveGroup saved, or nullptr when it saved none.
+Communicator* SavedOptionalGroup(AutogradContext* ctx) {
+  return reinterpret_cast<Communicator*>(
       static_cast<intptr_t>(ctx->saved_data.at(kGroupKey).toInt()));
+}
+
+Communicator& SavedGroup(AutogradContext* ctx) {
+  return *SavedOptionalGroup(ctx);
 }
 
 void ThrowIfError(const absl::Status& status, const char* what) {
@@ -312,10 +317,16 @@ class ColumnParallelLinearFunction
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& w,
-                               torch::ScalarType out_type) {
-    ctx->save_for_backward({x, w});
-    // x holds w-dtype values (its float32 widening): the cast is exact.
-    return torch::linear(x.to(w.scalar_type()), w).to(out_type);
+                               const c10::optional<torch::Tensor>& bias,
+                               torch::ScalarType out_type,
+                               Communicator* weight_tp_sum) {
+    ctx->save_for_backward({x, w, bias.value_or(torch::Tensor())});
+    SaveGroup(ctx, weight_tp_sum);
+    // x holds w-dtype values (its float32 widening): the cast is exact. The
+    // bias joins the float32 sum, which is rounded once to w's dtype.
+    torch::Tensor y = WideMatmul(Rows(x).to(w.scalar_type()), w.t());
+    if (bias.has_value()) y.add_(*bias);
+    return Unrows(y.to(w.scalar_type()), x).to(out_type);
   }
 
   static variable_list backward(AutogradContext* ctx,
@@ -323,11 +334,21 @@ class ColumnParallelLinearFunction
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor& x = saved[0];
     const torch::Tensor& w = saved[1];
+    const torch::Tensor& bias = saved[2];
     const torch::Tensor g = Rows(grad_outputs[0]);
     torch::Tensor grad_x = Unrows(WideMatmul(g, w), x);
-    torch::Tensor grad_w =
-        WideMatmul(g.t(), Rows(x).to(g.scalar_type())).to(w.scalar_type());
-    return {grad_x, grad_w, torch::Tensor()};
+    torch::Tensor grad_w = WideMatmul(g.t(), Rows(x).to(g.scalar_type()));
+    Communicator* weight_tp_sum = SavedOptionalGroup(ctx);
+    if (weight_tp_sum != nullptr) {
+      grad_w = AllReduceSum(grad_w, *weight_tp_sum,
+                            "ColumnParallelLinear weight all_reduce");
+    }
+    torch::Tensor grad_bias;
+    if (bias.defined()) {
+      grad_bias = g.to(SumType(g.scalar_type())).sum(0).to(bias.scalar_type());
+    }
+    return {grad_x, grad_w.to(w.scalar_type()), grad_bias, torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -495,9 +516,20 @@ torch::Tensor VocabParallelTargetLogprobs(const torch::Tensor& logits_shard,
 
 torch::Tensor ColumnParallelLinear(const torch::Tensor& x,
                                    const torch::Tensor& w,
-                                   torch::ScalarType out_type) {
+                                   torch::ScalarType out_type,
+                                   const torch::Tensor& bias,
+                                   Communicator* weight_tp_sum) {
   CheckLinear(x, w, SumType(w.scalar_type()), "ColumnParallelLinear");
-  return ColumnParallelLinearFunction::apply(x, w, out_type);
+  TORCH_CHECK(!bias.defined() || (bias.is_floating_point() && bias.dim() == 1 &&
+                                  bias.size(0) == w.size(0)),
+              "ColumnParallelLinear: bias ",
+              bias.defined() ? bias.sizes() : c10::IntArrayRef{},
+              " must be a floating-point [", w.size(0), "] for the weight ",
+              w.sizes());
+  // An undefined tensor cannot be a Function's input; an empty optional can.
+  return ColumnParallelLinearFunction::apply(
+      x, w, bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt,
+      out_type, weight_tp_sum);
 }
 
 torch::Tensor RowParallelLinear(const torch::Tensor& x,

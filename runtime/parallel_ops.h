@@ -22,7 +22,9 @@
 //   VocabParallelEmbedding          1 AllReduce(SUM)        none
 //   VocabParallelTargetLogprobs     2 AllReduce (MAX; SUM   none
 //                                   of [sum-exp, target])
-//   ColumnParallelLinear            none                    none
+//   ColumnParallelLinear            none                    none (1 AllReduce
+//                                                           with
+//                                                           weight_tp_sum)
 //   RowParallelLinear               none                    none
 //
 // Gradient reductions always SUM (never average): tally normalizes by the
@@ -154,15 +156,21 @@ torch::Tensor ReduceFromTensorParallelRegion(const torch::Tensor& x,
 // A column-parallel linear on the tp region's input. x [..., in] is that
 // input in float32 (for a bfloat16 w: the widened bfloat16 activations, so
 // its gradient, a partial sum over tp, accumulates in float32 before
-// CopyToTensorParallelRegion sums it); w [out_local, in] in the compute
-// dtype. Forward: x @ w^T in w's dtype (rounded once), returned as
-// `out_type`. Backward, both with float32 sums: x's gradient g @ w, kept in
-// float32; w's gradient g^T x, rounded once to w's dtype (with out_type
-// float32, g is itself a partial sum over tp: the LoRA factors,
-// runtime/lora.h).
+// CopyToTensorParallelRegion sums it); w [out_local, in] and the optional
+// bias [out_local] in the compute dtype. Forward: x @ w^T + bias summed in
+// float32 and rounded once to w's dtype (as one rank's fused linear), then
+// returned as `out_type`. Backward, all with float32 sums: x's gradient
+// g @ w, kept in float32; the bias's, the sum of g over rows, rounded once;
+// w's, g^T x, rounded once to w's dtype. With out_type float32, g is itself
+// a partial sum over tp (the LoRA factors, runtime/lora.h) and so is w's
+// gradient: `weight_tp_sum` (w whole on every rank of that group) sums it in
+// float32 before that one rounding, as one rank rounds its whole product
+// once; w must then not be summed over tp again.
 torch::Tensor ColumnParallelLinear(const torch::Tensor& x,
                                    const torch::Tensor& w,
-                                   torch::ScalarType out_type);
+                                   torch::ScalarType out_type,
+                                   const torch::Tensor& bias = {},
+                                   Communicator* weight_tp_sum = nullptr);
 
 // A row-parallel linear: x [..., in_local] and w [out, in_local] in the
 // compute dtype. Forward: the partial output x @ w^T in float32 (for

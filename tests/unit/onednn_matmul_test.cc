@@ -200,6 +200,37 @@ TEST(TensorParallelLinearTest, GradientCheckInFloat64) {
   GradientCheck([](const torch::Tensor& x, const torch::Tensor& w) {
     return RowParallelLinear(x, w);
   });
+  const torch::Tensor bias = torch::randn({5}, torch::kFloat64);
+  GradientCheck([&](const torch::Tensor& x, const torch::Tensor& w) {
+    return ColumnParallelLinear(x, w, torch::kFloat64, bias);
+  });
+}
+
+// A column-parallel bias joins the float32 sum, which is rounded once, as
+// one rank's fused linear rounds it; its gradient is the float32 sum of the
+// rows' gradients, rounded once. x @ w^T is 1 + 3 * 2^-10 (bfloat16 would
+// round it to 1) and the bias 3 * 2^-10: rounding the product before
+// adding the bias gives 1, one rounding of the sum 1 + 2^-7. The bias's
+// gradient adds the same values over three rows.
+TEST(TensorParallelLinearTest, ColumnBiasIsAddedBeforeTheOneRounding) {
+  const double small = std::ldexp(3.0, -10);
+  const torch::Tensor x = torch::ones({3, 2});  // float32 region input
+  torch::Tensor w =
+      torch::tensor({1.0, small}).repeat({4, 1}).to(torch::kBFloat16);
+  torch::Tensor bias =
+      torch::full({4}, small).to(torch::kBFloat16).requires_grad_();
+  w.requires_grad_();
+  torch::Tensor y = ColumnParallelLinear(x, w, torch::kBFloat16, bias);
+  const torch::Tensor once =
+      torch::full({4}, 1.0 + std::ldexp(1.0, -7)).to(torch::kBFloat16);
+  ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(y, once.expand({3, 4}))) << y;
+  y.backward(torch::tensor({1.0, small, small})
+                 .unsqueeze(1)
+                 .expand({3, 4})
+                 .to(torch::kBFloat16));
+  ASSERT_EQ(bias.grad().scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(bias.grad(), once)) << bias.grad();
 }
 
 // Two "ranks" of a bfloat16 row-parallel linear: each rank's partial output

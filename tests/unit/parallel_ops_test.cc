@@ -321,6 +321,38 @@ TEST(ParallelOpsTest, MixedPrecisionGradientsSumAndLandInFloat32) {
   }
 }
 
+// A column-parallel linear whose weight is whole on every tp rank (LoRA's A)
+// and whose output gradient is a partial sum over tp: with weight_tp_sum
+// the weight's gradient is summed in float32 and rounded to bfloat16 once,
+// as one rank rounds its whole product. Rank 0's partial is 1 + 3 * 2^-10
+// (bfloat16 rounds it to 1), rank 1's 3 * 2^-10: rounding each before the
+// sum gives 1 + 3 * 2^-10, one rounding of the sum 1 + 6 * 2^-10 gives
+// 1 + 2^-7, on every rank.
+TEST(ParallelOpsTest, ReplicatedColumnWeightGradientRoundsOnceAfterTheTpSum) {
+  constexpr int kRanks = 2;
+  std::vector<torch::Tensor> grads(kRanks), outputs(kRanks);
+  ExpectAllRanksOk(RunOnRanks(kRanks, [&](Communicator& tp) {
+    const double partial = std::ldexp(3.0, -10) + (tp.rank() == 0 ? 1.0 : 0.0);
+    const torch::Tensor x = torch::ones({2, 3});  // float32 region input
+    torch::Tensor w = Leaf(torch::ones({4, 3}), torch::kBFloat16);
+    torch::Tensor u = ColumnParallelLinear(x, w, torch::kFloat32,
+                                           /*bias=*/{}, &tp);
+    outputs[tp.rank()] = u.detach().clone();
+    // Each row's gradient is half the partial: the float32 sum over the two
+    // rows restores it exactly.
+    u.backward(torch::full({2, 4}, partial / 2, torch::kFloat32));
+    grads[tp.rank()] = w.grad().clone();
+  }));
+  const torch::Tensor once =
+      torch::full({4, 3}, 1.0 + std::ldexp(1.0, -7)).to(torch::kBFloat16);
+  for (int rank = 0; rank < kRanks; ++rank) {
+    EXPECT_EQ(outputs[rank].scalar_type(), torch::kFloat32);
+    EXPECT_TRUE(torch::equal(outputs[rank], torch::full({2, 4}, 3.0)));
+    EXPECT_TRUE(torch::equal(grads[rank], once))
+        << "rank " << rank << ": " << grads[rank];
+  }
+}
+
 // loss = sum(output) hands the backward an expanded (stride-0) gradient of
 // ones; the reductions must still see every element. Each of the 3 ranks
 // contributes ones, so the SUM is 3 wherever the rank's data is real.
