@@ -491,9 +491,10 @@ TEST(RankFailureTest, AFailurePartwayThroughTheGatherFailsFast) {
 // passes (ZeRO-1's gradient sum, the gathers of the kept copies after a
 // create, a step or a load) or between the copies of a load fails the
 // command on every rank alike within a third of the timeout (at the
-// command's phase boundary, ProcessGroups::FinishPhase), with the state its
-// documentation says, and the ranks go on: after the window is aborted or
-// the model reloaded, the next step equals the twin's that never failed.
+// command's phase boundary, FinishPhase in runtime/phase_boundary.h), with
+// the state its documentation says, and the ranks go on: after the window is
+// aborted or the model reloaded, the next step equals the twin's that never
+// failed.
 enum class Command {
   kCreateModel,      // leaves no model on any rank
   kForwardBackward,  // poisons the window
