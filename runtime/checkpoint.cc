@@ -23,6 +23,7 @@
 #include "base/status.h"
 #include "runtime/atomic_directory.h"
 #include "runtime/expected_tensors.h"
+#include "runtime/fault_hook.h"
 #include "runtime/shard_index.h"
 
 namespace tally {
@@ -493,7 +494,10 @@ absl::Status LoadWeightsInto(const CheckpointContents& contents,
                                           TrainableOnly(contents), model));
   return CatchTorch("load weights", [&] {
     torch::NoGradGuard no_grad;
-    for (auto& [target, source] : copies) target->copy_(*source);
+    for (auto& [target, source] : copies) {
+      TORCH_CHECK(InjectedFault(FaultPoint::kLoadCopy).ok(), "injected fault");
+      target->copy_(*source);
+    }
   });
 }
 

@@ -22,6 +22,7 @@
 #include "runtime/loss.h"
 #include "runtime/loss_registry.h"
 #include "runtime/loss_report.h"
+#include "runtime/phase_boundary.h"
 #include "runtime/pipeline.h"
 #include "runtime/pipeline_executor.h"
 #include "runtime/step_guard.h"
@@ -631,7 +632,9 @@ absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
   }
   absl::StatusOr<ForwardBackwardResult> result =
       RunForwardBackward(*state, args, *loss);
-  if (!result.ok()) result = Recover(result.status());
+  if (absl::Status finished = FinishPhase(result.status()); !finished.ok()) {
+    result = std::move(finished);
+  }
   // Validation passed, so a failure here happened mid-computation, possibly
   // after some micro-batches added their gradients.
   if (!result.ok() && !args.forward_only &&
@@ -755,15 +758,17 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
 }
 
 absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
-  return AgreeUnlessFailed(*this, *groups_.world, std::move(local));
+  return MarkAgreed(AgreeUnlessFailed(*this, *groups_.world, std::move(local)));
 }
 
 void Engine::FailFast(const absl::Status& local) {
   if (process_groups_) process_groups_->FailFast(local);
 }
 
-absl::Status Engine::Recover(absl::Status status) {
-  return process_groups_ ? process_groups_->Recover(std::move(status)) : status;
+absl::Status Engine::FinishPhase(absl::Status local) {
+  return process_groups_
+             ? tally::FinishPhase(*process_groups_, std::move(local))
+             : local;
 }
 
 bool Engine::NeedsGradientSync(CausalLm& model) const {
@@ -843,7 +848,7 @@ absl::Status Engine::SyncCallGradients(CausalLm& model,
 absl::Status Engine::RefreshGathered(CausalLm& model, ShardsChanged changed) {
   if (!model.sharding().keeps_gathered()) return absl::OkStatus();
   const bool lora = model.lora().enabled();
-  return AgreeAcrossRanks(
+  return FinishPhase(
       RefreshGatheredCopies(model.parameters(), model.compute_type(),
                             *groups_.dp_shard, [&](const Parameter& p) {
                               switch (changed) {
@@ -934,7 +939,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   std::vector<Parameter>& params = state->model->parameters();
   if (state->spec.grad_sync == GradSync::kDeferred &&
       NeedsGradientSync(*state->model) && !state->replicas_summed) {
-    absl::Status summed = SyncGradients(*state->model);
+    absl::Status summed = FinishPhase(SyncGradients(*state->model));
     // A partial sum cannot be undone: the window is no longer trustworthy.
     if (!summed.ok()) {
       const bool poisoned =
@@ -945,17 +950,13 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
     }
     state->replicas_summed = true;
   }
-  // A rank that fails computing its part of the norm leaves the others in
-  // its all-reduce: it fails fast, and the ranks recover together.
   absl::Status norm_ready = InjectedFault(FaultPoint::kGradNorm);
   absl::StatusOr<ClipResult> clipped =
       norm_ready.ok() ? ComputeClip(params, normalizer, mesh_, *groups_.world,
                                     args.norm_type, max_norm)
                       : norm_ready;
-  if (!clipped.ok()) {
-    FailFast(clipped.status());
-    return Recover(clipped.status());
-  }
+  // Nothing changed yet: a failure keeps the window.
+  TALLY_RETURN_IF_ERROR(FinishPhase(clipped.status()));
   const ClipResult& clip = *clipped;
   OptimStepResult result;
   result.grad_norm = clip.norm.total;
@@ -1077,23 +1078,24 @@ absl::Status Engine::WriteOnRankZero(
   const CausalLm* model = state.model.get();
   const Optimizer* optimizer = state.optimizer.get();
   const bool writer = mesh_.rank() == 0;
-  absl::Status written = absl::OkStatus();
   std::unique_ptr<CausalLm> full_model;
   std::unique_ptr<Optimizer> full_optimizer;
   // One writer. A sharded or staged model is consolidated so the directory
   // is the same whatever the mesh: only the writer holds the whole copy; the
   // other ranks help gather it one tensor at a time.
   if (Staged(*model, groups_)) {
-    written = GatherOnWriter(state, with_optimizer_state, trainable_only,
-                             full_model, full_optimizer);
+    TALLY_RETURN_IF_ERROR(
+        FinishPhase(GatherOnWriter(state, with_optimizer_state, trainable_only,
+                                   full_model, full_optimizer)));
     if (writer) {
       model = full_model.get();
       optimizer = full_optimizer.get();
     }
   }
-  if (written.ok()) written = InjectedFault(FaultPoint::kWrite);
+  // Only the writer writes: the others wait in the agreement.
+  absl::Status written = InjectedFault(FaultPoint::kWrite);
   if (writer && written.ok()) written = write(*model, *optimizer);
-  return Recover(AgreeAcrossRanks(written));
+  return AgreeAcrossRanks(written);
 }
 
 absl::Status Engine::GatherOnWriter(
@@ -1120,11 +1122,8 @@ absl::Status Engine::GatherOnWriter(
   // Before the gathers, so a writer that could not allocate stops every
   // rank rather than leaving them in a collective.
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(ready));
-  const absl::Status gathered = GatherStagesOnWriter(
-      state, with_optimizer_state, trainable_only, full_model, full_optimizer);
-  // A rank failing partway leaves its peers in the next gather or transfer.
-  FailFast(gathered);
-  return gathered;
+  return GatherStagesOnWriter(state, with_optimizer_state, trainable_only,
+                              full_model, full_optimizer);
 }
 
 absl::Status Engine::GatherStagesOnWriter(
@@ -1245,13 +1244,11 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
   }();
   TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(staged));
   // Phase 2: apply.
-  absl::Status loaded = LoadWeightsInto(contents, *state->model);
-  if (state->model->sharding().keeps_gathered()) {
-    // The gathers need every rank's shards loaded.
-    loaded = AgreeAcrossRanks(loaded);
-    if (loaded.ok()) {
-      loaded = RefreshGathered(*state->model, ShardsChanged::kLoaded);
-    }
+  // A copy may fail on one rank only; the gathers need every rank's shards.
+  absl::Status loaded =
+      AgreeAcrossRanks(LoadWeightsInto(contents, *state->model));
+  if (loaded.ok()) {
+    loaded = RefreshGathered(*state->model, ShardsChanged::kLoaded);
   }
   if (!loaded.ok()) {
     // A copy failed midway: weights are mixed, whatever the window says.

@@ -180,8 +180,9 @@ class Engine {
   // was none. A failed or timed-out collective leaves the groups unusable
   // (peers may be anywhere in the operation): the process must restart,
   // unless the failure was a rank's that failed between collectives
-  // (ProcessGroups::FailFast): the command that saw it re-forms the groups
-  // before it returns (ProcessGroups::Recover), and this is OK again.
+  // (ProcessGroups::FailFast): the phase of the command that saw it
+  // re-forms the groups before the command returns (FinishPhase,
+  // runtime/phase_boundary.h), and this is OK again.
   absl::Status CollectiveFailure() const;
   size_t num_models() const { return models_.size(); }
   // Whether a LoRA base of `base_key` (BaseKey) is in memory: some model
@@ -286,15 +287,19 @@ class Engine {
       const std::function<absl::Status(const CausalLm& model,
                                        const Optimizer& optimizer)>& write);
   // Every rank returns an error if any rank's `local` is one, so no rank
-  // applies what another refused.
+  // applies what another refused; the outcome is marked agreed (MarkAgreed).
+  // Ends a phase without collectives; one with collectives ends in
+  // FinishPhase.
   absl::Status AgreeAcrossRanks(absl::Status local);
-  // A local failure (`local`, while no collective failed) between two
-  // collectives: closes this rank's groups so no peer waits for it
-  // (ProcessGroups::FailFast). Nothing on one rank.
+  // A local failure (`local`, while no collective failed) inside a pass,
+  // whose schedule agrees over other groups before the phase ends: closes
+  // this rank's groups so no peer waits for it (ProcessGroups::FailFast).
+  // Nothing on one rank.
   void FailFast(const absl::Status& local);
-  // At the end of a command that may have called FailFast on some rank:
-  // ProcessGroups::Recover, `status` unchanged on one rank.
-  absl::Status Recover(absl::Status status);
+  // The end of a phase of a command that ran collectives, where a failure of
+  // this rank alone may have left its peers in one (FinishPhase,
+  // runtime/phase_boundary.h); `local` unchanged on one rank.
+  absl::Status FinishPhase(absl::Status local);
   static void ClearWindow(ModelState& state);
   // What changed in a model's shards, for RefreshGathered.
   enum class ShardsChanged {

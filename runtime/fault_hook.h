@@ -32,6 +32,12 @@ enum class FaultPoint {
                      // this rank helps gather for the writer
   kWrite,            // SaveCheckpoint / ExportWeights, before the write
   kLoad,             // LoadCheckpoint, reading and staging the checkpoint
+  kLoadCopy,         // LoadCheckpoint (and an init_checkpoint), before each
+                     // tensor copied into the model
+  kGradientSync,     // ZeRO-1's gradient sum, before each parameter's
+                     // reduce-scatter over dp_shard
+  kRefreshGathered,  // ZeRO-1/2, before each gather of the kept copies
+                     // (CreateModel, LoadCheckpoint, OptimStep's update)
 };
 
 using FaultHook = std::function<absl::Status(FaultPoint point)>;

@@ -1,6 +1,7 @@
 #include "runtime/zero.h"
 
 #include "base/status.h"
+#include "runtime/fault_hook.h"
 #include "runtime/parallel_ops.h"
 
 namespace tally {
@@ -33,6 +34,7 @@ absl::Status RefreshGatheredCopies(
       AgreeOnStatus(dp_shard, cast, "to cast its shards for their gather"));
   std::vector<torch::Tensor> gathered;
   for (torch::Tensor& shard : shards) {
+    TALLY_RETURN_IF_ERROR(InjectedFault(FaultPoint::kRefreshGathered));
     TALLY_ASSIGN_OR_RETURN(torch::Tensor full, dp_shard.AllGather(shard));
     shard = torch::Tensor();
     gathered.push_back(std::move(full));
@@ -65,6 +67,7 @@ absl::Status ReduceWholeGradients(std::vector<Parameter>& params,
     if (!p.trainable || p.gathered == nullptr || !p.gathered->whole_gradient) {
       continue;
     }
+    TALLY_RETURN_IF_ERROR(InjectedFault(FaultPoint::kGradientSync));
     const torch::Tensor& whole = p.gathered->grad;
     TALLY_ASSIGN_OR_RETURN(
         torch::Tensor shard_grad,

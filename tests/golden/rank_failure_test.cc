@@ -320,6 +320,8 @@ struct RecoveryCase {
   FaultPoint point;
   int nth;  // which visit of the point fails
   bool moe = false;
+  ZeroStage zero = ZeroStage::kParameters;
+  GradSync sync = GradSync::kEager;
 };
 
 void PrintTo(const RecoveryCase& c, std::ostream* os) { *os << c.name; }
@@ -328,12 +330,14 @@ void PrintTo(const RecoveryCase& c, std::ostream* os) { *os << c.name; }
 // does not.
 absl::StatusOr<std::unique_ptr<Engine>> EngineWithTwinModels(
     const RecoveryCase& c, const RankEnv& env) {
-  TALLY_ASSIGN_OR_RETURN(
-      auto engine,
-      RankEngine(c.shape, env, FewTokensPerMicroBatch(), kLongTimeout));
+  EngineOptions options = FewTokensPerMicroBatch();
+  options.zero_stage = c.zero;
+  TALLY_ASSIGN_OR_RETURN(auto engine,
+                         RankEngine(c.shape, env, options, kLongTimeout));
   for (const char* id : {"m", "clean"}) {
     ModelSpec spec =
         testing::TinySpec(id, DType::kFloat64, OptimizerKind::kAdamW);
+    spec.grad_sync = c.sync;
     if (c.moe) spec.config = testing::MoeConfig(spec.config);
     TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
   }
@@ -482,6 +486,131 @@ TEST(RankFailureTest, AFailurePartwayThroughTheGatherFailsFast) {
     return absl::OkStatus();
   });
 }
+
+// A rank that fails partway through a phase of collectives outside the
+// passes (ZeRO-1's gradient sum, the gathers of the kept copies after a
+// create, a step or a load) or between the copies of a load fails the
+// command on every rank alike within a third of the timeout (at the
+// command's phase boundary, FinishPhase in runtime/phase_boundary.h), with
+// the state its documentation says, and the ranks go on: after the window is
+// aborted or the model reloaded, the next step equals the twin's that never
+// failed.
+enum class Command {
+  kCreateModel,      // leaves no model on any rank
+  kForwardBackward,  // poisons the window
+  kOptimStepSum,     // DEFERRED: poisons the window
+  kOptimStepUpdate,  // damages the model
+  kLoadCheckpoint,   // damages the model
+};
+
+struct CommandCase {
+  RecoveryCase recovery;
+  Command command;
+  absl::StatusCode code = absl::StatusCode::kResourceExhausted;
+};
+
+void PrintTo(const CommandCase& c, std::ostream* os) { *os << c.recovery.name; }
+
+class CommandFailureTest : public ::testing::TestWithParam<CommandCase> {};
+
+TEST_P(CommandFailureTest, FailsFastOnEveryRankAndTheNextStepIsExact) {
+  const CommandCase& c = GetParam();
+  testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
+    TALLY_ASSIGN_OR_RETURN(auto engine, EngineWithTwinModels(c.recovery, env));
+    const std::string before = absl::StrCat(
+        ::testing::TempDir(), "tally_commandfail_", env.master_port, "/m");
+    TALLY_RETURN_IF_ERROR(engine->SaveCheckpoint("m", before).status());
+    if (c.command == Command::kOptimStepSum ||
+        c.command == Command::kOptimStepUpdate) {
+      for (const char* id : {"m", "clean"}) {
+        TALLY_RETURN_IF_ERROR(engine->ForwardBackward(id, {Call(1)}).status());
+      }
+    }
+    const ModelSpec other =
+        testing::TinySpec("other", DType::kFloat64, OptimizerKind::kAdamW);
+    ExpectFailsFastAlike(*engine, c.recovery, env, c.code, [&] {
+      switch (c.command) {
+        case Command::kCreateModel:
+          return engine->CreateModel(other).status();
+        case Command::kForwardBackward:
+          return engine->ForwardBackward("m", {Call(1)}).status();
+        case Command::kOptimStepSum:
+        case Command::kOptimStepUpdate:
+          return engine->OptimStep("m", {}).status();
+        case Command::kLoadCheckpoint:
+          return engine->LoadCheckpoint("m", before, true).status();
+      }
+      return absl::InternalError("unknown command");
+    });
+    TALLY_ASSIGN_OR_RETURN(const ModelSummary summary, engine->GetModel("m"));
+    TALLY_ASSIGN_OR_RETURN(const bool poisoned, engine->WindowPoisoned("m"));
+    switch (c.command) {
+      case Command::kCreateModel:
+        EXPECT_EQ(engine->num_models(), 2u);
+        EXPECT_EQ(engine->GetModel("other").status().code(),
+                  absl::StatusCode::kNotFound);
+        TALLY_RETURN_IF_ERROR(engine->CreateModel(other).status());
+        break;
+      case Command::kForwardBackward:
+      case Command::kOptimStepSum:
+        EXPECT_TRUE(poisoned);
+        EXPECT_TRUE(summary.damage.empty()) << summary.damage;
+        TALLY_RETURN_IF_ERROR(engine->AbortAccumulation("m").status());
+        break;
+      case Command::kOptimStepUpdate:
+      case Command::kLoadCheckpoint:
+        EXPECT_THAT(summary.damage, HasSubstr("injected fault"));
+        TALLY_RETURN_IF_ERROR(
+            engine->LoadCheckpoint("m", before, true).status());
+        break;
+    }
+    TALLY_RETURN_IF_ERROR(engine->AbortAccumulation("clean").status());
+    TALLY_ASSIGN_OR_RETURN(const double loss, StepAndEvaluate(*engine, "m"));
+    TALLY_ASSIGN_OR_RETURN(const double clean_loss,
+                           StepAndEvaluate(*engine, "clean"));
+    EXPECT_EQ(loss, clean_loss);
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * clean, engine->model("clean"));
+    EXPECT_TRUE(testing::AllEqual(testing::ParameterValues(*model),
+                                  testing::ParameterValues(*clean)));
+    return absl::OkStatus();
+  });
+}
+
+// ZeRO-1 over dp_shard = 2: whole gradients reduce-scattered one parameter
+// at a time, the parameters' kept copies gathered one at a time.
+RecoveryCase Zero1(const char* name, FaultPoint point,
+                   GradSync sync = GradSync::kEager) {
+  RecoveryCase c{name, Zero3Mesh(), point, 2};
+  c.zero = ZeroStage::kOptimizerState;
+  c.sync = sync;
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    OneRank, CommandFailureTest,
+    ::testing::Values(
+        CommandCase{
+            Zero1("Zero1CreateModelGather", FaultPoint::kRefreshGathered),
+            Command::kCreateModel},
+        CommandCase{Zero1("Zero1EagerGradientSum", FaultPoint::kGradientSync),
+                    Command::kForwardBackward},
+        CommandCase{Zero1("Zero1DeferredGradientSum", FaultPoint::kGradientSync,
+                          GradSync::kDeferred),
+                    Command::kOptimStepSum},
+        CommandCase{Zero1("Zero1UpdateGather", FaultPoint::kRefreshGathered),
+                    Command::kOptimStepUpdate},
+        CommandCase{Zero1("Zero1LoadGather", FaultPoint::kRefreshGathered),
+                    Command::kLoadCheckpoint},
+        // ZeRO-3 keeps no copies: the load has no collective after its
+        // agreement on what was read, so a copy failing on one rank used to
+        // leave the ranks disagreeing.
+        CommandCase{{"Zero3LoadCopy", Zero3Mesh(), FaultPoint::kLoadCopy, 2},
+                    Command::kLoadCheckpoint,
+                    absl::StatusCode::kInternal}),
+    [](const ::testing::TestParamInfo<CommandCase>& info) {
+      return std::string(info.param.recovery.name);
+    });
 
 }  // namespace
 }  // namespace tally
