@@ -22,12 +22,11 @@
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <map>
-#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "runtime/llama_config.h"
+#include "runtime/loss_batch.h"
 #include "runtime/token_loss.h"
 #include "runtime/types.h"
 
@@ -42,23 +41,6 @@ namespace tally {
 absl::Status ValidateSamples(const LlamaConfig& config,
                              const std::vector<Sample>& samples);
 
-// Samples right-padded into one [B, T] batch.
-struct PackedBatch {
-  std::vector<int> sample_index;  // row b holds samples[sample_index[b]]
-  std::vector<int64_t> lengths;   // real length of each row
-  torch::Tensor inputs;           // [B, T] int64, padding 0
-  torch::Tensor targets;          // [B, T] int64, -100 and padding -> 0
-  torch::Tensor has_target;       // [B, T] bool: a real target, not -100
-  torch::Tensor weights;          // [B, T] model dtype, 0 where not valid
-  torch::Tensor valid;            // [B, T] bool: has_target and weight != 0
-  // Sample::token_inputs by name, [B, T] model dtype, 0 at padding; each
-  // present when any of the rows' samples has it.
-  std::map<std::string, torch::Tensor> token_inputs;
-
-  // The same batch with its tensors on `device`.
-  PackedBatch To(const torch::Device& device) const;
-};
-
 // Groups the samples `indices` of `samples` into batches of
 // at most `max_batch_tokens` padded tokens (a longer sample gets a batch of
 // its own), longest first so each batch holds similar lengths. Returns the
@@ -67,10 +49,6 @@ struct PackedBatch {
 std::vector<std::vector<int>> PlanBatches(const std::vector<Sample>& samples,
                                           const std::vector<int>& indices,
                                           int64_t max_batch_tokens);
-
-// Pads samples[rows] into one batch.
-PackedBatch PackRows(const std::vector<Sample>& samples,
-                     const std::vector<int>& rows, torch::ScalarType dtype);
 
 // Assigns each sample to one of `num_ranks` data-parallel ranks, balancing
 // valid tokens (largest first, to the least loaded rank, ties to the lower

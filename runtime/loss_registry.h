@@ -1,5 +1,7 @@
-// The TokenLoss a LossSpec describes: the one place that knows every loss
-// class (a new loss is named here and in loss_spec.cc).
+// The TokenLoss a LossSpec describes: the torch side of the loss table
+// (loss_id.h), a factory per LossId in loss_registry.cc, which a
+// static_assert keeps total and in id order. A loss's name and settings are
+// its row in loss_spec.cc.
 //
 //   TALLY_ASSIGN_OR_RETURN(tally::LossSpec spec,
 //                          tally::ParseLossSpec("ppo", config));
@@ -16,7 +18,8 @@
 
 namespace tally {
 
-// INVALID_ARGUMENT when `spec` is not what ParseLossSpec returns.
+// INVALID_ARGUMENT when `spec`'s name and settings are not what
+// ParseLossSpec accepts (a hand-made spec is checked as a request's is).
 absl::StatusOr<std::shared_ptr<const TokenLoss>> MakeTokenLoss(
     const LossSpec& spec);
 

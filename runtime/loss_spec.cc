@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "runtime/loss_id.h"
 
 namespace tally {
 namespace {
@@ -19,6 +20,7 @@ struct Setting {
 };
 
 struct LossEntry {
+  LossId id;
   const char* name;
   std::vector<Setting> settings;
   // Range checks across the settings, once all are known.
@@ -46,17 +48,20 @@ absl::Status CheckBeta(const Settings& s) {
   return absl::OkStatus();
 }
 
+// The loss table: a row per LossId, in id order (LossSpecTest checks both).
 const std::vector<LossEntry>& Losses() {
   static const auto* const kLosses = new std::vector<LossEntry>{
-      {"cross_entropy", {}, &NoCheck},
-      {"importance_sampling", {}, &NoCheck},
-      {"ppo",
+      {LossId::kCrossEntropy, "cross_entropy", {}, &NoCheck},
+      {LossId::kImportanceSampling, "importance_sampling", {}, &NoCheck},
+      {LossId::kPpo,
+       "ppo",
        {{"clip_low_threshold", 0.8}, {"clip_high_threshold", 1.2}},
        &CheckClipRange},
-      {"cispo",
+      {LossId::kCispo,
+       "cispo",
        {{"clip_low_threshold", 0.8}, {"clip_high_threshold", 1.2}},
        &CheckClipRange},
-      {"dro", {{"beta", std::nullopt}}, &CheckBeta},
+      {LossId::kDro, "dro", {{"beta", std::nullopt}}, &CheckBeta},
   };
   return *kLosses;
 }
@@ -93,21 +98,38 @@ absl::StatusOr<Settings> ReadSettings(const LossEntry& loss,
   return settings;
 }
 
-}  // namespace
-
-absl::StatusOr<LossSpec> ParseLossSpec(absl::string_view name,
-                                       const Settings& config) {
+// The row of the loss named `name`.
+absl::StatusOr<const LossEntry*> FindLoss(absl::string_view name) {
   for (const LossEntry& loss : Losses()) {
-    if (name != loss.name) continue;
-    LossSpec spec;
-    spec.name = loss.name;
-    TALLY_ASSIGN_OR_RETURN(spec.settings, ReadSettings(loss, config));
-    TALLY_RETURN_IF_ERROR(loss.check(spec.settings));
-    return spec;
+    if (name == loss.name) return &loss;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("loss_fn: '", name, "' is not one of ",
                    absl::StrJoin(LossNames(), ", ")));
+}
+
+}  // namespace
+
+absl::StatusOr<LossSpec> ParseLossSpec(absl::string_view name,
+                                       const Settings& config) {
+  TALLY_ASSIGN_OR_RETURN(const LossEntry* loss, FindLoss(name));
+  LossSpec spec;
+  spec.name = loss->name;
+  TALLY_ASSIGN_OR_RETURN(spec.settings, ReadSettings(*loss, config));
+  TALLY_RETURN_IF_ERROR(loss->check(spec.settings));
+  return spec;
+}
+
+const char* LossName(LossId id) {
+  for (const LossEntry& loss : Losses()) {
+    if (loss.id == id) return loss.name;
+  }
+  return "";  // a LossId without a row, which LossSpecTest refuses
+}
+
+absl::StatusOr<LossId> LossIdOf(absl::string_view name) {
+  TALLY_ASSIGN_OR_RETURN(const LossEntry* loss, FindLoss(name));
+  return loss->id;
 }
 
 std::vector<std::string> LossNames() {

@@ -1,6 +1,6 @@
 #include "runtime/policy_losses.h"
 
-#include "runtime/loss.h"
+#include "runtime/loss_batch.h"
 
 namespace tally {
 

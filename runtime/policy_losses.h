@@ -14,7 +14,7 @@
 //   const tally::PpoLoss ppo(tally::ClipRange{0.8, 1.28});
 //   tally::LossTerms terms = tally::ComputeLoss(ppo, logprobs, batch,
 //   reduction);
-// A ForwardBackward names them by name (loss_registry.h).
+// A ForwardBackward names them by name (the loss table: loss_id.h).
 #ifndef TALLY_RUNTIME_POLICY_LOSSES_H_
 #define TALLY_RUNTIME_POLICY_LOSSES_H_
 
@@ -64,7 +64,9 @@ struct ClipRange {
 
 class ImportanceSamplingLoss final : public PolicyLoss {
  public:
-  std::string name() const override { return "importance_sampling"; }
+  std::string name() const override {
+    return LossName(LossId::kImportanceSampling);
+  }
 
  private:
   torch::Tensor Loss(const Terms& terms) const override;
@@ -73,7 +75,7 @@ class ImportanceSamplingLoss final : public PolicyLoss {
 class PpoLoss final : public PolicyLoss {
  public:
   explicit PpoLoss(ClipRange clip) : clip_(clip) {}
-  std::string name() const override { return "ppo"; }
+  std::string name() const override { return LossName(LossId::kPpo); }
   torch::Tensor Clipped(const torch::Tensor& ratio) const override;
 
  private:
@@ -84,7 +86,7 @@ class PpoLoss final : public PolicyLoss {
 class CispoLoss final : public PolicyLoss {
  public:
   explicit CispoLoss(ClipRange clip) : clip_(clip) {}
-  std::string name() const override { return "cispo"; }
+  std::string name() const override { return LossName(LossId::kCispo); }
   torch::Tensor Clipped(const torch::Tensor& ratio) const override;
 
  private:
@@ -96,7 +98,7 @@ class CispoLoss final : public PolicyLoss {
 class DroLoss final : public PolicyLoss {
  public:
   explicit DroLoss(double beta) : beta_(beta) {}
-  std::string name() const override { return "dro"; }
+  std::string name() const override { return LossName(LossId::kDro); }
 
  private:
   torch::Tensor Loss(const Terms& terms) const override;

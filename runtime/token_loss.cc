@@ -1,7 +1,6 @@
 #include "runtime/token_loss.h"
 
 #include "absl/strings/str_cat.h"
-#include "runtime/loss.h"
 
 namespace tally {
 

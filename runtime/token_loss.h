@@ -8,8 +8,11 @@
 // ComputeLoss (loss.h) masks it to the valid tokens and reduces it to the
 // raw, un-normalized sums the accumulation window normalizes once at
 // OptimStep, so every loss obeys the window rule in the same way, on every
-// mesh. A new loss is a new file with a TokenLoss subclass, named in
-// loss_registry.cc; policy_losses.h holds the RL ones.
+// mesh. A new loss is a new file with a TokenLoss subclass, registered by a
+// LossId (loss_id.h) and its row in loss_spec.cc (name, settings) and in
+// loss_registry.cc (its factory); policy_losses.h holds the RL ones. It reads a
+// PackedBatch (loss_batch.h); loss.h, which reduces its terms, depends on it,
+// not the other way round.
 //
 //   const tally::CrossEntropyLoss cross_entropy;
 //   tally::LossTerms terms =
@@ -24,17 +27,18 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "runtime/loss_batch.h"
+#include "runtime/loss_id.h"
 #include "runtime/loss_spec.h"
 #include "runtime/types.h"
 
 namespace tally {
 
-struct PackedBatch;
-
 class TokenLoss {
  public:
   virtual ~TokenLoss() = default;
-  // For messages and metrics, e.g. "cross_entropy".
+  // For messages and metrics, e.g. "cross_entropy"; a registered loss's is
+  // LossName of its LossId.
   virtual std::string name() const = 0;
   // The Sample::token_inputs it reads; every sample of a call must carry
   // each of them (ValidateLossInputs).
@@ -54,7 +58,7 @@ class TokenLoss {
 // down (REINFORCE, and any loss sent as its gradient w.r.t. logp).
 class CrossEntropyLoss final : public TokenLoss {
  public:
-  std::string name() const override { return "cross_entropy"; }
+  std::string name() const override { return LossName(LossId::kCrossEntropy); }
   torch::Tensor TokenLosses(const torch::Tensor& target_logprobs,
                             const PackedBatch& batch) const override;
 };

@@ -12,10 +12,15 @@
 namespace tally {
 namespace {
 
-absl::Status ExecuteCreateModel(Engine& engine,
-                                const v1::CreateModelRequest& request,
-                                v1::ModelInfo* response, const RankZeroData&) {
-  TALLY_ASSIGN_OR_RETURN(ModelSpec spec, ParseCreateModel(request));
+// The parse of a command whose execution reads its request alone.
+template <typename Request>
+absl::StatusOr<NoArgs> NothingToParse(const Request&) {
+  return NoArgs();
+}
+
+absl::Status ExecuteCreateModel(Engine& engine, const v1::CreateModelRequest&,
+                                const ModelSpec& spec, v1::ModelInfo* response,
+                                const RankZeroData&) {
   TALLY_ASSIGN_OR_RETURN(ModelSummary summary, engine.CreateModel(spec));
   ToProto(summary, response);
   return absl::OkStatus();
@@ -32,6 +37,7 @@ void RecordCreateModel(ServerMetrics& metrics, const Engine& engine,
 
 absl::Status ExecuteDeleteModel(Engine& engine,
                                 const v1::DeleteModelRequest& request,
+                                const NoArgs&,
                                 v1::DeleteModelResponse* response,
                                 const RankZeroData&) {
   TALLY_ASSIGN_OR_RETURN(ModelSummary summary,
@@ -51,10 +57,9 @@ void RecordDeleteModel(ServerMetrics& metrics, const Engine& engine,
 
 absl::Status ExecuteForwardBackward(Engine& engine,
                                     const v1::ForwardBackwardRequest& request,
+                                    const ForwardBackwardArgs& args,
                                     v1::ForwardBackwardResponse* response,
                                     const RankZeroData&) {
-  TALLY_ASSIGN_OR_RETURN(ForwardBackwardArgs args,
-                         ParseForwardBackward(request));
   TALLY_ASSIGN_OR_RETURN(ForwardBackwardResult result,
                          engine.ForwardBackward(request.model_id(), args));
   ToProto(result, response);
@@ -76,9 +81,9 @@ void RecordForwardBackward(ServerMetrics& metrics, const Engine&,
 
 absl::Status ExecuteOptimStep(Engine& engine,
                               const v1::OptimStepRequest& request,
+                              const OptimStepArgs& args,
                               v1::OptimStepResponse* response,
                               const RankZeroData&) {
-  TALLY_ASSIGN_OR_RETURN(OptimStepArgs args, ParseOptimStep(request));
   TALLY_ASSIGN_OR_RETURN(OptimStepResult result,
                          engine.OptimStep(request.model_id(), args));
   ToProto(result, response);
@@ -97,7 +102,7 @@ void RecordOptimStep(ServerMetrics& metrics, const Engine&,
 }
 
 absl::Status ExecuteAbortAccumulation(
-    Engine& engine, const v1::AbortAccumulationRequest& request,
+    Engine& engine, const v1::AbortAccumulationRequest& request, const NoArgs&,
     v1::AbortAccumulationResponse* response, const RankZeroData&) {
   TALLY_ASSIGN_OR_RETURN(WindowCounts discarded,
                          engine.AbortAccumulation(request.model_id()));
@@ -127,9 +132,9 @@ constexpr char kExportKind[] = "export";
 
 absl::Status ExecuteExportWeights(Engine& engine,
                                   const v1::ExportWeightsRequest& request,
+                                  const ExportOptions& options,
                                   v1::ExportWeightsResponse* response,
                                   const RankZeroData&) {
-  TALLY_ASSIGN_OR_RETURN(ExportOptions options, ParseExportWeights(request));
   TALLY_ASSIGN_OR_RETURN(
       ExportResult exported,
       engine.ExportWeights(request.model_id(), request.path(), options));
@@ -149,7 +154,7 @@ void RecordLoadCheckpoint(ServerMetrics& metrics, const Engine&,
 
 absl::Status ExecutePoisonWindow(
     Engine& engine, const v1::internal::PoisonWindowCommand& request,
-    bool* poisoned, const RankZeroData&) {
+    const NoArgs&, bool* poisoned, const RankZeroData&) {
   TALLY_ASSIGN_OR_RETURN(
       *poisoned, engine.PoisonWindow(request.model_id(), request.reason()));
   return absl::OkStatus();
@@ -164,31 +169,38 @@ void RecordPoisonWindow(ServerMetrics& metrics, const Engine&,
 
 }  // namespace
 
-constexpr CommandSpec<v1::CreateModelRequest, v1::ModelInfo>
-    kCreateModelCommand = {Command::kCreateModel, &ExecuteCreateModel,
-                           &RecordCreateModel, /*observe_seconds=*/nullptr};
-constexpr CommandSpec<v1::DeleteModelRequest, v1::DeleteModelResponse>
-    kDeleteModelCommand = {Command::kDeleteModel, &ExecuteDeleteModel,
-                           &RecordDeleteModel, /*observe_seconds=*/nullptr};
-constexpr CommandSpec<v1::ForwardBackwardRequest, v1::ForwardBackwardResponse>
-    kForwardBackwardCommand = {Command::kForwardBackward,
+constexpr CommandSpec<v1::CreateModelRequest, ModelSpec, v1::ModelInfo>
+    kCreateModelCommand = {Command::kCreateModel, &ParseCreateModel,
+                           &ExecuteCreateModel, &RecordCreateModel,
+                           /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::DeleteModelRequest, NoArgs, v1::DeleteModelResponse>
+    kDeleteModelCommand = {Command::kDeleteModel,
+                           &NothingToParse<v1::DeleteModelRequest>,
+                           &ExecuteDeleteModel, &RecordDeleteModel,
+                           /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::ForwardBackwardRequest, ForwardBackwardArgs,
+                      v1::ForwardBackwardResponse>
+    kForwardBackwardCommand = {Command::kForwardBackward, &ParseForwardBackward,
                                &ExecuteForwardBackward, &RecordForwardBackward,
                                &ServerMetrics::ObserveForwardBackwardSeconds};
-constexpr CommandSpec<v1::OptimStepRequest, v1::OptimStepResponse>
-    kOptimStepCommand = {Command::kOptimStep, &ExecuteOptimStep,
-                         &RecordOptimStep,
+constexpr CommandSpec<v1::OptimStepRequest, OptimStepArgs,
+                      v1::OptimStepResponse>
+    kOptimStepCommand = {Command::kOptimStep, &ParseOptimStep,
+                         &ExecuteOptimStep, &RecordOptimStep,
                          &ServerMetrics::ObserveOptimStepSeconds};
-constexpr CommandSpec<v1::AbortAccumulationRequest,
+constexpr CommandSpec<v1::AbortAccumulationRequest, NoArgs,
                       v1::AbortAccumulationResponse>
     kAbortAccumulationCommand = {Command::kAbortAccumulation,
+                                 &NothingToParse<v1::AbortAccumulationRequest>,
                                  &ExecuteAbortAccumulation,
                                  &RecordAbortAccumulation,
                                  /*observe_seconds=*/nullptr};
-constexpr CommandSpec<v1::SaveCheckpointRequest, v1::SaveCheckpointResponse>
+constexpr CommandSpec<v1::SaveCheckpointRequest, NoArgs,
+                      v1::SaveCheckpointResponse>
     kSaveCheckpointCommand = {
-        Command::kSaveCheckpoint,
+        Command::kSaveCheckpoint, &NothingToParse<v1::SaveCheckpointRequest>,
         [](Engine& engine, const v1::SaveCheckpointRequest& request,
-           v1::SaveCheckpointResponse* response,
+           const NoArgs&, v1::SaveCheckpointResponse* response,
            const RankZeroData& rank_zero) {
           return ExecuteSaveCheckpoint(engine, request, response,
                                        rank_zero.server_state);
@@ -196,24 +208,29 @@ constexpr CommandSpec<v1::SaveCheckpointRequest, v1::SaveCheckpointResponse>
         &RecordWrite<kSaveKind, v1::SaveCheckpointRequest,
                      v1::SaveCheckpointResponse>,
         /*observe_seconds=*/nullptr};
-constexpr CommandSpec<v1::LoadCheckpointRequest, v1::LoadCheckpointResponse>
+constexpr CommandSpec<v1::LoadCheckpointRequest, NoArgs,
+                      v1::LoadCheckpointResponse>
     kLoadCheckpointCommand = {
-        Command::kLoadCheckpoint,
+        Command::kLoadCheckpoint, &NothingToParse<v1::LoadCheckpointRequest>,
         [](Engine& engine, const v1::LoadCheckpointRequest& request,
-           v1::LoadCheckpointResponse* response,
+           const NoArgs&, v1::LoadCheckpointResponse* response,
            const RankZeroData& rank_zero) {
           return ExecuteLoadCheckpoint(engine, request, response,
                                        rank_zero.loaded);
         },
         &RecordLoadCheckpoint, /*observe_seconds=*/nullptr};
-constexpr CommandSpec<v1::ExportWeightsRequest, v1::ExportWeightsResponse>
-    kExportWeightsCommand = {Command::kExportWeights, &ExecuteExportWeights,
+constexpr CommandSpec<v1::ExportWeightsRequest, ExportOptions,
+                      v1::ExportWeightsResponse>
+    kExportWeightsCommand = {Command::kExportWeights, &ParseExportWeights,
+                             &ExecuteExportWeights,
                              &RecordWrite<kExportKind, v1::ExportWeightsRequest,
                                           v1::ExportWeightsResponse>,
                              /*observe_seconds=*/nullptr};
-constexpr CommandSpec<v1::internal::PoisonWindowCommand, bool>
-    kPoisonWindowCommand = {Command::kPoisonWindow, &ExecutePoisonWindow,
-                            &RecordPoisonWindow, /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::internal::PoisonWindowCommand, NoArgs, bool>
+    kPoisonWindowCommand = {Command::kPoisonWindow,
+                            &NothingToParse<v1::internal::PoisonWindowCommand>,
+                            &ExecutePoisonWindow, &RecordPoisonWindow,
+                            /*observe_seconds=*/nullptr};
 
 absl::Status ExecuteSaveCheckpoint(Engine& engine,
                                    const v1::SaveCheckpointRequest& request,
@@ -287,7 +304,8 @@ namespace {
 // The command table as ranks > 0 read it: every entry behind one signature.
 struct ReplicaEntry {
   Command command;
-  // Parses `payload` as the entry's request and executes it on this rank;
+  // Parses `payload` as the entry's request, and that into its arguments,
+  // and executes it on this rank;
   // `model_id` gets the request's.
   absl::Status (*run)(Engine& engine, const std::string& payload,
                       std::string* model_id);
@@ -307,8 +325,10 @@ absl::Status RunReplica(Engine& engine, const std::string& payload,
   typename Spec::Response response{};
   bool threw = true;
   absl::Status status = CatchTorch("a replicated command", [&] {
-    absl::Status executed =
-        kSpec.execute(engine, request, &response, RankZeroData());
+    const absl::StatusOr<typename Spec::Args> args = kSpec.parse(request);
+    absl::Status executed = args.ok() ? kSpec.execute(engine, request, *args,
+                                                      &response, RankZeroData())
+                                      : args.status();
     threw = false;
     return executed;
   });

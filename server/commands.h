@@ -2,19 +2,22 @@
 // and how rank 0 hands each one to the other ranks.
 //
 // Each command is one CommandSpec: the request that travels to every rank,
-// the response it fills, how it executes on the engine and what it records
-// in the metrics. Rank 0 runs a command through a CommandRunner, which
-// broadcasts the request over the control group, executes it and records it;
-// ranks > 0 run CommandLoop, which receives the same requests in the same
-// order and executes them through the same specs, so every rank takes part in
-// the same collectives. Read-only requests (GetModel, ListModels) stay on
-// rank 0. A new command is a Command value and its spec (declared here,
-// defined and listed in the table in commands.cc).
+// how a rank parses it into the engine's arguments (once: rank 0 before
+// admission, ranks > 0 on receipt), the response it fills, how it executes
+// on the engine and what it records in the metrics. Rank 0 runs a command
+// through a CommandRunner, which broadcasts the request over the control group,
+// executes it and records it; ranks > 0 run CommandLoop, which receives the
+// same requests in the same order and executes them through the same specs, so
+// every rank takes part in the same collectives. Read-only requests (GetModel,
+// ListModels) stay on rank 0. A new command is a Command value and its spec
+// (declared here, defined and listed in the table in commands.cc).
 //
 //   // rank 0, on the executor thread:
 //   tally::CommandRunner commands(engine->control(), *engine, metrics);
+//   TALLY_ASSIGN_OR_RETURN(tally::OptimStepArgs args,
+//                          tally::kOptimStepCommand.parse(request));
 //   TALLY_RETURN_IF_ERROR(
-//       commands.Run(tally::kOptimStepCommand, request, &response));
+//       commands.Run(tally::kOptimStepCommand, request, args, &response));
 //   // ranks > 0:
 //   return tally::CommandLoop(*engine, engine->control(), metrics.get());
 #ifndef TALLY_SERVER_COMMANDS_H_
@@ -26,6 +29,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -64,18 +68,29 @@ struct RankZeroData {
   LoadResult* loaded = nullptr;
 };
 
-// An entry of the command table: a command's request and response, and
-// what a rank does with a run of it.
-template <typename RequestT, typename ResponseT>
+// The arguments of a command that needs nothing from its request beyond
+// the proto itself.
+struct NoArgs {};
+
+// An entry of the command table: a command's request, the engine arguments
+// parsed from it, its response, and what a rank does with a run of it.
+template <typename RequestT, typename ArgsT, typename ResponseT>
 struct CommandSpec {
   using Request = RequestT;
+  using Args = ArgsT;
   using Response = ResponseT;
 
   Command command;
-  // Executes `request` on this rank's engine, filling `response` on success.
-  // The request has passed the proto-level validation of convert.h.
+  // The engine arguments of `request` (convert.h): INVALID_ARGUMENT naming
+  // the field. Each rank parses a request once: rank 0 before admission (the
+  // front end passes the result to CommandRunner::Run), ranks > 0 when it
+  // arrives.
+  absl::StatusOr<Args> (*parse)(const Request& request);
+  // Executes `request`, whose arguments are `args`, on this rank's engine,
+  // filling `response` on success.
   absl::Status (*execute)(Engine& engine, const Request& request,
-                          Response* response, const RankZeroData& rank_zero);
+                          const Args& args, Response* response,
+                          const RankZeroData& rank_zero);
   // Rank 0: records a run that ended in `status` after `seconds` (the
   // broadcast included); `response` is filled only when `status` is OK.
   void (*record)(ServerMetrics& metrics, const Engine& engine,
@@ -89,33 +104,38 @@ struct CommandSpec {
 
 // The command table: an entry per Command but kShutdown. Responses are the
 // client's, except where noted.
-extern const CommandSpec<v1::CreateModelRequest, v1::ModelInfo>
+extern const CommandSpec<v1::CreateModelRequest, ModelSpec, v1::ModelInfo>
     kCreateModelCommand;
-extern const CommandSpec<v1::DeleteModelRequest, v1::DeleteModelResponse>
+extern const CommandSpec<v1::DeleteModelRequest, NoArgs,
+                         v1::DeleteModelResponse>
     kDeleteModelCommand;
 // Counts the window poisoned when the call's failure poisoned it.
-extern const CommandSpec<v1::ForwardBackwardRequest,
+extern const CommandSpec<v1::ForwardBackwardRequest, ForwardBackwardArgs,
                          v1::ForwardBackwardResponse>
     kForwardBackwardCommand;
 // Counts the window poisoned when the step's failure poisoned it.
-extern const CommandSpec<v1::OptimStepRequest, v1::OptimStepResponse>
+extern const CommandSpec<v1::OptimStepRequest, OptimStepArgs,
+                         v1::OptimStepResponse>
     kOptimStepCommand;
-extern const CommandSpec<v1::AbortAccumulationRequest,
+extern const CommandSpec<v1::AbortAccumulationRequest, NoArgs,
                          v1::AbortAccumulationResponse>
     kAbortAccumulationCommand;
 // Stores RankZeroData::server_state with the checkpoint.
-extern const CommandSpec<v1::SaveCheckpointRequest, v1::SaveCheckpointResponse>
+extern const CommandSpec<v1::SaveCheckpointRequest, NoArgs,
+                         v1::SaveCheckpointResponse>
     kSaveCheckpointCommand;
 // Fills RankZeroData::loaded.
-extern const CommandSpec<v1::LoadCheckpointRequest, v1::LoadCheckpointResponse>
+extern const CommandSpec<v1::LoadCheckpointRequest, NoArgs,
+                         v1::LoadCheckpointResponse>
     kLoadCheckpointCommand;
 // Weights only: does not close the window (Engine::ExportWeights).
-extern const CommandSpec<v1::ExportWeightsRequest, v1::ExportWeightsResponse>
+extern const CommandSpec<v1::ExportWeightsRequest, ExportOptions,
+                         v1::ExportWeightsResponse>
     kExportWeightsCommand;
 // Poisons the window of request.model_id for request.reason (quoted by the
 // OptimStep it fails). The response says whether this run poisoned it (false:
 // it already was); rank 0 counts the window poisoned when it did.
-extern const CommandSpec<v1::internal::PoisonWindowCommand, bool>
+extern const CommandSpec<v1::internal::PoisonWindowCommand, NoArgs, bool>
     kPoisonWindowCommand;
 
 // SaveCheckpoint and LoadCheckpoint on this engine alone: what their table
@@ -144,25 +164,47 @@ class CommandRunner {
   CommandRunner(Communicator& control, Engine& engine, ServerMetrics* metrics)
       : control_(control), engine_(engine), metrics_(metrics) {}
 
-  // Broadcasts `request` to the other ranks, executes it here and records
+  // Broadcasts `request` to the other ranks, executes it here with `args`
+  // (the entry's parse of `request`, done once by the caller) and records
   // the run.
-  template <typename Request, typename Response>
-  absl::Status Run(const CommandSpec<Request, Response>& command,
-                   const Request& request, Response* response,
+  template <typename Request, typename Args, typename Response>
+  absl::Status Run(const CommandSpec<Request, Args, Response>& command,
+                   const Request& request, const Args& args, Response* response,
                    const RankZeroData& rank_zero = {}) const {
     const absl::Time start = absl::Now();
     absl::Status status = ReplicateCommand(control_, command.command, request);
     if (status.ok()) {
-      status = command.execute(engine_, request, response, rank_zero);
+      status = command.execute(engine_, request, args, response, rank_zero);
     }
-    if (metrics_ != nullptr) {
-      command.record(*metrics_, engine_, request, *response, status,
-                     absl::ToDoubleSeconds(absl::Now() - start));
-    }
+    Record(command, request, *response, status, start);
     return status;
   }
 
+  // The same for a request nobody parsed yet: parses it first (a request it
+  // refuses is recorded as a failed run and reaches no rank).
+  template <typename Request, typename Args, typename Response>
+  absl::Status Run(const CommandSpec<Request, Args, Response>& command,
+                   const Request& request, Response* response,
+                   const RankZeroData& rank_zero = {}) const {
+    const absl::Time start = absl::Now();
+    const absl::StatusOr<Args> args = command.parse(request);
+    if (!args.ok()) {
+      Record(command, request, *response, args.status(), start);
+      return args.status();
+    }
+    return Run(command, request, *args, response, rank_zero);
+  }
+
  private:
+  template <typename Request, typename Args, typename Response>
+  void Record(const CommandSpec<Request, Args, Response>& command,
+              const Request& request, const Response& response,
+              const absl::Status& status, absl::Time start) const {
+    if (metrics_ == nullptr) return;
+    command.record(*metrics_, engine_, request, response, status,
+                   absl::ToDoubleSeconds(absl::Now() - start));
+  }
+
   Communicator& control_;
   Engine& engine_;
   ServerMetrics* metrics_;

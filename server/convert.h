@@ -10,7 +10,8 @@
 // other ranks. The model id is
 // checked separately with ValidateModelId, on the id the client sent: the
 // server may scope it to a tenant ("<tenant>/<id>", an engine id) before the
-// command is parsed again for execution. Checks that need the model (token
+// command runs. The front end parses a request once, before admission, and
+// the command runs on what it parsed (commands.h). Checks that need the model (token
 // ranges, lengths) are the engine's, also done before any state changes.
 //
 //   TALLY_ASSIGN_OR_RETURN(tally::OptimStepArgs args,

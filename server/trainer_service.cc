@@ -312,6 +312,15 @@ std::string BaseLedgerId(const std::string& base_key) {
   return absl::StrCat("lora base ", base_key);
 }
 
+// `spec`, parsed from a client's CreateModelRequest, for `server_form`, the
+// request as the server rewrote it: the engine id and the confined paths,
+// which ParseCreateModel copies as they are.
+void UseServerForm(const v1::CreateModelRequest& server_form, ModelSpec& spec) {
+  spec.model_id = server_form.model_id();
+  spec.init_checkpoint = server_form.init_checkpoint();
+  spec.lora.init_adapter = server_form.lora().init_adapter();
+}
+
 }  // namespace
 
 void TrainerService::ChargeModel(const ModelSummary& model) {
@@ -340,18 +349,15 @@ void TrainerService::AdmitExistingModels() {
 }
 
 TrainerService::CreatedBytes TrainerService::CreatedModelBytes(
-    const v1::CreateModelRequest& request) const {
-  absl::StatusOr<ModelSpec> spec = ParseCreateModel(request);
-  if (!spec.ok()) return {};
+    const ModelSpec& spec) const {
   // An adapter is built on the base in memory under its key when there is
   // one, whatever the directory's config.json says by now.
-  std::optional<LlamaConfig> config =
-      engine_->BaseConfig(CurrentBaseKey(*spec));
-  const bool new_base = spec->lora.enabled() && !config.has_value();
-  if (!config.has_value()) config = spec->config;
-  if (config->vocab_size == 0 && !spec->init_checkpoint.empty()) {
+  std::optional<LlamaConfig> config = engine_->BaseConfig(CurrentBaseKey(spec));
+  const bool new_base = spec.lora.enabled() && !config.has_value();
+  if (!config.has_value()) config = spec.config;
+  if (config->vocab_size == 0 && !spec.init_checkpoint.empty()) {
     absl::StatusOr<LlamaConfig> read =
-        ReadHfConfig(spec->init_checkpoint + "/config.json");
+        ReadHfConfig(spec.init_checkpoint + "/config.json");
     if (!read.ok()) return {};
     config = *read;
   }
@@ -359,15 +365,15 @@ TrainerService::CreatedBytes TrainerService::CreatedModelBytes(
   const int dp_shard = engine_->mesh().shape().dp_shard;
   const ZeroStage zero = engine_->zero_stage();
   CreatedBytes bytes;
-  if (!spec->lora.enabled()) {
-    bytes.model = ModelResidentBytes(*config, spec->dtype, spec->optimizer,
-                                     dp_shard, zero);
+  if (!spec.lora.enabled()) {
+    bytes.model =
+        ModelResidentBytes(*config, spec.dtype, spec.optimizer, dp_shard, zero);
     return bytes;
   }
-  bytes.model = AdapterResidentBytes(*config, spec->lora, spec->dtype,
-                                     spec->optimizer, dp_shard, zero);
+  bytes.model = AdapterResidentBytes(*config, spec.lora, spec.dtype,
+                                     spec.optimizer, dp_shard, zero);
   if (new_base) {
-    bytes.new_base = BaseResidentBytes(*config, spec->dtype, dp_shard);
+    bytes.new_base = BaseResidentBytes(*config, spec.dtype, dp_shard);
   }
   return bytes;
 }
@@ -510,10 +516,13 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
     grpc::CallbackServerContext* context, const v1::CreateModelRequest* request,
     v1::ModelInfo* response) {
   auto server_form = std::make_shared<v1::CreateModelRequest>(*request);
+  // Parsed once, here; the command runs on this spec.
+  auto spec = std::make_shared<absl::StatusOr<ModelSpec>>(
+      kCreateModelCommand.parse(*request));
   absl::Status validation = FirstError(
       request->model_id().empty() ? absl::OkStatus()
                                   : ValidateModelId(request->model_id()),
-      ParseCreateModel(*request).status());
+      spec->status());
   if (validation.ok() && !request->init_checkpoint().empty()) {
     validation = ConfinePath(*context, server_form->mutable_init_checkpoint());
   }
@@ -523,15 +532,16 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
   }
   return Execute(
       {"CreateModel", context, server_form->mutable_model_id()}, validation,
-      [this, server_form, response]() -> absl::Status {
+      [this, server_form, spec, response]() -> absl::Status {
         const v1::CreateModelRequest& request = *server_form;
+        UseServerForm(request, **spec);
         // Before anything is allocated, on any rank.
-        const CreatedBytes bytes = CreatedModelBytes(request);
+        const CreatedBytes bytes = CreatedModelBytes(**spec);
         const std::string tenant = TenantOf(request.model_id());
         TALLY_RETURN_IF_ERROR(
             admission_.CheckModel(tenant, bytes.model + bytes.new_base));
         TALLY_RETURN_IF_ERROR(
-            commands_.Run(kCreateModelCommand, request, response));
+            commands_.Run(kCreateModelCommand, request, **spec, response));
         const std::string engine_id = CreatedModelId(request, *response);
         // Charged as built (its config, its base), which the estimate
         // predicted unless the directory was published over in between.
@@ -653,15 +663,18 @@ grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
     const v1::ForwardBackwardRequest* request,
     v1::ForwardBackwardResponse* response) {
   auto server_form = std::make_shared<v1::ForwardBackwardRequest>(*request);
+  // Parsed once, here; the command runs on these arguments.
+  auto args = std::make_shared<absl::StatusOr<ForwardBackwardArgs>>(
+      kForwardBackwardCommand.parse(*request));
   return Execute({"ForwardBackward", context, server_form->mutable_model_id(),
                   request->seq_id(), server_form.get(), response},
                  FirstError(FirstError(ValidateModelId(request->model_id()),
-                                       ParseForwardBackward(*request).status()),
+                                       args->status()),
                             CheckTokensPerCall(*request)),
-                 [this, server_form, response]() -> absl::Status {
+                 [this, server_form, args, response]() -> absl::Status {
                    TALLY_RETURN_IF_ERROR(CheckCallFits(*server_form));
                    return commands_.Run(kForwardBackwardCommand, *server_form,
-                                        response);
+                                        **args, response);
                  });
 }
 
@@ -669,20 +682,22 @@ grpc::ServerUnaryReactor* TrainerService::OptimStep(
     grpc::CallbackServerContext* context, const v1::OptimStepRequest* request,
     v1::OptimStepResponse* response) {
   auto server_form = std::make_shared<v1::OptimStepRequest>(*request);
-  return Execute({"OptimStep", context, server_form->mutable_model_id(),
-                  request->seq_id(), server_form.get(), response,
-                  /*closes_window=*/true},
-                 FirstError(ValidateModelId(request->model_id()),
-                            ParseOptimStep(*request).status()),
-                 [this, server_form, response]() -> absl::Status {
-                   TALLY_RETURN_IF_ERROR(commands_.Run(kOptimStepCommand,
-                                                       *server_form, response));
-                   if (options_.checkpointer != nullptr) {
-                     options_.checkpointer->AfterOptimStep(
-                         server_form->model_id(), *response);
-                   }
-                   return absl::OkStatus();
-                 });
+  auto args = std::make_shared<absl::StatusOr<OptimStepArgs>>(
+      kOptimStepCommand.parse(*request));
+  return Execute(
+      {"OptimStep", context, server_form->mutable_model_id(), request->seq_id(),
+       server_form.get(), response,
+       /*closes_window=*/true},
+      FirstError(ValidateModelId(request->model_id()), args->status()),
+      [this, server_form, args, response]() -> absl::Status {
+        TALLY_RETURN_IF_ERROR(
+            commands_.Run(kOptimStepCommand, *server_form, **args, response));
+        if (options_.checkpointer != nullptr) {
+          options_.checkpointer->AfterOptimStep(server_form->model_id(),
+                                                *response);
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::AbortAccumulation(
@@ -773,14 +788,16 @@ grpc::ServerUnaryReactor* TrainerService::ExportWeights(
     const v1::ExportWeightsRequest* request,
     v1::ExportWeightsResponse* response) {
   auto server_form = std::make_shared<v1::ExportWeightsRequest>(*request);
-  const absl::Status validation = ValidateModelAndPath(
-      *context, request->model_id(), ParseExportWeights(*request).status(),
-      server_form->mutable_path());
+  auto options = std::make_shared<absl::StatusOr<ExportOptions>>(
+      kExportWeightsCommand.parse(*request));
+  const absl::Status validation =
+      ValidateModelAndPath(*context, request->model_id(), options->status(),
+                           server_form->mutable_path());
   return Execute({"ExportWeights", context, server_form->mutable_model_id(),
                   request->seq_id(), server_form.get(), response},
-                 validation, [this, server_form, response] {
+                 validation, [this, server_form, options, response] {
                    return commands_.Run(kExportWeightsCommand, *server_form,
-                                        response);
+                                        **options, response);
                  });
 }
 

@@ -205,7 +205,7 @@ class TrainerService final : public v1::Trainer::CallbackService {
     double model = 0;
     double new_base = 0;
   };
-  CreatedBytes CreatedModelBytes(const v1::CreateModelRequest& request) const;
+  CreatedBytes CreatedModelBytes(const ModelSpec& spec) const;
   // Charges `model` as the engine holds it to the ledger: its resident
   // bytes, and a LoRA model's base under BaseLedgerId(base key), one entry
   // for all the adapters sharing it.

@@ -31,6 +31,7 @@ test builds them as float32 values, so nothing is lost in transit.
 import collections
 import math
 import os
+import typing
 import unittest
 
 import grpc
@@ -38,6 +39,8 @@ import numpy as np
 import torch
 
 from hf_reference import IGNORE, ReferenceLlama, window_loss
+from tally_client import client as tally_client_module
+from tally_client.tinker import types as tinker_types
 from tally_testing import TINY_LLAMA, ServerTestCase, pb, read_json, read_safetensors
 from test_llama_reference import assert_close, relative_max_diff
 
@@ -469,6 +472,23 @@ class RLLossReferenceTest(ServerTestCase):
             for side in (low_side, high_side):
                 self.assertTrue((side & (advantages > 0)).any(), what)
                 self.assertTrue((side & (advantages < 0)).any(), what)
+
+    # 0 ---------------------------------------------------------------------
+
+    def test_the_clients_loss_names_are_the_servers(self):
+        """The loss names the Python client, its Tinker layer and this test
+        know are the server's (ServerInfo.losses, its loss table), in the
+        order of the LossFn enum they map to."""
+        self.start_server()
+        served = list(self.stub.GetServerInfo(pb.GetServerInfoRequest()).losses)
+        self.assertEqual(served[0], "cross_entropy")
+        # pylint: disable-next=protected-access
+        self.assertEqual(list(tally_client_module._LOSS_FNS), served)
+        self.assertEqual([pb.LossFn.Name(v).lower()[len("loss_fn_"):]
+                          for v in tally_client_module._LOSS_FNS.values()],
+                         served)
+        self.assertEqual(list(typing.get_args(tinker_types.LossFnType)), served)
+        self.assertEqual(list(LOSS_NAMES.values()), served)
 
     # 1 ---------------------------------------------------------------------
 

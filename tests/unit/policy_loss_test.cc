@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/engine.h"
 #include "runtime/loss.h"
+#include "runtime/loss_id.h"
 #include "runtime/loss_registry.h"
 #include "runtime/loss_report.h"
 #include "runtime/policy_losses.h"
@@ -379,6 +380,27 @@ TEST(LossSpecTest, FillsDefaultsAndRefusesWhatNoLossReads) {
       EXPECT_THAT(spec.status().message(), HasSubstr(part));
     }
   }
+}
+
+// The loss table: a row per LossId in id order, each name found again, and
+// each id's factory builds the class of that name.
+TEST(LossSpecTest, TheTableHasEveryLossOnceInIdOrder) {
+  const std::vector<std::string> names = LossNames();
+  ASSERT_EQ(names.size(), static_cast<size_t>(kNumLosses));
+  for (int i = 0; i < kNumLosses; ++i) {
+    const LossId id = static_cast<LossId>(i);
+    SCOPED_TRACE(names[i]);
+    EXPECT_EQ(LossName(id), names[i]);
+    EXPECT_EQ(LossIdOf(names[i]).value(), id);
+    const LossSpec spec =
+        ParseLossSpec(names[i], id == LossId::kDro
+                                    ? std::map<std::string, double>{{"beta", 1}}
+                                    : std::map<std::string, double>{})
+            .value();
+    EXPECT_EQ(MakeTokenLoss(spec).value()->name(), names[i]);
+  }
+  EXPECT_EQ(LossIdOf("reinforce").status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // The window rule on one rank: a window of samples split into one call or
