@@ -4,7 +4,7 @@
 A file pair x.h + x.cc is one node "x"; x depends on y when x.h or x.cc
 includes y.h (by its path from the source root, or relative to the including
 file). Every elementary cycle of that graph is printed, and the exit status is
-1 when there is one outside ALLOWED_CYCLES, 0 otherwise (2: bad arguments).
+1 when there is one, 0 otherwise (2: bad arguments).
 
   scripts/check_include_cycles.py                 # the tree this script is in
   scripts/check_include_cycles.py --root DIR --dirs base runtime
@@ -17,13 +17,6 @@ import sys
 
 DEFAULT_DIRS = ("base", "runtime", "server", "client", "kernels")
 SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh")
-
-# Known circles tolerated until their fix lands, each the set of its nodes.
-ALLOWED_CYCLES = (
-    # loss.h <-> token_loss.cc: issue 30, being removed by the "losses"
-    # change; delete this entry with it.
-    frozenset({"runtime/loss", "runtime/token_loss"}),
-)
 
 # Cycles printed per strongly connected component before the rest is counted.
 MAX_CYCLES_SHOWN = 50
@@ -162,14 +155,10 @@ def main(argv):
                          f"{args.root}")
 
     cycles, truncated = find_cycles(include_graph(args.root, args.dirs))
-    failed = False
+    failed = bool(cycles or truncated)
     for cycle in cycles:
-        allowed = frozenset(cycle) in ALLOWED_CYCLES
-        failed |= not allowed
-        label = "allowed include cycle" if allowed else "include cycle"
-        print(f"{label}: {' -> '.join(cycle + cycle[:1])}")
+        print(f"include cycle: {' -> '.join(cycle + cycle[:1])}")
     for component in truncated:
-        failed = True
         print(f"more than {MAX_CYCLES_SHOWN} cycles among: "
               f"{', '.join(component)}")
     if failed:

@@ -91,23 +91,6 @@ class CheckIncludeCyclesTest(unittest.TestCase):
         self.write("other/b.h", "lib/a.h")
         self.assertEqual(self.check("lib"), (0, []))
 
-    def test_allowed_cycle_is_reported_but_passes(self):
-        allowed = frozenset({"lib/a", "lib/b"})
-        self.write("lib/a.h", "lib/b.h")
-        self.write("lib/b.h")
-        self.write("lib/b.cc", "lib/b.h", "lib/a.h")
-        original = check_include_cycles.ALLOWED_CYCLES
-        check_include_cycles.ALLOWED_CYCLES = (allowed,)
-        self.addCleanup(setattr, check_include_cycles, "ALLOWED_CYCLES",
-                        original)
-        self.assertEqual(self.check("lib"),
-                         (0, ["allowed include cycle: lib/a -> lib/b -> lib/a"]))
-        # Another cycle beside it still fails.
-        self.write("lib/c.h", "lib/d.h")
-        self.write("lib/d.h", "lib/c.h")
-        status, lines = self.check("lib")
-        self.assertEqual(status, 1)
-        self.assertIn("include cycle: lib/c -> lib/d -> lib/c", lines)
 
     def test_missing_directory_is_a_usage_error(self):
         with contextlib.redirect_stderr(io.StringIO()) as err:
