@@ -3,7 +3,7 @@
 // A gRPC status code says what kind of failure it was; several causes share a
 // code (RESOURCE_EXHAUSTED is a full queue, which a retry fixes, or a message
 // that will never fit, which it does not). Library code marks a status with
-// its ErrorReason; the gRPC boundary (base/grpc_status.h) sends it as a
+// its ErrorReason; the gRPC boundary (proto/grpc_status.h) sends it as a
 // google.rpc.ErrorInfo, plus a google.rpc.RetryInfo where a retry of the same
 // request can succeed, and clients decide from the reason whether to retry.
 //

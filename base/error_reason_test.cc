@@ -9,10 +9,10 @@
 #include <string>
 #include <utility>
 
-#include "base/grpc_status.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "gtest/gtest.h"
+#include "proto/grpc_status.h"
 
 namespace tally {
 namespace {

@@ -42,19 +42,23 @@ absl::StatusOr<std::string> ReadFileUpTo(const std::string& path,
   // A file growing while it is read: at most one byte past the limit.
   const uint64_t cap =
       std::min<uint64_t>(max_bytes, std::numeric_limits<size_t>::max() - 1);
+  // Read straight into the string: the buffer is on the heap, so this is
+  // safe on a thread with a small stack (an HTTP server's, a scrape's).
   std::string text;
   text.reserve(std::min<uint64_t>(stated, cap));
-  char buffer[1 << 16];
+  constexpr size_t kChunk = size_t{1} << 16;
   while (text.size() <= cap) {
-    const size_t want =
-        std::min<uint64_t>(sizeof(buffer), cap + 1 - text.size());
-    const ssize_t n = ::read(fd.get(), buffer, want);
+    const size_t have = text.size();
+    const size_t want = std::min<uint64_t>(kChunk, cap + 1 - have);
+    text.resize(have + want);
+    const ssize_t n = ::read(fd.get(), text.data() + have, want);
+    const int error = errno;
+    text.resize(have + static_cast<size_t>(std::max<ssize_t>(n, 0)));
     if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::ErrnoToStatus(errno, absl::StrCat("read ", path));
+      if (error == EINTR) continue;
+      return absl::ErrnoToStatus(error, absl::StrCat("read ", path));
     }
     if (n == 0) return text;
-    text.append(buffer, static_cast<size_t>(n));
   }
   return refuse(cap, /*exact=*/false);
 }

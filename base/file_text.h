@@ -1,8 +1,10 @@
-// Whole-file readers, with errors that name the file. ReadFileUpTo bounds
-// what it reads, for files a client can point the server at (JSON configs
-// through base/json_reader.h, tokenizer files a weights export copies);
+// The one whole-file reader, with errors that name the file. ReadFileUpTo
+// bounds what it reads, for files a client can point the server at (JSON
+// configs through base/json_reader.h, tokenizer files a weights export
+// copies) and the kernel's files (/proc, cgroup limits: kMaxSystemFileBytes);
 // ReadFileText is for the small files flags point at (PEM certificates and
-// keys, token files).
+// keys, token files). Both keep their buffer on the heap, so they are safe on
+// any thread, however small its stack (civetweb's, which runs a scrape).
 //
 //   TALLY_ASSIGN_OR_RETURN(std::string pem,
 //                          tally::ReadFileText(path, "--ca-cert"));
@@ -19,6 +21,10 @@
 #include "absl/strings/string_view.h"
 
 namespace tally {
+
+// A bound for the kernel's text files (/proc/self/stat, /proc/meminfo,
+// cgroup limits): a few KB, /proc/stat ~100 KB on a machine of 1000 CPUs.
+inline constexpr uint64_t kMaxSystemFileBytes = uint64_t{4} << 20;
 
 // The whole file at `path` when it holds at most `max_bytes`. A file that
 // cannot be opened or read gets its errno's status naming the path

@@ -1,5 +1,7 @@
 #include "base/json_reader.h"
 
+#include <limits>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -111,5 +113,122 @@ template absl::StatusOr<nlohmann::json> ReadJsonFile<nlohmann::json>(
 template absl::StatusOr<nlohmann::ordered_json>
 ReadJsonFile<nlohmann::ordered_json>(const std::string&, const JsonLimits&,
                                      absl::StatusCode);
+
+JsonFields::JsonFields(const nlohmann::json& object, std::string where,
+                       absl::StatusCode code, std::string prefix)
+    : object_(object),
+      where_(std::move(where)),
+      code_(code),
+      prefix_(std::move(prefix)) {}
+
+std::string JsonFields::Field(absl::string_view key) const {
+  return absl::StrCat(where_, prefix_, key);
+}
+
+const nlohmann::json* JsonFields::Find(const char* key,
+                                       bool (nlohmann::json::*is_kind)()
+                                           const noexcept) const {
+  const auto it = object_.find(key);
+  return it != object_.end() && ((*it).*is_kind)() ? &*it : nullptr;
+}
+
+absl::Status JsonFields::Missing(absl::string_view key,
+                                 absl::string_view kind) const {
+  return absl::Status(code_,
+                      absl::StrCat(Field(key), " is missing or not ", kind));
+}
+
+absl::Status JsonFields::NonNegativeInt(const char* key, int64_t& out) const {
+  const nlohmann::json* v = Find(key, &nlohmann::json::is_number_integer);
+  if (v == nullptr) return Missing(key, "an integer");
+  if (!v->is_number_unsigned() ||
+      v->get<uint64_t>() >
+          static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return Missing(key, "a non-negative integer");
+  }
+  out = v->get<int64_t>();
+  return absl::OkStatus();
+}
+
+absl::Status JsonFields::NonNegativeInt(const char* key, int& out) const {
+  int64_t value = 0;
+  TALLY_RETURN_IF_ERROR(NonNegativeInt(key, value));
+  if (value > std::numeric_limits<int>::max()) {
+    return Missing(key, "a non-negative integer");
+  }
+  out = static_cast<int>(value);
+  return absl::OkStatus();
+}
+
+absl::Status JsonFields::Unsigned(const char* key, uint64_t& out) const {
+  const nlohmann::json* v = Find(key, &nlohmann::json::is_number_unsigned);
+  if (v == nullptr) return Missing(key, "an unsigned integer");
+  out = v->get<uint64_t>();
+  return absl::OkStatus();
+}
+
+absl::Status JsonFields::Double(const char* key, double& out) const {
+  const nlohmann::json* v = Find(key, &nlohmann::json::is_number);
+  if (v == nullptr) return Missing(key, "a number");
+  out = v->get<double>();
+  return absl::OkStatus();
+}
+
+absl::Status JsonFields::String(const char* key, std::string& out) const {
+  const nlohmann::json* v = Find(key, &nlohmann::json::is_string);
+  if (v == nullptr) return Missing(key, "a string");
+  out = v->get<std::string>();
+  return absl::OkStatus();
+}
+
+absl::Status JsonFields::Bool(const char* key, bool& out) const {
+  const nlohmann::json* v = Find(key, &nlohmann::json::is_boolean);
+  if (v == nullptr) return Missing(key, "a boolean");
+  out = v->get<bool>();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const nlohmann::json*> JsonFields::Optional(
+    const char* key, bool (nlohmann::json::*is_kind)() const noexcept,
+    absl::string_view kind) const {
+  const auto it = object_.find(key);
+  if (it == object_.end() || it->is_null()) return nullptr;
+  if (!((*it).*is_kind)()) {
+    return absl::Status(code_, absl::StrCat(Field(key), " must be ", kind));
+  }
+  return &*it;
+}
+
+absl::Status JsonFields::OptionalInt(const char* key, int64_t& out) const {
+  TALLY_ASSIGN_OR_RETURN(
+      const nlohmann::json* v,
+      Optional(key, &nlohmann::json::is_number_integer, "an integer"));
+  if (v == nullptr) return absl::OkStatus();
+  // Read as int64, 2^63 and above would wrap to a negative value.
+  if (v->is_number_unsigned() &&
+      v->get<uint64_t>() >
+          static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return absl::Status(
+        code_,
+        absl::StrCat(Field(key), " is out of range: ", v->get<uint64_t>()));
+  }
+  out = v->get<int64_t>();
+  return absl::OkStatus();
+}
+
+absl::Status JsonFields::OptionalDouble(const char* key, double& out) const {
+  TALLY_ASSIGN_OR_RETURN(const nlohmann::json* v,
+                         Optional(key, &nlohmann::json::is_number, "a number"));
+  if (v != nullptr) out = v->get<double>();
+  return absl::OkStatus();
+}
+
+absl::Status JsonFields::OptionalBool(const char* key, bool& out) const {
+  TALLY_ASSIGN_OR_RETURN(
+      const nlohmann::json* v,
+      Optional(key, &nlohmann::json::is_boolean, "a boolean"));
+  if (v != nullptr) out = v->get<bool>();
+  return absl::OkStatus();
+}
 
 }  // namespace tally

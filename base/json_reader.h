@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/enum_names.h"
 
 namespace tally {
 
@@ -87,6 +88,76 @@ template <typename Json = nlohmann::json>
 absl::StatusOr<Json> ReadJsonFile(const std::string& path,
                                   const JsonLimits& limits,
                                   absl::StatusCode code);
+
+// The typed fields of one parsed JSON object, the one set of field readers
+// for every file (config.json, tally.json): each error has the reader's code
+// and names the field as "<where><prefix><key>".
+//
+//   JsonFields fields(j, absl::StrCat(path, ": "),
+//                     absl::StatusCode::kDataLoss);
+//   TALLY_RETURN_IF_ERROR(fields.NonNegativeInt("step", m.step));
+//   JsonFields config(j, "config.json ", absl::StatusCode::kInvalidArgument);
+//   TALLY_RETURN_IF_ERROR(config.OptionalDouble("rope_theta", c.rope_theta));
+class JsonFields {
+ public:
+  // `object` must outlive this reader; `prefix` names the object in a larger
+  // one ("default_adam.").
+  JsonFields(const nlohmann::json& object, std::string where,
+             absl::StatusCode code, std::string prefix = "");
+
+  // What errors start with: the file ("<path>: ").
+  const std::string& where() const { return where_; }
+
+  // `key`'s value when present and of the kind `is_kind` tests; nullptr
+  // otherwise.
+  const nlohmann::json* Find(const char* key, bool (nlohmann::json::*is_kind)()
+                                                  const noexcept) const;
+  // "<where><prefix><key> is missing or not <kind>".
+  absl::Status Missing(absl::string_view key, absl::string_view kind) const;
+
+  // Required fields: refused through Missing when absent or of another
+  // kind. NonNegativeInt: "... not an integer", or "... not a non-negative
+  // integer" for one outside [0, 2^63) (or the int's range).
+  absl::Status NonNegativeInt(const char* key, int64_t& out) const;
+  absl::Status NonNegativeInt(const char* key, int& out) const;
+  absl::Status Unsigned(const char* key, uint64_t& out) const;
+  absl::Status Double(const char* key, double& out) const;
+  absl::Status String(const char* key, std::string& out) const;
+  absl::Status Bool(const char* key, bool& out) const;
+  // A string that `table` names a value (base/enum_names.h); refused with
+  // the names, quoted, as the kind: "... not \"a\" or \"b\"".
+  template <typename Enum, size_t N>
+  absl::Status Named(const char* key, const EnumName<Enum> (&table)[N],
+                     Enum& out) const {
+    const nlohmann::json* v = Find(key, &nlohmann::json::is_string);
+    const std::optional<Enum> value =
+        v == nullptr ? std::nullopt
+                     : ValueNamed(table, v->get_ref<const std::string&>());
+    if (!value.has_value()) return Missing(key, NameList(table, "\""));
+    out = *value;
+    return absl::OkStatus();
+  }
+
+  // Optional fields: absent or null leaves `out` as it is; another kind is
+  // "<where><prefix><key> must be <kind>", an integer outside int64
+  // "... is out of range: <value>".
+  absl::Status OptionalInt(const char* key, int64_t& out) const;
+  absl::Status OptionalDouble(const char* key, double& out) const;
+  absl::Status OptionalBool(const char* key, bool& out) const;
+
+ private:
+  std::string Field(absl::string_view key) const;
+  // The value of an optional `key`: nullptr when absent or null, else its
+  // value, refused with "must be <kind>" unless `is_kind` holds.
+  absl::StatusOr<const nlohmann::json*> Optional(
+      const char* key, bool (nlohmann::json::*is_kind)() const noexcept,
+      absl::string_view kind) const;
+
+  const nlohmann::json& object_;
+  std::string where_;
+  absl::StatusCode code_;
+  std::string prefix_;
+};
 
 }  // namespace tally
 

@@ -5,9 +5,11 @@
 #include <atomic>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/enum_names.h"
 #include "base/log_json.h"
 
 namespace tally {
@@ -34,19 +36,16 @@ const char* LevelTag(LogLevel level) {
   return "?";
 }
 
-const char* LevelName(LogLevel level) {
-  switch (level) {
-    case LogLevel::kDebug:
-      return "debug";
-    case LogLevel::kInfo:
-      return "info";
-    case LogLevel::kWarning:
-      return "warning";
-    case LogLevel::kError:
-      return "error";
-  }
-  return "unknown";
-}
+constexpr EnumName<LogLevel> kLogLevelNames[] = {
+    {LogLevel::kDebug, "debug"},
+    {LogLevel::kInfo, "info"},
+    {LogLevel::kWarning, "warning"},
+    {LogLevel::kError, "error"},
+};
+constexpr EnumName<LogFormat> kLogFormatNames[] = {
+    {LogFormat::kText, "text"},
+    {LogFormat::kJson, "json"},
+};
 
 std::string UtcTime(absl::Time time) {
   return absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", time, absl::UTCTimeZone());
@@ -55,19 +54,19 @@ std::string UtcTime(absl::Time time) {
 }  // namespace
 
 absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view name) {
-  for (LogLevel level : {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning,
-                         LogLevel::kError}) {
-    if (name == LevelName(level)) return level;
+  if (std::optional<LogLevel> level = ValueNamed(kLogLevelNames, name)) {
+    return *level;
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "log level must be debug, info, warning or error, got '", name, "'"));
+      "log level must be ", NameList(kLogLevelNames), ", got '", name, "'"));
 }
 
 absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view name) {
-  if (name == "text") return LogFormat::kText;
-  if (name == "json") return LogFormat::kJson;
-  return absl::InvalidArgumentError(
-      absl::StrCat("log format must be text or json, got '", name, "'"));
+  if (std::optional<LogFormat> format = ValueNamed(kLogFormatNames, name)) {
+    return *format;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "log format must be ", NameList(kLogFormatNames), ", got '", name, "'"));
 }
 
 void SetLogLevel(LogLevel level) { g_level = static_cast<int>(level); }
@@ -97,7 +96,7 @@ std::string JsonLine(LogLevel level, absl::string_view message, absl::Time time,
   };
   const nlohmann::ordered_json line = {
       {"time", UtcTime(time)},
-      {"level", LevelName(level)},
+      {"level", NameOf(kLogLevelNames, level)},
       {"rank", rank == kNoRank ? nlohmann::ordered_json(nullptr)
                                : nlohmann::ordered_json(rank)},
       {"model", text_or_null(model)},

@@ -1,6 +1,7 @@
-// The dtype spellings tally's clients accept, for tally.v1.DType: one table
-// for tallyctl's --dtype flags (and the set tally_client, the Python
-// package, accepts too). Case-insensitive:
+// The dtype spellings tally's clients accept, for tally.v1.DType, read from
+// the one table of dtype names (base/dtype_names.h), for tallyctl's --dtype
+// flags (the set tally_client, the Python package, accepts too).
+// Case-insensitive:
 //
 //   float32  fp32  DTYPE_FLOAT32
 //   float64  fp64  DTYPE_FLOAT64

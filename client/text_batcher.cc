@@ -1,13 +1,12 @@
 #include "client/text_batcher.h"
 
-#include <cerrno>
-#include <cstring>
-#include <fstream>
-#include <sstream>
+#include <cstdint>
+#include <limits>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/file_text.h"
 
 namespace tally {
 
@@ -54,20 +53,18 @@ absl::StatusOr<TextBatcher> TextBatcher::FromText(
 
 absl::StatusOr<TextBatcher> TextBatcher::FromFile(
     const std::string& path, const TextBatcherOptions& options) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) {
-    const int error = errno;
-    const std::string message = absl::StrCat("cannot open text file ", path,
-                                             ": ", std::strerror(error));
-    return error == ENOENT ? absl::NotFoundError(message)
-                           : absl::FailedPreconditionError(message);
+  const absl::StatusOr<std::string> contents =
+      ReadFileUpTo(path, std::numeric_limits<uint64_t>::max(),
+                   absl::StatusCode::kFailedPrecondition);
+  if (!contents.ok()) {
+    const absl::StatusCode code =
+        contents.status().code() == absl::StatusCode::kNotFound
+            ? absl::StatusCode::kNotFound
+            : absl::StatusCode::kFailedPrecondition;
+    return absl::Status(code, absl::StrCat("cannot read text file ", path, ": ",
+                                           contents.status().message()));
   }
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  if (file.bad()) {
-    return absl::DataLossError(absl::StrCat("error reading text file ", path));
-  }
-  absl::StatusOr<TextBatcher> batcher = FromText(contents.str(), options);
+  absl::StatusOr<TextBatcher> batcher = FromText(*contents, options);
   if (!batcher.ok()) {
     return absl::Status(batcher.status().code(),
                         absl::StrCat(path, ": ", batcher.status().message()));

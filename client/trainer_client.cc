@@ -11,8 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/error_reason.h"
-#include "base/grpc_status.h"
 #include "base/status.h"
+#include "proto/grpc_status.h"
 
 namespace tally {
 

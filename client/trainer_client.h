@@ -1,7 +1,7 @@
 // TrainerClient: a blocking C++ client for a tally server (tally.v1.Trainer
 // plus grpc.health.v1), with every gRPC failure turned into an absl::Status
 // carrying the same canonical code, message and ErrorReason
-// (base/grpc_status.h; ReasonOf(status) names the cause).
+// (proto/grpc_status.h; ReasonOf(status) names the cause).
 //
 // Retries: failures that IsRetryable (base/error_reason.h) says a retry can
 // fix (a full queue, a server shutting down or restarting a rank, a transport

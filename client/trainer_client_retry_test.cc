@@ -11,10 +11,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "base/error_reason.h"
-#include "base/grpc_status.h"
 #include "client/trainer_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/grpc_status.h"
 
 namespace tally {
 namespace {

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <exception>
 #include <filesystem>
-#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -36,6 +35,10 @@ constexpr char kManifestFile[] = "tally.json";
 constexpr char kServerStateFile[] = "server_state.bin";
 // checksums.sha256: one 67-byte line per file, plus its name.
 constexpr uint64_t kMaxChecksumFileBytes = uint64_t{1} << 20;
+// server_state.bin: the sequencer's kept responses, at most its cache_bytes
+// (256 MiB by default) beyond the current and the previous window's; a
+// bound far above that refuses a damaged size before allocating it.
+constexpr uint64_t kMaxServerStateBytes = uint64_t{4} << 30;
 
 std::string PathIn(const std::string& dir, const char* file) {
   return (fs::path(dir) / file).string();
@@ -377,10 +380,9 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(
     TALLY_RETURN_IF_ERROR(sums.Verify(kServerStateFile));
     // Written by tally and checksummed; as large as the sequencer's
     // response cache.
-    TALLY_ASSIGN_OR_RETURN(
-        contents.server_state,
-        ReadFileUpTo(server_state_path, std::numeric_limits<uint64_t>::max(),
-                     absl::StatusCode::kDataLoss));
+    TALLY_ASSIGN_OR_RETURN(contents.server_state,
+                           ReadFileUpTo(server_state_path, kMaxServerStateBytes,
+                                        absl::StatusCode::kDataLoss));
   }
   return contents;
 }

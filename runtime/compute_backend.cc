@@ -7,14 +7,16 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <system_error>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "base/file_text.h"
 
 namespace tally {
 namespace {
@@ -88,12 +90,18 @@ ComputeBackend DetectComputeBackend() {
 }
 
 int CgroupCpuLimit(const std::string& cpu_max) {
-  std::ifstream in(cpu_max);
-  std::string quota;
+  const absl::StatusOr<std::string> text =
+      ReadFileUpTo(cpu_max, kMaxSystemFileBytes);
+  if (!text.ok()) return 0;
+  // "<quota> <period>", the quota "max" when there is none.
+  const std::vector<absl::string_view> words =
+      absl::StrSplit(*text, absl::ByAnyChar(" \t\n"), absl::SkipEmpty());
   int64_t period = 0;
-  if (!(in >> quota >> period) || quota == "max" || period <= 0) return 0;
   int64_t microseconds = 0;
-  if (!absl::SimpleAtoi(quota, &microseconds) || microseconds <= 0) return 0;
+  if (words.size() < 2 || !absl::SimpleAtoi(words[1], &period) || period <= 0 ||
+      !absl::SimpleAtoi(words[0], &microseconds) || microseconds <= 0) {
+    return 0;
+  }
   return static_cast<int>((microseconds + period - 1) / period);
 }
 

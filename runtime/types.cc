@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/type_names.h"
 
 namespace tally {
 
@@ -16,23 +17,10 @@ absl::Status ValidateMaxGradNorm(double max_grad_norm,
       absl::StrCat(field, " must be finite and >= 0, got ", max_grad_norm));
 }
 
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat64:
-      return "float64";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat32:
-      break;
-  }
-  return "float32";
-}
+const char* DTypeName(DType dtype) { return NameOf(kDTypeNames, dtype); }
 
 std::optional<DType> DTypeNamed(absl::string_view name) {
-  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
-    if (name == DTypeName(dtype)) return dtype;
-  }
-  return std::nullopt;
+  return ValueNamed(kDTypeNames, name);
 }
 
 DType MasterDType(DType dtype) {
@@ -40,19 +28,11 @@ DType MasterDType(DType dtype) {
 }
 
 const char* OptimizerName(OptimizerKind optimizer) {
-  return optimizer == OptimizerKind::kSgd ? "sgd" : "adamw";
+  return NameOf(kOptimizerNames, optimizer);
 }
 
 const char* ReductionName(LossReduction reduction) {
-  switch (reduction) {
-    case LossReduction::kTokenMean:
-      return "token_mean";
-    case LossReduction::kSampleMean:
-      return "sample_mean";
-    case LossReduction::kSum:
-      return "sum";
-  }
-  return "unknown";
+  return NameOf(kReductionNames, reduction);
 }
 
 AdamParams AdamOverrides::ResolveAgainst(const AdamParams& defaults) const {
@@ -94,22 +74,11 @@ std::optional<ZeroStage> ZeroStageNumbered(int64_t stage) {
 }
 
 const char* AttentionModeName(AttentionMode mode) {
-  switch (mode) {
-    case AttentionMode::kMaterialized:
-      return "materialized";
-    case AttentionMode::kBlocked:
-      return "blocked";
-    default:
-      return "auto";
-  }
+  return NameOf(kAttentionModeNames, mode);
 }
 
 std::optional<AttentionMode> AttentionModeNamed(absl::string_view name) {
-  for (AttentionMode mode : {AttentionMode::kAuto, AttentionMode::kMaterialized,
-                             AttentionMode::kBlocked}) {
-    if (name == AttentionModeName(mode)) return mode;
-  }
-  return std::nullopt;
+  return ValueNamed(kAttentionModeNames, name);
 }
 
 }  // namespace tally

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
-#include <limits>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "base/error_reason.h"
+#include "base/file_text.h"
 
 namespace tally {
 namespace {
@@ -20,21 +22,29 @@ std::string Gib(double bytes) {
 
 // /proc/meminfo's MemTotal in bytes; 0 when unreadable.
 double MachineMemoryBytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  double kib = 0;
-  while (in >> key >> kib) {
-    if (key == "MemTotal:") return kib * 1024;
-    in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  const absl::StatusOr<std::string> text =
+      ReadFileUpTo("/proc/meminfo", kMaxSystemFileBytes);
+  if (!text.ok()) return 0;
+  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+    double kib = 0;
+    if (absl::ConsumePrefix(&line, "MemTotal:") &&
+        absl::SimpleAtod(
+            absl::StripSuffix(absl::StripAsciiWhitespace(line), " kB"), &kib)) {
+      return kib * 1024;
+    }
   }
   return 0;
 }
 
 // A cgroup memory limit in bytes; 0 when absent or "max".
 double CgroupLimitBytes(const char* path) {
-  std::ifstream in(path);
+  const absl::StatusOr<std::string> text =
+      ReadFileUpTo(path, kMaxSystemFileBytes);
   double bytes = 0;
-  return in >> bytes ? bytes : 0;
+  return text.ok() &&
+                 absl::SimpleAtod(absl::StripAsciiWhitespace(*text), &bytes)
+             ? bytes
+             : 0;
 }
 
 }  // namespace

@@ -3,15 +3,14 @@
 #include <dirent.h>
 #include <unistd.h>
 
-#include <fstream>
 #include <limits>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/file_text.h"
 #include "base/status.h"
 
 namespace tally {
@@ -19,15 +18,10 @@ namespace {
 
 constexpr char kSelf[] = "/proc/self";
 
-// Not base/file_text.h's ReadFileUpTo: its 64 KiB buffer on the stack
-// overflows the small stacks of the HTTP server's threads, where a scrape
-// runs this.
+// A scrape runs this on one of the HTTP server's threads, whose stacks are
+// small: ReadFileUpTo keeps its buffer on the heap.
 absl::StatusOr<std::string> ReadProcFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
+  return ReadFileUpTo(path, kMaxSystemFileBytes);
 }
 
 absl::Status Unparsable(const std::string& path, absl::string_view what) {

@@ -33,10 +33,10 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "base/grpc_status.h"
 #include "client/trainer_client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "proto/grpc_status.h"
 #include "tally/v1/trainer.pb.h"
 #include "tests/e2e/server_process.h"
 

@@ -10,8 +10,8 @@
 //   grpc::Status Handler(...) { return ToGrpcStatus(DoWork()); }
 //   absl::Status status = FromGrpcStatus(stub->Call(&context, req, &resp));
 //   if (IsRetryable(status)) ...
-#ifndef TALLY_BASE_GRPC_STATUS_H_
-#define TALLY_BASE_GRPC_STATUS_H_
+#ifndef TALLY_PROTO_GRPC_STATUS_H_
+#define TALLY_PROTO_GRPC_STATUS_H_
 
 #include <grpcpp/support/status.h>
 
@@ -27,4 +27,4 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace tally
 
-#endif  // TALLY_BASE_GRPC_STATUS_H_
+#endif  // TALLY_PROTO_GRPC_STATUS_H_

@@ -1,4 +1,4 @@
-#include "base/grpc_status.h"
+#include "proto/grpc_status.h"
 
 #include <optional>
 #include <string>
