@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/json_reader.h"
 #include "base/status.h"
-#include "runtime/type_names.h"
+#include "runtime/types.h"
 
 namespace tally {
 

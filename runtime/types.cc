@@ -4,7 +4,6 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/type_names.h"
 
 namespace tally {
 

@@ -13,6 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "base/dtype_names.h"
+#include "base/enum_names.h"
 #include "runtime/llama_config.h"
 #include "runtime/lora_config.h"
 #include "runtime/loss_spec.h"
@@ -53,6 +55,39 @@ const char* ReductionName(LossReduction reduction);  // "token_mean"
 enum class AttentionMode { kAuto, kMaterialized, kBlocked };
 const char* AttentionModeName(AttentionMode mode);  // "auto"
 std::optional<AttentionMode> AttentionModeNamed(absl::string_view name);
+
+// The names of these enums, one table each (base/enum_names.h): what
+// tally.json, flags and logs call them. DTypeName, OptimizerName and the like
+// read these; so do parsers that list the accepted names in an error.
+//
+//   std::optional<GradSync> sync = ValueNamed(kGradSyncNames, "deferred");
+//   std::string expected = NameList(kDTypeNames, "\"");
+//   // "\"float32\", \"float64\" or \"bfloat16\""
+// A DType has its base/dtype_names.h name (float16 is no DType: only an
+// export stores it).
+inline constexpr EnumName<DType> kDTypeNames[] = {
+    {DType::kFloat32, NameOf(kDataTypeNames, DataType::kFloat32)},
+    {DType::kFloat64, NameOf(kDataTypeNames, DataType::kFloat64)},
+    {DType::kBFloat16, NameOf(kDataTypeNames, DataType::kBFloat16)},
+};
+inline constexpr EnumName<OptimizerKind> kOptimizerNames[] = {
+    {OptimizerKind::kAdamW, "adamw"},
+    {OptimizerKind::kSgd, "sgd"},
+};
+inline constexpr EnumName<LossReduction> kReductionNames[] = {
+    {LossReduction::kTokenMean, "token_mean"},
+    {LossReduction::kSampleMean, "sample_mean"},
+    {LossReduction::kSum, "sum"},
+};
+inline constexpr EnumName<GradSync> kGradSyncNames[] = {
+    {GradSync::kEager, "eager"},
+    {GradSync::kDeferred, "deferred"},
+};
+inline constexpr EnumName<AttentionMode> kAttentionModeNames[] = {
+    {AttentionMode::kAuto, "auto"},
+    {AttentionMode::kMaterialized, "materialized"},
+    {AttentionMode::kBlocked, "blocked"},
+};
 
 struct AttentionOptions {
   // kAuto: blocked when a micro-batch's rows have more than kAutoFromKeys

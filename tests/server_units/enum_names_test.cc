@@ -8,7 +8,7 @@
 #include <string>
 
 #include "base/dtype_names.h"
-#include "runtime/type_names.h"
+#include "runtime/types.h"
 
 namespace tally {
 namespace {
