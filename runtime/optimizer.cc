@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "kernels/fused_optimizer.h"
@@ -165,7 +166,20 @@ absl::Status Optimizer::LoadState(
             "optimizer state ", name, " has shape ", c10::str(t.sizes()),
             ", expected ", c10::str(like.sizes())));
       }
-      return t.to(like.device(), like.scalar_type()).clone();
+      torch::Tensor value = t.to(like.device(), like.scalar_type()).clone();
+      // A moment a hostile or damaged file made non-finite (or a negative
+      // second moment, whose square root is NaN) would stop the parameter
+      // from ever training again: refused before anything changes.
+      if (!torch::isfinite(value).all().item<bool>()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer state ", name, " holds a non-finite value"));
+      }
+      if (absl::EndsWith(name, kExpAvgSqSuffix) &&
+          (value < 0).any().item<bool>()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("optimizer state ", name, " holds a negative value"));
+      }
+      return value;
     }
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer state ", name, " is missing"));

@@ -62,7 +62,8 @@ class Optimizer {
   std::vector<std::pair<std::string, torch::Tensor>> StateTensors() const;
   // Replaces the state from tensors named as StateTensors() names them,
   // copied to each parameter's dtype and device; INVALID_ARGUMENT naming the
-  // tensor when one is missing or misshaped.
+  // tensor when one is missing, misshaped, non-finite or (a second moment)
+  // negative, and then the state is unchanged.
   absl::Status LoadState(
       const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
       int64_t step_count);

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -287,6 +288,47 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(DTypeName(std::get<0>(info.param))) +
              (std::get<1>(info.param) ? "_tied" : "_untied");
     });
+
+// Moments a hostile or damaged file made non-finite, or a negative second
+// moment (its square root is NaN), would keep their parameters from ever
+// training again: the load is refused naming the tensor, and the state the
+// optimizer had is kept.
+TEST(OptimizerLoadStateTest, NonFiniteOrNegativeMomentsAreRefused) {
+  std::unique_ptr<LlamaModel> model = MakeModel(false, DType::kFloat32, 1);
+  Optimizer optimizer(OptimizerKind::kAdamW, &model->parameters());
+  SetFakeGradients(*model, 2);
+  ASSERT_TRUE(optimizer.Step(AdamParams()).ok());
+  std::vector<std::pair<std::string, torch::Tensor>> before;
+  for (const auto& [name, t] : optimizer.StateTensors()) {
+    before.emplace_back(name, t.clone());
+  }
+  const std::pair<const char*, float> cases[] = {{".exp_avg", std::nanf("")},
+                                                 {".exp_avg", INFINITY},
+                                                 {".exp_avg_sq", -INFINITY},
+                                                 {".exp_avg_sq", -1e-30f}};
+  for (const auto& [suffix, value] : cases) {
+    SCOPED_TRACE(::testing::Message() << suffix << " " << value);
+    std::vector<std::pair<std::string, torch::Tensor>> hostile;
+    for (const auto& [name, t] : before) hostile.emplace_back(name, t.clone());
+    const std::string target = "model.norm.weight" + std::string(suffix);
+    bool found = false;
+    for (auto& [name, t] : hostile) {
+      if (name != target) continue;
+      t.view(-1)[3] = value;
+      found = true;
+    }
+    ASSERT_TRUE(found);
+    const absl::Status status = optimizer.LoadState(hostile, 7);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(std::string(status.message()),
+                HasSubstr("optimizer state " + target + " holds a"));
+    ExpectBitwiseEqual(before, optimizer.StateTensors());
+    EXPECT_EQ(optimizer.step_count(), 1);
+  }
+  // The same state without the bad value loads.
+  EXPECT_TRUE(optimizer.LoadState(before, 7).ok());
+  EXPECT_EQ(optimizer.step_count(), 7);
+}
 
 TEST_F(CheckpointTest, SgdWritesAnEmptyOptimizerFile) {
   const std::string dir = WriteFreshCheckpoint(false, OptimizerKind::kSgd);
@@ -605,8 +647,8 @@ TEST_F(CheckpointTest, TensorsAreCheckedAgainstTheConfigBeforeAllocating) {
   expect_refused("model.safetensors",
                  "checkpoint weight model.embed_tokens.weight has shape "
                  "[16777216, 1024], expected [32, 16]");
-  ASSERT_TRUE(testing::WriteSparseSafetensors(
-      dir + "/model.safetensors", "model.extra.weight", huge));
+  ASSERT_TRUE(testing::WriteSparseSafetensors(dir + "/model.safetensors",
+                                              "model.extra.weight", huge));
   expect_refused("model.safetensors",
                  "checkpoint weight model.extra.weight is not a parameter");
   WriteText(dir + "/model.safetensors", weights);
