@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -13,16 +12,17 @@
 #include "runtime/call_plan.h"
 #include "runtime/call_results.h"
 #include "runtime/checkpoint.h"
+#include "runtime/consolidation.h"
 #include "runtime/device.h"
 #include "runtime/directory_identity.h"
 #include "runtime/fault_hook.h"
+#include "runtime/freeze_parameters.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/lora.h"
 #include "runtime/lora_adapter_reader.h"
 #include "runtime/loss.h"
 #include "runtime/loss_registry.h"
 #include "runtime/loss_report.h"
-#include "runtime/phase_boundary.h"
 #include "runtime/pipeline.h"
 #include "runtime/pipeline_executor.h"
 #include "runtime/step_guard.h"
@@ -92,27 +92,6 @@ absl::Status CheckAdapterCheckpoint(const CheckpointContents& contents,
         ", alpha ", lora.alpha, ")"));
   }
   return absl::OkStatus();
-}
-
-// Freezes what `patterns` match; INVALID_ARGUMENT naming a pattern that
-// matches no parameter of the whole model (this stage may hold none).
-absl::Status FreezeParameters(const std::vector<std::string>& patterns,
-                              CausalLm& model) {
-  const std::vector<std::string> names = model.ParameterNames();
-  for (const std::string& pattern : patterns) {
-    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) {
-          return NameMatches(pattern, n);
-        })) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "frozen: '", pattern, "' matches no parameter of the model"));
-    }
-    model.Freeze(pattern);
-  }
-  return absl::OkStatus();
-}
-
-bool Staged(const CausalLm& model, const EngineGroups& groups) {
-  return model.sharded() || groups.pp->size() > 1;
 }
 
 // A last-stage micro-batch's per-sample results: loss sums and valid
@@ -247,17 +226,6 @@ bool CommunicatesInThePass(const CausalLm& model) {
 // reports failures by throwing (the stage callbacks).
 void ThrowIfError(const absl::Status& status) {
   TORCH_CHECK(status.ok(), status.ToString());
-}
-
-// AgreeOnStatus over `group` on this command, skipped once a collective of
-// `engine` failed: then a peer is dead or hung, agreeing would wait out
-// another timeout, and the rank is done anyway.
-absl::Status AgreeUnlessFailed(const Engine& engine, Communicator& group,
-                               absl::Status local) {
-  if (absl::Status broken = engine.CollectiveFailure(); !broken.ok()) {
-    return local.ok() ? broken : local;
-  }
-  return AgreeOnStatus(group, std::move(local), "this command");
 }
 
 constexpr char kPoisonedTheWindowPayload[] = "tally.dev/poisoned-the-window";
@@ -725,7 +693,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   if (overlapped) {
     stage.agree = [&](absl::Status so_far) {
       for (Communicator* group : overlapped_groups) {
-        so_far = AgreeUnlessFailed(*this, *group, std::move(so_far));
+        so_far = phases().AgreeUnlessFailed(*group, std::move(so_far));
       }
       return so_far;
     };
@@ -757,18 +725,22 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   return result;
 }
 
-absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
-  return MarkAgreed(AgreeUnlessFailed(*this, *groups_.world, std::move(local)));
+RankPhases Engine::phases() const {
+  return RankPhases(process_groups_.get(), *groups_.world);
 }
 
-void Engine::FailFast(const absl::Status& local) {
-  if (process_groups_) process_groups_->FailFast(local);
+Consolidation Engine::consolidation() const {
+  return Consolidation(mesh_, groups_, phases());
 }
+
+absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
+  return phases().Agree(std::move(local));
+}
+
+void Engine::FailFast(const absl::Status& local) { phases().FailFast(local); }
 
 absl::Status Engine::FinishPhase(absl::Status local) {
-  return process_groups_
-             ? tally::FinishPhase(*process_groups_, std::move(local))
-             : local;
+  return phases().Finish(std::move(local));
 }
 
 bool Engine::NeedsGradientSync(CausalLm& model) const {
@@ -898,8 +870,7 @@ absl::StatusOr<bool> Engine::WindowPoisoned(const std::string& model_id) const {
 }
 
 absl::Status Engine::CollectiveFailure() const {
-  return process_groups_ ? process_groups_->failure()
-                         : single_rank_world_->failure();
+  return phases().CollectiveFailure();
 }
 
 absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
@@ -1060,8 +1031,9 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
   manifest.base_checkpoint = state->spec.init_checkpoint;
   manifest.unsaved_window = pending;
   uint64_t bytes = 0;
-  TALLY_RETURN_IF_ERROR(WriteOnRankZero(
-      *state, /*with_optimizer_state=*/true, manifest.trainable_only,
+  TALLY_RETURN_IF_ERROR(consolidation().WriteOnRankZero(
+      {*state->model, *state->optimizer, state->spec.frozen},
+      {/*with_optimizer_state=*/true, manifest.trainable_only},
       [&](const CausalLm& model, const Optimizer& optimizer) -> absl::Status {
         TALLY_ASSIGN_OR_RETURN(bytes,
                                WriteCheckpoint(path, model, optimizer, manifest,
@@ -1069,139 +1041,6 @@ absl::StatusOr<SaveResult> Engine::SaveCheckpoint(const std::string& model_id,
         return absl::OkStatus();
       }));
   return SaveResult{path, state->step, bytes, pending};
-}
-
-absl::Status Engine::WriteOnRankZero(
-    ModelState& state, bool with_optimizer_state, bool trainable_only,
-    const std::function<absl::Status(const CausalLm& model,
-                                     const Optimizer& optimizer)>& write) {
-  const CausalLm* model = state.model.get();
-  const Optimizer* optimizer = state.optimizer.get();
-  const bool writer = mesh_.rank() == 0;
-  std::unique_ptr<CausalLm> full_model;
-  std::unique_ptr<Optimizer> full_optimizer;
-  // One writer. A sharded or staged model is consolidated so the directory
-  // is the same whatever the mesh: only the writer holds the whole copy; the
-  // other ranks help gather it one tensor at a time.
-  if (Staged(*model, groups_)) {
-    TALLY_RETURN_IF_ERROR(
-        FinishPhase(GatherOnWriter(state, with_optimizer_state, trainable_only,
-                                   full_model, full_optimizer)));
-    if (writer) {
-      model = full_model.get();
-      optimizer = full_optimizer.get();
-    }
-  }
-  // Only the writer writes: the others wait in the agreement.
-  absl::Status written = InjectedFault(FaultPoint::kWrite);
-  if (writer && written.ok()) written = write(*model, *optimizer);
-  return AgreeAcrossRanks(written);
-}
-
-absl::Status Engine::GatherOnWriter(
-    ModelState& state, bool with_optimizer_state, bool trainable_only,
-    std::unique_ptr<CausalLm>& full_model,
-    std::unique_ptr<Optimizer>& full_optimizer) {
-  CausalLm& model = *state.model;
-  const bool writer = mesh_.rank() == 0;
-  absl::Status ready = absl::OkStatus();
-  if (writer) {
-    ModelAdapters adapters;
-    adapters.lora = model.lora();
-    // What is written leaves the base out: no need to hold it.
-    adapters.base_placeholders = trainable_only && model.lora().enabled();
-    absl::StatusOr<std::unique_ptr<CausalLm>> created =
-        CreateCausalLm(model.config(), model.dtype(), /*seed=*/0, {}, adapters);
-    ready = created.status();
-    if (ready.ok()) {
-      full_model = *std::move(created);
-      if (model.lora().enabled()) full_model->FreezeBase();
-      ready = FreezeParameters(state.spec.frozen, *full_model);
-    }
-  }
-  // Before the gathers, so a writer that could not allocate stops every
-  // rank rather than leaving them in a collective.
-  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(ready));
-  return GatherStagesOnWriter(state, with_optimizer_state, trainable_only,
-                              full_model, full_optimizer);
-}
-
-absl::Status Engine::GatherStagesOnWriter(
-    ModelState& state, bool with_optimizer_state, bool trainable_only,
-    std::unique_ptr<CausalLm>& full_model,
-    std::unique_ptr<Optimizer>& full_optimizer) {
-  CausalLm& model = *state.model;
-  const bool writer = mesh_.rank() == 0;
-  // Each stage gathers the parameters it owns (the last stage's copy of a
-  // tied embedding is stage 0's) over its tp and dp_shard groups, in the
-  // model's order, each parameter followed by its optimizer state.
-  const int stages = groups_.pp->size(), stage = groups_.pp->rank();
-  const std::map<std::string, torch::Tensor> state_tensors = [&] {
-    std::map<std::string, torch::Tensor> by_name;
-    for (auto& [name, t] : state.optimizer->StateTensors()) by_name[name] = t;
-    return by_name;
-  }();
-  // Of every trainable parameter; frozen ones have no state.
-  const std::vector<std::string> state_suffixes =
-      with_optimizer_state ? Optimizer::StateSuffixes(state.spec.optimizer)
-                           : std::vector<std::string>();
-  std::vector<torch::Tensor> stage_tensors;
-  for (const Parameter& p : model.parameters()) {
-    if (model.OwningStage(p.name, stages) != stage) continue;
-    if (trainable_only && !p.trainable && !IsLoraParameter(p.name)) continue;
-    TALLY_RETURN_IF_ERROR(InjectedFault(FaultPoint::kGather));
-    TALLY_ASSIGN_OR_RETURN(torch::Tensor full, model.GatherFull(p, p.tensor));
-    stage_tensors.push_back(std::move(full));
-    if (!p.trainable) continue;
-    for (const std::string& suffix : state_suffixes) {
-      TALLY_ASSIGN_OR_RETURN(
-          full, model.GatherFull(p, state_tensors.at(p.name + suffix)));
-      stage_tensors.push_back(std::move(full));
-    }
-  }
-  // A stage's gathered tensors sit on its rank at coordinate 0 of every
-  // other dim: the one that shares rank 0's pp group, where they are sent.
-  const bool stage_leader = mesh_.coord(MeshDim::kDpReplicate) == 0 &&
-                            mesh_.coord(MeshDim::kDpShard) == 0 &&
-                            mesh_.coord(MeshDim::kCp) == 0 &&
-                            mesh_.coord(MeshDim::kTp) == 0;
-  if (stage_leader && !writer) {
-    for (const torch::Tensor& t : stage_tensors) {
-      TALLY_RETURN_IF_ERROR(groups_.pp->Send(t, 0));
-    }
-  }
-  if (!writer) return absl::OkStatus();
-  std::vector<std::pair<std::string, torch::Tensor>> full_state;
-  size_t own = 0;
-  for (int s = 0; s < stages; ++s) {
-    for (Parameter& p : full_model->parameters()) {
-      if (full_model->OwningStage(p.name, stages) != s) continue;
-      if (trainable_only && !p.trainable && !IsLoraParameter(p.name)) {
-        continue;
-      }
-      const size_t states = p.trainable ? state_suffixes.size() : 0;
-      for (size_t k = 0; k <= states; ++k) {
-        torch::Tensor full;
-        if (s == 0) {
-          full = stage_tensors[own++];
-        } else {
-          full = torch::empty(p.full_shape, p.tensor.options());
-          TALLY_RETURN_IF_ERROR(groups_.pp->Recv(full, s));
-        }
-        if (k > 0) {
-          full_state.emplace_back(p.name + state_suffixes[k - 1],
-                                  std::move(full));
-          continue;
-        }
-        torch::NoGradGuard no_grad;
-        p.tensor.copy_(full);
-      }
-    }
-  }
-  full_optimizer = std::make_unique<Optimizer>(state.spec.optimizer,
-                                               &full_model->parameters());
-  if (!with_optimizer_state) return absl::OkStatus();
-  return full_optimizer->LoadState(full_state, state.optimizer->step_count());
 }
 
 absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,

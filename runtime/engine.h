@@ -16,7 +16,6 @@
 #define TALLY_RUNTIME_ENGINE_H_
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -28,41 +27,18 @@
 #include "runtime/causal_lm.h"
 #include "runtime/checkpoint.h"
 #include "runtime/communicator.h"
+#include "runtime/consolidation.h"
 #include "runtime/distributed.h"
+#include "runtime/engine_groups.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/mesh.h"
 #include "runtime/optimizer.h"
+#include "runtime/rank_phases.h"
 #include "runtime/token_loss.h"
 #include "runtime/types.h"
 #include "runtime/weights_export.h"
 
 namespace tally {
-
-// The communicators of one rank, by the role they play. In a single-rank
-// engine every role is the same one-rank group.
-struct EngineGroups {
-  Communicator* world = nullptr;  // the gradient norm's one collective
-  Communicator* data = nullptr;   // ranks holding distinct samples
-  // data x cp: ranks holding distinct tokens; per-sample results sum here.
-  Communicator* data_and_cp = nullptr;
-  // dp_replicate x cp: ranks holding the same parameter shards, each with a
-  // partial gradient. Gradients SUM here (EAGER: per call; DEFERRED: at
-  // OptimStep).
-  Communicator* replicas = nullptr;
-  Communicator* dp_replicate = nullptr;
-  Communicator* dp_shard = nullptr;  // ZeRO-3 gather / reduce-scatter
-  Communicator* cp = nullptr;        // the K/V gather of context parallelism
-  Communicator* tp = nullptr;        // Megatron tensor parallelism
-  Communicator* ep = nullptr;        // expert parallelism: the dispatch
-  // The expert-data-parallel ranks: holding the same experts with different
-  // data. Expert gradients SUM here (never over ep), like dense ones over
-  // `replicas`.
-  Communicator* expert_replicas = nullptr;
-  // Pipeline parallelism: the stages of this rank's (dp, cp, tp)
-  // coordinates; group rank = stage. Activations and their gradients move
-  // here, and the tied embedding's two copies sum their gradients.
-  Communicator* pp = nullptr;
-};
 
 struct EngineOptions {
   // Where every model's parameters, gradients, window and optimizer state
@@ -262,30 +238,11 @@ class Engine {
   // only the sets with more than one rank.
   std::vector<GradientSet> ReplicaGradientSets(
       const std::vector<Parameter>& params) const;
-  // Consolidates a sharded or staged model onto rank 0 (nullptrs elsewhere),
-  // with its optimizer state or (for a weights-only export) an optimizer
-  // without state; with `trainable_only` the frozen parameters (but LoRA
-  // factors) are neither sent nor filled in (what is written leaves them
-  // out).
-  absl::Status GatherOnWriter(ModelState& state, bool with_optimizer_state,
-                              bool trainable_only,
-                              std::unique_ptr<CausalLm>& full_model,
-                              std::unique_ptr<Optimizer>& full_optimizer);
-  // GatherOnWriter once the writer holds its empty copy: every stage's
-  // tensors gathered and sent to it.
-  absl::Status GatherStagesOnWriter(ModelState& state,
-                                    bool with_optimizer_state,
-                                    bool trainable_only,
-                                    std::unique_ptr<CausalLm>& full_model,
-                                    std::unique_ptr<Optimizer>& full_optimizer);
-  // Runs `write` on rank 0 with the whole model and its optimizer (gathered
-  // there by GatherOnWriter when the model is sharded or staged, every other
-  // rank helping) and returns on every rank once all agree on the outcome:
-  // how a checkpoint or an export is written.
-  absl::Status WriteOnRankZero(
-      ModelState& state, bool with_optimizer_state, bool trainable_only,
-      const std::function<absl::Status(const CausalLm& model,
-                                       const Optimizer& optimizer)>& write);
+  // How this rank ends the phases of a command: over process_groups_, or
+  // over single_rank_world_.
+  RankPhases phases() const;
+  // How a checkpoint or an export gathers a model onto rank 0.
+  Consolidation consolidation() const;
   // Every rank returns an error if any rank's `local` is one, so no rank
   // applies what another refused; the outcome is marked agreed (MarkAgreed).
   // Ends a phase without collectives; one with collectives ends in

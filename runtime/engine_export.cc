@@ -15,9 +15,10 @@ absl::StatusOr<ExportResult> Engine::ExportWeights(
   // neither exported nor touched.
   ExportResult result;
   // A PEFT export writes the adapter only: the frozen base stays unsent.
-  TALLY_RETURN_IF_ERROR(WriteOnRankZero(
-      *state, /*with_optimizer_state=*/false,
-      /*trainable_only=*/state->spec.lora.enabled() && !options.merge,
+  TALLY_RETURN_IF_ERROR(consolidation().WriteOnRankZero(
+      {*state->model, *state->optimizer, state->spec.frozen},
+      {/*with_optimizer_state=*/false,
+       /*trainable_only=*/state->spec.lora.enabled() && !options.merge},
       [&](const CausalLm& model, const Optimizer&) -> absl::Status {
         TALLY_ASSIGN_OR_RETURN(result,
                                WriteWeightsExport(path, model, options,
