@@ -5,6 +5,8 @@
 #include <gloo/transport/pair.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -54,6 +56,34 @@ absl::Status PendingCollective::Wait() {
   return *status_;
 }
 
+struct Communicator::Waiters {
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void Wake() {
+    // Whoever waits checks its condition under `mu`: taking it once after
+    // the change orders this notification after that check or before it.
+    { std::lock_guard<std::mutex> lock(mu); }
+    cv.notify_all();
+  }
+};
+
+Communicator::Communicator() : waiters_(std::make_shared<Waiters>()) {}
+
+absl::Status Communicator::AwaitUnlessFailed(
+    const c10::intrusive_ptr<c10::ivalue::Future>& done) {
+  std::shared_ptr<Waiters> waiters = waiters_;
+  done->addCallback([waiters](c10::ivalue::Future&) { waiters->Wake(); });
+  absl::Status broken;
+  std::unique_lock<std::mutex> lock(waiters->mu);
+  waiters->cv.wait(lock, [&] {
+    if (done->completed()) return true;
+    broken = failure();
+    return !broken.ok();
+  });
+  return done->completed() ? absl::OkStatus() : broken;
+}
+
 PendingCollective Communicator::AllReduceAsync(torch::Tensor tensor,
                                                ReduceOp op) {
   return PendingCollective::Done(AllReduce(tensor, op));
@@ -86,6 +116,7 @@ absl::Status Communicator::Latch(absl::Status result) {
     failure_ = result;
     listener = failure_listener_;
   }
+  waiters_->Wake();
   // Outside the lock: the listener may abort this very group.
   if (listener) listener(result);
   return result;
@@ -145,6 +176,13 @@ class AbortableGlooGroup : public c10d::ProcessGroupGloo {
   }
 };
 
+// Destroys `group` on a thread of its own: ProcessGroupGloo's destructor
+// waits for every collective it still runs, and one abandoned on a failed
+// connection ends only at the group's timeout.
+void Retire(c10::intrusive_ptr<compat::C10dBackend> group) {
+  std::thread([group = std::move(group)]() mutable { group.reset(); }).detach();
+}
+
 int64_t Bytes(const torch::Tensor& t) {
   return t.numel() * static_cast<int64_t>(t.element_size());
 }
@@ -174,9 +212,9 @@ class ProcessGroupCommunicator : public Communicator {
           fresh->size(), ") does not match this one (rank ", rank(), " of ",
           size(), ")"));
     }
-    // The old group goes here: its connections are closed, and it waits
-    // for no collective that has not failed.
-    group_ = other->group_;
+    // The old group's connections are closed, but it may still run
+    // collectives whose waits were abandoned (AwaitUnlessFailed).
+    Retire(std::exchange(group_, other->group_));
     ClearFailure();
     return absl::OkStatus();
   }
@@ -212,6 +250,13 @@ class ProcessGroupCommunicator : public Communicator {
     });
     if (!started.ok()) return PendingCollective::Done(Latch(started));
     return PendingCollective([this, work] {
+      // Gloo does not fail an operation posted on a connection that already
+      // failed: once the group failed, stop waiting for it.
+      if (!nccl_) {
+        absl::Status ended = CatchTorch(
+            "all_reduce", [&] { return AwaitUnlessFailed(work->getFuture()); });
+        if (!ended.ok()) return ended;
+      }
       return Latch(CatchTorch("all_reduce", [&] { work->wait(); }));
     });
   }

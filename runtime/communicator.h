@@ -21,6 +21,9 @@
 // next one calls CloseConnections(): its peers' collectives then fail at once
 // instead of waiting out the timeout, and Rejoin() later puts a freshly formed
 // group of the same ranks under the same Communicator (runtime/distributed.h).
+// Once a group failed, a wait for one of its all-reduces in flight returns
+// the failure at once (the backend may otherwise hold an operation posted on
+// a connection that already failed until its timeout).
 #ifndef TALLY_RUNTIME_COMMUNICATOR_H_
 #define TALLY_RUNTIME_COMMUNICATOR_H_
 
@@ -102,6 +105,7 @@ class PendingCollective {
 
 class Communicator {
  public:
+  Communicator();
   virtual ~Communicator() = default;
 
   virtual int rank() const = 0;
@@ -111,8 +115,11 @@ class Communicator {
   // Starts the all-reduce of `tensor` (contiguous) in place and returns
   // without waiting for it; `tensor` must stay alive and untouched until
   // Wait(). Collectives of one group still pair up across ranks in the order
-  // they were started. This default runs AllReduce before returning, for
-  // backends that cannot start one and continue.
+  // they were started. Once the group failed (failure()), Wait() returns
+  // that failure without waiting longer: the backend keeps its own reference
+  // to `tensor` and may still write it until it ends the operation. This
+  // default runs AllReduce before returning, for backends that cannot start
+  // one and continue.
   virtual PendingCollective AllReduceAsync(torch::Tensor tensor, ReduceOp op);
   // Concatenates every rank's `input` (same shape everywhere) along dim 0.
   virtual absl::StatusOr<torch::Tensor> AllGather(
@@ -154,7 +161,9 @@ class Communicator {
   // Takes the c10d group of `fresh` (a group just formed over the same ranks
   // in the same positions) in place of this one's, and forgets the failure:
   // whoever holds this Communicator goes on with the new group. The stats
-  // carry on. UNIMPLEMENTED for backends that cannot (this base, NCCL);
+  // carry on. The old group is destroyed on a thread of its own, so Rejoin
+  // never waits for the collectives it still runs (abandoned ones end at
+  // its timeout). UNIMPLEMENTED for backends that cannot (this base, NCCL);
   // INVALID_ARGUMENT when `fresh` is of another kind, rank or size.
   virtual absl::Status Rejoin(std::unique_ptr<Communicator> fresh);
 
@@ -164,10 +173,17 @@ class Communicator {
   absl::StatusOr<torch::Tensor> Latch(absl::StatusOr<torch::Tensor> result);
   // Forgets the failure (Rejoin).
   void ClearFailure();
+  // Blocks until `done` completes (OK) or the group fails (the failure).
+  absl::Status AwaitUnlessFailed(
+      const c10::intrusive_ptr<c10::ivalue::Future>& done);
 
   CommStats stats_;
 
  private:
+  // Wakes the waits of AwaitUnlessFailed; shared with the callbacks of
+  // futures that may complete after this Communicator is gone.
+  struct Waiters;
+  std::shared_ptr<Waiters> waiters_;
   mutable std::mutex failure_mu_;
   absl::Status failure_;
   std::function<void(const absl::Status&)> failure_listener_;

@@ -341,8 +341,10 @@ absl::Status OverlappedGradientSum::WaitForAll() {
     std::lock_guard<std::mutex> lock(mu_);
     status = hook_error_;
   }
-  // Every one is waited for, even after an error: their buffers must not be
-  // freed while the backend may still write them.
+  // Every one is waited for, even after an error, so each gets its status;
+  // once a group failed (say a rank closed it, ProcessGroups::FailFast), its
+  // waits return at once, and the backend keeps its own reference to a
+  // buffer it may still write.
   for (InFlight& f : in_flight_) {
     const absl::Status done = f.pending.Wait();
     if (status.ok()) status = done;

@@ -84,7 +84,8 @@ class OverlappedGradientSum {
   // Unless Finish was called (a failed step), first starts every planned
   // bucket not yet started, with zeros for missing gradients, and waits for
   // all: every rank that gives up the same way issues the same collectives,
-  // so the groups stay usable. Nothing is copied back.
+  // so the groups stay usable. Nothing is copied back. The waits on a group
+  // that failed (closed by a rank that failed fast) return at once.
   ~OverlappedGradientSum();
   OverlappedGradientSum(const OverlappedGradientSum&) = delete;
   OverlappedGradientSum& operator=(const OverlappedGradientSum&) = delete;

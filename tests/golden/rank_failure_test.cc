@@ -318,7 +318,7 @@ struct RecoveryCase {
   const char* name;
   MeshShape shape;
   FaultPoint point;
-  int nth;  // which visit of the point fails
+  int nth;  // which visit of the point fails; 0: the last micro-batch's
   bool moe = false;
   ZeroStage zero = ZeroStage::kParameters;
   GradSync sync = GradSync::kEager;
@@ -374,10 +374,24 @@ absl::StatusOr<double> StepAndEvaluate(Engine& engine, const std::string& id) {
 
 class InPassFailureTest : public ::testing::TestWithParam<RecoveryCase> {};
 
+// How many micro-batches a call of `samples` runs on each rank.
+absl::StatusOr<int> MicroBatches(Engine& engine, std::vector<Sample> samples) {
+  ForwardBackwardArgs eval{std::move(samples)};
+  eval.forward_only = true;
+  TALLY_ASSIGN_OR_RETURN(const ForwardBackwardResult planned,
+                         engine.ForwardBackward("m", eval));
+  return static_cast<int>(planned.metrics.at("micro_batches"));
+}
+
 TEST_P(InPassFailureTest, FailsFastOnEveryRankAndTheNextCallsAreExact) {
-  const RecoveryCase& c = GetParam();
-  testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
+  RecoveryCase c = GetParam();
+  const int ranks = c.shape.world_size();
+  testing::RunOnRanks(ranks, [&](const RankEnv& env) -> absl::Status {
     TALLY_ASSIGN_OR_RETURN(auto engine, EngineWithTwinModels(c, env));
+    if (c.nth == 0) {
+      TALLY_ASSIGN_OR_RETURN(c.nth, MicroBatches(*engine, Call(1)));
+      EXPECT_GE(c.nth, 2);
+    }
     ExpectFailsFastAlike(*engine, c, env, absl::StatusCode::kInternal, [&] {
       return engine->ForwardBackward("m", {Call(1)}).status();
     });
@@ -406,6 +420,14 @@ MeshShape DpShard2Ep2() {
   return shape;
 }
 
+// Four ranks: the layers communicate over tp, and the replicas' gradient
+// sums overlap the last backward.
+MeshShape Tp2Dp2() {
+  MeshShape shape = TwoAlong(&MeshShape::tp);
+  shape.dp_replicate = 2;
+  return shape;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     OneRank, InPassFailureTest,
     ::testing::Values(
@@ -422,7 +444,13 @@ INSTANTIATE_TEST_SUITE_P(
         RecoveryCase{"Zero3FirstBackward", Zero3Mesh(), FaultPoint::kBackward,
                      1},
         RecoveryCase{"Ep2MoeSecondForward", DpShard2Ep2(), FaultPoint::kForward,
-                     2, /*moe=*/true}),
+                     2, /*moe=*/true},
+        // The failing rank's tp peer and replica have gradient sums in
+        // flight (started by the last backward's hooks) when its groups
+        // close.
+        RecoveryCase{"Tp2Dp2LastBackward", Tp2Dp2(), FaultPoint::kBackward, 0},
+        RecoveryCase{"Dp2LastBackward", TwoAlong(&MeshShape::dp_replicate),
+                     FaultPoint::kBackward, 0}),
     [](const ::testing::TestParamInfo<RecoveryCase>& info) {
       return std::string(info.param.name);
     });
