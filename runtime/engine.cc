@@ -908,9 +908,12 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   }
 
   std::vector<Parameter>& params = state->model->parameters();
-  if (state->spec.grad_sync == GradSync::kDeferred &&
-      NeedsGradientSync(*state->model) && !state->replicas_summed) {
-    absl::Status summed = FinishPhase(SyncGradients(*state->model));
+  if (state->spec.grad_sync == GradSync::kDeferred && !state->replicas_summed) {
+    // Every rank ends the phase, as it agrees over the world: a middle
+    // pipeline stage may have nothing to sum while the others sum.
+    absl::Status summed = FinishPhase(NeedsGradientSync(*state->model)
+                                          ? SyncGradients(*state->model)
+                                          : absl::OkStatus());
     // A partial sum cannot be undone: the window is no longer trustworthy.
     if (!summed.ok()) {
       const bool poisoned =
