@@ -393,7 +393,7 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
   // the ranks agree before any of them adds the model.
   absl::StatusOr<std::unique_ptr<ModelState>> built =
       BuildModel(spec, base_key);
-  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(built.status()));
+  TALLY_RETURN_IF_ERROR(phases().Agree(built.status()));
   std::unique_ptr<ModelState> state = *std::move(built);
   // Gathered only now: a rank that failed to build would never reach the
   // gathers.
@@ -600,7 +600,8 @@ absl::StatusOr<ForwardBackwardResult> Engine::ForwardBackward(
   }
   absl::StatusOr<ForwardBackwardResult> result =
       RunForwardBackward(*state, args, *loss);
-  if (absl::Status finished = FinishPhase(result.status()); !finished.ok()) {
+  if (absl::Status finished = phases().Finish(result.status());
+      !finished.ok()) {
     result = std::move(finished);
   }
   // Validation passed, so a failure here happened mid-computation, possibly
@@ -686,7 +687,9 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
   // not join. (Else the schedule's own agreements and transfers of zeros
   // let every rank finish, gradient sums in flight included.)
   if (CommunicatesInThePass(model)) {
-    stage.failed = [&](const absl::Status& failure) { FailFast(failure); };
+    stage.failed = [&](const absl::Status& failure) {
+      phases().FailFast(failure);
+    };
   }
   // The last backward starts the gradient sums: its replicas agree first,
   // so that none starts a sum that a replica which failed would not join.
@@ -698,7 +701,7 @@ absl::StatusOr<ForwardBackwardResult> Engine::RunForwardBackward(
       return so_far;
     };
   }
-  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(RunStageSchedule(
+  TALLY_RETURN_IF_ERROR(phases().Agree(RunStageSchedule(
       *groups_.pp, plan.num_batches(), !args.forward_only, stage)));
   TALLY_RETURN_IF_ERROR(results.SumOver(*groups_.data_and_cp));
   // Only the last stage computed the results (zeros elsewhere): every rank,
@@ -731,16 +734,6 @@ RankPhases Engine::phases() const {
 
 Consolidation Engine::consolidation() const {
   return Consolidation(mesh_, groups_, phases());
-}
-
-absl::Status Engine::AgreeAcrossRanks(absl::Status local) {
-  return phases().Agree(std::move(local));
-}
-
-void Engine::FailFast(const absl::Status& local) { phases().FailFast(local); }
-
-absl::Status Engine::FinishPhase(absl::Status local) {
-  return phases().Finish(std::move(local));
 }
 
 bool Engine::NeedsGradientSync(CausalLm& model) const {
@@ -820,7 +813,7 @@ absl::Status Engine::SyncCallGradients(CausalLm& model,
 absl::Status Engine::RefreshGathered(CausalLm& model, ShardsChanged changed) {
   if (!model.sharding().keeps_gathered()) return absl::OkStatus();
   const bool lora = model.lora().enabled();
-  return FinishPhase(
+  return phases().Finish(
       RefreshGatheredCopies(model.parameters(), model.compute_type(),
                             *groups_.dp_shard, [&](const Parameter& p) {
                               switch (changed) {
@@ -911,9 +904,9 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   if (state->spec.grad_sync == GradSync::kDeferred && !state->replicas_summed) {
     // Every rank ends the phase, as it agrees over the world: a middle
     // pipeline stage may have nothing to sum while the others sum.
-    absl::Status summed = FinishPhase(NeedsGradientSync(*state->model)
-                                          ? SyncGradients(*state->model)
-                                          : absl::OkStatus());
+    absl::Status summed = phases().Finish(NeedsGradientSync(*state->model)
+                                              ? SyncGradients(*state->model)
+                                              : absl::OkStatus());
     // A partial sum cannot be undone: the window is no longer trustworthy.
     if (!summed.ok()) {
       const bool poisoned =
@@ -930,7 +923,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
                                     args.norm_type, max_norm)
                       : norm_ready;
   // Nothing changed yet: a failure keeps the window.
-  TALLY_RETURN_IF_ERROR(FinishPhase(clipped.status()));
+  TALLY_RETURN_IF_ERROR(phases().Finish(clipped.status()));
   const ClipResult& clip = *clipped;
   OptimStepResult result;
   result.grad_norm = clip.norm.total;
@@ -974,7 +967,7 @@ absl::StatusOr<OptimStepResult> Engine::OptimStep(const std::string& model_id,
   }
   absl::Status stepped = InjectedFault(FaultPoint::kOptimizerUpdate);
   if (stepped.ok()) stepped = state->optimizer->Step(hp, clip.grad_scale);
-  stepped = AgreeAcrossRanks(stepped);
+  stepped = phases().Agree(stepped);
   if (stepped.ok()) {
     stepped = RefreshGathered(*state->model, ShardsChanged::kStepped);
   }
@@ -1084,11 +1077,11 @@ absl::StatusOr<LoadResult> Engine::LoadCheckpoint(const std::string& model_id,
     }
     return ValidateWeightsFor(contents, *state->model);
   }();
-  TALLY_RETURN_IF_ERROR(AgreeAcrossRanks(staged));
+  TALLY_RETURN_IF_ERROR(phases().Agree(staged));
   // Phase 2: apply.
   // A copy may fail on one rank only; the gathers need every rank's shards.
   absl::Status loaded =
-      AgreeAcrossRanks(LoadWeightsInto(contents, *state->model));
+      phases().Agree(LoadWeightsInto(contents, *state->model));
   if (loaded.ok()) {
     loaded = RefreshGathered(*state->model, ShardsChanged::kLoaded);
   }

@@ -243,20 +243,6 @@ class Engine {
   RankPhases phases() const;
   // How a checkpoint or an export gathers a model onto rank 0.
   Consolidation consolidation() const;
-  // Every rank returns an error if any rank's `local` is one, so no rank
-  // applies what another refused; the outcome is marked agreed (MarkAgreed).
-  // Ends a phase without collectives; one with collectives ends in
-  // FinishPhase.
-  absl::Status AgreeAcrossRanks(absl::Status local);
-  // A local failure (`local`, while no collective failed) inside a pass,
-  // whose schedule agrees over other groups before the phase ends: closes
-  // this rank's groups so no peer waits for it (ProcessGroups::FailFast).
-  // Nothing on one rank.
-  void FailFast(const absl::Status& local);
-  // The end of a phase of a command that ran collectives, where a failure of
-  // this rank alone may have left its peers in one (FinishPhase,
-  // runtime/phase_boundary.h); `local` unchanged on one rank.
-  absl::Status FinishPhase(absl::Status local);
   static void ClearWindow(ModelState& state);
   // What changed in a model's shards, for RefreshGathered.
   enum class ShardsChanged {
