@@ -1,5 +1,5 @@
 // The names of tally's data types, one table for every part of tally: the
-// runtime's DType (runtime/types.h: no float16, which only an export
+// runtime's DType (runtime/config/types.h: no float16, which only an export
 // stores), the clients' spellings of tally.v1.DType (client/dtype_names.h:
 // also the short names and DTYPE_<NAME>), and the Python client's
 // (tally_client/dtypes.py; tests/python/test_dtype_names.py compares them).

@@ -1,6 +1,6 @@
 // ScopedFd: a POSIX file descriptor closed when it goes out of scope, for the
 // readers and writers that work on raw descriptors (base/file_text.cc,
-// runtime/safetensors.cc).
+// runtime/io/safetensors.cc).
 //
 //   tally::ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
 //   if (fd.get() < 0) return ...;

@@ -1,6 +1,6 @@
 // bench_attention: peak memory and time of a ForwardBackward whose attention
 // is materialized (the [T, T] scores per head) or blocked (online softmax
-// over blocks of keys, runtime/blocked_attention.h), side by side in one
+// over blocks of keys, runtime/model/blocked_attention.h), side by side in one
 // process, at growing sample lengths.
 //
 //   build/bench/bench_attention                   # 1k, 4k and 16k tokens
@@ -30,7 +30,7 @@
 #include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "bench/bench_main.h"
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 
 ABSL_FLAG(std::string, lengths, "1024,4096,16384",
           "comma-separated sample lengths in tokens");

@@ -49,11 +49,11 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "bench/bench_main.h"
-#include "runtime/communicator.h"
-#include "runtime/distributed.h"
-#include "runtime/engine.h"
-#include "runtime/mesh.h"
-#include "runtime/optimizer.h"
+#include "runtime/engine/engine.h"
+#include "runtime/parallel/communicator.h"
+#include "runtime/parallel/distributed.h"
+#include "runtime/parallel/mesh.h"
+#include "runtime/train/optimizer.h"
 #include "server/launcher.h"
 
 ABSL_FLAG(bool, overlap_only, false,

@@ -31,8 +31,8 @@
 #include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "bench/bench_main.h"
-#include "runtime/engine.h"
-#include "runtime/memory_estimate.h"
+#include "runtime/config/memory_estimate.h"
+#include "runtime/engine/engine.h"
 
 ABSL_FLAG(int, rank, 16, "LoRA rank (>= 1)");
 ABSL_FLAG(int, adapters, 8, "adapters on the one base (>= 2)");

@@ -44,11 +44,11 @@
 #include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "bench/bench_main.h"
-#include "runtime/accumulation.h"
-#include "runtime/communicator.h"
-#include "runtime/llama_model.h"
-#include "runtime/mesh.h"
-#include "runtime/optimizer.h"
+#include "runtime/model/llama_model.h"
+#include "runtime/parallel/communicator.h"
+#include "runtime/parallel/mesh.h"
+#include "runtime/train/accumulation.h"
+#include "runtime/train/optimizer.h"
 
 ABSL_FLAG(std::vector<std::string>, sizes,
           std::vector<std::string>({"1000000", "10000000", "50000000"}),

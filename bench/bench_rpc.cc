@@ -30,8 +30,8 @@
 #include "base/status.h"
 #include "bench/bench_main.h"
 #include "client/trainer_client.h"
-#include "runtime/engine.h"
-#include "runtime/llama_config.h"
+#include "runtime/config/llama_config.h"
+#include "runtime/engine/engine.h"
 #include "server/server.h"
 
 ABSL_FLAG(int, rounds, 5,

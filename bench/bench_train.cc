@@ -63,13 +63,13 @@
 #include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "bench/bench_main.h"
-#include "runtime/compute_backend.h"
+#include "runtime/parallel/compute_backend.h"
 #if TALLY_WITH_NCCL
 #include "runtime/cuda/nccl_communicator.h"
 #endif
-#include "runtime/engine.h"
-#include "runtime/llama_config.h"
-#include "runtime/memory_estimate.h"
+#include "runtime/config/llama_config.h"
+#include "runtime/config/memory_estimate.h"
+#include "runtime/engine/engine.h"
 
 ABSL_FLAG(std::string, config, "small",
           "model shape: small (Llama, vocab 32000, hidden 512, 8 layers) or "

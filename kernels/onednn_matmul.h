@@ -6,8 +6,9 @@
 // on the way out, and offers no bfloat16 product with a float32 result. This
 // one keeps the accumulator: every product of two bfloat16 values is exact in
 // float32 and the sums run in float32, so a caller that adds several partial
-// products (the tensor-parallel linears, runtime/parallel_ops.h) rounds once,
-// after the sum, as a single matmul over the whole reduction would.
+// products (the tensor-parallel linears, runtime/parallel/parallel_ops.h)
+// rounds once, after the sum, as a single matmul over the whole reduction
+// would.
 //
 // Operands are 2-D views: a transpose is a stride, not a copy (a matrix whose
 // rows or columns are contiguous is read in place, any other is copied

@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""Finds include circles between the project's files.
+"""Finds include circles between the project's files, and between its rooms.
 
 A file pair x.h + x.cc is one node "x"; x depends on y when x.h or x.cc
 includes y.h (by its path from the source root, or relative to the including
-file). Every elementary cycle of that graph is printed, and the exit status is
-1 when there is one, 0 otherwise (2: bad arguments).
+file). Every elementary cycle of that graph is printed. The same is done for
+the rooms, the libraries the files make up: a file's room is its top
+directory (base, server, ...), or for a file under one of --rooms-under
+(runtime), the directory below that (runtime/model, runtime/parallel, ...);
+a room depends on another when one of its files, tests (*_test.cc) left out,
+includes a header of the other. The exit status is 1 when either graph has a
+cycle, 0 otherwise (2: bad arguments).
 
   scripts/check_include_cycles.py                 # the tree this script is in
   scripts/check_include_cycles.py --root DIR --dirs base runtime
+  scripts/check_include_cycles.py --rooms-under     # top directories only
 """
 
 import argparse
@@ -16,6 +22,7 @@ import re
 import sys
 
 DEFAULT_DIRS = ("base", "runtime", "server", "client", "kernels")
+DEFAULT_ROOMS_UNDER = ("runtime",)
 SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh")
 
 # Cycles printed per strongly connected component before the rest is counted.
@@ -59,6 +66,35 @@ def include_graph(root, dirs):
                         graph[node_of(path)].add(target)
                     break
     return graph
+
+
+def room_of(node, rooms_under):
+    """The room of a node: runtime/model for runtime/model/x, base for
+    base/x (rooms_under holds "runtime")."""
+    parts = node.split("/")
+    if parts[0] in rooms_under and len(parts) > 2:
+        return "/".join(parts[:2])
+    return parts[0]
+
+
+def room_graph(graph, rooms_under):
+    """Returns ({room: set of rooms it includes}, {(room, room): one
+    (node, node) include behind that edge}), tests left out."""
+    rooms, witness = {}, {}
+    for node in sorted(graph):
+        if node.endswith("_test"):
+            continue
+        room = room_of(node, rooms_under)
+        rooms.setdefault(room, set())
+        for target in sorted(graph[node]):
+            other = room_of(target, rooms_under)
+            if other != room:
+                rooms[room].add(other)
+                witness.setdefault((room, other), (node, target))
+    for targets in list(rooms.values()):
+        for other in targets:
+            rooms.setdefault(other, set())
+    return rooms, witness
 
 
 def strongly_connected(graph):
@@ -148,24 +184,39 @@ def main(argv):
                         help="the source root (default: this script's ../)")
     parser.add_argument("--dirs", nargs="+", default=list(DEFAULT_DIRS),
                         help="directories under --root to check")
+    parser.add_argument("--rooms-under", nargs="*",
+                        default=list(DEFAULT_ROOMS_UNDER),
+                        help="directories whose subdirectories are rooms")
     args = parser.parse_args(argv)
     for directory in args.dirs:
         if not os.path.isdir(os.path.join(args.root, directory)):
             parser.error(f"--dirs: {directory} is not a directory under "
                          f"{args.root}")
 
-    cycles, truncated = find_cycles(include_graph(args.root, args.dirs))
-    failed = bool(cycles or truncated)
+    graph = include_graph(args.root, args.dirs)
+    cycles, truncated = find_cycles(graph)
     for cycle in cycles:
         print(f"include cycle: {' -> '.join(cycle + cycle[:1])}")
     for component in truncated:
         print(f"more than {MAX_CYCLES_SHOWN} cycles among: "
               f"{', '.join(component)}")
-    if failed:
+    if cycles or truncated:
         print("Break each cycle by moving what the including file needs into "
               "a header of its own (x.h + x.cc are one node).")
-        return 1
-    return 0
+    rooms, witness = room_graph(graph, set(args.rooms_under))
+    room_cycles, room_truncated = find_cycles(rooms)
+    for cycle in room_cycles:
+        hops = [witness[(a, b)] for a, b in zip(cycle, cycle[1:] + cycle[:1])]
+        print(f"room cycle: {' -> '.join(cycle + cycle[:1])} ("
+              + "; ".join(f"{a} includes {b}" for a, b in hops) + ")")
+    for component in room_truncated:
+        print(f"more than {MAX_CYCLES_SHOWN} room cycles among: "
+              f"{', '.join(component)}")
+    if room_cycles or room_truncated:
+        print("Rooms depend one way: move the file to the room it belongs "
+              "to, or what it needs into a lower room.")
+    failed = cycles or truncated or room_cycles or room_truncated
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 #include "server/auth.h"
 #include "server/convert.h"
 #include "server/flags.h"

@@ -1,5 +1,5 @@
 // MemoryAdmission: the server's ledger of the memory its models hold, by the
-// estimates of runtime/memory_estimate.h, so that a model or a call that
+// estimates of runtime/config/memory_estimate.h, so that a model or a call that
 // would not fit is refused with RESOURCE_EXHAUSTED before anything is
 // allocated, instead of the process being OOM-killed with every tenant's
 // state.

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 #include "server/commands.h"
 #include "tests/testing/test_util.h"
 

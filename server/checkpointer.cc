@@ -9,7 +9,7 @@
 #include "absl/time/time.h"
 #include "base/log.h"
 #include "base/status.h"
-#include "runtime/checkpoint.h"
+#include "runtime/checkpoint/checkpoint.h"
 #include "server/checkpoint_retention.h"
 #include "server/commands.h"
 #include "server/convert.h"

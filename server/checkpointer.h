@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "runtime/communicator.h"
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
+#include "runtime/parallel/communicator.h"
 #include "server/commands.h"
 #include "server/metrics.h"
 #include "tally/v1/trainer.pb.h"

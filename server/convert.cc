@@ -8,7 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
-#include "runtime/loss_spec.h"
+#include "runtime/config/loss_spec.h"
 
 namespace tally {
 namespace {

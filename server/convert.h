@@ -11,8 +11,8 @@
 // checked separately with ValidateModelId, on the id the client sent: the
 // server may scope it to a tenant ("<tenant>/<id>", an engine id) before the
 // command runs. The front end parses a request once, before admission, and
-// the command runs on what it parsed (commands.h). Checks that need the model (token
-// ranges, lengths) are the engine's, also done before any state changes.
+// the command runs on what it parsed (commands.h). Checks that need the model
+// (token ranges, lengths) are the engine's, also done before any state changes.
 //
 //   TALLY_ASSIGN_OR_RETURN(tally::OptimStepArgs args,
 //                          tally::ParseOptimStep(request));
@@ -24,8 +24,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "runtime/types.h"
-#include "runtime/weights_export.h"
+#include "runtime/checkpoint/weights_export.h"
+#include "runtime/config/types.h"
 #include "tally/v1/trainer.pb.h"
 
 namespace tally {

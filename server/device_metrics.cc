@@ -3,8 +3,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "runtime/device.h"
-#include "runtime/device_query.h"
+#include "runtime/parallel/device.h"
+#include "runtime/parallel/device_query.h"
 
 namespace tally {
 namespace {

@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
-#include "runtime/compute_backend.h"
-#include "runtime/zero.h"
+#include "runtime/parallel/compute_backend.h"
+#include "runtime/parallel/zero.h"
 #include "server/process_metrics.h"
 
 namespace tally {

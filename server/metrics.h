@@ -38,7 +38,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 #include "server/auth.h"
 #include "server/device_metrics.h"
 #include "server/http_endpoint.h"

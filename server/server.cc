@@ -17,9 +17,9 @@
 #include "base/file_text.h"
 #include "base/log.h"
 #include "base/status.h"
-#include "runtime/address.h"
-#include "runtime/compute_backend.h"
-#include "runtime/device_query.h"
+#include "runtime/config/address.h"
+#include "runtime/parallel/compute_backend.h"
+#include "runtime/parallel/device_query.h"
 #include "server/admission.h"
 #include "server/commands.h"
 #include "server/listen_port.h"
@@ -69,7 +69,8 @@ absl::StatusOr<int> LocalRankPort(const ServerOptions& options, int base,
   return port;
 }
 
-// The device of this rank (runtime/device.h): the same on every call, from
+// The device of this rank (runtime/parallel/device.h): the same on every call,
+// from
 // --device, the rank's place on its host and the GPUs this process sees.
 absl::StatusOr<RankDevice> ChooseRankDevice(const ServerOptions& options) {
   TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
@@ -371,6 +372,47 @@ absl::StatusOr<std::optional<BasicCredentials>> MetricsScraper(
   return scraper;
 }
 
+// The request queues' bounds and the sequencing of --seq-* flags.
+void SetQueueOptions(const ServerOptions& options,
+                     TrainerServiceOptions& service_options) {
+  service_options.sequencing.gap_timeout =
+      absl::Seconds(options.seq_gap_timeout_secs);
+  service_options.sequencing.cache_size =
+      static_cast<size_t>(options.seq_cache);
+  service_options.budget.total =
+      static_cast<size_t>(options.max_queued_requests);
+  service_options.budget.per_tenant =
+      static_cast<size_t>(options.max_queued_requests_per_tenant);
+  service_options.budget.per_model =
+      static_cast<size_t>(options.max_queued_requests_per_model);
+}
+
+// The gRPC server of `service` (with health checks and reflection) on
+// --host:--grpc-port; `*port` is set to the port it listens on. UNAVAILABLE
+// when it cannot listen there.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    const ServerOptions& options,
+    std::shared_ptr<grpc::ServerCredentials> credentials,
+    grpc::Service* service, int* port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // A port another process listens on is refused, not shared.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(absl::StrCat(options.host, ":", options.grpc_port),
+                           std::move(credentials), port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || *port == 0) {
+    return absl::UnavailableError(absl::StrCat("--grpc-port: cannot listen on ",
+                                               options.host, ":",
+                                               options.grpc_port));
+  }
+  return server;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
@@ -451,16 +493,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   s->executor_ = std::make_unique<CommandExecutor>(s->liveness_.get());
   service_options.sequencing.liveness = s->liveness_.get();
 
-  service_options.sequencing.gap_timeout =
-      absl::Seconds(options.seq_gap_timeout_secs);
-  service_options.sequencing.cache_size =
-      static_cast<size_t>(options.seq_cache);
-  service_options.budget.total =
-      static_cast<size_t>(options.max_queued_requests);
-  service_options.budget.per_tenant =
-      static_cast<size_t>(options.max_queued_requests_per_tenant);
-  service_options.budget.per_model =
-      static_cast<size_t>(options.max_queued_requests_per_model);
+  SetQueueOptions(options, service_options);
   TallyServer* server = s.get();
   service_options.on_rank_failure = [server](const absl::Status& failure) {
     server->OnRankFailure(failure);
@@ -474,22 +507,9 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
         s->service_->RestoreSequencing(resumed.model_id, resumed.server_state));
   }
   s->service_->ReportUnresumed(s->resume_.failed);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  // A port another process listens on is refused, not shared.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(absl::StrCat(options.host, ":", options.grpc_port),
-                           credentials, &s->grpc_port_);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.RegisterService(s->service_.get());
-  s->server_ = builder.BuildAndStart();
-  if (!s->server_ || s->grpc_port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("--grpc-port: cannot listen on ",
-                                               options.host, ":",
-                                               options.grpc_port));
-  }
+  TALLY_ASSIGN_OR_RETURN(s->server_,
+                         StartGrpcServer(options, std::move(credentials),
+                                         s->service_.get(), &s->grpc_port_));
   SetServing(*s->server_, *s->metrics_, true);
   Log(LogLevel::kInfo,
       absl::StrCat("serving tally.v1.Trainer on ", options.host, ":",

@@ -20,10 +20,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "runtime/device.h"
-#include "runtime/distributed.h"
-#include "runtime/engine.h"
-#include "runtime/mesh.h"
+#include "runtime/engine/engine.h"
+#include "runtime/parallel/device.h"
+#include "runtime/parallel/distributed.h"
+#include "runtime/parallel/mesh.h"
 #include "server/auth.h"
 #include "server/checkpointer.h"
 #include "server/executor.h"
@@ -74,9 +74,10 @@ struct ServerOptions {
   // Micro-batches per call under pipeline parallelism; 0: --pp.
   int64_t pp_microbatches = EngineOptions().pp_microbatches;
   bool overlap_grad_sync = EngineOptions().overlap_grad_sync;
-  // What --dp-shard shards (runtime/zero.h); every rank needs the same.
+  // What --dp-shard shards (runtime/parallel/zero.h); every rank needs the
+  // same.
   ZeroStage zero_stage = EngineOptions().zero_stage;
-  // The device of each rank (runtime/device.h), decided at start.
+  // The device of each rank (runtime/parallel/device.h), decided at start.
   DeviceKind device = DeviceKind::kAuto;
   // Float32 matmuls on a GPU may round through TF32.
   bool allow_tf32 = false;

@@ -5,9 +5,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/compute_backend.h"
-#include "runtime/families/registry.h"
-#include "runtime/loss_spec.h"
+#include "runtime/config/families/registry.h"
+#include "runtime/config/loss_spec.h"
+#include "runtime/parallel/compute_backend.h"
 
 namespace tally {
 namespace {

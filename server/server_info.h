@@ -10,10 +10,10 @@
 #ifndef TALLY_SERVER_SERVER_INFO_H_
 #define TALLY_SERVER_SERVER_INFO_H_
 
-#include "runtime/device.h"
-#include "runtime/device_query.h"
-#include "runtime/mesh.h"
-#include "runtime/types.h"
+#include "runtime/config/types.h"
+#include "runtime/parallel/device.h"
+#include "runtime/parallel/device_query.h"
+#include "runtime/parallel/mesh.h"
 #include "tally/v1/trainer.pb.h"
 
 namespace tally {

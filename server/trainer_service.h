@@ -47,7 +47,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 #include "server/admission.h"
 #include "server/auth.h"
 #include "server/checkpointer.h"

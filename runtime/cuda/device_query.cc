@@ -1,6 +1,6 @@
 // DeviceQuery through the CUDA runtime API (and NCCL's version when the
 // build links NCCL: TALLY_DEVICE_QUERY_NCCL).
-#include "runtime/device_query.h"
+#include "runtime/parallel/device_query.h"
 
 #include <cuda_runtime_api.h>
 

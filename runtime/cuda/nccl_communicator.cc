@@ -18,7 +18,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/status.h"
-#include "runtime/torch_compat.h"
+#include "runtime/parallel/torch_compat.h"
 
 #if TALLY_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>

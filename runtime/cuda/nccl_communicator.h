@@ -40,7 +40,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "runtime/communicator.h"
+#include "runtime/parallel/communicator.h"
 
 namespace tally {
 

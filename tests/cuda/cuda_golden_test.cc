@@ -23,10 +23,10 @@
 #if TALLY_WITH_NCCL
 #include "runtime/cuda/nccl_communicator.h"
 #endif
-#include "runtime/distributed.h"
-#include "runtime/engine.h"
-#include "runtime/loss_spec.h"
-#include "runtime/mesh.h"
+#include "runtime/config/loss_spec.h"
+#include "runtime/engine/engine.h"
+#include "runtime/parallel/distributed.h"
+#include "runtime/parallel/mesh.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
 

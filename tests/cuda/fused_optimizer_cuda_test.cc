@@ -20,7 +20,7 @@
 #include "absl/status/status.h"
 #include "kernels/fused_optimizer.h"
 #include "kernels/grad_stats.h"
-#include "runtime/torch_compat.h"
+#include "runtime/parallel/torch_compat.h"
 #include "tests/cuda/cuda_device.h"
 
 namespace tally::kernels {

@@ -152,7 +152,7 @@ def expand_args(args, env):
 
 
 def rank_and_world(flags, env):
-    """runtime/distributed.cc ResolveRankEnv's precedence: flags, then
+    """runtime/parallel/distributed.cc ResolveRankEnv's precedence: flags, then
     torchrun's RANK/WORLD_SIZE, then LeaderWorkerSet's variables."""
     if "--rank" in flags:
         return int(flags["--rank"]), int(flags["--world-size"])

@@ -1,5 +1,5 @@
 // libFuzzer target: untrusted adapter_config.json text through
-// CheckPeftAdapterConfig (runtime/peft_adapter_config.h), which a LoRA
+// CheckPeftAdapterConfig (runtime/config/peft_adapter_config.h), which a LoRA
 // model created with lora.init_adapter reads. Every outcome but OK is
 // INVALID_ARGUMENT naming lora.init_adapter, with a short message.
 //
@@ -10,8 +10,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
-#include "runtime/lora_config.h"
-#include "runtime/peft_adapter_config.h"
+#include "runtime/config/lora_config.h"
+#include "runtime/config/peft_adapter_config.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

@@ -1,7 +1,7 @@
 // libFuzzer target: untrusted tally.json text through
-// ParseCheckpointManifest (runtime/checkpoint_manifest.h), which every read
-// of a tally checkpoint (--resume, LoadCheckpoint, init_checkpoint) parses.
-// A refused manifest is DATA_LOSS (INVALID_ARGUMENT for a newer
+// ParseCheckpointManifest (runtime/checkpoint/checkpoint_manifest.h), which
+// every read of a tally checkpoint (--resume, LoadCheckpoint, init_checkpoint)
+// parses. A refused manifest is DATA_LOSS (INVALID_ARGUMENT for a newer
 // format_version) with a short message; an accepted one survives
 // ManifestToJson -> ParseCheckpointManifest unchanged.
 //
@@ -11,7 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "runtime/checkpoint_manifest.h"
+#include "runtime/checkpoint/checkpoint_manifest.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {
@@ -25,9 +25,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
       "{\"format_version\":2,\"lora\":{\"rank\":", "}}", 100000);
   const absl::StatusOr<tally::CheckpointManifest> manifest =
       tally::ParseCheckpointManifest(deep, kPath);
-  tally::fuzz::Require(!manifest.ok() &&
-                       manifest.status().message().size() <=
-                           tally::fuzz::kMaxMessage);
+  tally::fuzz::Require(!manifest.ok() && manifest.status().message().size() <=
+                                             tally::fuzz::kMaxMessage);
   return 0;
 }
 

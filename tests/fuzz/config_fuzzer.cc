@@ -1,5 +1,5 @@
 // libFuzzer target: untrusted config.json text through
-// LlamaConfig::FromHfJson (runtime/llama_config.h), which reads the
+// LlamaConfig::FromHfJson (runtime/config/llama_config.h), which reads the
 // config.json of every checkpoint or HF directory a model is created from.
 // (request_fuzzer reaches LlamaConfig only through the proto's int32
 // fields.) An accepted config must be valid, already have its defaults
@@ -12,7 +12,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "runtime/llama_config.h"
+#include "runtime/config/llama_config.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // libFuzzer target: untrusted safetensors bytes through the header parser
-// (runtime/safetensors_header.h), everything ReadSafetensors checks before it
-// reads tensor data. The input is a whole file: the 8-byte length prefix, the
-// JSON header, then the data buffer. A header the parser accepts must
+// (runtime/io/safetensors_header.h), everything ReadSafetensors checks before
+// it reads tensor data. The input is a whole file: the 8-byte length prefix,
+// the JSON header, then the data buffer. A header the parser accepts must
 // describe tensors that tile the data buffer in bounds and without overlap,
 // each exactly as long as its shape and dtype say, and must survive
 // EncodeSafetensorsHeader -> parse unchanged.
@@ -15,7 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "runtime/safetensors_header.h"
+#include "runtime/io/safetensors_header.h"
 
 namespace tally {
 namespace {

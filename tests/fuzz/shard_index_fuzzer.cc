@@ -1,5 +1,5 @@
 // libFuzzer target: untrusted model.safetensors.index.json text through
-// ParseShardIndex (runtime/shard_index.h), which a model created from a
+// ParseShardIndex (runtime/io/shard_index.h), which a model created from a
 // sharded HF directory reads. A refused index is DATA_LOSS with a short
 // message; an accepted one names only plain files of its directory, each
 // holding at least one tensor.
@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "runtime/shard_index.h"
+#include "runtime/io/shard_index.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {
@@ -24,9 +24,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
       tally::fuzz::Nested("{\"weight_map\":{\"a\":", "}}", 100000);
   const absl::StatusOr<tally::ShardIndex> index =
       tally::ParseShardIndex(deep, kPath);
-  tally::fuzz::Require(!index.ok() &&
-                       index.status().message().size() <=
-                           tally::fuzz::kMaxMessage);
+  tally::fuzz::Require(!index.ok() && index.status().message().size() <=
+                                          tally::fuzz::kMaxMessage);
   return 0;
 }
 

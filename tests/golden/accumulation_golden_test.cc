@@ -7,7 +7,7 @@
 #include <cmath>
 #include <string>
 
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {

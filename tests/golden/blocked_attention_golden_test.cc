@@ -1,6 +1,6 @@
-// Golden tests of blocked attention (runtime/blocked_attention.h) on a mesh:
-// a model trained on a multi-rank engine whose attention goes by blocks of 3
-// keys (EngineOptions::attention kBlocked: many blocks, most calls with a
+// Golden tests of blocked attention (runtime/model/blocked_attention.h) on a
+// mesh: a model trained on a multi-rank engine whose attention goes by blocks
+// of 3 keys (EngineOptions::attention kBlocked: many blocks, most calls with a
 // partial last one) equals the same model trained on a single device with
 // the materialized [T, K] softmax. Real rank processes on loopback each run
 // the mesh engine and, in the same process, the single-rank reference on the
@@ -28,11 +28,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
-#include "runtime/attention_layout.h"
-#include "runtime/context_parallel.h"
-#include "runtime/distributed.h"
-#include "runtime/engine.h"
-#include "runtime/loss.h"
+#include "runtime/engine/engine.h"
+#include "runtime/model/attention_layout.h"
+#include "runtime/parallel/distributed.h"
+#include "runtime/train/context_parallel.h"
+#include "runtime/train/loss.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
 

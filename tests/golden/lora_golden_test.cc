@@ -1,7 +1,7 @@
-// Golden tests of LoRA adapters (runtime/lora.h): an adapter over a frozen
-// base trained on a mesh equals the same adapter trained on a single device.
-// Real rank processes on loopback each run a multi-rank engine and, in the
-// same process, a single-rank reference on the same samples (as
+// Golden tests of LoRA adapters (runtime/model/lora.h): an adapter over a
+// frozen base trained on a mesh equals the same adapter trained on a single
+// device. Real rank processes on loopback each run a multi-rank engine and, in
+// the same process, a single-rank reference on the same samples (as
 // multirank_golden_test.cc): per-call losses, the adapters' gradients, the
 // norm, the clip coefficient and every adapter parameter after two windows,
 // in fp64 at 1e-10 relative, while the base stays bitwise what it was. The
@@ -25,10 +25,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
-#include "runtime/distributed.h"
-#include "runtime/engine.h"
-#include "runtime/lora.h"
-#include "runtime/lora_config.h"
+#include "runtime/config/lora_config.h"
+#include "runtime/engine/engine.h"
+#include "runtime/model/lora.h"
+#include "runtime/parallel/distributed.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
 

@@ -24,8 +24,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "kernels/onednn_matmul.h"
-#include "runtime/communicator.h"
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
+#include "runtime/parallel/communicator.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
 

@@ -1,8 +1,8 @@
 // A failure seen by one rank only fails the command on every rank with that
 // rank's status, and the ranks go on to the next command (the fault hook,
-// runtime/fault_hook.h, makes one rank fail at chosen points); a rank whose
-// collective failed answers at once instead of waiting out another timeout.
-// Real rank processes on loopback (tests/testing/multirank.h).
+// runtime/parallel/fault_hook.h, makes one rank fail at chosen points); a rank
+// whose collective failed answers at once instead of waiting out another
+// timeout. Real rank processes on loopback (tests/testing/multirank.h).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -16,9 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
-#include "runtime/distributed.h"
-#include "runtime/engine.h"
-#include "runtime/fault_hook.h"
+#include "runtime/engine/engine.h"
+#include "runtime/parallel/distributed.h"
+#include "runtime/parallel/fault_hook.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
@@ -519,9 +519,9 @@ TEST(RankFailureTest, AFailurePartwayThroughTheGatherFailsFast) {
 // passes (ZeRO-1's gradient sum, the gathers of the kept copies after a
 // create, a step or a load) or between the copies of a load fails the
 // command on every rank alike within a third of the timeout (at the
-// command's phase boundary, FinishPhase in runtime/phase_boundary.h), with
-// the state its documentation says, and the ranks go on: after the window is
-// aborted or the model reloaded, the next step equals the twin's that never
+// command's phase boundary, FinishPhase in runtime/parallel/phase_boundary.h),
+// with the state its documentation says, and the ranks go on: after the window
+// is aborted or the model reloaded, the next step equals the twin's that never
 // failed.
 enum class Command {
   kCreateModel,      // leaves no model on any rank

@@ -1,10 +1,10 @@
-// ZeRO stages 1 and 2 (runtime/zero.h) on real dp_shard = 2 rank processes:
-// the collectives a window issues over dp_shard and the state each rank
-// holds follow the stage's definition (seed-data-parallelism-zero), counted
-// from the Communicator and computed here from the parameters' shapes; a
-// LoRA base is gathered once for all its adapters' steps. Exactness against
+// ZeRO stages 1 and 2 (runtime/parallel/zero.h) on real dp_shard = 2 rank
+// processes: the collectives a window issues over dp_shard and the state each
+// rank holds follow the stage's definition (seed-data-parallelism-zero),
+// counted from the Communicator and computed here from the parameters' shapes;
+// a LoRA base is gathered once for all its adapters' steps. Exactness against
 // the single device is the golden tests' (ZeroStageGoldenTest).
-#include "runtime/zero.h"
+#include "runtime/parallel/zero.h"
 
 #include <gtest/gtest.h>
 
@@ -13,9 +13,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
-#include "runtime/engine.h"
-#include "runtime/memory_estimate.h"
-#include "runtime/parallel_ops.h"
+#include "runtime/config/memory_estimate.h"
+#include "runtime/engine/engine.h"
+#include "runtime/parallel/parallel_ops.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"

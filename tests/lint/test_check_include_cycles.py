@@ -31,12 +31,13 @@ class CheckIncludeCyclesTest(unittest.TestCase):
                 source.write(f'#include "{included}"\n')
             source.write("#include <vector>\n#include \"absl/status/status.h\"\n")
 
-    def check(self, *dirs):
+    def check(self, *dirs, rooms_under=("runtime",)):
         """(exit status, output lines) of the checker over `dirs`."""
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             status = check_include_cycles.main(
-                ["--root", self.root, "--dirs", *dirs])
+                ["--root", self.root, "--dirs", *dirs,
+                 "--rooms-under", *rooms_under])
         return status, out.getvalue().splitlines()
 
     def test_tree_without_cycle_passes(self):
@@ -91,6 +92,33 @@ class CheckIncludeCyclesTest(unittest.TestCase):
         self.write("other/b.h", "lib/a.h")
         self.assertEqual(self.check("lib"), (0, []))
 
+    def write_rooms_both_ways(self):
+        """rt/a and rt/b include each other through different files: no
+        file cycle, a room cycle."""
+        self.write("rt/a/x.h", "rt/b/y.h")
+        self.write("rt/b/y.h")
+        self.write("rt/b/z.cc", "rt/a/w.h")
+        self.write("rt/a/w.h")
+
+    def test_rooms_that_include_each_other_fail(self):
+        self.write_rooms_both_ways()
+        status, lines = self.check("rt", rooms_under=("rt",))
+        self.assertEqual(status, 1)
+        self.assertFalse(any(line.startswith("include cycle") for line in lines))
+        self.assertIn("room cycle: rt/a -> rt/b -> rt/a (rt/a/x includes "
+                      "rt/b/y; rt/b/z includes rt/a/w)", lines)
+
+    def test_rooms_are_the_directories_below_rooms_under(self):
+        # Without rooms under rt, rt is one room and nothing circles.
+        self.write_rooms_both_ways()
+        self.assertEqual(self.check("rt", rooms_under=()), (0, []))
+
+    def test_a_test_may_include_a_higher_room(self):
+        # A test is a leaf, not part of its room's library.
+        self.write("rt/a/w.h")
+        self.write("rt/a/w_test.cc", "rt/a/w.h", "rt/b/y.h")
+        self.write("rt/b/y.h", "rt/a/w.h")
+        self.assertEqual(self.check("rt", rooms_under=("rt",)), (0, []))
 
     def test_missing_directory_is_a_usage_error(self):
         with contextlib.redirect_stderr(io.StringIO()) as err:

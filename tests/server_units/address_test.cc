@@ -1,6 +1,6 @@
 // IsLoopbackHost: loopback addresses only, parsed as addresses; names that
 // merely start like one are not loopback.
-#include "runtime/address.h"
+#include "runtime/config/address.h"
 
 #include <gtest/gtest.h>
 

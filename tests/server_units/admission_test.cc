@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/memory_estimate.h"
+#include "runtime/config/memory_estimate.h"
 
 namespace tally {
 namespace {

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "base/dtype_names.h"
-#include "runtime/types.h"
+#include "runtime/config/types.h"
 
 namespace tally {
 namespace {

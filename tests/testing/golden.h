@@ -14,9 +14,9 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "runtime/distributed.h"
-#include "runtime/engine.h"
-#include "runtime/mesh.h"
+#include "runtime/engine/engine.h"
+#include "runtime/parallel/distributed.h"
+#include "runtime/parallel/mesh.h"
 
 namespace tally::testing {
 

@@ -27,7 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "runtime/distributed.h"
+#include "runtime/parallel/distributed.h"
 
 namespace tally::testing {
 

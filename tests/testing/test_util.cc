@@ -6,7 +6,7 @@
 #include <fstream>
 #include <random>
 
-#include "runtime/safetensors_header.h"
+#include "runtime/io/safetensors_header.h"
 
 namespace tally::testing {
 

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/engine.h"
-#include "runtime/llama_config.h"
-#include "runtime/types.h"
+#include "runtime/config/llama_config.h"
+#include "runtime/config/types.h"
+#include "runtime/engine/engine.h"
 
 namespace tally::testing {
 

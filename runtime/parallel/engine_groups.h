@@ -1,0 +1,43 @@
+// EngineGroups: the communicators of one rank, by the role they play in the
+// training math. The engine forms them once from its ProcessGroups (or one
+// single-rank group); the units that run collectives on a model take them
+// explicitly.
+//
+//   const tally::EngineGroups& g = engine.groups();
+//   if (g.pp->size() > 1) { ... }  // a staged model
+//   TALLY_RETURN_IF_ERROR(g.replicas->AllReduce(grad, tally::ReduceOp::kSum));
+#ifndef TALLY_RUNTIME_PARALLEL_ENGINE_GROUPS_H_
+#define TALLY_RUNTIME_PARALLEL_ENGINE_GROUPS_H_
+
+#include "runtime/parallel/communicator.h"
+
+namespace tally {
+
+// In a single-rank engine every role is the same one-rank group.
+struct EngineGroups {
+  Communicator* world = nullptr;  // the gradient norm's one collective
+  Communicator* data = nullptr;   // ranks holding distinct samples
+  // data x cp: ranks holding distinct tokens; per-sample results sum here.
+  Communicator* data_and_cp = nullptr;
+  // dp_replicate x cp: ranks holding the same parameter shards, each with a
+  // partial gradient. Gradients SUM here (EAGER: per call; DEFERRED: at
+  // OptimStep).
+  Communicator* replicas = nullptr;
+  Communicator* dp_replicate = nullptr;
+  Communicator* dp_shard = nullptr;  // ZeRO-3 gather / reduce-scatter
+  Communicator* cp = nullptr;        // the K/V gather of context parallelism
+  Communicator* tp = nullptr;        // Megatron tensor parallelism
+  Communicator* ep = nullptr;        // expert parallelism: the dispatch
+  // The expert-data-parallel ranks: holding the same experts with different
+  // data. Expert gradients SUM here (never over ep), like dense ones over
+  // `replicas`.
+  Communicator* expert_replicas = nullptr;
+  // Pipeline parallelism: the stages of this rank's (dp, cp, tp)
+  // coordinates; group rank = stage. Activations and their gradients move
+  // here, and the tied embedding's two copies sum their gradients.
+  Communicator* pp = nullptr;
+};
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_PARALLEL_ENGINE_GROUPS_H_
