@@ -116,6 +116,14 @@ torch::Tensor CausalLm::TargetLogprobs(const torch::Tensor& inputs,
   return StageForward(inputs, targets, layout, io);
 }
 
+absl::StatusOr<torch::Tensor> CausalLm::ForwardWithCache(
+    const torch::Tensor& /*input*/, const torch::Tensor& /*positions*/,
+    const torch::Tensor& /*valid*/, KvCache& /*cache*/) {
+  return absl::UnimplementedError(absl::StrCat(
+      "decoding with a KV cache is not implemented for model_type ",
+      config_.ResolvedModelType()));
+}
+
 absl::StatusOr<int> CausalLm::AddPlaceholder(const ParameterSpec& spec,
                                              const ShardingPlan& plan) {
   if (sharded() || sharding_.pp_stages > 1) {

@@ -71,6 +71,7 @@ struct StageIo {
 };
 
 class CausalLm;
+class KvCache;  // kv_cache.h
 
 // The LoRA adapters a model carries (runtime/model/lora.h) and the frozen base
 // they adapt.
@@ -195,6 +196,17 @@ class CausalLm {
                                const torch::Tensor& targets,
                                const AttentionLayout& layout,
                                StageIo* io = nullptr);
+  // Decoding (kv_cache.h): the whole model on one rank, without gradients,
+  // over new tokens `input` [B, T] at `positions` of which `valid` are real
+  // (both [B, T]), their keys the cache's followed by their own. Appends
+  // their keys and values to `cache` and returns the logits [B, T, V] in
+  // float32 at least (the dtype TargetLogprobs' log-softmax runs in).
+  // UNIMPLEMENTED for a family without a cache path and for a model split
+  // over ranks (tp, dp_shard, ep, cp or pp); INVALID_ARGUMENT for shapes
+  // that do not match each other or the cache.
+  virtual absl::StatusOr<torch::Tensor> ForwardWithCache(
+      const torch::Tensor& input, const torch::Tensor& positions,
+      const torch::Tensor& valid, KvCache& cache);
 
  protected:
   CausalLm(const LlamaConfig& config, DType dtype,

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -11,6 +12,7 @@
 #include "kernels/onednn_matmul.h"
 #include "runtime/config/families/registry.h"
 #include "runtime/model/blocked_attention.h"
+#include "runtime/model/kv_cache.h"
 #include "runtime/model/lora.h"
 #include "runtime/model/moe_block.h"
 #include "runtime/model/recompute.h"
@@ -513,6 +515,9 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
     k = GatherSequenceBlocks(k, *sharding_.cp);
     v = GatherSequenceBlocks(v, *sharding_.cp);
   }
+  if (mask.cache != nullptr) {
+    std::tie(k, v) = mask.cache->Append(first_layer_ + layer, k, v);
+  }
   if (heads != kv_heads) {
     // Query head j reads kv head j / (heads / kv_heads), as HF's repeat_kv.
     k = k.repeat_interleave(heads / kv_heads, /*dim=*/1);
@@ -552,13 +557,16 @@ torch::Tensor LlamaModel::Embed(const torch::Tensor& input,
                                       *sharding_.tp);
 }
 
+torch::Tensor LlamaModel::Logits(const torch::Tensor& x) {
+  // In float32 at least (HF upcasts logits for the loss).
+  return Project(EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), lm_head_)
+      .to(AtLeastFloat32(compute_type()));
+}
+
 torch::Tensor LlamaModel::TargetLogprobsFromHidden(const torch::Tensor& x,
                                                    const torch::Tensor& targets,
                                                    int64_t vocab_start) {
-  // Log-probabilities in float32 at least (HF upcasts logits for the loss).
-  torch::Tensor logits =
-      Project(EnterTensorParallel(RmsNorm(x, Weight(final_norm_))), lm_head_)
-          .to(AtLeastFloat32(compute_type()));
+  const torch::Tensor logits = Logits(x);
   if (sharding_.tp_size() > 1) {
     return VocabParallelTargetLogprobs(logits, targets, vocab_start,
                                        *sharding_.tp);
@@ -615,6 +623,19 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
         {config_.num_hidden_layers, config_.num_local_experts},
         torch::TensorOptions(torch::kFloat64).device(input.device()));
   }
+  // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
+  const int64_t vocab_start =
+      sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
+  torch::Tensor x = RunLayers(Embed(input, vocab_start), layout, io,
+                              /*cache=*/nullptr);
+  if (!last_stage()) return x;
+  return TargetLogprobsFromHidden(x, targets, vocab_start);
+}
+
+torch::Tensor LlamaModel::RunLayers(torch::Tensor x,
+                                    const AttentionLayout& layout, StageIo* io,
+                                    KvCache* cache) {
+  const int64_t tokens = x.size(0) * x.size(1);
   // Rotary tables at each token's position in its sample.
   const auto [cos, sin] =
       RotaryTables(config_, layout.positions, compute_type());
@@ -622,32 +643,56 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
   const bool blocked = attention().Blocked(layout.key_positions.size(1));
   const std::map<int64_t, torch::Tensor> masks =
       blocked ? std::map<int64_t, torch::Tensor>() : AttentionMasks(layout);
-
-  // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
-  const int64_t vocab_start =
-      sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
-  torch::Tensor x = Embed(input, vocab_start);
   // The expert dispatch pads every ep rank's tokens to the largest count.
-  const int64_t ep_rows = config_.is_moe()
-                              ? ExpertDispatchRows(batch * seq, sharding_)
-                              : batch * seq;
+  const int64_t ep_rows =
+      config_.is_moe() ? ExpertDispatchRows(tokens, sharding_) : tokens;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const int layer = static_cast<int>(i);
     const int64_t window =
         family_.AttentionWindow(config_, first_layer_ + layer);
     AttentionMask mask{blocked ? torch::Tensor() : masks.at(window), layout,
-                       window};
+                       window, cache};
     // Tensors by value: a recomputed layer runs again in backward.
     TensorBlock block = [this, layer, cos = cos, sin = sin,
                          mask = std::move(mask), ep_rows,
                          io](const torch::Tensor& h) {
       return DecoderLayer(layer, h, cos, sin, mask, ep_rows, io);
     };
-    x = recompute_layers() ? RecomputeInBackward(std::move(block), x)
-                           : block(x);
+    x = recompute_layers() && cache == nullptr
+            ? RecomputeInBackward(std::move(block), x)
+            : block(x);
   }
-  if (!last_stage()) return x;
-  return TargetLogprobsFromHidden(x, targets, vocab_start);
+  return x;
+}
+
+absl::StatusOr<torch::Tensor> LlamaModel::ForwardWithCache(
+    const torch::Tensor& input, const torch::Tensor& positions,
+    const torch::Tensor& valid, KvCache& cache) {
+  if (sharded() || sharding_.pp_stages > 1 || sharding_.cp_size() > 1) {
+    return absl::UnimplementedError(
+        "decoding with a KV cache runs on a single rank for now; this model "
+        "is split over tp, dp_shard, ep, cp or pp ranks");
+  }
+  if (input.dim() != 2 || positions.sizes() != input.sizes() ||
+      valid.sizes() != input.sizes()) {
+    return absl::InvalidArgumentError(
+        "input, positions and valid must share one shape [B, T]");
+  }
+  if (cache.num_layers() != config_.num_hidden_layers ||
+      (cache.batch() != 0 && cache.batch() != input.size(0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a KV cache of ", cache.num_layers(), " layers and ", cache.batch(),
+        " rows for ", input.size(0), " rows of a model of ",
+        config_.num_hidden_layers, " layers"));
+  }
+  return CatchTorch("decoding forward", [&]() -> absl::StatusOr<torch::Tensor> {
+    torch::NoGradGuard no_grad;
+    const torch::Device here = device();
+    const AttentionLayout layout =
+        cache.Extend(positions.to(here, torch::kInt64), valid.to(here));
+    return Logits(RunLayers(Embed(input.to(here), /*vocab_start=*/0), layout,
+                            /*io=*/nullptr, &cache));
+  });
 }
 
 }  // namespace tally

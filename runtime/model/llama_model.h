@@ -88,6 +88,10 @@ class LlamaModel : public CausalLm {
                              const torch::Tensor& targets,
                              const AttentionLayout& layout,
                              StageIo* io) override;
+  absl::StatusOr<torch::Tensor> ForwardWithCache(const torch::Tensor& input,
+                                                 const torch::Tensor& positions,
+                                                 const torch::Tensor& valid,
+                                                 KvCache& cache) override;
 
  private:
   LlamaModel(const LlamaConfig& config, DType dtype,
@@ -171,10 +175,13 @@ class LlamaModel : public CausalLm {
   // What a layer's attention masks by: the materialized mask [B, 1, T, K]
   // (true: hidden), or, for the blocked path (mask undefined), the layout
   // and the layer's sliding window that each block's mask is built from.
+  // When decoding, the cache whose keys and values precede the new tokens'
+  // (the layout's keys are then the cache's slots).
   struct AttentionMask {
     torch::Tensor mask;
     AttentionLayout layout;
     int64_t window = 0;
+    KvCache* cache = nullptr;
   };
   torch::Tensor Attention(int layer, const torch::Tensor& h,
                           const torch::Tensor& cos, const torch::Tensor& sin,
@@ -196,9 +203,15 @@ class LlamaModel : public CausalLm {
                              const torch::Tensor& cos, const torch::Tensor& sin,
                              const AttentionMask& mask, int64_t ep_rows,
                              StageIo* io);
+  // This stage's decoder layers on x [B, T, H] at the layout's positions;
+  // with `cache`, each layer's keys and values join it (no recomputation).
+  torch::Tensor RunLayers(torch::Tensor x, const AttentionLayout& layout,
+                          StageIo* io, KvCache* cache);
   // Embedding (first stage) or received hidden states.
   torch::Tensor Embed(const torch::Tensor& input, int64_t vocab_start);
-  // The last stage's head: the target log-probabilities.
+  // The last stage's head: the logits [B, T, V / tp] in float32 at least ...
+  torch::Tensor Logits(const torch::Tensor& x);
+  // ... and the target log-probabilities.
   torch::Tensor TargetLogprobsFromHidden(const torch::Tensor& x,
                                          const torch::Tensor& targets,
                                          int64_t vocab_start);

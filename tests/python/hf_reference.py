@@ -23,6 +23,13 @@ restates; "HF" below means transformers' files:
   masking_utils.py                    causal_mask_function,
                                       sliding_window_overlay
 
+greedy_decode is HF's generate(do_sample=False) on such a model, and running
+this file decodes prompts greedily from an HF directory (one JSON line per
+prompt), the independent side of tally's decoding tests:
+
+  python3 hf_reference.py greedy --model DIR --prompt 1,5,9 --prompt 4,2 \
+      --max-tokens 12
+
 A reference runs one unpadded sequence at a time (batch 1, attention_mask
 None, position_ids 0..T-1), in the dtype it is given (float64 for the exact
 tests). Where HF computes in float32 inside a float64 model (the rotary
@@ -31,6 +38,7 @@ stays in float64: tally's contract is HF's math carried out in the model
 dtype, not HF's float32 round-offs.
 """
 
+import argparse
 import json
 import math
 import os
@@ -448,6 +456,20 @@ class ReferenceCausalLM:
         x = self.rms_norm(x, p["model.norm.weight"])
         return torch.log_softmax(x @ self.lm_head().T, dim=-1)
 
+    def greedy_decode(self, prompt, max_tokens):
+        """GenerationMixin's greedy search (do_sample=False) without a cache:
+        every step runs the whole sequence again and appends the argmax of
+        the last position's logits (torch.argmax: the lowest id among equal
+        maxima). Returns the new tokens and each one's log-probability."""
+        tokens, logprobs = list(prompt), []
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                last = self.log_probs(tokens)[-1]
+                token = int(torch.argmax(last))
+                tokens.append(token)
+                logprobs.append(float(last[token]))
+        return tokens[len(prompt):], logprobs
+
     def aux_enabled(self):
         # MixtralForCausalLM.forward adds the aux loss only when
         # output_router_logits (config default False).
@@ -796,3 +818,31 @@ def write_hf_model(directory, config, weights, storage="bf16", shards=1):
               encoding="utf-8") as f:
         f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return stored
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Greedy decoding of an HF model directory (float64) with "
+                    "the reference model; one JSON line per prompt: "
+                    '{"tokens": [...], "logprobs": [...]}')
+    parser.add_argument("command", choices=["greedy"])
+    parser.add_argument("--model", required=True, help="an HF model directory")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="comma-separated token ids; repeat for more prompts")
+    parser.add_argument("--max-tokens", type=int, required=True)
+    args = parser.parse_args(argv)
+    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    model = ReferenceCausalLM(config, read_hf_directory(args.model), torch.float64)
+    for prompt in args.prompt:
+        tokens, logprobs = model.greedy_decode([int(t) for t in prompt.split(",")],
+                                               args.max_tokens)
+        print(json.dumps({"tokens": tokens, "logprobs": logprobs}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+// Decode: sampling completions of a batch of prompts from a CausalLm, on one
+// rank. The prompts are prefilled together (right-padded, one forward), then
+// every unfinished sequence gets one token per step from a forward over its
+// last token with a KV cache (kv_cache.h); a sequence that stops leaves the
+// batch (and the cache) at once. Tokens are chosen by sampling.h from the
+// logits, sequence i drawing from SequenceGenerator(seed, i), so a
+// sequence's tokens do not depend on the other prompts of the call.
+//
+// Not yet: meshes other than a single rank (ForwardWithCache refuses them,
+// UNIMPLEMENTED), prompt log-probabilities, deadlines and cancellation,
+// memory admission of the cache (KvCache::bytes says what it holds).
+//
+//   tally::DecodeRequest request;
+//   request.prompts = {{1, 5, 9}, {1, 7}};
+//   request.max_tokens = 32;
+//   request.sampling.temperature = 0;  // greedy
+//   request.stop = {{2}};               // EOS
+//   TALLY_ASSIGN_OR_RETURN(std::vector<tally::DecodedSequence> out,
+//                          tally::Decode(model, request));
+#ifndef TALLY_RUNTIME_SAMPLE_DECODE_H_
+#define TALLY_RUNTIME_SAMPLE_DECODE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/model/causal_lm.h"
+#include "runtime/sample/sampling.h"
+
+namespace tally {
+
+struct DecodeRequest {
+  std::vector<std::vector<int64_t>> prompts;  // token ids, each non-empty
+  int64_t max_tokens = 16;  // the most tokens generated per sequence, >= 1
+  SamplingParams sampling;
+  // A sequence stops as soon as its generated tokens end with one of these
+  // (a stop token is a sequence of one); they stay in its tokens.
+  std::vector<std::vector<int64_t>> stop;
+  uint64_t seed = 0;
+};
+
+enum class StopReason { kLength, kStop };
+
+struct DecodedSequence {
+  std::vector<int64_t> tokens;  // the generated tokens, without the prompt
+  // Per token: log p(token | prompt and the tokens before it) under the
+  // model's distribution before temperature, top-k and top-p.
+  std::vector<double> logprobs;
+  StopReason stop_reason = StopReason::kLength;
+};
+
+// INVALID_ARGUMENT naming the field: no prompts, an empty prompts[i], a
+// token of prompts[i] or stop[i] outside [0, vocab_size), an empty stop[i],
+// max_tokens < 1, or sampling's (ValidateSamplingParams).
+absl::Status ValidateDecodeRequest(const DecodeRequest& request,
+                                   int64_t vocab_size);
+
+// The completions of request.prompts, in order. Errors of validation above
+// and of CausalLm::ForwardWithCache (UNIMPLEMENTED on a split model).
+absl::StatusOr<std::vector<DecodedSequence>> Decode(
+    CausalLm& model, const DecodeRequest& request);
+
+}  // namespace tally
+
+#endif  // TALLY_RUNTIME_SAMPLE_DECODE_H_
