@@ -29,9 +29,8 @@
 //   params.temperature = 0.7;
 //   params.top_p = 0.9;
 //   TALLY_RETURN_IF_ERROR(tally::ValidateSamplingParams(params));
-//   std::vector<torch::Generator> streams = {tally::SequenceGenerator(seed, 0),
-//                                            tally::SequenceGenerator(seed,
-//                                            1)};
+//   std::vector<torch::Generator> streams = {
+//       tally::SequenceGenerator(seed, 0), tally::SequenceGenerator(seed, 1)};
 //   TALLY_ASSIGN_OR_RETURN(tally::SampledTokens chosen,
 //                          tally::SampleTokens(logits, params, streams));
 #ifndef TALLY_RUNTIME_SAMPLE_SAMPLING_H_
