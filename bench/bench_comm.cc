@@ -55,6 +55,7 @@
 #include "runtime/parallel/mesh.h"
 #include "runtime/train/optimizer.h"
 #include "server/launcher.h"
+#include "tests/testing/engine_test_peer.h"
 
 ABSL_FLAG(bool, overlap_only, false,
           "run just the timed gradient-sync overlap section, not the meshes");
@@ -293,7 +294,7 @@ absl::StatusOr<json> MeasureStep(Engine& engine, GradSync sync, int k) {
   TALLY_ASSIGN_OR_RETURN(bool uniform,
                          SameOnEveryRank(engine.world(), counters));
 
-  TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine.model(id));
+  TALLY_ASSIGN_OR_RETURN(CausalLm * model, EngineTestPeer::Model(engine, id));
   const int64_t element_bytes =
       static_cast<int64_t>(torch::elementSize(model->scalar_type()));
   const int64_t tp_local_param_bytes = TpLocalParamBytes(*model);
@@ -333,7 +334,7 @@ absl::StatusOr<json> MeasureModelState(Engine& engine) {
   TALLY_ASSIGN_OR_RETURN(
       bool uniform,
       SameOnEveryRank(engine.world(), {params, grads, optimizer}));
-  TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine.model(id));
+  TALLY_ASSIGN_OR_RETURN(CausalLm * model, EngineTestPeer::Model(engine, id));
   const int64_t psi = TpLocalParamBytes(*model);
   TALLY_RETURN_IF_ERROR(engine.DeleteModel(id).status());
   return json{{"kind", "model_state"},          {"mesh", MeshJson(engine)},
@@ -359,7 +360,7 @@ absl::Status RunRank(const MeshShape& shape, const std::string& results_path) {
                          Engine::Create({}, mesh, std::move(groups)));
   std::vector<json> rows;
   for (ZeroStage stage : StagesOf(shape)) {
-    engine->set_zero_stage(stage);
+    EngineTestPeer::SetZeroStage(*engine, stage);
     for (GradSync sync : {GradSync::kEager, GradSync::kDeferred}) {
       for (int k : kCallsPerStep) {
         TALLY_ASSIGN_OR_RETURN(json row, MeasureStep(*engine, sync, k));
@@ -409,7 +410,7 @@ absl::Status RunOverlapRank(const std::string& results_path) {
   for (int pair = 0; pair < kOverlapWarmupPairs + kOverlapPairs; ++pair) {
     for (int i = 0; i < 2; ++i) {
       const bool overlap = (pair + i) % 2 == 1;
-      engine->set_overlap_grad_sync(overlap);
+      EngineTestPeer::SetOverlapGradSync(*engine, overlap);
       const auto start = std::chrono::steady_clock::now();
       TALLY_RETURN_IF_ERROR(
           engine->ForwardBackward("overlap", CallArgs(call)).status());
@@ -420,7 +421,8 @@ absl::Status RunOverlapRank(const std::string& results_path) {
       }
     }
   }
-  TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("overlap"));
+  TALLY_ASSIGN_OR_RETURN(CausalLm * model,
+                         EngineTestPeer::Model(*engine, "overlap"));
   if (env.rank != 0) return absl::OkStatus();
   std::ofstream out(results_path, std::ios::app);
   out << json{{"kind", "overlap"},

@@ -13,6 +13,7 @@
 
 #include "runtime/engine/engine.h"
 #include "server/commands.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -54,7 +55,7 @@ class CheckpointPolicyTest : public ::testing::Test {
     return engine_->ForwardBackward("m", {MakeSamples(kVocab, valid, seed)})
         .status();
   }
-  CausalLm& model() { return *engine_->model("m").value(); }
+  CausalLm& model() { return *EngineTestPeer::Model(*engine_, "m").value(); }
   std::string PathOf(const std::string& name) const {
     return (fs::path(root_) / name).string();
   }

@@ -810,7 +810,7 @@ void ServerMetrics::RecordRankStateLocked() {
     // Rank 0's request-level series exist as soon as the model does (a
     // --demo-model or a resumed one included), before its first request.
     if (engine_->mesh().rank() == 0) Series(summary.model_id);
-    absl::StatusOr<CausalLm*> model = engine_->model(summary.model_id);
+    absl::StatusOr<const CausalLm*> model = engine_->model(summary.model_id);
     if (!model.ok()) continue;
     // The shards, and under ZeRO-1/2 the gathered copies (and ZeRO-1's
     // whole gradients) besides.

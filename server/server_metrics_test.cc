@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "server/convert.h"
 #include "server/metrics.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -124,7 +125,7 @@ TEST(ServerMetricsTest, RankStateFollowsTheEngine) {
           .ok());
   (*metrics)->RecordRankState();
 
-  CausalLm* model = *e.model("m");
+  CausalLm* model = *EngineTestPeer::Model(e, "m");
   const int64_t parameter_bytes = Bytes(*model, false);
   std::string text = Scrape(port);
   EXPECT_EQ(Value(text, "tally_models{rank=\"0\"}"), 1);

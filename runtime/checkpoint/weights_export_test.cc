@@ -35,6 +35,7 @@
 #include "runtime/parallel/mesh.h"
 #include "server/commands.h"
 #include "server/convert.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
@@ -119,7 +120,7 @@ class WeightsExportTest : public ::testing::Test {
     return engine_->OptimStep(id, {}).status();
   }
   CausalLm& model(const std::string& id = "m") {
-    return *engine_->model(id).value();
+    return *EngineTestPeer::Model(*engine_, id).value();
   }
   std::string PathOf(const std::string& name) const {
     return (fs::path(root_) / name).string();

@@ -17,6 +17,7 @@
 #include "runtime/config/llama_config.h"
 #include "runtime/engine/engine.h"
 #include "server/convert.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -130,7 +131,7 @@ TEST_P(RealConfigTest, OneLayerModelTrainsAStep) {
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::CreateSingleRank({});
   ASSERT_TRUE(engine.ok()) << engine.status();
   ASSERT_TRUE((*engine)->CreateModel(spec).ok());
-  CausalLm& model = *(*engine)->model("real").value();
+  CausalLm& model = *EngineTestPeer::Model(**engine, "real").value();
   const torch::Tensor before =
       model.Find("model.layers.0.self_attn.q_proj.weight")->tensor.clone();
   absl::StatusOr<ForwardBackwardResult> forward = (*engine)->ForwardBackward(

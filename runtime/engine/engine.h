@@ -1,6 +1,9 @@
-// Engine: tally's training core. Owns the models of one rank (parameters,
-// optimizer state and accumulation window, keyed by model id) and executes
-// the training commands on them.
+// Engine: tally's training core. Keeps the models of one rank by id — each
+// a BuiltModel (runtime/engine/built_model.h: the model, its optimizer, its
+// gradient sync and consolidation, all decided when it was built) with its
+// accumulation window, step and the state machine of a window that may be
+// poisoned and of parameters that may be damaged — and executes the
+// training commands on them.
 //
 // The engine is what a rank runs; the gRPC server is a front end that
 // validates requests and feeds commands to it. A single-rank engine is the
@@ -26,12 +29,12 @@
 #include "runtime/checkpoint/checkpoint.h"
 #include "runtime/checkpoint/weights_export.h"
 #include "runtime/config/types.h"
-#include "runtime/engine/consolidation.h"
+#include "runtime/engine/built_model.h"
 #include "runtime/model/causal_lm.h"
+#include "runtime/model/shared_bases.h"
 #include "runtime/parallel/communicator.h"
 #include "runtime/parallel/distributed.h"
 #include "runtime/parallel/engine_groups.h"
-#include "runtime/parallel/grad_buckets.h"
 #include "runtime/parallel/mesh.h"
 #include "runtime/parallel/rank_phases.h"
 #include "runtime/train/accumulation.h"
@@ -134,16 +137,11 @@ class Engine {
                                              const std::string& path,
                                              const ExportOptions& options = {});
 
-  // Direct access to a model's parameters, for tests and benchmarks.
-  absl::StatusOr<CausalLm*> model(const std::string& model_id);
-  absl::StatusOr<Optimizer*> optimizer(const std::string& model_id);
-  // EngineOptions::overlap_grad_sync from the next call on. Results do not
-  // depend on it, so benchmarks may alternate it between calls.
-  void set_overlap_grad_sync(bool on) { options_.overlap_grad_sync = on; }
-  // EngineOptions::zero_stage of the models created from now on (a model
-  // keeps the stage it was built with), so tests and benchmarks compare
-  // stages in one set of rank processes; every rank must do the same.
-  void set_zero_stage(ZeroStage stage) { options_.zero_stage = stage; }
+  // A model's parameters, to read (the server's memory gauges). Tests and
+  // benchmarks reach further through EngineTestPeer
+  // (tests/testing/engine_test_peer.h).
+  absl::StatusOr<const CausalLm*> model(const std::string& model_id) const;
+  // EngineOptions::zero_stage of the models created from now on.
   ZeroStage zero_stage() const { return options_.zero_stage; }
   const Mesh& mesh() const { return mesh_; }
   // Where this engine's models live (EngineOptions::device).
@@ -162,21 +160,22 @@ class Engine {
   // runtime/parallel/phase_boundary.h), and this is OK again.
   absl::Status CollectiveFailure() const;
   size_t num_models() const { return models_.size(); }
-  // Whether a LoRA base of `base_key` (BaseKey) is in memory: some model
+  // Whether a shared base of `base_key` (BaseKey) is in memory: some model
   // shares it.
-  bool HasBase(const std::string& base_key) const;
-  // The config of that base while it is in memory: what a LoRA model created
+  bool HasBase(const std::string& base_key) const {
+    return bases_.Find(base_key) != nullptr;
+  }
+  // The config of that base while it is in memory: what a model created
   // with `base_key` (CurrentBaseKey) is built on.
-  std::optional<LlamaConfig> BaseConfig(const std::string& base_key) const;
+  std::optional<LlamaConfig> BaseConfig(const std::string& base_key) const {
+    return bases_.Config(base_key);
+  }
 
  private:
+  friend class EngineTestPeer;
+
   struct ModelState {
-    ModelSpec spec;
-    // CurrentBaseKey(spec) at creation: what identifies the model's (LoRA)
-    // base.
-    std::string base_key;
-    std::unique_ptr<CausalLm> model;
-    std::unique_ptr<Optimizer> optimizer;
+    std::unique_ptr<BuiltModel> built;
     AccumulationWindow window;
     int64_t step = 0;
     // Set when a ForwardBackward failed after it may have added gradients
@@ -192,6 +191,8 @@ class Engine {
     // and tied copies (by an OptimStep that then refused to step), so later
     // calls of the window must sum their own share before adding it.
     bool replicas_summed = false;
+
+    const ModelSpec& spec() const { return built->spec(); }
   };
 
   Engine(const EngineOptions& options, Mesh mesh)
@@ -200,61 +201,22 @@ class Engine {
   absl::StatusOr<ModelState*> Find(const std::string& model_id);
   absl::StatusOr<const ModelState*> Find(const std::string& model_id) const;
   static ModelSummary Summarize(const ModelState& state);
-  // Everything CreateModel does that may fail, before the model is added;
-  // `base_key` is CurrentBaseKey(spec), agreed by the ranks.
-  absl::StatusOr<std::unique_ptr<ModelState>> BuildModel(
-      ModelSpec spec, const std::string& base_key);
-  // `spec`'s init_checkpoint, read unless it is a LoRA base in memory (then
-  // nullopt), and spec.config set from it. INVALID_ARGUMENT for a config
-  // that differs from the checkpoint's, an adapter's checkpoint (no base),
-  // or a trainable-only one as a LoRA base; ABORTED when a LoRA base's
-  // directory no longer holds what `base_key` names once read.
-  absl::StatusOr<std::optional<CheckpointContents>> ReadInitCheckpoint(
-      ModelSpec& spec, const std::string& base_key) const;
-  // The model of `spec` (its config resolved) on this rank, loaded with
-  // `init` when given. A LoRA model shares the base registered under
-  // `base_key`, building the base when none is in memory.
-  absl::StatusOr<std::unique_ptr<CausalLm>> BuildCausalLm(
-      const ModelSpec& spec, const std::string& base_key,
-      const std::optional<CheckpointContents>& init);
-  // `loss` is the one args.loss describes.
-  absl::StatusOr<ForwardBackwardResult> RunForwardBackward(
-      ModelState& state, const ForwardBackwardArgs& args,
-      const TokenLoss& loss);
-  // Whether gradients must be summed across ranks before a step: ZeRO-1's
-  // whole gradients over dp_shard, then over groups_.replicas (expert ones
-  // over groups_.expert_replicas), and between the tied embedding's copies
-  // on the first and last pipeline stage.
-  bool NeedsGradientSync(CausalLm& model) const;
-  // Sums this call's gradients (SyncGradients), leaving earlier calls'
-  // (already summed) untouched.
-  absl::Status SyncCallGradients(CausalLm& model,
-                                 std::vector<torch::Tensor> earlier,
-                                 OverlappedGradientSum* overlapped);
-  // ZeRO-1's dp_shard reduction, the replica sums (through `overlapped`,
-  // which started during backward, when set), then the tied embedding's.
-  absl::Status SyncGradients(CausalLm& model,
-                             OverlappedGradientSum* overlapped = nullptr);
-  // Dense gradients over the replicas, expert ones over the expert replicas;
-  // only the sets with more than one rank.
-  std::vector<GradientSet> ReplicaGradientSets(
-      const std::vector<Parameter>& params) const;
   // How this rank ends the phases of a command: over process_groups_, or
   // over single_rank_world_.
   RankPhases phases() const;
-  // How a checkpoint or an export gathers a model onto rank 0.
-  Consolidation consolidation() const;
-  static void ClearWindow(ModelState& state);
-  // What changed in a model's shards, for RefreshGathered.
-  enum class ShardsChanged {
-    kCreated,  // a new model: every copy never gathered (not a shared base's)
-    kLoaded,   // every parameter but a shared LoRA base's
-    kStepped,  // the trainable parameters
+  // What OptimStep steps with, resolved and checked (with the window and
+  // the model's state) before anything is summed or measured.
+  struct StepSettings {
+    AdamParams hp;
+    double max_norm = 0;
+    double normalizer = 0;
   };
-  // ZeRO-1/2 (nothing at stage 3): re-gathers the kept copies of what
-  // changed, and the ranks agree on the outcome. A failure leaves stale
-  // copies: the caller marks the model damaged or drops it.
-  absl::Status RefreshGathered(CausalLm& model, ShardsChanged changed);
+  static absl::StatusOr<StepSettings> CheckStep(const ModelState& state,
+                                                const OptimStepArgs& args);
+  // DEFERRED: sums the window once (a no-op when done or EAGER); a failure
+  // poisons the window.
+  absl::Status SumWindow(ModelState& state);
+  static void ClearWindow(ModelState& state);
   // FAILED_PRECONDITION naming the damage when the parameters may be partly
   // updated.
   static absl::Status CheckIntact(const ModelState& state);
@@ -269,10 +231,8 @@ class Engine {
   EngineGroups groups_;
   Communicator* control_ = nullptr;
   std::map<std::string, std::unique_ptr<ModelState>> models_;
-  // The LoRA base of `base_key` while a model shares it, else nullptr.
-  std::shared_ptr<const CausalLm> SharedBase(const std::string& base_key) const;
-  // LoRA bases by BaseKey, alive while a model shares them.
-  std::map<std::string, std::weak_ptr<const CausalLm>> bases_;
+  // The bases the models share.
+  SharedBases bases_;
   int64_t next_auto_id_ = 1;
 };
 

@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "runtime/engine/engine.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -32,7 +33,7 @@ class EnginePoisonTest : public ::testing::Test {
             ->CreateModel(TinySpec("m", DType::kFloat64, OptimizerKind::kAdamW))
             .ok());
   }
-  CausalLm& model() { return *engine_->model("m").value(); }
+  CausalLm& model() { return *EngineTestPeer::Model(*engine_, "m").value(); }
   absl::Status Train(uint64_t seed,
                      LossReduction reduction = LossReduction::kTokenMean) {
     return engine_
@@ -140,7 +141,8 @@ TEST_F(EnginePoisonTest, AnOptimStepFailingPartwayDamagesTheModelUntilLoad) {
   ASSERT_TRUE(Train(2).ok());
   // The last parameter's first moment, misshaped in place (StateTensors
   // alias the live state): the fused update of the others runs first.
-  const auto moments = engine_->optimizer("m").value()->StateTensors();
+  const auto moments =
+      EngineTestPeer::OptimizerOf(*engine_, "m").value()->StateTensors();
   ASSERT_FALSE(moments.empty());
   torch::Tensor last_moment = moments[moments.size() - 2].second;
   last_moment.resize_({1});

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "runtime/engine/engine.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -31,7 +32,7 @@ class EngineSemanticsTest : public ::testing::Test {
             ->CreateModel(TinySpec("m", DType::kFloat64, OptimizerKind::kAdamW))
             .ok());
   }
-  CausalLm& model() { return *engine_->model("m").value(); }
+  CausalLm& model() { return *EngineTestPeer::Model(*engine_, "m").value(); }
   absl::Status Train(const std::vector<int>& valid, uint64_t seed,
                      LossReduction reduction = LossReduction::kTokenMean) {
     return engine_
@@ -177,8 +178,9 @@ TEST_F(EngineSemanticsTest, InitCheckpointStartsFromTheSavedWeights) {
   ASSERT_TRUE(copy.ok()) << copy.status();
   EXPECT_EQ(copy->config, testing::TinyConfig().WithDefaults());
   EXPECT_EQ(copy->step, 0);  // fresh optimizer, weights only
-  EXPECT_TRUE(AllEqual(ParameterValues(model()),
-                       ParameterValues(*engine_->model("copy").value())));
+  EXPECT_TRUE(AllEqual(
+      ParameterValues(model()),
+      ParameterValues(*EngineTestPeer::Model(*engine_, "copy").value())));
 
   // A config sent alongside must agree with the checkpoint's.
   spec.model_id = "mismatch";

@@ -14,6 +14,7 @@
 
 #include "runtime/engine/engine.h"
 #include "server/convert.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -42,7 +43,7 @@ TEST(MixedPrecisionTest, MastersAndGradientsStayFloat32) {
   auto created = engine->CreateModel(Spec("m", DType::kBFloat16));
   ASSERT_TRUE(created.ok()) << created.status();
   EXPECT_EQ(created->dtype, DType::kBFloat16);
-  CausalLm& model = *engine->model("m").value();
+  CausalLm& model = *EngineTestPeer::Model(*engine, "m").value();
   EXPECT_EQ(model.compute_type(), torch::kBFloat16);
   const int64_t vocab = model.config().vocab_size;
   ASSERT_TRUE(
@@ -61,16 +62,20 @@ TEST(MixedPrecisionTest, AWindowSumsItsCallsInFloat32) {
   for (const char* id : {"a", "b", "ab"}) {
     ASSERT_TRUE(engine->CreateModel(Spec(id, DType::kBFloat16)).ok());
   }
-  const int64_t vocab = engine->model("a").value()->config().vocab_size;
+  const int64_t vocab =
+      EngineTestPeer::Model(*engine, "a").value()->config().vocab_size;
   const std::vector<Sample> first = MakeSamples(vocab, {7, 3}, 21);
   const std::vector<Sample> second = MakeSamples(vocab, {12}, 22);
   ASSERT_TRUE(engine->ForwardBackward("a", {first}).ok());
   ASSERT_TRUE(engine->ForwardBackward("b", {second}).ok());
   ASSERT_TRUE(engine->ForwardBackward("ab", {first}).ok());
   ASSERT_TRUE(engine->ForwardBackward("ab", {second}).ok());
-  const auto a = testing::Gradients(*engine->model("a").value());
-  const auto b = testing::Gradients(*engine->model("b").value());
-  const auto ab = testing::Gradients(*engine->model("ab").value());
+  const auto a =
+      testing::Gradients(*EngineTestPeer::Model(*engine, "a").value());
+  const auto b =
+      testing::Gradients(*EngineTestPeer::Model(*engine, "b").value());
+  const auto ab =
+      testing::Gradients(*EngineTestPeer::Model(*engine, "ab").value());
   ASSERT_EQ(a.size(), ab.size());
   for (size_t i = 0; i < ab.size(); ++i) {
     EXPECT_TRUE(torch::equal(ab[i], a[i] + b[i])) << i;
@@ -85,7 +90,8 @@ TEST(MixedPrecisionTest, TwentyStepLossCurveTracksFloat32) {
   auto engine = Engine::CreateSingleRank({}).value();
   ASSERT_TRUE(engine->CreateModel(Spec("f32", DType::kFloat32)).ok());
   ASSERT_TRUE(engine->CreateModel(Spec("bf16", DType::kBFloat16)).ok());
-  const int64_t vocab = engine->model("f32").value()->config().vocab_size;
+  const int64_t vocab =
+      EngineTestPeer::Model(*engine, "f32").value()->config().vocab_size;
   std::vector<std::vector<double>> curves(2);
   for (int step = 0; step < 20; ++step) {
     SCOPED_TRACE(step);
@@ -113,7 +119,7 @@ TEST(MixedPrecisionTest, TwentyStepLossCurveTracksFloat32) {
 TEST(MixedPrecisionTest, CheckpointsKeepTheMastersAndReloadExactly) {
   auto engine = Engine::CreateSingleRank({}).value();
   ASSERT_TRUE(engine->CreateModel(Spec("m", DType::kBFloat16)).ok());
-  CausalLm& model = *engine->model("m").value();
+  CausalLm& model = *EngineTestPeer::Model(*engine, "m").value();
   const int64_t vocab = model.config().vocab_size;
   ASSERT_TRUE(engine->ForwardBackward("m", {MakeSamples(vocab, {9}, 5)}).ok());
   ASSERT_TRUE(engine->OptimStep("m", {}).ok());
@@ -128,7 +134,8 @@ TEST(MixedPrecisionTest, CheckpointsKeepTheMastersAndReloadExactly) {
   auto created = engine->CreateModel(reloaded);
   ASSERT_TRUE(created.ok()) << created.status();
   EXPECT_TRUE(testing::AllEqual(
-      saved, testing::ParameterValues(*engine->model("r").value())))
+      saved,
+      testing::ParameterValues(*EngineTestPeer::Model(*engine, "r").value())))
       << "float32 masters, not their bf16 copies";
 }
 

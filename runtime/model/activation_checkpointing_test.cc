@@ -16,6 +16,7 @@
 #include "runtime/engine/engine.h"
 #include "runtime/model/attention_layout.h"
 #include "runtime/model/recompute.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -112,8 +113,10 @@ TEST_P(ActivationCheckpointingTest, BitwiseEqualToKeepingActivations) {
   auto created = engine->CreateModel(recomputed);
   ASSERT_TRUE(created.ok()) << created.status();
   EXPECT_TRUE(created->activation_checkpointing);
-  EXPECT_TRUE(engine->model("recomputed").value()->recompute_layers());
-  EXPECT_FALSE(engine->model("kept").value()->recompute_layers());
+  EXPECT_TRUE(
+      EngineTestPeer::Model(*engine, "recomputed").value()->recompute_layers());
+  EXPECT_FALSE(
+      EngineTestPeer::Model(*engine, "kept").value()->recompute_layers());
 
   const int64_t vocab = kept.config.vocab_size;
   OptimStepArgs step;
@@ -130,17 +133,20 @@ TEST_P(ActivationCheckpointingTest, BitwiseEqualToKeepingActivations) {
         EXPECT_EQ(a->samples[i].logprobs, b->samples[i].logprobs);
       }
     }
-    EXPECT_TRUE(
-        AllEqual(testing::Gradients(*engine->model("kept").value()),
-                 testing::Gradients(*engine->model("recomputed").value())));
+    EXPECT_TRUE(AllEqual(
+        testing::Gradients(*EngineTestPeer::Model(*engine, "kept").value()),
+        testing::Gradients(
+            *EngineTestPeer::Model(*engine, "recomputed").value())));
     auto a = engine->OptimStep("kept", step);
     auto b = engine->OptimStep("recomputed", step);
     ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
     EXPECT_EQ(a->grad_norm, b->grad_norm);
     EXPECT_LT(a->clip_coef, 1.0);
-    EXPECT_TRUE(AllEqual(
-        testing::ParameterValues(*engine->model("kept").value()),
-        testing::ParameterValues(*engine->model("recomputed").value())));
+    EXPECT_TRUE(
+        AllEqual(testing::ParameterValues(
+                     *EngineTestPeer::Model(*engine, "kept").value()),
+                 testing::ParameterValues(
+                     *EngineTestPeer::Model(*engine, "recomputed").value())));
   }
 }
 
@@ -159,7 +165,7 @@ TEST(ActivationCheckpointingGraphTest, OneRecomputeNodePerLayer) {
   ModelSpec spec = TinySpec("m", DType::kFloat64, OptimizerKind::kAdamW);
   spec.config.num_hidden_layers = 3;
   ASSERT_TRUE(engine->CreateModel(spec).ok());
-  CausalLm& model = *engine->model("m").value();
+  CausalLm& model = *EngineTestPeer::Model(*engine, "m").value();
   const torch::Tensor ids =
       torch::randint(0, spec.config.vocab_size, {2, 6}, torch::kInt64);
   const AttentionLayout layout = AttentionLayout::RightPadded({6, 4}, 6);
@@ -191,7 +197,8 @@ TEST(ActivationCheckpointingGraphTest, MixtureOfExpertsRefusesIt) {
   EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(created.status().message(),
               HasSubstr("activation_checkpointing"));
-  EXPECT_FALSE(engine->model("moe").ok()) << "a refused model is not created";
+  EXPECT_FALSE(EngineTestPeer::Model(*engine, "moe").ok())
+      << "a refused model is not created";
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include "runtime/config/memory_estimate.h"
 #include "runtime/engine/engine.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -161,7 +162,8 @@ void ExpectSameTraining(ModelSpec spec, bool recompute) {
       run.push_back(engine->OptimStep("m", {}).value().grad_norm);
     }
     std::vector<torch::Tensor>& params = parameters.emplace_back();
-    for (const Parameter& p : engine->model("m").value()->parameters()) {
+    for (const Parameter& p :
+         EngineTestPeer::Model(*engine, "m").value()->parameters()) {
       params.push_back(p.tensor.detach().clone());
     }
   }

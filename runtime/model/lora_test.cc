@@ -25,6 +25,7 @@
 #include "runtime/config/memory_estimate.h"
 #include "runtime/engine/engine.h"
 #include "runtime/io/safetensors.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
@@ -130,18 +131,22 @@ TEST_P(LoraInterleavedTest, AdaptersTrainedInterleavedEqualEachAlone) {
     }
     EXPECT_EQ(losses, spec.model_id == "a" ? a_losses : b_losses);
     ExpectBitwiseEqual(
-        Tensors(*shared->model(spec.model_id).value(), /*factors=*/true),
-        Tensors(*alone->model(spec.model_id).value(), /*factors=*/true));
+        Tensors(*EngineTestPeer::Model(*shared, spec.model_id).value(),
+                /*factors=*/true),
+        Tensors(*EngineTestPeer::Model(*alone, spec.model_id).value(),
+                /*factors=*/true));
   }
   // The factors moved (B starts at zero), the base did not: it is still the
   // seed's draw, one set of tensors for both adapters.
   EXPECT_GT(a_losses.back(), 0.0);
   ModelSpec full = TinySpec("full", dtype, OptimizerKind::kAdamW);
   ASSERT_TRUE(shared->CreateModel(full).ok());
-  const auto base = Tensors(*shared->model("full").value(), false);
-  ExpectBitwiseEqual(Tensors(*shared->model("a").value(), false), base);
-  const CausalLm& model_a = *shared->model("a").value();
-  const CausalLm& model_b = *shared->model("b").value();
+  const auto base =
+      Tensors(*EngineTestPeer::Model(*shared, "full").value(), false);
+  ExpectBitwiseEqual(
+      Tensors(*EngineTestPeer::Model(*shared, "a").value(), false), base);
+  const CausalLm& model_a = *EngineTestPeer::Model(*shared, "a").value();
+  const CausalLm& model_b = *EngineTestPeer::Model(*shared, "b").value();
   ASSERT_NE(model_a.base(), nullptr);
   EXPECT_EQ(model_a.base(), model_b.base());
   EXPECT_EQ(model_a.Find("model.norm.weight")->tensor.data_ptr(),
@@ -162,7 +167,8 @@ TEST_F(LoraTest, BaseLivesWhileAnAdapterUsesIt) {
   ASSERT_TRUE(engine->CreateModel(LoraSpec("b", DType::kFloat32, 2, 2)).ok());
   const std::string key = engine->GetModel("a")->base;
   EXPECT_FALSE(key.empty());
-  std::weak_ptr<const CausalLm> base = engine->model("a").value()->base();
+  std::weak_ptr<const CausalLm> base =
+      EngineTestPeer::Model(*engine, "a").value()->base();
   ASSERT_TRUE(engine->DeleteModel("a").ok());
   EXPECT_TRUE(engine->HasBase(key));
   ASSERT_TRUE(engine->DeleteModel("b").ok());
@@ -223,15 +229,15 @@ TEST_F(LoraTest, AnExportOverABaseDirectoryIsAnotherBase) {
   EXPECT_NE(second.base, first.base);
   EXPECT_EQ(second.config, tiny.config.WithDefaults());
   EXPECT_EQ(engine->BaseConfig(second.base), tiny.config.WithDefaults());
-  EXPECT_NE(engine->model("second").value()->base(),
-            engine->model("first").value()->base());
-  EXPECT_EQ(engine->model("second").value()->config(),
+  EXPECT_NE(EngineTestPeer::Model(*engine, "second").value()->base(),
+            EngineTestPeer::Model(*engine, "first").value()->base());
+  EXPECT_EQ(EngineTestPeer::Model(*engine, "second").value()->config(),
             tiny.config.WithDefaults());
   // The directory unchanged since: the same base.
   const ModelSummary third = create("third");
   EXPECT_EQ(third.base, second.base);
-  EXPECT_EQ(engine->model("third").value()->base(),
-            engine->model("second").value()->base());
+  EXPECT_EQ(EngineTestPeer::Model(*engine, "third").value()->base(),
+            EngineTestPeer::Model(*engine, "second").value()->base());
   // The first adapter keeps its base, and trains on it.
   EXPECT_EQ(engine->GetModel("first")->config, big.config.WithDefaults());
   EXPECT_EQ(Window(*engine, "first", 5).size(), 3u);
@@ -282,7 +288,8 @@ TEST_F(LoraTest, SummaryCountsTheAdapter) {
   EXPECT_EQ(s.trainable_parameters, expected);
   EXPECT_EQ(s.trainable_bytes, 8 * expected);
   uint64_t held = 0;
-  for (const Parameter& p : engine->model("a").value()->parameters()) {
+  for (const Parameter& p :
+       EngineTestPeer::Model(*engine, "a").value()->parameters()) {
     if (p.trainable) held += p.tensor.numel();
   }
   EXPECT_EQ(held, expected);
@@ -311,7 +318,8 @@ TEST_F(LoraTest, PeftExportReimportsBitwise) {
                             "up_proj", "down_proj", "lm_head"}));
   const NamedTensors file =
       ReadSafetensors(dir + "/adapter_model.safetensors").value();
-  const auto factors = Tensors(*engine->model("a").value(), true);
+  const auto factors =
+      Tensors(*EngineTestPeer::Model(*engine, "a").value(), true);
   ASSERT_EQ(file.size(), factors.size());
   for (const auto& [name, t] : file) {
     ASSERT_TRUE(absl::StartsWith(name, "base_model.model.")) << name;
@@ -323,7 +331,8 @@ TEST_F(LoraTest, PeftExportReimportsBitwise) {
   ModelSpec again = LoraSpec("again", DType::kFloat64, 4, 7);
   again.lora.init_adapter = dir;
   ASSERT_TRUE(engine->CreateModel(again).ok());
-  ExpectBitwiseEqual(Tensors(*engine->model("again").value(), true), factors);
+  ExpectBitwiseEqual(
+      Tensors(*EngineTestPeer::Model(*engine, "again").value(), true), factors);
 
   ModelSpec wrong = again;
   wrong.model_id = "wrong";
@@ -389,7 +398,7 @@ TEST_F(LoraTest, MergedExportIsTheBasePlusTheScaledProduct) {
   std::map<std::string, torch::Tensor> merged;
   const NamedTensors file = ReadSafetensors(dir + "/model.safetensors").value();
   for (const auto& [name, t] : file) merged[name] = t;
-  const CausalLm& model = *engine->model("a").value();
+  const CausalLm& model = *EngineTestPeer::Model(*engine, "a").value();
   const double scaling = 12.0 / 4;
   for (const Parameter& p : model.parameters()) {
     if (IsLoraParameter(p.name)) {
@@ -483,13 +492,15 @@ TEST_F(LoraTest, CheckpointHoldsTheAdapterAndLoadsOnlyIntoAnAdapter) {
   for (const auto& [name, t] : file) EXPECT_TRUE(IsLoraParameter(name)) << name;
   ASSERT_TRUE(engine->CreateModel(LoraSpec("b", DType::kFloat64, 2, 5)).ok());
   ASSERT_TRUE(engine->LoadCheckpoint("b", dir, /*load_optimizer=*/true).ok());
-  ExpectBitwiseEqual(Tensors(*engine->model("b").value(), true),
-                     Tensors(*engine->model("a").value(), true));
+  ExpectBitwiseEqual(
+      Tensors(*EngineTestPeer::Model(*engine, "b").value(), true),
+      Tensors(*EngineTestPeer::Model(*engine, "a").value(), true));
   // Trained on alike, the two stay alike: the optimizer state came along.
   Window(*engine, "a", 3);
   Window(*engine, "b", 3);
-  ExpectBitwiseEqual(Tensors(*engine->model("b").value(), true),
-                     Tensors(*engine->model("a").value(), true));
+  ExpectBitwiseEqual(
+      Tensors(*EngineTestPeer::Model(*engine, "b").value(), true),
+      Tensors(*EngineTestPeer::Model(*engine, "a").value(), true));
 
   // A full model's checkpoint would write into the shared base.
   ASSERT_TRUE(engine
@@ -497,12 +508,14 @@ TEST_F(LoraTest, CheckpointHoldsTheAdapterAndLoadsOnlyIntoAnAdapter) {
                       TinySpec("full", DType::kFloat64, OptimizerKind::kAdamW))
                   .ok());
   ASSERT_TRUE(engine->SaveCheckpoint("full", root_ + "/full").ok());
-  const auto base = Tensors(*engine->model("a").value(), false);
+  const auto base =
+      Tensors(*EngineTestPeer::Model(*engine, "a").value(), false);
   absl::Status refused =
       engine->LoadCheckpoint("a", root_ + "/full", true).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.message(), HasSubstr("LoRA"));
-  ExpectBitwiseEqual(Tensors(*engine->model("a").value(), false), base);
+  ExpectBitwiseEqual(
+      Tensors(*EngineTestPeer::Model(*engine, "a").value(), false), base);
   // An adapter checkpoint is no base to start from: the error says what is.
   ModelSpec from_adapter =
       TinySpec("from_adapter", DType::kFloat64, OptimizerKind::kAdamW);
@@ -514,7 +527,7 @@ TEST_F(LoraTest, CheckpointHoldsTheAdapterAndLoadsOnlyIntoAnAdapter) {
   // Nor does a checkpoint that says it holds an adapter but carries base
   // weights too.
   ModelAdapters unshared;
-  unshared.lora = engine->model("a").value()->lora();
+  unshared.lora = EngineTestPeer::Model(*engine, "a").value()->lora();
   std::unique_ptr<CausalLm> whole =
       CreateCausalLm(TinySpec("x", DType::kFloat64, OptimizerKind::kAdamW)
                          .config.WithDefaults(),
@@ -530,7 +543,8 @@ TEST_F(LoraTest, CheckpointHoldsTheAdapterAndLoadsOnlyIntoAnAdapter) {
           .ok());
   refused = engine->LoadCheckpoint("a", root_ + "/forged", false).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
-  ExpectBitwiseEqual(Tensors(*engine->model("a").value(), false), base);
+  ExpectBitwiseEqual(
+      Tensors(*EngineTestPeer::Model(*engine, "a").value(), false), base);
   // Nor does an adapter of another rank load, or an adapter into a full
   // model.
   ASSERT_TRUE(engine->CreateModel(LoraSpec("c", DType::kFloat64, 4, 5)).ok());

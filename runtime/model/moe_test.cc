@@ -17,6 +17,7 @@
 #include "runtime/model/llama_model.h"
 #include "runtime/model/moe_block.h"
 #include "runtime/train/optimizer.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -234,9 +235,9 @@ TEST(MoeAuxLossTest, GradientDoesNotDependOnTheSplit) {
       ASSERT_TRUE(split->ForwardBackward("m", {{sample}, reduction}).ok());
     }
     const std::vector<torch::Tensor> want =
-        testing::Gradients(*whole->model("m").value());
+        testing::Gradients(*EngineTestPeer::Model(*whole, "m").value());
     const std::vector<torch::Tensor> got =
-        testing::Gradients(*split->model("m").value());
+        testing::Gradients(*EngineTestPeer::Model(*split, "m").value());
     for (size_t i = 0; i < want.size(); ++i) {
       EXPECT_LT(testing::RelativeDiff(got[i], want[i]), 1e-12) << i;
     }
@@ -245,10 +246,14 @@ TEST(MoeAuxLossTest, GradientDoesNotDependOnTheSplit) {
     auto plain = Engine::CreateSingleRank({}).value();
     ASSERT_TRUE(plain->CreateModel(spec).ok());
     ASSERT_TRUE(plain->ForwardBackward("m", {samples, reduction}).ok());
-    const Parameter* router = plain->model("m").value()->Find(
-        "model.layers.0.block_sparse_moe.gate.weight");
-    const Parameter* with_aux = whole->model("m").value()->Find(
-        "model.layers.0.block_sparse_moe.gate.weight");
+    const Parameter* router =
+        EngineTestPeer::Model(*plain, "m")
+            .value()
+            ->Find("model.layers.0.block_sparse_moe.gate.weight");
+    const Parameter* with_aux =
+        EngineTestPeer::Model(*whole, "m")
+            .value()
+            ->Find("model.layers.0.block_sparse_moe.gate.weight");
     EXPECT_GT(
         testing::RelativeDiff(with_aux->tensor.grad(), router->tensor.grad()),
         1e-3);

@@ -13,6 +13,7 @@
 
 #include "runtime/checkpoint/checkpoint.h"
 #include "runtime/engine/engine.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -57,7 +58,9 @@ class TrainableTest : public ::testing::Test {
     return {steps[0], steps[1]};
   }
 
-  CausalLm& model(const std::string& id) { return *engine_->model(id).value(); }
+  CausalLm& model(const std::string& id) {
+    return *EngineTestPeer::Model(*engine_, id).value();
+  }
 
   std::unique_ptr<Engine> engine_;
 };
@@ -119,8 +122,9 @@ TEST_F(TrainableTest, TheNormCountsAndTheStepMovesOnlyTrainableParameters) {
         << params[i].name;
   }
   std::set<std::string> state;
-  for (const auto& [name, t] :
-       engine_->optimizer("frozen").value()->StateTensors()) {
+  for (const auto& [name, t] : EngineTestPeer::OptimizerOf(*engine_, "frozen")
+                                   .value()
+                                   ->StateTensors()) {
     state.insert(name.substr(0, name.rfind('.')));
   }
   for (const Parameter& p : params) {

@@ -1,15 +1,18 @@
 // EngineGroups: the communicators of one rank, by the role they play in the
-// training math. The engine forms them once from its ProcessGroups (or one
-// single-rank group); the units that run collectives on a model take them
-// explicitly.
+// training math. The engine forms them once from its ProcessGroups
+// (FormEngineGroups; SingleRankGroups for one rank); the units that run
+// collectives on a model take them explicitly.
 //
-//   const tally::EngineGroups& g = engine.groups();
+//   TALLY_ASSIGN_OR_RETURN(tally::EngineGroups g,
+//                          tally::FormEngineGroups(process_groups));
 //   if (g.pp->size() > 1) { ... }  // a staged model
 //   TALLY_RETURN_IF_ERROR(g.replicas->AllReduce(grad, tally::ReduceOp::kSum));
 #ifndef TALLY_RUNTIME_PARALLEL_ENGINE_GROUPS_H_
 #define TALLY_RUNTIME_PARALLEL_ENGINE_GROUPS_H_
 
+#include "absl/status/statusor.h"
 #include "runtime/parallel/communicator.h"
+#include "runtime/parallel/distributed.h"
 
 namespace tally {
 
@@ -37,6 +40,12 @@ struct EngineGroups {
   // here, and the tied embedding's two copies sum their gradients.
   Communicator* pp = nullptr;
 };
+
+// Every role's group of this rank, formed over the mesh dimensions it spans
+// (a collective on every rank of `groups`, which outlives the result).
+absl::StatusOr<EngineGroups> FormEngineGroups(ProcessGroups& groups);
+// Every role played by `world`, a one-rank group.
+EngineGroups SingleRankGroups(Communicator& world);
 
 }  // namespace tally
 

@@ -19,6 +19,7 @@
 #include "runtime/train/loss_registry.h"
 #include "runtime/train/loss_report.h"
 #include "runtime/train/policy_losses.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -433,7 +434,8 @@ class PolicyLossWindowTest : public ::testing::Test {
       EXPECT_TRUE(engine_->ForwardBackward(id, args).ok());
     }
     std::vector<torch::Tensor> grads;
-    for (Parameter& p : engine_->model(id).value()->parameters()) {
+    for (Parameter& p :
+         EngineTestPeer::Model(*engine_, id).value()->parameters()) {
       grads.push_back(p.tensor.grad().clone());
     }
     return grads;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "runtime/engine/engine.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -65,9 +66,9 @@ class StepGuardTest : public ::testing::TestWithParam<OptimizerKind> {
   // Copies of the parameters, then of the optimizer state.
   std::vector<torch::Tensor> State() {
     std::vector<torch::Tensor> out =
-        ParameterValues(*engine_->model("m").value());
+        ParameterValues(*EngineTestPeer::Model(*engine_, "m").value());
     for (const auto& [name, t] :
-         engine_->optimizer("m").value()->StateTensors()) {
+         EngineTestPeer::OptimizerOf(*engine_, "m").value()->StateTensors()) {
       out.push_back(t.clone());
     }
     return out;

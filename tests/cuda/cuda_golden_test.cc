@@ -27,6 +27,7 @@
 #include "runtime/engine/engine.h"
 #include "runtime/parallel/distributed.h"
 #include "runtime/parallel/mesh.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
 
@@ -107,7 +108,8 @@ absl::StatusOr<Trained> Train(Engine& engine, const ModelSpec& spec,
                            engine.ForwardBackward(spec.model_id, a));
     run.calls.push_back(std::move(r));
   }
-  TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine.model(spec.model_id));
+  TALLY_ASSIGN_OR_RETURN(CausalLm * model,
+                         EngineTestPeer::Model(engine, spec.model_id));
   for (const Parameter& p : model->parameters()) {
     if (p.trainable) run.gradients.push_back(p.tensor.grad().cpu().clone());
   }
@@ -282,8 +284,10 @@ TEST_P(CudaMeshGoldenTest, MatchesOneCpuDevice) {
                                  reference.ForwardBackward(spec.model_id, a));
           testing::ExpectSameCall(got, want, tol);
         }
-        TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine.model(spec.model_id));
-        TALLY_ASSIGN_OR_RETURN(CausalLm * ref, reference.model(spec.model_id));
+        TALLY_ASSIGN_OR_RETURN(CausalLm * model,
+                               EngineTestPeer::Model(engine, spec.model_id));
+        TALLY_ASSIGN_OR_RETURN(CausalLm * ref,
+                               EngineTestPeer::Model(reference, spec.model_id));
         testing::ExpectGradientShards(*model, *ref, tol);
         OptimStepArgs step;
         step.max_grad_norm = kMaxGradNorm;

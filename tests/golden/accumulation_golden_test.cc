@@ -8,6 +8,7 @@
 #include <string>
 
 #include "runtime/engine/engine.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -113,9 +114,9 @@ TEST_P(WindowEquivalenceTest, UnevenCallsEqualOneCallAndTheReference) {
   EXPECT_EQ(engine->GetModel("split")->window.samples,
             engine->GetModel("whole")->window.samples);
 
-  CausalLm& split_model = *engine->model("split").value();
-  CausalLm& whole_model = *engine->model("whole").value();
-  CausalLm& ref_model = *engine->model("ref").value();
+  CausalLm& split_model = *EngineTestPeer::Model(*engine, "split").value();
+  CausalLm& whole_model = *EngineTestPeer::Model(*engine, "whole").value();
+  CausalLm& ref_model = *EngineTestPeer::Model(*engine, "ref").value();
   const std::vector<torch::Tensor> before = ParameterValues(split_model);
   const auto split_grads = Gradients(split_model);
   const auto whole_grads = Gradients(whole_model);

@@ -33,6 +33,7 @@
 #include "runtime/parallel/distributed.h"
 #include "runtime/train/context_parallel.h"
 #include "runtime/train/loss.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
 
@@ -165,8 +166,8 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v) {
   TALLY_RETURN_IF_ERROR(reference.CreateModel(spec).status());
   spec.activation_checkpointing = v.recompute;
   TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
-  CausalLm& model = *engine.model(id).value();
-  CausalLm& ref_model = *reference.model(id).value();
+  CausalLm& model = *EngineTestPeer::Model(engine, id).value();
+  CausalLm& ref_model = *EngineTestPeer::Model(reference, id).value();
   // The engines' attention options reached the models.
   EXPECT_EQ(model.attention().mode, AttentionMode::kBlocked);
   EXPECT_EQ(model.attention().block_keys, kBlockKeys);

@@ -29,6 +29,7 @@
 #include "runtime/engine/engine.h"
 #include "runtime/model/lora.h"
 #include "runtime/parallel/distributed.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
 
@@ -136,8 +137,8 @@ absl::Status CheckAdapter(Engine& engine, Engine& reference,
   const ModelSpec spec = LoraSpec(id, tied);
   TALLY_RETURN_IF_ERROR(reference.CreateModel(spec).status());
   TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
-  CausalLm& model = *engine.model(id).value();
-  CausalLm& ref_model = *reference.model(id).value();
+  CausalLm& model = *EngineTestPeer::Model(engine, id).value();
+  CausalLm& ref_model = *EngineTestPeer::Model(reference, id).value();
   EXPECT_TRUE(model.lora().enabled());
   EXPECT_NE(model.base(), nullptr);
 
@@ -271,8 +272,8 @@ TEST(LoraPipelineTest, HeadOnlyAdapterTrainsOnTwoStages) {
         spec.lora.train_attn = spec.lora.train_mlp = false;
         TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
         TALLY_RETURN_IF_ERROR(reference.CreateModel(spec).status());
-        CausalLm& model = *engine.model("head").value();
-        CausalLm& ref_model = *reference.model("head").value();
+        CausalLm& model = *EngineTestPeer::Model(engine, "head").value();
+        CausalLm& ref_model = *EngineTestPeer::Model(reference, "head").value();
         SetLoraB(model);
         SetLoraB(ref_model);
         for (const auto& window : Windows()) {
@@ -316,7 +317,7 @@ TEST(LoraNormTest, CountsOnlyTheAdapterParameters) {
     const ModelSpec spec = LoraSpec(id, /*tied=*/false);
     absl::StatusOr<ModelSummary> summary = engine->CreateModel(spec);
     ASSERT_TRUE(summary.ok()) << summary.status();
-    CausalLm& model = *engine->model(id).value();
+    CausalLm& model = *EngineTestPeer::Model(*engine, id).value();
     ASSERT_NE(model.base(), nullptr);
     ASSERT_GT(SetLoraB(model), 0);
 

@@ -26,6 +26,7 @@
 #include "kernels/onednn_matmul.h"
 #include "runtime/engine/engine.h"
 #include "runtime/parallel/communicator.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/test_util.h"
 
@@ -238,7 +239,7 @@ absl::Status CheckVariant(Engine& engine, Engine& reference,
   std::vector<std::string> ids;
   for (ZeroStage stage : stages) {
     ids.push_back(absl::StrCat("stage", static_cast<int>(stage)));
-    engine.set_zero_stage(stage);
+    EngineTestPeer::SetZeroStage(engine, stage);
     TALLY_RETURN_IF_ERROR(
         engine.CreateModel(VariantSpec(v, ids.back(), DType::kBFloat16))
             .status());
@@ -249,11 +250,13 @@ absl::Status CheckVariant(Engine& engine, Engine& reference,
       reference.CreateModel(VariantSpec(v, "f32", DType::kFloat32)).status());
   std::vector<CausalLm*> models;
   for (const std::string& id : ids) {
-    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine.model(id));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model, EngineTestPeer::Model(engine, id));
     models.push_back(model);
   }
-  TALLY_ASSIGN_OR_RETURN(CausalLm * one_bf16, reference.model("bf16"));
-  TALLY_ASSIGN_OR_RETURN(CausalLm * one_f32, reference.model("f32"));
+  TALLY_ASSIGN_OR_RETURN(CausalLm * one_bf16,
+                         EngineTestPeer::Model(reference, "bf16"));
+  TALLY_ASSIGN_OR_RETURN(CausalLm * one_f32,
+                         EngineTestPeer::Model(reference, "f32"));
 
   const auto windows = Windows(v.seed);
   constexpr size_t kSteppedWindows = 2;

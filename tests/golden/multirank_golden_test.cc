@@ -26,6 +26,7 @@
 #include "runtime/parallel/grad_norm.h"
 #include "runtime/parallel/parallel_ops.h"
 #include "runtime/train/accumulation.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
@@ -276,8 +277,8 @@ absl::Status CheckVariant(Engine& engine, Engine& reference, const Variant& v,
   TALLY_RETURN_IF_ERROR(reference.CreateModel(spec).status());
   spec.activation_checkpointing = v.activation_checkpointing;
   TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
-  CausalLm& model = *engine.model(id).value();
-  CausalLm& ref_model = *reference.model(id).value();
+  CausalLm& model = *EngineTestPeer::Model(engine, id).value();
+  CausalLm& ref_model = *EngineTestPeer::Model(reference, id).value();
   Parameter* tied = model.SplitTiedEmbedding();
   const int tied_peer =
       model.first_stage() ? engine.groups().pp->size() - 1 : 0;
@@ -422,8 +423,8 @@ absl::Status CheckCheckpointsAcrossMeshes(Engine& engine, Engine& reference,
   // Rank 0 writes; SaveCheckpoint returns on every rank once it has.
   TALLY_RETURN_IF_ERROR(engine.SaveCheckpoint(id, dir).status());
   TALLY_RETURN_IF_ERROR(reference.LoadCheckpoint(id, dir, true).status());
-  CausalLm& model = *engine.model(id).value();
-  CausalLm& ref_model = *reference.model(id).value();
+  CausalLm& model = *EngineTestPeer::Model(engine, id).value();
+  CausalLm& ref_model = *EngineTestPeer::Model(reference, id).value();
   for (const Parameter& p : model.parameters()) {
     EXPECT_TRUE(torch::equal(
         p.tensor, model.LocalShard(p, ref_model.Find(p.name)->tensor)))
@@ -562,7 +563,7 @@ absl::Status CheckRankEncodedReduction(Engine& engine, const RankEnv& env) {
   spec.default_adam.weight_decay = 0;
   spec.grad_sync = GradSync::kDeferred;
   TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
-  CausalLm& model = *engine.model("r").value();
+  CausalLm& model = *EngineTestPeer::Model(engine, "r").value();
   TALLY_RETURN_IF_ERROR(
       engine.ForwardBackward("r", {MakeSamples(spec.config.vocab_size, {5}, 8)})
           .status());
@@ -647,7 +648,7 @@ TEST_P(MultiRankNormTest, OneCollectiveEqualsTheStagedReduction) {
         const Mesh& mesh = engine->mesh();
         ModelSpec spec = Spec("n", DType::kFloat64, OptimizerKind::kAdamW, moe);
         TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
-        CausalLm& model = *engine->model("n").value();
+        CausalLm& model = *EngineTestPeer::Model(*engine, "n").value();
         Communicator& world = engine->world();
 
         // All-ones oracle: sqrt of the logical numel on every mesh.
@@ -967,7 +968,7 @@ absl::Status CheckCheckpointsAcrossStages(Engine& engine, Engine& reference,
   TALLY_RETURN_IF_ERROR(train(reference, "saved"));
   TALLY_RETURN_IF_ERROR(engine.SaveCheckpoint("saved", dir).status());
   TALLY_RETURN_IF_ERROR(train(reference, "saved"));
-  CausalLm& want = *reference.model("saved").value();
+  CausalLm& want = *EngineTestPeer::Model(reference, "saved").value();
   int n = 0;
   for (ZeroStage load_stage : {ZeroStage::kOptimizerState,
                                ZeroStage::kGradients, ZeroStage::kParameters}) {
@@ -980,13 +981,13 @@ absl::Status CheckCheckpointsAcrossStages(Engine& engine, Engine& reference,
                                 ", loaded under ", static_cast<int>(load_stage),
                                 back ? ", saved, loaded back" : ""));
       const std::string id = absl::StrCat("loaded", n++);
-      engine.set_zero_stage(back ? stage : load_stage);
+      EngineTestPeer::SetZeroStage(engine, back ? stage : load_stage);
       spec.model_id = id;
       TALLY_RETURN_IF_ERROR(engine.CreateModel(spec).status());
       const std::string from = back ? absl::StrCat(dir, "_stage3") : dir;
       TALLY_RETURN_IF_ERROR(engine.LoadCheckpoint(id, from, true).status());
-      CausalLm& saved = *engine.model("saved").value();
-      CausalLm& loaded = *engine.model(id).value();
+      CausalLm& saved = *EngineTestPeer::Model(engine, "saved").value();
+      CausalLm& loaded = *EngineTestPeer::Model(engine, id).value();
       for (const Parameter& p : loaded.parameters()) {
         EXPECT_TRUE(torch::equal(p.tensor, saved.Find(p.name)->tensor))
             << p.name;
@@ -1004,7 +1005,7 @@ absl::Status CheckCheckpointsAcrossStages(Engine& engine, Engine& reference,
       }
     }
   }
-  engine.set_zero_stage(stage);
+  EngineTestPeer::SetZeroStage(engine, stage);
   return absl::OkStatus();
 }
 
@@ -1174,14 +1175,14 @@ TEST(PipelineGoldenTest, ClippingPerStageFailsTheGoldenComparison) {
       TALLY_RETURN_IF_ERROR(
           reference->ForwardBackward("per_stage", {call}).status());
     }
-    CausalLm& want = *reference->model("per_stage").value();
+    CausalLm& want = *EngineTestPeer::Model(*reference, "per_stage").value();
     const std::vector<torch::Tensor> initial = testing::ParameterValues(want);
     OptimStepArgs step;
     step.max_grad_norm = 0.05;  // far below the norm: clipping is active
     TALLY_RETURN_IF_ERROR(reference->OptimStep("per_stage", step).status());
     TALLY_RETURN_IF_ERROR(engine->OptimStep("global", step).status());
 
-    CausalLm& per_stage = *engine->model("per_stage").value();
+    CausalLm& per_stage = *EngineTestPeer::Model(*engine, "per_stage").value();
     TALLY_ASSIGN_OR_RETURN(auto stage_alone, MakeSingleRankCommunicator());
     TALLY_ASSIGN_OR_RETURN(
         ClipResult clip,
@@ -1207,7 +1208,7 @@ TEST(PipelineGoldenTest, ClippingPerStageFailsTheGoldenComparison) {
     for (const auto& [id, diff] :
          {std::pair<const char*, double*>{"global", &global_diff},
           {"per_stage", &per_stage_diff}}) {
-      CausalLm& got = *engine->model(id).value();
+      CausalLm& got = *EngineTestPeer::Model(*engine, id).value();
       for (const Parameter& p : got.parameters()) {
         const torch::Tensor start = got.LocalShard(
             p, initial[want.Find(p.name) - want.parameters().data()]);
@@ -1258,8 +1259,8 @@ TEST(PipelineCheckpointTest, SavedWithPp2LoadsWithPp1AndPp4) {
       TALLY_RETURN_IF_ERROR(e->CreateModel(spec).status());
       TALLY_RETURN_IF_ERROR(e->LoadCheckpoint("c", dir(), true).status());
     }
-    CausalLm& model = *engine->model("c").value();
-    CausalLm& ref_model = *reference->model("c").value();
+    CausalLm& model = *EngineTestPeer::Model(*engine, "c").value();
+    CausalLm& ref_model = *EngineTestPeer::Model(*reference, "c").value();
     EXPECT_EQ(engine->GetModel("c")->step, 1);
     for (const Parameter& p : model.parameters()) {
       EXPECT_TRUE(torch::equal(p.tensor, ref_model.Find(p.name)->tensor))

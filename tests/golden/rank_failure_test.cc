@@ -19,6 +19,7 @@
 #include "runtime/engine/engine.h"
 #include "runtime/parallel/distributed.h"
 #include "runtime/parallel/fault_hook.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
@@ -273,7 +274,8 @@ TEST(RankFailureTest, EveryCommandFailingOnOneRankFailsOnEveryRank) {
       TALLY_RETURN_IF_ERROR(run());
     }
 
-    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model,
+                           EngineTestPeer::Model(*engine, "m"));
     const std::vector<torch::Tensor> trained = testing::ParameterValues(*model);
     TALLY_RETURN_IF_ERROR(engine->ForwardBackward("m", {Call(2)}).status());
     {
@@ -402,8 +404,10 @@ TEST_P(InPassFailureTest, FailsFastOnEveryRankAndTheNextCallsAreExact) {
     TALLY_ASSIGN_OR_RETURN(const double clean_loss,
                            StepAndEvaluate(*engine, "clean"));
     EXPECT_EQ(loss, clean_loss);
-    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
-    TALLY_ASSIGN_OR_RETURN(CausalLm * clean, engine->model("clean"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model,
+                           EngineTestPeer::Model(*engine, "m"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * clean,
+                           EngineTestPeer::Model(*engine, "clean"));
     EXPECT_TRUE(testing::AllEqual(testing::ParameterValues(*model),
                                   testing::ParameterValues(*clean)));
     return absl::OkStatus();
@@ -474,8 +478,10 @@ TEST(RankFailureTest, AFailureInTheNormFailsFastAndTheRetryIsExact) {
                              engine->OptimStep(id, {}));
       EXPECT_EQ(step.step, 1);
     }
-    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
-    TALLY_ASSIGN_OR_RETURN(CausalLm * clean, engine->model("clean"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model,
+                           EngineTestPeer::Model(*engine, "m"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * clean,
+                           EngineTestPeer::Model(*engine, "clean"));
     EXPECT_TRUE(testing::AllEqual(testing::ParameterValues(*model),
                                   testing::ParameterValues(*clean)));
     return absl::OkStatus();
@@ -490,7 +496,8 @@ TEST(RankFailureTest, AFailurePartwayThroughTheGatherFailsFast) {
   const RecoveryCase c{"Zero3Gather", Zero3Mesh(), FaultPoint::kGather, 2};
   testing::RunOnRanks(2, [&](const RankEnv& env) -> absl::Status {
     TALLY_ASSIGN_OR_RETURN(auto engine, EngineWithTwinModels(c, env));
-    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model,
+                           EngineTestPeer::Model(*engine, "m"));
     const std::vector<torch::Tensor> before = testing::ParameterValues(*model);
     const std::string dir = absl::StrCat(::testing::TempDir(),
                                          "tally_gatherfail_", env.master_port);
@@ -597,8 +604,10 @@ TEST_P(CommandFailureTest, FailsFastOnEveryRankAndTheNextStepIsExact) {
     TALLY_ASSIGN_OR_RETURN(const double clean_loss,
                            StepAndEvaluate(*engine, "clean"));
     EXPECT_EQ(loss, clean_loss);
-    TALLY_ASSIGN_OR_RETURN(CausalLm * model, engine->model("m"));
-    TALLY_ASSIGN_OR_RETURN(CausalLm * clean, engine->model("clean"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * model,
+                           EngineTestPeer::Model(*engine, "m"));
+    TALLY_ASSIGN_OR_RETURN(CausalLm * clean,
+                           EngineTestPeer::Model(*engine, "clean"));
     EXPECT_TRUE(testing::AllEqual(testing::ParameterValues(*model),
                                   testing::ParameterValues(*clean)));
     return absl::OkStatus();

@@ -16,6 +16,7 @@
 #include "runtime/config/memory_estimate.h"
 #include "runtime/engine/engine.h"
 #include "runtime/parallel/parallel_ops.h"
+#include "tests/testing/engine_test_peer.h"
 #include "tests/testing/golden.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
@@ -117,7 +118,7 @@ TEST(ZeroStageTest, DpShardCollectivesPerWindowFollowTheStage) {
         const std::string id = absl::StrCat(
             StageName(stage), sync == GradSync::kEager ? "e" : "d");
         SCOPED_TRACE(id);
-        engine->set_zero_stage(stage);
+        EngineTestPeer::SetZeroStage(*engine, stage);
         ModelSpec spec = TinySpec(id, DType::kFloat64, OptimizerKind::kAdamW);
         spec.grad_sync = sync;
         TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
@@ -125,7 +126,7 @@ TEST(ZeroStageTest, DpShardCollectivesPerWindowFollowTheStage) {
         TALLY_ASSIGN_OR_RETURN(const int64_t passes, RunWindow(*engine, id));
         EXPECT_GT(passes, kCalls);  // several passes per call
         const std::vector<Parameter>& params =
-            engine->model(id).value()->parameters();
+            EngineTestPeer::Model(*engine, id).value()->parameters();
         Expected want;
         if (stage == ZeroStage::kOptimizerState) {
           want = ExpectedCollectives(params, 1,
@@ -162,7 +163,7 @@ TEST(ZeroStageTest, ModelStatePerRankFollowsTheStage) {
     for (ZeroStage stage : {ZeroStage::kOptimizerState, ZeroStage::kGradients,
                             ZeroStage::kParameters}) {
       SCOPED_TRACE(StageName(stage));
-      engine->set_zero_stage(stage);
+      EngineTestPeer::SetZeroStage(*engine, stage);
       const std::string id = StageName(stage);
       const ModelSpec spec =
           TinySpec(id, DType::kFloat64, OptimizerKind::kAdamW);
@@ -170,7 +171,8 @@ TEST(ZeroStageTest, ModelStatePerRankFollowsTheStage) {
       TALLY_RETURN_IF_ERROR(engine->ForwardBackward(id, {Calls()[0]}).status());
       TALLY_ASSIGN_OR_RETURN(OptimStepResult step, engine->OptimStep(id, {}));
       double whole = 0, shard = 0;
-      for (const Parameter& p : engine->model(id).value()->parameters()) {
+      for (const Parameter& p :
+           EngineTestPeer::Model(*engine, id).value()->parameters()) {
         whole += static_cast<double>(p.tensor.numel() / p.tensor.size(0) *
                                      p.tp_local_shape[0] * sizeof(double));
         shard += static_cast<double>(p.tensor.nbytes());
@@ -213,13 +215,13 @@ TEST(ZeroStageTest, LoraBaseIsGatheredOnceForAllItsAdapters) {
     for (ZeroStage stage : {ZeroStage::kParameters, ZeroStage::kOptimizerState,
                             ZeroStage::kGradients}) {
       SCOPED_TRACE(StageName(stage));
-      engine->set_zero_stage(stage);
+      EngineTestPeer::SetZeroStage(*engine, stage);
       // The tenant scope keeps each stage's base apart.
       const std::string id = absl::StrCat(StageName(stage), "/adapter");
       ModelSpec spec = TinySpec(id, DType::kFloat64, OptimizerKind::kAdamW);
       spec.lora = TestLora();
       TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
-      CausalLm& model = *engine->model(id).value();
+      CausalLm& model = *EngineTestPeer::Model(*engine, id).value();
       EXPECT_EQ(KeepsWholeGradients(model.parameters()),
                 stage == ZeroStage::kOptimizerState);
       int64_t factors = 0;
@@ -269,15 +271,18 @@ TEST(ZeroStageTest, AbortedWindowLeavesNoWholeGradient) {
     TALLY_RETURN_IF_ERROR(
         engine->ForwardBackward("aborted", {Calls()[2]}).status());
     TALLY_RETURN_IF_ERROR(engine->AbortAccumulation("aborted").status());
-    for (const Parameter& p : engine->model("aborted").value()->parameters()) {
+    for (const Parameter& p :
+         EngineTestPeer::Model(*engine, "aborted").value()->parameters()) {
       EXPECT_EQ(p.gathered->grad.abs().max().item<double>(), 0.0) << p.name;
     }
     for (const char* id : {"aborted", "fresh"}) {
       TALLY_RETURN_IF_ERROR(RunWindow(*engine, id).status());
     }
     EXPECT_TRUE(testing::AllEqual(
-        testing::ParameterValues(*engine->model("aborted").value()),
-        testing::ParameterValues(*engine->model("fresh").value())));
+        testing::ParameterValues(
+            *EngineTestPeer::Model(*engine, "aborted").value()),
+        testing::ParameterValues(
+            *EngineTestPeer::Model(*engine, "fresh").value())));
     return absl::OkStatus();
   });
 }
