@@ -15,9 +15,10 @@
 //   3      gathered    reduce-scattered every  1 all-gather and 1 reduce-
 //          per pass    pass                    scatter per use per pass
 //
-// The engine refreshes the gathered copies after anything changes the
-// shards (creation, LoadCheckpoint, OptimStep) and, at stage 1, reduces the
-// whole gradients where it sums a window over the replicas.
+// BuiltModel (runtime/engine/built_model.h) refreshes the gathered copies
+// after anything changes the shards (creation, LoadCheckpoint, OptimStep),
+// and its GradientSync (runtime/train/gradient_sync.h), at stage 1, reduces
+// the whole gradients where it sums a window over the replicas.
 //
 //   torch::Tensor w = tally::GatheredWeight(p, dp_shard);  // in forward
 //   ... backward ...
