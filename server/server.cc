@@ -70,8 +70,7 @@ absl::StatusOr<int> LocalRankPort(const ServerOptions& options, int base,
 }
 
 // The device of this rank (runtime/parallel/device.h): the same on every call,
-// from
-// --device, the rank's place on its host and the GPUs this process sees.
+// from --device, the rank's place on its host and the GPUs this process sees.
 absl::StatusOr<RankDevice> ChooseRankDevice(const ServerOptions& options) {
   TALLY_ASSIGN_OR_RETURN(RankEnv env, ResolveRankEnv(options.rank_env, GetEnv));
   return ResolveDevice(options.device, env.local_rank, LocalRanks(),

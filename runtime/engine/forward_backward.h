@@ -8,11 +8,13 @@
 // call. The engine validates the call before and keeps the window; the pass
 // changes only the gradients.
 //
-//   TALLY_RETURN_IF_ERROR(tally::CheckAuxiliaryLossesApply(built.model(),
-//   args)); tally::PassOptions options; options.sum_call_gradients = true;  //
-//   EAGER TALLY_ASSIGN_OR_RETURN(tally::ForwardBackwardResult result,
-//                          tally::RunForwardBackwardPass(built, args, *loss,
-//                                                        options));
+//   TALLY_RETURN_IF_ERROR(
+//       tally::CheckAuxiliaryLossesApply(built.model(), args));
+//   tally::PassOptions options;
+//   options.sum_call_gradients = true;  // EAGER
+//   TALLY_ASSIGN_OR_RETURN(
+//       tally::ForwardBackwardResult result,
+//       tally::RunForwardBackwardPass(built, args, *loss, options));
 #ifndef TALLY_RUNTIME_ENGINE_FORWARD_BACKWARD_H_
 #define TALLY_RUNTIME_ENGINE_FORWARD_BACKWARD_H_
 

@@ -2,8 +2,7 @@
 // a step, decided once when the model is built from its parameters and this
 // rank's groups, never again per call:
 //   - ZeRO-1 (runtime/parallel/zero.h): the whole gradients are
-//   reduce-scattered into
-//     the dp_shard shards first;
+//     reduce-scattered into the dp_shard shards first;
 //   - the replica sums: dense gradients over groups.replicas (dp_replicate x
 //     cp), expert ones over groups.expert_replicas, each set in flat buckets
 //     (runtime/parallel/grad_buckets.h), only where the group has more than one
