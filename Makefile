@@ -35,6 +35,7 @@ demo: build
 	bash scripts/demo.sh $(BUILD_DIR)
 
 bench: build
+	cmake --build $(BUILD_DIR) -j$(JOBS) --target tally_benchmarks
 	$(BUILD_DIR)/bench/bench_comm
 	$(BUILD_DIR)/bench/bench_optim_step
 	$(BUILD_DIR)/bench/bench_rpc
