@@ -109,18 +109,18 @@ TEST(JsonFieldsTest, AnOptionalFieldOfAnotherKindIsRefused) {
             "f.json: name must be a number");
 }
 
-enum class Color { kRed, kGreen };
-constexpr EnumName<Color> kColorNames[] = {{Color::kRed, "red"},
-                                           {Color::kGreen, "green"}};
+enum class Shade { kRed, kGreen };
+constexpr EnumName<Shade> kShadeNames[] = {{Shade::kRed, "red"},
+                                           {Shade::kGreen, "green"}};
 
 TEST(JsonFieldsTest, ANamedFieldIsOneOfTheTablesNames) {
-  Color color = Color::kGreen;
-  EXPECT_TRUE(Fields().Named("name", kColorNames, color).ok());
-  EXPECT_EQ(color, Color::kRed);
-  EXPECT_EQ(Fields().Named("count", kColorNames, color).message(),
+  Shade color = Shade::kGreen;
+  EXPECT_TRUE(Fields().Named("name", kShadeNames, color).ok());
+  EXPECT_EQ(color, Shade::kRed);
+  EXPECT_EQ(Fields().Named("count", kShadeNames, color).message(),
             "f.json: count is missing or not \"red\" or \"green\"");
   const nlohmann::json blue = {{"name", "blue"}};
-  EXPECT_THAT(Fields(blue).Named("name", kColorNames, color).message(),
+  EXPECT_THAT(Fields(blue).Named("name", kShadeNames, color).message(),
               HasSubstr("\"red\" or \"green\""));
 }
 
