@@ -196,14 +196,22 @@ class CausalLm {
                                const torch::Tensor& targets,
                                const AttentionLayout& layout,
                                StageIo* io = nullptr);
-  // Decoding (kv_cache.h): the whole model on one rank, without gradients,
-  // over new tokens `input` [B, T] at `positions` of which `valid` are real
-  // (both [B, T]), their keys the cache's followed by their own. Appends
-  // their keys and values to `cache` and returns the logits [B, T, V] in
-  // float32 at least (the dtype TargetLogprobs' log-softmax runs in).
-  // UNIMPLEMENTED for a family without a cache path and for a model split
-  // over ranks (tp, dp_shard, ep, cp or pp); INVALID_ARGUMENT for shapes
-  // that do not match each other or the cache.
+  // Decoding (kv_cache.h): this rank's stage of the model, without
+  // gradients, over new tokens at `positions` of which `valid` are real
+  // (both [B, T]), their keys the cache's followed by their own. `input`:
+  // the token ids [B, T] on the first stage, else the previous stage's
+  // hidden states [B, T, H]. Appends the stage's layers' keys and values to
+  // `cache` (a cache of the whole model's layers) and returns, on the last
+  // stage, the logits [B, T, V] in float32 at least (the dtype
+  // TargetLogprobs' log-softmax runs in), whole and bitwise alike on every
+  // tp rank; on other stages the hidden states for the next one. On a mesh
+  // it splits as the training forward does: tp shards the heads and so the
+  // cache; dp_shard gathers the parameters and ep dispatches the tokens, so
+  // every rank of those groups must call it the same number of times
+  // (runtime/sample/mesh_decode.h keeps them in step). Under cp a row holds
+  // a whole sequence: no keys are gathered over cp. UNIMPLEMENTED for a
+  // family without a cache path; INVALID_ARGUMENT for shapes that do not
+  // match each other, the stage or the cache.
   virtual absl::StatusOr<torch::Tensor> ForwardWithCache(
       const torch::Tensor& input, const torch::Tensor& positions,
       const torch::Tensor& valid, KvCache& cache);

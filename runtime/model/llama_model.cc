@@ -510,8 +510,9 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   }
   q = q * cos + RotateHalf(q) * sin;
   k = k * cos + RotateHalf(k) * sin;
-  if (sharding_.cp_size() > 1) {
-    // Before the GQA repeat, so the gather moves kv_heads, not heads.
+  if (sharding_.cp_size() > 1 && mask.cache == nullptr) {
+    // Before the GQA repeat, so the gather moves kv_heads, not heads. (A
+    // decoding row holds a whole sequence: nothing to gather.)
     k = GatherSequenceBlocks(k, *sharding_.cp);
     v = GatherSequenceBlocks(v, *sharding_.cp);
   }
@@ -668,15 +669,15 @@ torch::Tensor LlamaModel::RunLayers(torch::Tensor x,
 absl::StatusOr<torch::Tensor> LlamaModel::ForwardWithCache(
     const torch::Tensor& input, const torch::Tensor& positions,
     const torch::Tensor& valid, KvCache& cache) {
-  if (sharded() || sharding_.pp_stages > 1 || sharding_.cp_size() > 1) {
-    return absl::UnimplementedError(
-        "decoding with a KV cache runs on a single rank for now; this model "
-        "is split over tp, dp_shard, ep, cp or pp ranks");
-  }
-  if (input.dim() != 2 || positions.sizes() != input.sizes() ||
-      valid.sizes() != input.sizes()) {
-    return absl::InvalidArgumentError(
-        "input, positions and valid must share one shape [B, T]");
+  const int64_t input_dims = first_stage() ? 2 : 3;
+  if (input.dim() != input_dims ||
+      (!first_stage() && input.size(2) != config_.hidden_size) ||
+      positions.dim() != 2 || positions.sizes() != input.sizes().slice(0, 2) ||
+      valid.sizes() != positions.sizes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input must be ", first_stage() ? "token ids [B, T]" : "hidden states",
+        first_stage() ? "" : absl::StrCat(" [B, T, ", config_.hidden_size, "]"),
+        " and positions and valid [B, T] alike"));
   }
   if (cache.num_layers() != config_.num_hidden_layers ||
       (cache.batch() != 0 && cache.batch() != input.size(0))) {
@@ -690,8 +691,14 @@ absl::StatusOr<torch::Tensor> LlamaModel::ForwardWithCache(
     const torch::Device here = device();
     const AttentionLayout layout =
         cache.Extend(positions.to(here, torch::kInt64), valid.to(here));
-    return Logits(RunLayers(Embed(input.to(here), /*vocab_start=*/0), layout,
-                            /*io=*/nullptr, &cache));
+    const int64_t vocab_start =
+        sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
+    torch::Tensor x = RunLayers(Embed(input.to(here), vocab_start), layout,
+                                /*io=*/nullptr, &cache);
+    if (!last_stage()) return x;
+    torch::Tensor logits = Logits(x);
+    if (sharding_.tp_size() == 1) return logits;
+    return GatherVocabShards(logits, *sharding_.tp);
   });
 }
 

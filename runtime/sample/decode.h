@@ -6,9 +6,12 @@
 // logits, sequence i drawing from SequenceGenerator(seed, i), so a
 // sequence's tokens do not depend on the other prompts of the call.
 //
-// Not yet: meshes other than a single rank (ForwardWithCache refuses them,
-// UNIMPLEMENTED), prompt log-probabilities, deadlines and cancellation,
-// memory admission of the cache (KvCache::bytes says what it holds).
+// On a mesh every rank calls Decode with the same request and its
+// DecodeGroups, and every rank returns the same whole result, equal to the
+// single rank's (mesh_decode.h says what each dimension does).
+//
+// Not yet: prompt log-probabilities, deadlines and cancellation, memory
+// admission of the cache (KvCache::bytes says what it holds).
 //
 //   tally::DecodeRequest request;
 //   request.prompts = {{1, 5, 9}, {1, 7}};
@@ -17,6 +20,9 @@
 //   request.stop = {{2}};               // EOS
 //   TALLY_ASSIGN_OR_RETURN(std::vector<tally::DecodedSequence> out,
 //                          tally::Decode(model, request));
+//   // On a mesh, on every rank (EngineGroups, engine_groups.h):
+//   tally::DecodeGroups groups{engine_groups.data_and_cp, engine_groups.pp};
+//   TALLY_ASSIGN_OR_RETURN(out, tally::Decode(model, request, groups));
 #ifndef TALLY_RUNTIME_SAMPLE_DECODE_H_
 #define TALLY_RUNTIME_SAMPLE_DECODE_H_
 
@@ -25,6 +31,7 @@
 
 #include "absl/status/statusor.h"
 #include "runtime/model/causal_lm.h"
+#include "runtime/parallel/communicator.h"
 #include "runtime/sample/sampling.h"
 
 namespace tally {
@@ -55,10 +62,32 @@ struct DecodedSequence {
 absl::Status ValidateDecodeRequest(const DecodeRequest& request,
                                    int64_t vocab_size);
 
-// The completions of request.prompts, in order. Errors of validation above
-// and of CausalLm::ForwardWithCache (UNIMPLEMENTED on a split model).
+// The groups a decode on a mesh runs over besides the model's own
+// (CausalLm::sharding).
+struct DecodeGroups {
+  // The ranks that split the sequences, each decoding a contiguous block by
+  // index, all of them then gathering every block: ranks of this rank's tp
+  // and pp coordinates (the engine's data x cp ranks,
+  // EngineGroups::data_and_cp). Null: this rank decodes every sequence.
+  Communicator* data = nullptr;
+  // The stages of this rank's pipeline, group rank = stage (EngineGroups::pp);
+  // required for a model split over pp.
+  Communicator* pp = nullptr;
+};
+
+// The completions of request.prompts, in order: on one rank, or on every
+// rank of a mesh whose ranks each decode every sequence (tp, dp_shard, ep
+// and cp work without groups; pp needs DecodeGroups). Errors of validation
+// above, UNIMPLEMENTED for a pipeline stage, and those of
+// CausalLm::ForwardWithCache.
 absl::StatusOr<std::vector<DecodedSequence>> Decode(
     CausalLm& model, const DecodeRequest& request);
+// The same on a mesh, every rank calling it with the same request: the data
+// ranks split the sequences, the pipeline stages pass activations on.
+// INVALID_ARGUMENT naming groups.pp when it is not this stage's pipeline;
+// a collective's error as it comes.
+absl::StatusOr<std::vector<DecodedSequence>> Decode(
+    CausalLm& model, const DecodeRequest& request, const DecodeGroups& groups);
 
 }  // namespace tally
 
