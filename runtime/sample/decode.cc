@@ -8,6 +8,7 @@
 #include "base/status.h"
 #include "runtime/model/kv_cache.h"
 #include "runtime/sample/mesh_decode.h"
+#include "runtime/sample/sampling.h"
 
 namespace tally {
 namespace {

@@ -31,49 +31,15 @@
 
 #include "absl/status/statusor.h"
 #include "runtime/model/causal_lm.h"
-#include "runtime/parallel/communicator.h"
-#include "runtime/sample/sampling.h"
+#include "runtime/sample/decode_types.h"
 
 namespace tally {
-
-struct DecodeRequest {
-  std::vector<std::vector<int64_t>> prompts;  // token ids, each non-empty
-  int64_t max_tokens = 16;  // the most tokens generated per sequence, >= 1
-  SamplingParams sampling;
-  // A sequence stops as soon as its generated tokens end with one of these
-  // (a stop token is a sequence of one); they stay in its tokens.
-  std::vector<std::vector<int64_t>> stop;
-  uint64_t seed = 0;
-};
-
-enum class StopReason { kLength, kStop };
-
-struct DecodedSequence {
-  std::vector<int64_t> tokens;  // the generated tokens, without the prompt
-  // Per token: log p(token | prompt and the tokens before it) under the
-  // model's distribution before temperature, top-k and top-p.
-  std::vector<double> logprobs;
-  StopReason stop_reason = StopReason::kLength;
-};
 
 // INVALID_ARGUMENT naming the field: no prompts, an empty prompts[i], a
 // token of prompts[i] or stop[i] outside [0, vocab_size), an empty stop[i],
 // max_tokens < 1, or sampling's (ValidateSamplingParams).
 absl::Status ValidateDecodeRequest(const DecodeRequest& request,
                                    int64_t vocab_size);
-
-// The groups a decode on a mesh runs over besides the model's own
-// (CausalLm::sharding).
-struct DecodeGroups {
-  // The ranks that split the sequences, each decoding a contiguous block by
-  // index, all of them then gathering every block: ranks of this rank's tp
-  // and pp coordinates (the engine's data x cp ranks,
-  // EngineGroups::data_and_cp). Null: this rank decodes every sequence.
-  Communicator* data = nullptr;
-  // The stages of this rank's pipeline, group rank = stage (EngineGroups::pp);
-  // required for a model split over pp.
-  Communicator* pp = nullptr;
-};
 
 // The completions of request.prompts, in order: on one rank, or on every
 // rank of a mesh whose ranks each decode every sequence (tp, dp_shard, ep

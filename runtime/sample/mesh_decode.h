@@ -38,7 +38,7 @@
 #include "runtime/model/causal_lm.h"
 #include "runtime/model/kv_cache.h"
 #include "runtime/parallel/communicator.h"
-#include "runtime/sample/decode.h"
+#include "runtime/sample/decode_types.h"
 #include "runtime/sample/sampling.h"
 
 namespace tally {

@@ -8,6 +8,8 @@
 // one-prompt call that leaves every data rank but one without a sequence.
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -42,6 +44,8 @@ MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1, int ep = 1,
   shape.pp = pp;
   return shape;
 }
+
+void PrintTo(const DecodeMesh& mesh, std::ostream* os) { *os << mesh.name; }
 
 std::string MeshName(const ::testing::TestParamInfo<DecodeMesh>& info) {
   return info.param.name;
