@@ -161,6 +161,8 @@ INSTANTIATE_TEST_SUITE_P(
                       DecodeMesh{"tp2", Shape(1, 1, 2)},
                       DecodeMesh{"cp2", Shape(1, 1, 1, 2)},
                       DecodeMesh{"ep2", Shape(1, 2, 1, 1, 2), /*moe=*/true},
+                      DecodeMesh{"cp2_ep2", Shape(1, 1, 1, 2, 2),
+                                 /*moe=*/true},
                       DecodeMesh{"pp2", Shape(1, 1, 1, 1, 1, 2)},
                       DecodeMesh{"pp2_dp_shard2", Shape(1, 2, 1, 1, 1, 2)},
                       DecodeMesh{"dp_shard2_tp2_ep2", Shape(1, 2, 2, 1, 2),
