@@ -1,5 +1,6 @@
 // Golden tests of decoding on a mesh (runtime/sample/mesh_decode.h): real
 // rank processes on loopback, each decoding with its shard of a float64 model
+// (with LoRA adapters on one mesh)
 // and, in the same process, with the single-rank model of the same seed.
 // Every rank must return the whole result of the single rank: the same
 // tokens and stop reasons, log-probabilities within 1e-10 relative, for
@@ -30,7 +31,8 @@ using testing::RelativeDiff;
 struct DecodeMesh {
   const char* name;
   MeshShape shape;
-  bool moe = false;  // the 4-expert Mixtral-style model
+  bool moe = false;   // the 4-expert Mixtral-style model
+  bool lora = false;  // LoRA adapters on every projection (TestLora)
 };
 
 MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1, int ep = 1,
@@ -53,8 +55,9 @@ std::string MeshName(const ::testing::TestParamInfo<DecodeMesh>& info) {
 
 // This rank's model of `config` split over its groups as the engine splits
 // it (ModelSharding from EngineGroups), float64, seed 7.
-absl::StatusOr<std::unique_ptr<CausalLm>> RankModel(const LlamaConfig& config,
-                                                    const EngineGroups& g) {
+absl::StatusOr<std::unique_ptr<CausalLm>> RankModel(
+    const LlamaConfig& config, const ModelAdapters& adapters,
+    const EngineGroups& g) {
   ModelSharding sharding;
   sharding.tp = g.tp;
   sharding.dp_shard = g.dp_shard;
@@ -62,7 +65,26 @@ absl::StatusOr<std::unique_ptr<CausalLm>> RankModel(const LlamaConfig& config,
   sharding.ep = g.ep;
   sharding.pp_stage = g.pp->rank();
   sharding.pp_stages = g.pp->size();
-  return CreateCausalLm(config, DType::kFloat64, 7, sharding);
+  return CreateCausalLm(config, DType::kFloat64, 7, sharding, adapters);
+}
+
+// LoRA's B factors start at zero (the adapters would do nothing): draws
+// them in `reference` (normal, std 0.3) and gives `model` its shards of the
+// same values.
+void ActivateAdapters(CausalLm& reference, CausalLm& model) {
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(5);
+  for (Parameter& p : reference.parameters()) {
+    if (p.name.find(".lora_B.") != std::string::npos) {
+      p.tensor.copy_(0.3 * torch::randn_like(p.tensor));
+    }
+  }
+  for (Parameter& p : model.parameters()) {
+    const Parameter* whole = reference.Find(p.name);
+    if (p.name.find(".lora_B.") != std::string::npos) {
+      p.tensor.copy_(model.LocalShard(p, whole->tensor));
+    }
+  }
 }
 
 // Prompts of 5, 2 and 7 tokens.
@@ -117,6 +139,8 @@ TEST_P(DecodeGoldenTest, EqualsTheSingleRank) {
   const DecodeMesh& mesh_case = GetParam();
   const LlamaConfig config =
       mesh_case.moe ? testing::MoeConfig() : testing::TinyConfig();
+  ModelAdapters adapters;
+  if (mesh_case.lora) adapters.lora = testing::TestLora();
   testing::RunOnRanks(
       mesh_case.shape.world_size(), [&](const RankEnv& env) -> absl::Status {
         TALLY_ASSIGN_OR_RETURN(Mesh mesh,
@@ -128,9 +152,11 @@ TEST_P(DecodeGoldenTest, EqualsTheSingleRank) {
         TALLY_ASSIGN_OR_RETURN(EngineGroups g,
                                FormEngineGroups(*process_groups));
         TALLY_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model,
-                               RankModel(config, g));
-        TALLY_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> reference,
-                               CreateCausalLm(config, DType::kFloat64, 7));
+                               RankModel(config, adapters, g));
+        TALLY_ASSIGN_OR_RETURN(
+            std::unique_ptr<CausalLm> reference,
+            CreateCausalLm(config, DType::kFloat64, 7, {}, adapters));
+        if (mesh_case.lora) ActivateAdapters(*reference, *model);
         TALLY_ASSIGN_OR_RETURN(std::vector<DecodeRequest> requests,
                                Requests(*reference));
         const DecodeGroups groups{g.data_and_cp, g.pp};
@@ -166,7 +192,9 @@ INSTANTIATE_TEST_SUITE_P(
                       DecodeMesh{"pp2", Shape(1, 1, 1, 1, 1, 2)},
                       DecodeMesh{"pp2_dp_shard2", Shape(1, 2, 1, 1, 1, 2)},
                       DecodeMesh{"dp_shard2_tp2_ep2", Shape(1, 2, 2, 1, 2),
-                                 /*moe=*/true}),
+                                 /*moe=*/true},
+                      DecodeMesh{"dp_shard2_tp2_lora", Shape(1, 2, 2),
+                                 /*moe=*/false, /*lora=*/true}),
     MeshName);
 
 }  // namespace
