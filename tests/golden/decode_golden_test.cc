@@ -80,9 +80,8 @@ void ActivateAdapters(CausalLm& reference, CausalLm& model) {
     }
   }
   for (Parameter& p : model.parameters()) {
-    const Parameter* whole = reference.Find(p.name);
     if (p.name.find(".lora_B.") != std::string::npos) {
-      p.tensor.copy_(model.LocalShard(p, whole->tensor));
+      p.tensor.copy_(model.LocalShard(p, reference.Find(p.name)->tensor));
     }
   }
 }
