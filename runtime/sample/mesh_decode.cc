@@ -127,15 +127,26 @@ absl::StatusOr<SampledTokens> MeshStep::Share(const SampledTokens& chosen,
                                               int64_t rows) {
   if (model_->sharding().pp_stages == 1) return chosen;
   // Token ids are exact in float64: one broadcast carries both rows.
-  torch::Tensor both =
-      model_->last_stage()
-          ? torch::stack({chosen.tokens.to(torch::kFloat64),
-                          chosen.logprobs.to(torch::kFloat64)})
-                .contiguous()
-          : torch::empty({2, rows}, kFloat64.device(model_->device()));
-  TALLY_RETURN_IF_ERROR(
-      groups_.pp->Broadcast(both, model_->sharding().pp_stages - 1));
+  TALLY_ASSIGN_OR_RETURN(
+      torch::Tensor both,
+      FromLastStage(model_->last_stage()
+                        ? torch::stack({chosen.tokens.to(torch::kFloat64),
+                                        chosen.logprobs.to(torch::kFloat64)})
+                        : torch::Tensor(),
+                    {2, rows}));
   return SampledTokens{both[0].to(torch::kInt64), both[1]};
+}
+
+absl::StatusOr<torch::Tensor> MeshStep::FromLastStage(
+    const torch::Tensor& on_last, at::IntArrayRef shape) {
+  if (model_->sharding().pp_stages == 1) return on_last;
+  torch::Tensor out =
+      model_->last_stage()
+          ? on_last.to(model_->device(), torch::kFloat64).contiguous()
+          : torch::empty(shape, kFloat64.device(model_->device()));
+  TALLY_RETURN_IF_ERROR(
+      groups_.pp->Broadcast(out, model_->sharding().pp_stages - 1));
+  return out;
 }
 
 absl::StatusOr<bool> MeshStep::AnyoneDecodes(bool decoding) {

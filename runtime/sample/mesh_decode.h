@@ -85,6 +85,10 @@ class MeshStep {
   // rows (`chosen`, read there only), on every stage: one Broadcast over pp.
   absl::StatusOr<SampledTokens> Share(const SampledTokens& chosen,
                                       int64_t rows);
+  // `on_last` (float64 of `shape`, read on the last stage only) on every
+  // stage: one Broadcast over pp; itself when the model is not split over pp.
+  absl::StatusOr<torch::Tensor> FromLastStage(const torch::Tensor& on_last,
+                                              at::IntArrayRef shape);
 
   // Whether the forwards of different data ranks meet in collectives
   // (dp_shard or ep over more than one rank, and data ranks to split over),

@@ -6,7 +6,8 @@
 // tokens and stop reasons, log-probabilities within 1e-10 relative, for
 // greedy and seeded sampling, prompts of different lengths of which one
 // stops early (the ranks of a lockstep group finish unevenly), and a
-// one-prompt call that leaves every data rank but one without a sequence.
+// one-prompt call that leaves every data rank but one without a sequence;
+// and the prompts' log-probabilities with their top 3 (prompt_logprobs.h).
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -20,6 +21,7 @@
 #include "runtime/parallel/distributed.h"
 #include "runtime/parallel/engine_groups.h"
 #include "runtime/sample/decode.h"
+#include "runtime/sample/prompt_logprobs.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
@@ -132,6 +134,29 @@ void ExpectSameDecode(const std::vector<DecodedSequence>& got,
   }
 }
 
+void ExpectSamePromptLogprobs(const std::vector<PromptLogprobs>& got,
+                              const std::vector<PromptLogprobs>& want,
+                              const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const std::string where = absl::StrCat(what, ", prompt ", i);
+    ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size()) << where;
+    ASSERT_EQ(got[i].topk.size(), want[i].topk.size()) << where;
+    for (size_t t = 0; t < want[i].logprobs.size(); ++t) {
+      EXPECT_LE(RelativeDiff(got[i].logprobs[t], want[i].logprobs[t]), 1e-10)
+          << where << ", position " << t;
+      EXPECT_EQ(got[i].topk[t].tokens, want[i].topk[t].tokens)
+          << where << ", position " << t;
+      for (size_t k = 0; k < want[i].topk[t].logprobs.size(); ++k) {
+        EXPECT_LE(RelativeDiff(got[i].topk[t].logprobs[k],
+                               want[i].topk[t].logprobs[k]),
+                  1e-10)
+            << where << ", position " << t << ", top " << k;
+      }
+    }
+  }
+}
+
 class DecodeGoldenTest : public ::testing::TestWithParam<DecodeMesh> {};
 
 TEST_P(DecodeGoldenTest, EqualsTheSingleRank) {
@@ -175,6 +200,14 @@ TEST_P(DecodeGoldenTest, EqualsTheSingleRank) {
           ExpectSameDecode(got, want,
                            absl::StrCat("request ", r, " on rank ", env.rank));
         }
+        TALLY_ASSIGN_OR_RETURN(
+            std::vector<PromptLogprobs> want_prompts,
+            ComputePromptLogprobs(*reference, Prompts(), /*topk=*/3));
+        TALLY_ASSIGN_OR_RETURN(
+            std::vector<PromptLogprobs> got_prompts,
+            ComputePromptLogprobs(*model, Prompts(), /*topk=*/3, groups));
+        ExpectSamePromptLogprobs(got_prompts, want_prompts,
+                                 absl::StrCat("rank ", env.rank));
         return absl::OkStatus();
       });
 }
