@@ -120,10 +120,11 @@ struct Options {
 };
 
 // The largest gap between the twin's best logit and the logit of tally's
-// greedy token a row accepts. float32: both sides round alike to ~1e-5 of
-// logits of order 10. bfloat16: 8 significant bits, an ulp of 1/16 at 10;
-// the two sides round their activations in different places (fused vs
-// separate ops), so greedy picks within a few ulps of a tie may differ.
+// greedy token a row accepts. float32: the two sides differ in rounding
+// only, far below 1e-3. bfloat16 keeps 8 significant bits (an ulp of 1/16
+// for logits in [8, 16)) and the two sides round in different places, so a
+// pick within a few ulps of a tie may differ. Measured: 0 in every row
+// (docs/performance.md, Sampling).
 double MarginTolerance(const std::string& dtype) {
   return dtype == "bfloat16" ? 0.25 : 1e-3;
 }
@@ -173,7 +174,7 @@ double Seconds(const std::chrono::steady_clock::time_point& start) {
       .count();
 }
 
-// Top-level ATen operators' time by name, while `Collect` is alive (one
+// Top-level ATen operators' time by name, while an instance is alive (one
 // process-wide collector: RecordFunction's callbacks are plain functions).
 class OperatorTimes {
  public:
@@ -342,7 +343,8 @@ absl::Status AddTwin(const Options& options, const Row& r,
   if (r.mode == "greedy")
     absl::StrAppend(&command, " --check=", check.string());
   TALLY_ASSIGN_OR_RETURN(nlohmann::json twin, LastJsonLine(command));
-  if (twin["batch"] != r.batch || twin["prompt"] != options.prompt ||
+  if (twin["batch"] != r.batch || twin["mode"] != r.mode ||
+      twin["prompt"] != options.prompt ||
       twin["new_tokens"] != options.new_tokens || twin["dtype"] != r.dtype) {
     return absl::InternalError("the PyTorch twin ran another workload: " +
                                twin.dump());
