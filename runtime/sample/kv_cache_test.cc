@@ -524,5 +524,66 @@ INSTANTIATE_TEST_SUITE_P(Families, GreedyReferenceTest,
                            return info.param.name;
                          });
 
+// The cache's storage: a step writes its slots into the reserved capacity
+// (the keys keep their address), the capacity doubles when a forward needs
+// more, and the layout, keys and values a forward sees are every slot given
+// so far, in order, also after a row leaves.
+TEST(KvCacheStorageTest, StepsWriteInPlaceAndCapacityDoubles) {
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  KvCache cache(/*num_layers=*/1, /*capacity=*/4);
+  const int64_t kv_heads = 2, d = 3;
+  // What the cache must hold: everything appended, concatenated.
+  torch::Tensor positions = torch::tensor({{0, 1, 2}, {0, 1, 2}}, kI64);
+  torch::Tensor valid =
+      torch::tensor({{true, true, true}, {true, true, false}});
+  torch::Tensor keys = torch::randn({2, kv_heads, 3, d}, f64);
+  torch::Tensor values = torch::randn({2, kv_heads, 3, d}, f64);
+  AttentionLayout layout = cache.Extend(positions, valid);
+  auto [k, v] = cache.Append(0, keys, values);
+  // Slot bytes of both tensors: rows x kv_heads x d x 8 bytes x 2.
+  const int64_t slot_bytes = 2 * kv_heads * d * 8 * 2;
+  EXPECT_EQ(cache.bytes(), 4 * slot_bytes);
+  const void* storage = k.data_ptr();
+  std::vector<int64_t> capacities = {4};  // after the prefill
+  for (int64_t step = 0; step < 10; ++step) {
+    if (step == 6) {  // row 0 leaves
+      const torch::Tensor rows = torch::tensor({int64_t{1}}, kI64);
+      cache.KeepRows(rows);
+      positions = positions.index_select(0, rows);
+      valid = valid.index_select(0, rows);
+      keys = keys.index_select(0, rows);
+      values = values.index_select(0, rows);
+      storage = nullptr;
+    }
+    const int64_t rows = positions.size(0);
+    const torch::Tensor position = torch::full({rows, 1}, 3 + step, kI64);
+    const torch::Tensor is_valid = torch::ones({rows, 1}, torch::kBool);
+    const torch::Tensor new_keys = torch::randn({rows, kv_heads, 1, d}, f64);
+    const torch::Tensor new_values = torch::randn({rows, kv_heads, 1, d}, f64);
+    positions = torch::cat({positions, position}, 1);
+    valid = torch::cat({valid, is_valid}, 1);
+    keys = torch::cat({keys, new_keys}, 2);
+    values = torch::cat({values, new_values}, 2);
+    layout = cache.Extend(position, is_valid);
+    std::tie(k, v) = cache.Append(0, new_keys, new_values);
+    SCOPED_TRACE(step);
+    EXPECT_EQ(cache.length(), 4 + step);
+    EXPECT_TRUE(torch::equal(layout.positions, position));
+    EXPECT_TRUE(torch::equal(layout.key_positions, positions));
+    EXPECT_TRUE(torch::equal(layout.key_valid, valid));
+    EXPECT_TRUE(torch::equal(k, keys));
+    EXPECT_TRUE(torch::equal(v, values));
+    const int64_t capacity = cache.bytes() / (slot_bytes / 2 * rows);
+    if (storage != nullptr && capacity == capacities.back()) {
+      EXPECT_EQ(k.data_ptr(), storage) << "a step moved the keys";
+    }
+    storage = k.data_ptr();
+    capacities.push_back(capacity);
+  }
+  // 4 slots until the 5th, then 8 until the 9th, then 16.
+  const std::vector<int64_t> expected = {4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16};
+  EXPECT_EQ(capacities, expected);
+}
+
 }  // namespace
 }  // namespace tally
