@@ -118,7 +118,8 @@ torch::Tensor CausalLm::TargetLogprobs(const torch::Tensor& inputs,
 
 absl::StatusOr<torch::Tensor> CausalLm::ForwardWithCache(
     const torch::Tensor& /*input*/, const torch::Tensor& /*positions*/,
-    const torch::Tensor& /*valid*/, KvCache& /*cache*/) {
+    const torch::Tensor& /*valid*/, KvCache& /*cache*/,
+    const torch::Tensor& /*logits_at*/) {
   return absl::UnimplementedError(absl::StrCat(
       "decoding with a KV cache is not implemented for model_type ",
       config_.ResolvedModelType()));

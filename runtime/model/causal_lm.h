@@ -211,10 +211,14 @@ class CausalLm {
   // (runtime/sample/mesh_decode.h keeps them in step). Under cp a row holds
   // a whole sequence: no keys are gathered over cp. UNIMPLEMENTED for a
   // family without a cache path; INVALID_ARGUMENT for shapes that do not
-  // match each other, the stage or the cache.
+  // match each other, the stage or the cache. `logits_at` ([B] int64, or
+  // undefined for every position) asks the last stage for the logits after
+  // one position per row only: [B, 1, V] (a prefill needs each prompt's
+  // last; the lm head over every position is most of its cost).
   virtual absl::StatusOr<torch::Tensor> ForwardWithCache(
       const torch::Tensor& input, const torch::Tensor& positions,
-      const torch::Tensor& valid, KvCache& cache);
+      const torch::Tensor& valid, KvCache& cache,
+      const torch::Tensor& logits_at);
 
  protected:
   CausalLm(const LlamaConfig& config, DType dtype,

@@ -18,9 +18,10 @@
 //
 //   tally::KvCache cache(config.num_hidden_layers, /*capacity=*/prompt + 64);
 //   TALLY_ASSIGN_OR_RETURN(torch::Tensor logits, model.ForwardWithCache(
-//       prompts, positions, valid, cache));               // prefill
+//       prompts, positions, valid, cache, /*logits_at=*/last));  // prefill
 //   TALLY_ASSIGN_OR_RETURN(logits, model.ForwardWithCache(
-//       next.unsqueeze(1), lengths.unsqueeze(1), all_valid, cache));
+//       next.unsqueeze(1), lengths.unsqueeze(1), all_valid, cache,
+//       /*logits_at=*/torch::Tensor()));
 //   cache.KeepRows(unfinished);
 #ifndef TALLY_RUNTIME_MODEL_KV_CACHE_H_
 #define TALLY_RUNTIME_MODEL_KV_CACHE_H_

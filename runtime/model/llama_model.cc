@@ -668,7 +668,8 @@ torch::Tensor LlamaModel::RunLayers(torch::Tensor x,
 
 absl::StatusOr<torch::Tensor> LlamaModel::ForwardWithCache(
     const torch::Tensor& input, const torch::Tensor& positions,
-    const torch::Tensor& valid, KvCache& cache) {
+    const torch::Tensor& valid, KvCache& cache,
+    const torch::Tensor& logits_at) {
   const int64_t input_dims = first_stage() ? 2 : 3;
   if (input.dim() != input_dims ||
       (!first_stage() && input.size(2) != config_.hidden_size) ||
@@ -678,6 +679,16 @@ absl::StatusOr<torch::Tensor> LlamaModel::ForwardWithCache(
         "input must be ", first_stage() ? "token ids [B, T]" : "hidden states",
         first_stage() ? "" : absl::StrCat(" [B, T, ", config_.hidden_size, "]"),
         " and positions and valid [B, T] alike"));
+  }
+  if (logits_at.defined() &&
+      (logits_at.dim() != 1 || logits_at.size(0) != input.size(0) ||
+       logits_at.scalar_type() != torch::kInt64 ||
+       (logits_at.numel() > 0 &&
+        (logits_at.min().item<int64_t>() < 0 ||
+         logits_at.max().item<int64_t>() >= input.size(1))))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logits_at must be one int64 position in [0, ",
+                     input.size(1), ") per row of ", input.size(0)));
   }
   if (cache.num_layers() != config_.num_hidden_layers ||
       (cache.batch() != 0 && cache.batch() != input.size(0))) {
@@ -696,6 +707,11 @@ absl::StatusOr<torch::Tensor> LlamaModel::ForwardWithCache(
     torch::Tensor x = RunLayers(Embed(input.to(here), vocab_start), layout,
                                 /*io=*/nullptr, &cache);
     if (!last_stage()) return x;
+    if (logits_at.defined()) {
+      x = x.gather(1, logits_at.to(here)
+                          .view({x.size(0), 1, 1})
+                          .expand({x.size(0), 1, x.size(2)}));
+    }
     torch::Tensor logits = Logits(x);
     if (sharding_.tp_size() == 1) return logits;
     return GatherVocabShards(logits, *sharding_.tp);

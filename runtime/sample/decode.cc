@@ -82,15 +82,10 @@ absl::StatusOr<torch::Tensor> Prefill(
   const torch::Tensor positions =
       torch::arange(longest, kInt64).expand({batch, longest});
   const torch::Tensor valid = positions <= last.unsqueeze(1);
-  TALLY_ASSIGN_OR_RETURN(torch::Tensor logits,
-                         step.Forward(input, positions, valid, cache));
-  if (!logits.defined()) return logits;
-  const int64_t vocab = logits.size(2);
-  return logits
-      .gather(1, last.to(logits.device())
-                     .view({batch, 1, 1})
-                     .expand({batch, 1, vocab}))
-      .squeeze(1);
+  TALLY_ASSIGN_OR_RETURN(
+      torch::Tensor logits,
+      step.Forward(input, positions, valid, cache, /*logits_at=*/last));
+  return logits.defined() ? logits.squeeze(1) : logits;
 }
 
 // One rank's sequences [block.begin, block.end) being decoded: the rows of

@@ -179,7 +179,7 @@ std::vector<torch::Tensor> CachedLogits(
   const torch::Tensor prefill =
       model
           .ForwardWithCache(padded.tokens, padded.positions, padded.valid,
-                            cache)
+                            cache, /*logits_at=*/torch::Tensor())
           .value();
   std::vector<std::vector<torch::Tensor>> rows(batch);
   for (int64_t b = 0; b < batch; ++b) {
@@ -208,7 +208,8 @@ std::vector<torch::Tensor> CachedLogits(
         model
             .ForwardWithCache(torch::tensor(next, kI64).unsqueeze(1),
                               torch::tensor(positions, kI64).unsqueeze(1),
-                              torch::ones({rows_now, 1}, torch::kBool), cache)
+                              torch::ones({rows_now, 1}, torch::kBool), cache,
+                              /*logits_at=*/torch::Tensor())
             .value();
     bool done = true;
     for (int64_t r = 0; r < rows_now; ++r) {
@@ -254,8 +255,18 @@ TEST_P(KvCacheTest, CachedLogitsEqualTheFullForward) {
     const torch::Tensor full_logits =
         model
             ->ForwardWithCache(padded.tokens, padded.positions, padded.valid,
-                               fresh)
+                               fresh, /*logits_at=*/torch::Tensor())
             .value();
+    // Only each sequence's last position (what a prefill asks for): the
+    // same rows as the full logits'.
+    KvCache last_only(model->config().num_hidden_layers, 16);
+    const torch::Tensor last = torch::tensor(lengths, kI64) - 1;
+    const torch::Tensor last_logits =
+        model
+            ->ForwardWithCache(padded.tokens, padded.positions, padded.valid,
+                               last_only, last)
+            .value();
+    ASSERT_EQ(last_logits.size(1), 1);
     for (size_t b = 0; b < sequences.size(); ++b) {
       SCOPED_TRACE(b);
       const int64_t n = lengths[b];
@@ -271,6 +282,9 @@ TEST_P(KvCacheTest, CachedLogitsEqualTheFullForward) {
         EXPECT_LE(RelativeDiff(got, want), testing::GoldenTolerance(dtype));
         EXPECT_LE(RelativeDiff(cached[b], full_logits[b].narrow(0, 0, n)),
                   testing::GoldenTolerance(dtype));
+        EXPECT_LE(
+            RelativeDiff(last_logits[b][0], full_logits[b][lengths[b] - 1]),
+            testing::GoldenTolerance(dtype));
       }
     }
   }

@@ -101,10 +101,10 @@ absl::StatusOr<MeshStep> MeshStep::Create(CausalLm& model,
   return MeshStep(model, groups, split && collectives);
 }
 
-absl::StatusOr<torch::Tensor> MeshStep::Forward(const torch::Tensor& tokens,
-                                                const torch::Tensor& positions,
-                                                const torch::Tensor& valid,
-                                                KvCache& cache) {
+absl::StatusOr<torch::Tensor> MeshStep::Forward(
+    const torch::Tensor& tokens, const torch::Tensor& positions,
+    const torch::Tensor& valid, KvCache& cache,
+    const torch::Tensor& logits_at) {
   torch::Tensor input = tokens;
   const int stage = model_->pp_stage();
   if (!model_->first_stage()) {
@@ -117,7 +117,7 @@ absl::StatusOr<torch::Tensor> MeshStep::Forward(const torch::Tensor& tokens,
   }
   TALLY_ASSIGN_OR_RETURN(
       torch::Tensor out,
-      model_->ForwardWithCache(input, positions, valid, cache));
+      model_->ForwardWithCache(input, positions, valid, cache, logits_at));
   if (model_->last_stage()) return out;
   TALLY_RETURN_IF_ERROR(groups_.pp->Send(out.contiguous(), stage + 1));
   return torch::Tensor();
@@ -167,7 +167,8 @@ absl::Status MeshStep::Idle() {
                          torch::TensorOptions().dtype(model_->compute_type()));
   return model_
       ->ForwardWithCache(input, torch::zeros({1, 1}, int64),
-                         torch::ones({1, 1}, torch::kBool), scratch)
+                         torch::ones({1, 1}, torch::kBool), scratch,
+                         /*logits_at=*/torch::Tensor())
       .status();
 }
 

@@ -77,10 +77,12 @@ class MeshStep {
   // `tokens`, the others the previous stage's hidden states, received; all
   // but the last send theirs on. Returns the logits [B, T, V] on the last
   // stage, an undefined tensor on the others.
-  absl::StatusOr<torch::Tensor> Forward(const torch::Tensor& tokens,
-                                        const torch::Tensor& positions,
-                                        const torch::Tensor& valid,
-                                        KvCache& cache);
+  // `logits_at` as CausalLm::ForwardWithCache's (undefined: every
+  // position).
+  absl::StatusOr<torch::Tensor> Forward(
+      const torch::Tensor& tokens, const torch::Tensor& positions,
+      const torch::Tensor& valid, KvCache& cache,
+      const torch::Tensor& logits_at = torch::Tensor());
   // The tokens and log-probabilities the last stage chose for its `rows`
   // rows (`chosen`, read there only), on every stage: one Broadcast over pp.
   absl::StatusOr<SampledTokens> Share(const SampledTokens& chosen,
