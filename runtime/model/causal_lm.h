@@ -220,6 +220,10 @@ class CausalLm {
       const torch::Tensor& valid, KvCache& cache,
       const torch::Tensor& logits_at);
 
+  // Counts the live HeldComputeWeights of this model; the first starts
+  // holding, the last to end drops what was held.
+  void HoldComputeWeights(bool hold);
+
  protected:
   CausalLm(const LlamaConfig& config, DType dtype,
            const ModelSharding& sharding, ModelAdapters adapters)
@@ -251,6 +255,10 @@ class CausalLm {
   ModelSharding sharding_;
   std::vector<Parameter> parameters_;
   ModelAdapters adapters_;
+  // While HeldComputeWeights live: by parameter index, the compute-dtype
+  // copy of each unsharded weight a forward used (undefined until then);
+  // empty otherwise.
+  std::vector<torch::Tensor> held_weights_;
 
  private:
   // Freezes the parameters whose name `frozen` holds for; returns how many.
@@ -258,6 +266,31 @@ class CausalLm {
 
   bool recompute_layers_ = false;
   AttentionOptions attention_;
+  int holds_ = 0;
+};
+
+// Keeps a model's compute-dtype copies of its unsharded weights (a bf16
+// model's casts of its float32 masters) from one forward to the next while
+// it lives, instead of casting every weight in every forward: for decoding,
+// whose steps are many short forwards. The weights must not change while it
+// lives; the copies (the compute-dtype bytes of those weights: none for a
+// float32 or float64 model, whose weights are used as they are) last until
+// the last hold of the model ends. dp_shard-sharded weights are gathered
+// per forward as before (their gathers are collectives).
+//
+//   tally::HeldComputeWeights held(model);
+//   for (...) model.ForwardWithCache(...);  // casts each weight once
+class HeldComputeWeights {
+ public:
+  explicit HeldComputeWeights(CausalLm& model) : model_(model) {
+    model_.HoldComputeWeights(true);
+  }
+  ~HeldComputeWeights() { model_.HoldComputeWeights(false); }
+  HeldComputeWeights(const HeldComputeWeights&) = delete;
+  HeldComputeWeights& operator=(const HeldComputeWeights&) = delete;
+
+ private:
+  CausalLm& model_;
 };
 
 // The family `config` names (config.json's model_type), built and placed for

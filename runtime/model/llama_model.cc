@@ -388,7 +388,10 @@ torch::Tensor LlamaModel::Weight(int index, Communicator* tp_sum) {
   // dp_shard gather (which then moves half the bytes); the gradient goes
   // back to the master in float32, reduce-scattered in float32.
   if (!p.placements.at(MeshDim::kDpShard).is_shard()) {
-    return master.to(compute_type());
+    if (held_weights_.empty()) return master.to(compute_type());
+    torch::Tensor& held = held_weights_[index];
+    if (!held.defined()) held = master.to(compute_type());
+    return held;
   }
   return GatherShardedParameter(master, p.tp_local_shape[0],
                                 *sharding_.dp_shard, compute_type());

@@ -102,18 +102,18 @@ absl::StatusOr<std::vector<PromptLogprobs>> ComputePromptLogprobs(
   // ranks that meet in collectives (tp, dp_shard, ep) stay in step.
   TALLY_ASSIGN_OR_RETURN(MeshStep step,
                          MeshStep::Create(model, {nullptr, groups.pp}));
-  return CatchTorch("prompt log-probabilities",
-                    [&]() -> absl::StatusOr<std::vector<PromptLogprobs>> {
-                      torch::NoGradGuard no_grad;
-                      std::vector<PromptLogprobs> out;
-                      for (const TokenIds& prompt : prompts) {
-                        TALLY_ASSIGN_OR_RETURN(
-                            const torch::Tensor rows,
-                            ScorePrompt(model, step, prompt, topk));
-                        out.push_back(Unpack(rows, topk));
-                      }
-                      return out;
-                    });
+  using Result = absl::StatusOr<std::vector<PromptLogprobs>>;
+  return CatchTorch("prompt log-probabilities", [&]() -> Result {
+    torch::NoGradGuard no_grad;
+    HeldComputeWeights held(model);  // one cast for all the prompts
+    std::vector<PromptLogprobs> out;
+    for (const TokenIds& prompt : prompts) {
+      TALLY_ASSIGN_OR_RETURN(const torch::Tensor rows,
+                             ScorePrompt(model, step, prompt, topk));
+      out.push_back(Unpack(rows, topk));
+    }
+    return out;
+  });
 }
 
 }  // namespace tally
