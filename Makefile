@@ -42,6 +42,7 @@ bench: build
 	$(BUILD_DIR)/bench/bench_train
 	$(BUILD_DIR)/bench/bench_lora
 	$(BUILD_DIR)/bench/bench_attention
+	$(BUILD_DIR)/bench/bench_sample
 
 format:
 	find server runtime kernels client tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' \

@@ -63,6 +63,7 @@
 #include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "bench/bench_main.h"
+#include "bench/bench_rows.h"
 #include "runtime/parallel/compute_backend.h"
 #if TALLY_WITH_NCCL
 #include "runtime/cuda/nccl_communicator.h"
@@ -139,35 +140,6 @@ absl::StatusOr<DType> DTypeFlag(const std::string& name) {
       "--dtypes must list float32, bfloat16 or float64, got '", name, "'"));
 }
 
-absl::StatusOr<LlamaConfig> BenchConfig(const std::string& name) {
-  LlamaConfig c;
-  if (name == "small") {
-    c.model_type = "llama";
-    c.vocab_size = 32000;
-    c.hidden_size = 512;
-    c.intermediate_size = 1408;
-    c.num_hidden_layers = 8;
-    c.num_attention_heads = 8;
-    c.num_key_value_heads = 4;
-  } else if (name == "qwen2.5-0.5b") {  // Qwen2.5-0.5B's config.json
-    c.model_type = "qwen2";
-    c.vocab_size = 151936;
-    c.hidden_size = 896;
-    c.intermediate_size = 4864;
-    c.num_hidden_layers = 24;
-    c.num_attention_heads = 14;
-    c.num_key_value_heads = 2;
-    c.tie_word_embeddings = true;
-    c.rope_theta = 1000000.0;
-    c.rms_norm_eps = 1e-6;
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--config must be small or qwen2.5-0.5b, got '", name, "'"));
-  }
-  c.max_position_embeddings = 4096;
-  return c.WithDefaults();
-}
-
 // PaLM's 6 N + 12 L H T, N without the input embedding.
 double FlopsPerToken(const LlamaConfig& c, int tokens) {
   const double input_embedding =
@@ -226,12 +198,6 @@ int64_t RssBytes() {
   int64_t size = 0, resident = 0;
   statm >> size >> resident;
   return resident * sysconf(_SC_PAGESIZE);
-}
-
-int64_t PeakRssBytes() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
 }
 
 // The bytes per second of a device-to-device copy of 1 GiB (read plus
@@ -330,41 +296,6 @@ absl::Status RunRow(const Options& options) {
   line["blas"] = std::string(BlasVendorName(DetectComputeBackend().blas));
   std::cout << line.dump() << std::endl;
   return absl::OkStatus();
-}
-
-// The last line `command` printed, parsed as JSON.
-absl::StatusOr<nlohmann::json> LastJsonLine(const std::string& command) {
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return absl::InternalError("popen failed: " + command);
-  std::string output;
-  char buffer[4096];
-  while (fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
-  const int status = pclose(pipe);
-  const std::vector<std::string> lines =
-      absl::StrSplit(output, '\n', absl::SkipWhitespace());
-  if (status != 0 || lines.empty()) {
-    return absl::InternalError(
-        absl::StrCat("`", command, "` failed (status ", status, "): ", output));
-  }
-  nlohmann::json line = nlohmann::json::parse(lines.back(), nullptr, false);
-  if (line.is_discarded()) {
-    return absl::InternalError("not JSON: " + lines.back());
-  }
-  return line;
-}
-
-// What tally-server runs with (server/main.cc sets OMP_WAIT_POLICY), for
-// both sides of a row.
-std::string ThreadEnvironment(int threads) {
-  return absl::StrCat("OMP_WAIT_POLICY=PASSIVE BLIS_NUM_THREADS=", threads,
-                      " OMP_NUM_THREADS=", threads,
-                      " OPENBLAS_NUM_THREADS=", threads, " ");
-}
-
-std::string SelfPath() {
-  char path[4096];
-  const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
-  return n > 0 ? std::string(path, n) : "bench_train";
 }
 
 // One row of the table: a model dtype, a thread count, checkpointing.

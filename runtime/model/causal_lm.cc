@@ -116,9 +116,16 @@ torch::Tensor CausalLm::TargetLogprobs(const torch::Tensor& inputs,
   return StageForward(inputs, targets, layout, io);
 }
 
+void CausalLm::HoldComputeWeights(bool hold) {
+  holds_ += hold ? 1 : -1;
+  if (holds_ == 1 && hold) held_weights_.assign(parameters_.size(), {});
+  if (holds_ == 0) held_weights_.clear();
+}
+
 absl::StatusOr<torch::Tensor> CausalLm::ForwardWithCache(
     const torch::Tensor& /*input*/, const torch::Tensor& /*positions*/,
-    const torch::Tensor& /*valid*/, KvCache& /*cache*/) {
+    const torch::Tensor& /*valid*/, KvCache& /*cache*/,
+    const torch::Tensor& /*logits_at*/) {
   return absl::UnimplementedError(absl::StrCat(
       "decoding with a KV cache is not implemented for model_type ",
       config_.ResolvedModelType()));

@@ -196,17 +196,33 @@ class CausalLm {
                                const torch::Tensor& targets,
                                const AttentionLayout& layout,
                                StageIo* io = nullptr);
-  // Decoding (kv_cache.h): the whole model on one rank, without gradients,
-  // over new tokens `input` [B, T] at `positions` of which `valid` are real
-  // (both [B, T]), their keys the cache's followed by their own. Appends
-  // their keys and values to `cache` and returns the logits [B, T, V] in
-  // float32 at least (the dtype TargetLogprobs' log-softmax runs in).
-  // UNIMPLEMENTED for a family without a cache path and for a model split
-  // over ranks (tp, dp_shard, ep, cp or pp); INVALID_ARGUMENT for shapes
-  // that do not match each other or the cache.
+  // Decoding (kv_cache.h): this rank's stage of the model, without
+  // gradients, over new tokens at `positions` of which `valid` are real
+  // (both [B, T]), their keys the cache's followed by their own. `input`:
+  // the token ids [B, T] on the first stage, else the previous stage's
+  // hidden states [B, T, H]. Appends the stage's layers' keys and values to
+  // `cache` (a cache of the whole model's layers) and returns, on the last
+  // stage, the logits [B, T, V] in float32 at least (the dtype
+  // TargetLogprobs' log-softmax runs in), whole and bitwise alike on every
+  // tp rank; on other stages the hidden states for the next one. On a mesh
+  // it splits as the training forward does: tp shards the heads and so the
+  // cache; dp_shard gathers the parameters and ep dispatches the tokens, so
+  // every rank of those groups must call it the same number of times
+  // (runtime/sample/mesh_decode.h keeps them in step). Under cp a row holds
+  // a whole sequence: no keys are gathered over cp. UNIMPLEMENTED for a
+  // family without a cache path; INVALID_ARGUMENT for shapes that do not
+  // match each other, the stage or the cache. `logits_at` ([B] int64, or
+  // undefined for every position) asks the last stage for the logits after
+  // one position per row only: [B, 1, V] (a prefill needs each prompt's
+  // last; the lm head over every position is most of its cost).
   virtual absl::StatusOr<torch::Tensor> ForwardWithCache(
       const torch::Tensor& input, const torch::Tensor& positions,
-      const torch::Tensor& valid, KvCache& cache);
+      const torch::Tensor& valid, KvCache& cache,
+      const torch::Tensor& logits_at);
+
+  // Counts the live HeldComputeWeights of this model; the first starts
+  // holding, the last to end drops what was held.
+  void HoldComputeWeights(bool hold);
 
  protected:
   CausalLm(const LlamaConfig& config, DType dtype,
@@ -239,6 +255,10 @@ class CausalLm {
   ModelSharding sharding_;
   std::vector<Parameter> parameters_;
   ModelAdapters adapters_;
+  // While HeldComputeWeights live: by parameter index, the compute-dtype
+  // copy of each unsharded weight a forward used (undefined until then);
+  // empty otherwise.
+  std::vector<torch::Tensor> held_weights_;
 
  private:
   // Freezes the parameters whose name `frozen` holds for; returns how many.
@@ -246,6 +266,31 @@ class CausalLm {
 
   bool recompute_layers_ = false;
   AttentionOptions attention_;
+  int holds_ = 0;
+};
+
+// Keeps a model's compute-dtype copies of its unsharded weights (a bf16
+// model's casts of its float32 masters) from one forward to the next while
+// it lives, instead of casting every weight in every forward: for decoding,
+// whose steps are many short forwards. The weights must not change while it
+// lives; the copies (the compute-dtype bytes of those weights: none for a
+// float32 or float64 model, whose weights are used as they are) last until
+// the last hold of the model ends. dp_shard-sharded weights are gathered
+// per forward as before (their gathers are collectives).
+//
+//   tally::HeldComputeWeights held(model);
+//   for (...) model.ForwardWithCache(...);  // casts each weight once
+class HeldComputeWeights {
+ public:
+  explicit HeldComputeWeights(CausalLm& model) : model_(model) {
+    model_.HoldComputeWeights(true);
+  }
+  ~HeldComputeWeights() { model_.HoldComputeWeights(false); }
+  HeldComputeWeights(const HeldComputeWeights&) = delete;
+  HeldComputeWeights& operator=(const HeldComputeWeights&) = delete;
+
+ private:
+  CausalLm& model_;
 };
 
 // The family `config` names (config.json's model_type), built and placed for

@@ -1,20 +1,24 @@
 #include "runtime/model/kv_cache.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace tally {
 namespace {
 
-// `buffer` [B, h, capacity, d] with at least `slots` slots, its first `used`
-// kept: itself, or a larger copy (at least double) when it is too small.
+// `buffer` (slots along `dim`) with room for at least `slots` slots, its
+// first `used` kept: itself, or a larger copy shaped like `like` (at least
+// double, at least `capacity`) when it is too small.
 torch::Tensor Reserve(const torch::Tensor& buffer, const torch::Tensor& like,
-                      int64_t used, int64_t slots, int64_t capacity) {
-  if (buffer.defined() && buffer.size(2) >= slots) return buffer;
+                      int64_t dim, int64_t used, int64_t slots,
+                      int64_t capacity) {
+  if (buffer.defined() && buffer.size(dim) >= slots) return buffer;
   const int64_t grown =
-      std::max({slots, capacity, buffer.defined() ? 2 * buffer.size(2) : 0});
-  torch::Tensor larger = torch::empty(
-      {like.size(0), like.size(1), grown, like.size(3)}, like.options());
-  if (used > 0) larger.narrow(2, 0, used).copy_(buffer.narrow(2, 0, used));
+      std::max({slots, capacity, buffer.defined() ? 2 * buffer.size(dim) : 0});
+  std::vector<int64_t> shape = like.sizes().vec();
+  shape[dim] = grown;
+  torch::Tensor larger = torch::empty(shape, like.options());
+  if (used > 0) larger.narrow(dim, 0, used).copy_(buffer.narrow(dim, 0, used));
   return larger;
 }
 
@@ -43,25 +47,25 @@ AttentionLayout KvCache::Extend(const torch::Tensor& positions,
               "positions and valid must both be [B, T]");
   TORCH_CHECK(batch() == 0 || positions.size(0) == batch(), "a batch of ",
               positions.size(0), " rows for a cache of ", batch());
-  const torch::Tensor is_valid = valid.to(torch::kBool);
-  if (key_positions_.defined()) {
-    key_positions_ = torch::cat({key_positions_, positions}, 1);
-    key_valid_ = torch::cat({key_valid_, is_valid}, 1);
-  } else {
-    key_positions_ = positions;
-    key_valid_ = is_valid;
-  }
+  const int64_t used = length_;
   pending_ = positions.size(1);
   length_ += pending_;
-  return AttentionLayout{positions, key_positions_, key_valid_};
+  key_positions_ =
+      Reserve(key_positions_, positions, 1, used, length_, capacity_);
+  key_valid_ =
+      Reserve(key_valid_, valid.to(torch::kBool), 1, used, length_, capacity_);
+  key_positions_.narrow(1, used, pending_).copy_(positions);
+  key_valid_.narrow(1, used, pending_).copy_(valid);
+  return AttentionLayout{positions, key_positions_.narrow(1, 0, length_),
+                         key_valid_.narrow(1, 0, length_)};
 }
 
 std::pair<torch::Tensor, torch::Tensor> KvCache::Append(
     int64_t layer, const torch::Tensor& k, const torch::Tensor& v) {
   Layer& cached = layers_.at(layer);
   const int64_t used = length_ - pending_;
-  cached.keys = Reserve(cached.keys, k, used, length_, capacity_);
-  cached.values = Reserve(cached.values, v, used, length_, capacity_);
+  cached.keys = Reserve(cached.keys, k, 2, used, length_, capacity_);
+  cached.values = Reserve(cached.values, v, 2, used, length_, capacity_);
   cached.keys.narrow(2, used, pending_).copy_(k);
   cached.values.narrow(2, used, pending_).copy_(v);
   return {cached.keys.narrow(2, 0, length_),

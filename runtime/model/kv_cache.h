@@ -11,14 +11,17 @@
 // queries see the cached keys and each other under the usual rule
 // (AttentionLayout: valid, at or before the query's position, within a
 // sliding window), so the results equal a full forward over the whole
-// sequence. Storage is reserved up front for `capacity` slots and doubles
-// when a forward needs more. Finished sequences leave with KeepRows.
+// sequence. Storage (keys, values, positions and validity) is reserved up
+// front for `capacity` slots and doubles when a forward needs more: a step
+// writes its slots in place, it never concatenates. Finished sequences leave
+// with KeepRows.
 //
 //   tally::KvCache cache(config.num_hidden_layers, /*capacity=*/prompt + 64);
 //   TALLY_ASSIGN_OR_RETURN(torch::Tensor logits, model.ForwardWithCache(
-//       prompts, positions, valid, cache));               // prefill
+//       prompts, positions, valid, cache, /*logits_at=*/last));  // prefill
 //   TALLY_ASSIGN_OR_RETURN(logits, model.ForwardWithCache(
-//       next.unsqueeze(1), lengths.unsqueeze(1), all_valid, cache));
+//       next.unsqueeze(1), lengths.unsqueeze(1), all_valid, cache,
+//       /*logits_at=*/torch::Tensor()));
 //   cache.KeepRows(unfinished);
 #ifndef TALLY_RUNTIME_MODEL_KV_CACHE_H_
 #define TALLY_RUNTIME_MODEL_KV_CACHE_H_
@@ -69,7 +72,8 @@ class KvCache {
   };
   std::vector<Layer> layers_;
   int64_t capacity_;
-  // [B, K]: each slot's position in its sequence and whether it is a key.
+  // [B, capacity]: each slot's position in its sequence and whether it is
+  // a key (the first K slots used), grown with the keys and values.
   torch::Tensor key_positions_, key_valid_;
   int64_t length_ = 0;   // K
   int64_t pending_ = 0;  // the slots the forward under way appends

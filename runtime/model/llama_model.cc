@@ -388,7 +388,10 @@ torch::Tensor LlamaModel::Weight(int index, Communicator* tp_sum) {
   // dp_shard gather (which then moves half the bytes); the gradient goes
   // back to the master in float32, reduce-scattered in float32.
   if (!p.placements.at(MeshDim::kDpShard).is_shard()) {
-    return master.to(compute_type());
+    if (held_weights_.empty()) return master.to(compute_type());
+    torch::Tensor& held = held_weights_[index];
+    if (!held.defined()) held = master.to(compute_type());
+    return held;
   }
   return GatherShardedParameter(master, p.tp_local_shape[0],
                                 *sharding_.dp_shard, compute_type());
@@ -510,8 +513,9 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   }
   q = q * cos + RotateHalf(q) * sin;
   k = k * cos + RotateHalf(k) * sin;
-  if (sharding_.cp_size() > 1) {
-    // Before the GQA repeat, so the gather moves kv_heads, not heads.
+  if (sharding_.cp_size() > 1 && mask.cache == nullptr) {
+    // Before the GQA repeat, so the gather moves kv_heads, not heads. (A
+    // decoding row holds a whole sequence: nothing to gather.)
     k = GatherSequenceBlocks(k, *sharding_.cp);
     v = GatherSequenceBlocks(v, *sharding_.cp);
   }
@@ -667,16 +671,27 @@ torch::Tensor LlamaModel::RunLayers(torch::Tensor x,
 
 absl::StatusOr<torch::Tensor> LlamaModel::ForwardWithCache(
     const torch::Tensor& input, const torch::Tensor& positions,
-    const torch::Tensor& valid, KvCache& cache) {
-  if (sharded() || sharding_.pp_stages > 1 || sharding_.cp_size() > 1) {
-    return absl::UnimplementedError(
-        "decoding with a KV cache runs on a single rank for now; this model "
-        "is split over tp, dp_shard, ep, cp or pp ranks");
+    const torch::Tensor& valid, KvCache& cache,
+    const torch::Tensor& logits_at) {
+  const int64_t input_dims = first_stage() ? 2 : 3;
+  if (input.dim() != input_dims ||
+      (!first_stage() && input.size(2) != config_.hidden_size) ||
+      positions.dim() != 2 || positions.sizes() != input.sizes().slice(0, 2) ||
+      valid.sizes() != positions.sizes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input must be ", first_stage() ? "token ids [B, T]" : "hidden states",
+        first_stage() ? "" : absl::StrCat(" [B, T, ", config_.hidden_size, "]"),
+        " and positions and valid [B, T] alike"));
   }
-  if (input.dim() != 2 || positions.sizes() != input.sizes() ||
-      valid.sizes() != input.sizes()) {
+  if (logits_at.defined() &&
+      (logits_at.dim() != 1 || logits_at.size(0) != input.size(0) ||
+       logits_at.scalar_type() != torch::kInt64 ||
+       (logits_at.numel() > 0 &&
+        (logits_at.min().item<int64_t>() < 0 ||
+         logits_at.max().item<int64_t>() >= input.size(1))))) {
     return absl::InvalidArgumentError(
-        "input, positions and valid must share one shape [B, T]");
+        absl::StrCat("logits_at must be one int64 position in [0, ",
+                     input.size(1), ") per row of ", input.size(0)));
   }
   if (cache.num_layers() != config_.num_hidden_layers ||
       (cache.batch() != 0 && cache.batch() != input.size(0))) {
@@ -690,8 +705,19 @@ absl::StatusOr<torch::Tensor> LlamaModel::ForwardWithCache(
     const torch::Device here = device();
     const AttentionLayout layout =
         cache.Extend(positions.to(here, torch::kInt64), valid.to(here));
-    return Logits(RunLayers(Embed(input.to(here), /*vocab_start=*/0), layout,
-                            /*io=*/nullptr, &cache));
+    const int64_t vocab_start =
+        sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
+    torch::Tensor x = RunLayers(Embed(input.to(here), vocab_start), layout,
+                                /*io=*/nullptr, &cache);
+    if (!last_stage()) return x;
+    if (logits_at.defined()) {
+      x = x.gather(1, logits_at.to(here)
+                          .view({x.size(0), 1, 1})
+                          .expand({x.size(0), 1, x.size(2)}));
+    }
+    torch::Tensor logits = Logits(x);
+    if (sharding_.tp_size() == 1) return logits;
+    return GatherVocabShards(logits, *sharding_.tp);
   });
 }
 

@@ -88,10 +88,10 @@ class LlamaModel : public CausalLm {
                              const torch::Tensor& targets,
                              const AttentionLayout& layout,
                              StageIo* io) override;
-  absl::StatusOr<torch::Tensor> ForwardWithCache(const torch::Tensor& input,
-                                                 const torch::Tensor& positions,
-                                                 const torch::Tensor& valid,
-                                                 KvCache& cache) override;
+  absl::StatusOr<torch::Tensor> ForwardWithCache(
+      const torch::Tensor& input, const torch::Tensor& positions,
+      const torch::Tensor& valid, KvCache& cache,
+      const torch::Tensor& logits_at) override;
 
  private:
   LlamaModel(const LlamaConfig& config, DType dtype,

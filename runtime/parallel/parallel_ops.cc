@@ -538,4 +538,12 @@ torch::Tensor RowParallelLinear(const torch::Tensor& x,
   return RowParallelLinearFunction::apply(x, w);
 }
 
+absl::StatusOr<torch::Tensor> GatherVocabShards(const torch::Tensor& shard,
+                                                Communicator& tp) {
+  // AllGather concatenates along dim 0: move the vocabulary there and back.
+  TALLY_ASSIGN_OR_RETURN(torch::Tensor gathered,
+                         tp.AllGather(shard.movedim(-1, 0).contiguous()));
+  return gathered.movedim(0, -1).contiguous();
+}
+
 }  // namespace tally

@@ -22,6 +22,8 @@
 //   VocabParallelEmbedding          1 AllReduce(SUM)        none
 //   VocabParallelTargetLogprobs     2 AllReduce (MAX; SUM   none
 //                                   of [sum-exp, target])
+//   GatherVocabShards (decoding)    1 AllGather             (none: no
+//                                                           gradient)
 //   ColumnParallelLinear            none                    none (1 AllReduce
 //                                                           with
 //                                                           weight_tp_sum)
@@ -197,6 +199,13 @@ torch::Tensor VocabParallelTargetLogprobs(const torch::Tensor& logits_shard,
                                           const torch::Tensor& targets,
                                           int64_t vocab_start,
                                           Communicator& tp);
+
+// Decoding, without gradients: every tp rank's vocabulary slice
+// shard [..., V / tp] (rank r's holds ids [r V / tp, (r + 1) V / tp))
+// concatenated along the last dim in tp rank order, so every rank holds the
+// whole logits [..., V], bitwise alike. One AllGather; its error is returned.
+absl::StatusOr<torch::Tensor> GatherVocabShards(const torch::Tensor& shard,
+                                                Communicator& tp);
 
 }  // namespace tally
 

@@ -529,6 +529,30 @@ TEST(ParallelOpsTest, VocabParallelTargetLogprobsMatchesLogSoftmax) {
   }
 }
 
+// Decoding's logits gather: the vocabulary slices of [B, T, V / tp] logits
+// concatenated in tp rank order, the same bits on every rank, in one
+// AllGather.
+TEST(ParallelOpsTest, GatherVocabShardsRebuildsTheWholeLogits) {
+  const torch::Tensor logits = Random({2, 3, kVocab}, 42);
+  for (int tp_size : {2, 3}) {
+    SCOPED_TRACE("tp " + std::to_string(tp_size));
+    const int64_t slice = kVocab / tp_size;
+    std::vector<torch::Tensor> gathered(tp_size);
+    std::vector<int64_t> calls(tp_size);
+    ExpectAllRanksOk(RunOnRanks(tp_size, [&](Communicator& tp) {
+      tp.stats().Reset();
+      gathered[tp.rank()] =
+          GatherVocabShards(logits.narrow(-1, tp.rank() * slice, slice), tp)
+              .value();
+      calls[tp.rank()] = tp.stats().Get(CommOp::kAllGather).calls;
+    }));
+    for (int rank = 0; rank < tp_size; ++rank) {
+      EXPECT_TRUE(torch::equal(gathered[rank], logits)) << "rank " << rank;
+      EXPECT_EQ(calls[rank], 1) << "rank " << rank;
+    }
+  }
+}
+
 TEST(ParallelOpsTest, RejectsInconsistentArgumentsNamingThem) {
   using ::testing::HasSubstr;
   std::unique_ptr<Communicator> single = MakeSingleRankCommunicator().value();

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "runtime/model/kv_cache.h"
+#include "runtime/sample/mesh_decode.h"
+#include "runtime/sample/sampling.h"
 
 namespace tally {
 namespace {
@@ -57,10 +60,11 @@ struct ActiveRows {
   }
 };
 
-// Runs the prompts, right-padded, through the model into `cache`; returns
-// the logits [B, V] after each prompt's last token.
+// Runs the prompts, right-padded, through this stage into `cache`; returns
+// the logits [B, V] after each prompt's last token on the last stage (an
+// undefined tensor on the others).
 absl::StatusOr<torch::Tensor> Prefill(
-    CausalLm& model, const std::vector<std::vector<int64_t>>& prompts,
+    MeshStep& step, const std::vector<std::vector<int64_t>>& prompts,
     KvCache& cache) {
   const int64_t batch = static_cast<int64_t>(prompts.size());
   int64_t longest = 0;
@@ -80,13 +84,104 @@ absl::StatusOr<torch::Tensor> Prefill(
   const torch::Tensor valid = positions <= last.unsqueeze(1);
   TALLY_ASSIGN_OR_RETURN(
       torch::Tensor logits,
-      model.ForwardWithCache(input, positions, valid, cache));
-  const int64_t vocab = logits.size(2);
-  return logits
-      .gather(1, last.to(logits.device())
-                     .view({batch, 1, 1})
-                     .expand({batch, 1, vocab}))
-      .squeeze(1);
+      step.Forward(input, positions, valid, cache, /*logits_at=*/last));
+  return logits.defined() ? logits.squeeze(1) : logits;
+}
+
+// One rank's sequences [block.begin, block.end) being decoded: the rows of
+// its cache and what each row's sequence has so far.
+struct BlockDecode {
+  const DecodeRequest& request;
+  SequenceBlock block;
+  ActiveRows active;
+  std::vector<DecodedSequence> out;  // by sequence - block.begin
+};
+
+// Chooses each active row's token from `logits` (on the last stage; the
+// others receive them), appends it to its sequence and drops the rows that
+// stopped, from the cache too; returns the kept rows' tokens [B'].
+absl::StatusOr<torch::Tensor> ChooseTokens(MeshStep& step,
+                                           const torch::Tensor& logits,
+                                           BlockDecode& decode,
+                                           KvCache& cache) {
+  const DecodeRequest& request = decode.request;
+  ActiveRows& active = decode.active;
+  const auto rows_before = static_cast<int64_t>(active.sequences.size());
+  SampledTokens chosen;
+  if (logits.defined()) {
+    TALLY_ASSIGN_OR_RETURN(
+        chosen, SampleTokens(logits, request.sampling, active.streams));
+  }
+  TALLY_ASSIGN_OR_RETURN(chosen, step.Share(chosen, rows_before));
+  const torch::Tensor tokens = chosen.tokens.cpu();
+  const torch::Tensor logprobs = chosen.logprobs.cpu();
+  std::vector<bool> keep;
+  for (int64_t r = 0; r < rows_before; ++r) {
+    DecodedSequence& sequence =
+        decode.out[active.sequences[r] - decode.block.begin];
+    sequence.tokens.push_back(tokens[r].item<int64_t>());
+    sequence.logprobs.push_back(logprobs[r].item<double>());
+    const bool stopped = std::any_of(request.stop.begin(), request.stop.end(),
+                                     [&](const std::vector<int64_t>& stop) {
+                                       return EndsWith(sequence.tokens, stop);
+                                     });
+    if (stopped) sequence.stop_reason = StopReason::kStop;
+    keep.push_back(!stopped && static_cast<int64_t>(sequence.tokens.size()) <
+                                   request.max_tokens);
+  }
+  const torch::Tensor rows = active.Keep(keep);
+  if (!active.sequences.empty() && rows.size(0) < rows_before) {
+    cache.KeepRows(rows);
+  }
+  return tokens.index_select(0, rows);
+}
+
+// Decodes this rank's block of the request's sequences, in step with the
+// other ranks of the mesh (`step`).
+absl::StatusOr<std::vector<DecodedSequence>> DecodeBlock(
+    CausalLm& model, const DecodeRequest& request, SequenceBlock block,
+    MeshStep& step) {
+  BlockDecode decode{request, block, {}, {}};
+  decode.out.resize(block.end - block.begin);
+  std::vector<std::vector<int64_t>> prompts;
+  int64_t longest = 0;
+  for (int64_t b = block.begin; b < block.end; ++b) {
+    prompts.push_back(request.prompts[b]);
+    const auto length = static_cast<int64_t>(request.prompts[b].size());
+    longest = std::max(longest, length);
+    decode.active.sequences.push_back(b);
+    decode.active.streams.push_back(SequenceGenerator(request.seed, b));
+    decode.active.positions.push_back(length);
+  }
+  ActiveRows& active = decode.active;
+  KvCache cache(model.config().num_hidden_layers,
+                longest + request.max_tokens - 1);
+  torch::Tensor logits;
+  if (!prompts.empty()) {
+    TALLY_ASSIGN_OR_RETURN(logits, Prefill(step, prompts, cache));
+  } else if (step.lockstep()) {
+    TALLY_RETURN_IF_ERROR(step.Idle());
+  }
+  while (true) {
+    torch::Tensor next;
+    if (!active.sequences.empty()) {
+      TALLY_ASSIGN_OR_RETURN(next, ChooseTokens(step, logits, decode, cache));
+    }
+    TALLY_ASSIGN_OR_RETURN(const bool more,
+                           step.AnyoneDecodes(!active.sequences.empty()));
+    if (!more) return std::move(decode.out);
+    if (active.sequences.empty()) {
+      TALLY_RETURN_IF_ERROR(step.Idle());
+      continue;
+    }
+    const torch::Tensor positions = torch::tensor(active.positions, kInt64);
+    for (int64_t& position : active.positions) ++position;
+    TALLY_ASSIGN_OR_RETURN(
+        logits,
+        step.Forward(next.unsqueeze(1), positions.unsqueeze(1),
+                     torch::ones({next.size(0), 1}, torch::kBool), cache));
+    if (logits.defined()) logits = logits.squeeze(1);
+  }
 }
 
 }  // namespace
@@ -113,62 +208,27 @@ absl::Status ValidateDecodeRequest(const DecodeRequest& request,
 
 absl::StatusOr<std::vector<DecodedSequence>> Decode(
     CausalLm& model, const DecodeRequest& request) {
+  return Decode(model, request, DecodeGroups());
+}
+
+absl::StatusOr<std::vector<DecodedSequence>> Decode(
+    CausalLm& model, const DecodeRequest& request, const DecodeGroups& groups) {
   TALLY_RETURN_IF_ERROR(
       ValidateDecodeRequest(request, model.config().vocab_size));
+  TALLY_ASSIGN_OR_RETURN(MeshStep step, MeshStep::Create(model, groups));
+  const auto count = static_cast<int64_t>(request.prompts.size());
+  const bool split = groups.data != nullptr && groups.data->size() > 1;
+  const SequenceBlock block =
+      split ? SequenceBlockOf(count, groups.data->rank(), groups.data->size())
+            : SequenceBlock{0, count};
   return CatchTorch(
       "decoding", [&]() -> absl::StatusOr<std::vector<DecodedSequence>> {
-        const int64_t batch = static_cast<int64_t>(request.prompts.size());
-        ActiveRows active;
-        int64_t longest = 0;
-        for (int64_t b = 0; b < batch; ++b) {
-          const int64_t length =
-              static_cast<int64_t>(request.prompts[b].size());
-          longest = std::max(longest, length);
-          active.sequences.push_back(b);
-          active.streams.push_back(SequenceGenerator(request.seed, b));
-          active.positions.push_back(length);
-        }
-        KvCache cache(model.config().num_hidden_layers,
-                      longest + request.max_tokens - 1);
-        TALLY_ASSIGN_OR_RETURN(torch::Tensor logits,
-                               Prefill(model, request.prompts, cache));
-        std::vector<DecodedSequence> out(batch);
-        while (true) {
-          TALLY_ASSIGN_OR_RETURN(
-              SampledTokens chosen,
-              SampleTokens(logits, request.sampling, active.streams));
-          const torch::Tensor tokens = chosen.tokens.cpu();
-          const torch::Tensor logprobs = chosen.logprobs.cpu();
-          std::vector<bool> keep;
-          for (size_t r = 0; r < active.sequences.size(); ++r) {
-            DecodedSequence& sequence = out[active.sequences[r]];
-            sequence.tokens.push_back(tokens[r].item<int64_t>());
-            sequence.logprobs.push_back(logprobs[r].item<double>());
-            const bool stopped =
-                std::any_of(request.stop.begin(), request.stop.end(),
-                            [&](const std::vector<int64_t>& stop) {
-                              return EndsWith(sequence.tokens, stop);
-                            });
-            if (stopped) sequence.stop_reason = StopReason::kStop;
-            keep.push_back(!stopped &&
-                           static_cast<int64_t>(sequence.tokens.size()) <
-                               request.max_tokens);
-          }
-          const torch::Tensor rows = active.Keep(keep);
-          if (active.sequences.empty()) return out;
-          torch::Tensor next = tokens.index_select(0, rows);
-          if (rows.size(0) < static_cast<int64_t>(keep.size())) {
-            cache.KeepRows(rows);
-          }
-          const torch::Tensor positions =
-              torch::tensor(active.positions, kInt64);
-          for (int64_t& position : active.positions) ++position;
-          TALLY_ASSIGN_OR_RETURN(
-              logits, model.ForwardWithCache(
-                          next.unsqueeze(1), positions.unsqueeze(1),
-                          torch::ones({rows.size(0), 1}, torch::kBool), cache));
-          logits = logits.squeeze(1);
-        }
+        // Every step's forward reads the weights as the first one cast them.
+        HeldComputeWeights held(model);
+        TALLY_ASSIGN_OR_RETURN(std::vector<DecodedSequence> local,
+                               DecodeBlock(model, request, block, step));
+        if (!split) return local;
+        return GatherDecoded(local, count, *groups.data, model.device());
       });
 }
 

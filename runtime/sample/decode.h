@@ -6,9 +6,12 @@
 // logits, sequence i drawing from SequenceGenerator(seed, i), so a
 // sequence's tokens do not depend on the other prompts of the call.
 //
-// Not yet: meshes other than a single rank (ForwardWithCache refuses them,
-// UNIMPLEMENTED), prompt log-probabilities, deadlines and cancellation,
-// memory admission of the cache (KvCache::bytes says what it holds).
+// On a mesh every rank calls Decode with the same request and its
+// DecodeGroups, and every rank returns the same whole result, equal to the
+// single rank's (mesh_decode.h says what each dimension does).
+//
+// Not yet: prompt log-probabilities, deadlines and cancellation, memory
+// admission of the cache (KvCache::bytes says what it holds).
 //
 //   tally::DecodeRequest request;
 //   request.prompts = {{1, 5, 9}, {1, 7}};
@@ -17,6 +20,9 @@
 //   request.stop = {{2}};               // EOS
 //   TALLY_ASSIGN_OR_RETURN(std::vector<tally::DecodedSequence> out,
 //                          tally::Decode(model, request));
+//   // On a mesh, on every rank (EngineGroups, engine_groups.h):
+//   tally::DecodeGroups groups{engine_groups.data_and_cp, engine_groups.pp};
+//   TALLY_ASSIGN_OR_RETURN(out, tally::Decode(model, request, groups));
 #ifndef TALLY_RUNTIME_SAMPLE_DECODE_H_
 #define TALLY_RUNTIME_SAMPLE_DECODE_H_
 
@@ -25,29 +31,9 @@
 
 #include "absl/status/statusor.h"
 #include "runtime/model/causal_lm.h"
-#include "runtime/sample/sampling.h"
+#include "runtime/sample/decode_types.h"
 
 namespace tally {
-
-struct DecodeRequest {
-  std::vector<std::vector<int64_t>> prompts;  // token ids, each non-empty
-  int64_t max_tokens = 16;  // the most tokens generated per sequence, >= 1
-  SamplingParams sampling;
-  // A sequence stops as soon as its generated tokens end with one of these
-  // (a stop token is a sequence of one); they stay in its tokens.
-  std::vector<std::vector<int64_t>> stop;
-  uint64_t seed = 0;
-};
-
-enum class StopReason { kLength, kStop };
-
-struct DecodedSequence {
-  std::vector<int64_t> tokens;  // the generated tokens, without the prompt
-  // Per token: log p(token | prompt and the tokens before it) under the
-  // model's distribution before temperature, top-k and top-p.
-  std::vector<double> logprobs;
-  StopReason stop_reason = StopReason::kLength;
-};
 
 // INVALID_ARGUMENT naming the field: no prompts, an empty prompts[i], a
 // token of prompts[i] or stop[i] outside [0, vocab_size), an empty stop[i],
@@ -55,10 +41,19 @@ struct DecodedSequence {
 absl::Status ValidateDecodeRequest(const DecodeRequest& request,
                                    int64_t vocab_size);
 
-// The completions of request.prompts, in order. Errors of validation above
-// and of CausalLm::ForwardWithCache (UNIMPLEMENTED on a split model).
+// The completions of request.prompts, in order: on one rank, or on every
+// rank of a mesh whose ranks each decode every sequence (tp, dp_shard, ep
+// and cp work without groups; pp needs DecodeGroups). Errors of validation
+// above, UNIMPLEMENTED for a pipeline stage, and those of
+// CausalLm::ForwardWithCache.
 absl::StatusOr<std::vector<DecodedSequence>> Decode(
     CausalLm& model, const DecodeRequest& request);
+// The same on a mesh, every rank calling it with the same request: the data
+// ranks split the sequences, the pipeline stages pass activations on.
+// INVALID_ARGUMENT naming groups.pp when it is not this stage's pipeline;
+// a collective's error as it comes.
+absl::StatusOr<std::vector<DecodedSequence>> Decode(
+    CausalLm& model, const DecodeRequest& request, const DecodeGroups& groups);
 
 }  // namespace tally
 

@@ -179,7 +179,7 @@ std::vector<torch::Tensor> CachedLogits(
   const torch::Tensor prefill =
       model
           .ForwardWithCache(padded.tokens, padded.positions, padded.valid,
-                            cache)
+                            cache, /*logits_at=*/torch::Tensor())
           .value();
   std::vector<std::vector<torch::Tensor>> rows(batch);
   for (int64_t b = 0; b < batch; ++b) {
@@ -208,7 +208,8 @@ std::vector<torch::Tensor> CachedLogits(
         model
             .ForwardWithCache(torch::tensor(next, kI64).unsqueeze(1),
                               torch::tensor(positions, kI64).unsqueeze(1),
-                              torch::ones({rows_now, 1}, torch::kBool), cache)
+                              torch::ones({rows_now, 1}, torch::kBool), cache,
+                              /*logits_at=*/torch::Tensor())
             .value();
     bool done = true;
     for (int64_t r = 0; r < rows_now; ++r) {
@@ -254,8 +255,18 @@ TEST_P(KvCacheTest, CachedLogitsEqualTheFullForward) {
     const torch::Tensor full_logits =
         model
             ->ForwardWithCache(padded.tokens, padded.positions, padded.valid,
-                               fresh)
+                               fresh, /*logits_at=*/torch::Tensor())
             .value();
+    // Only each sequence's last position (what a prefill asks for): the
+    // same rows as the full logits'.
+    KvCache last_only(model->config().num_hidden_layers, 16);
+    const torch::Tensor last = torch::tensor(lengths, kI64) - 1;
+    const torch::Tensor last_logits =
+        model
+            ->ForwardWithCache(padded.tokens, padded.positions, padded.valid,
+                               last_only, last)
+            .value();
+    ASSERT_EQ(last_logits.size(1), 1);
     for (size_t b = 0; b < sequences.size(); ++b) {
       SCOPED_TRACE(b);
       const int64_t n = lengths[b];
@@ -271,6 +282,9 @@ TEST_P(KvCacheTest, CachedLogitsEqualTheFullForward) {
         EXPECT_LE(RelativeDiff(got, want), testing::GoldenTolerance(dtype));
         EXPECT_LE(RelativeDiff(cached[b], full_logits[b].narrow(0, 0, n)),
                   testing::GoldenTolerance(dtype));
+        EXPECT_LE(
+            RelativeDiff(last_logits[b][0], full_logits[b][lengths[b] - 1]),
+            testing::GoldenTolerance(dtype));
       }
     }
   }
@@ -523,6 +537,97 @@ INSTANTIATE_TEST_SUITE_P(Families, GreedyReferenceTest,
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return info.param.name;
                          });
+
+// The cache's storage: a step writes its slots into the reserved capacity
+// (the keys keep their address), the capacity doubles when a forward needs
+// more, and the layout, keys and values a forward sees are every slot given
+// so far, in order, also after a row leaves.
+// A bf16 model's forwards under HeldComputeWeights give the logits of
+// forwards that cast every weight (bitwise); while held, a change to a
+// float32 master does not reach the forwards (what is held is used), and
+// once the hold ends it does (nothing held outlives it).
+TEST(HeldComputeWeightsTest, SameLogitsAndNothingOutlivesTheHold) {
+  std::unique_ptr<LlamaModel> model =
+      MakeModel({"llama", testing::TinyConfig()}, DType::kBFloat16);
+  const Padded padded =
+      Pad(RandomSequences({5, 3}, model->config().vocab_size, 4),
+          model->config().vocab_size);
+  const auto forward = [&] {
+    KvCache cache(model->config().num_hidden_layers, 8);
+    return model
+        ->ForwardWithCache(padded.tokens, padded.positions, padded.valid, cache,
+                           /*logits_at=*/torch::Tensor())
+        .value();
+  };
+  const torch::Tensor cast_each_time = forward();
+  Parameter& q = *model->Find("model.layers.0.self_attn.q_proj.weight");
+  torch::NoGradGuard no_grad;
+  {
+    HeldComputeWeights held(*model);
+    HeldComputeWeights nested(*model);
+    EXPECT_TRUE(torch::equal(forward(), cast_each_time));
+    q.tensor.mul_(2);
+    EXPECT_TRUE(torch::equal(forward(), cast_each_time));
+  }
+  EXPECT_FALSE(torch::equal(forward(), cast_each_time));
+}
+
+TEST(KvCacheStorageTest, StepsWriteInPlaceAndCapacityDoubles) {
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  KvCache cache(/*num_layers=*/1, /*capacity=*/4);
+  const int64_t kv_heads = 2, d = 3;
+  // What the cache must hold: everything appended, concatenated.
+  torch::Tensor positions = torch::tensor({{0, 1, 2}, {0, 1, 2}}, kI64);
+  torch::Tensor valid =
+      torch::tensor({{true, true, true}, {true, true, false}});
+  torch::Tensor keys = torch::randn({2, kv_heads, 3, d}, f64);
+  torch::Tensor values = torch::randn({2, kv_heads, 3, d}, f64);
+  AttentionLayout layout = cache.Extend(positions, valid);
+  auto [k, v] = cache.Append(0, keys, values);
+  // Slot bytes of both tensors: rows x kv_heads x d x 8 bytes x 2.
+  const int64_t slot_bytes = 2 * kv_heads * d * 8 * 2;
+  EXPECT_EQ(cache.bytes(), 4 * slot_bytes);
+  const void* storage = k.data_ptr();
+  std::vector<int64_t> capacities = {4};  // after the prefill
+  for (int64_t step = 0; step < 10; ++step) {
+    if (step == 6) {  // row 0 leaves
+      const torch::Tensor rows = torch::tensor({int64_t{1}}, kI64);
+      cache.KeepRows(rows);
+      positions = positions.index_select(0, rows);
+      valid = valid.index_select(0, rows);
+      keys = keys.index_select(0, rows);
+      values = values.index_select(0, rows);
+      storage = nullptr;
+    }
+    const int64_t rows = positions.size(0);
+    const torch::Tensor position = torch::full({rows, 1}, 3 + step, kI64);
+    const torch::Tensor is_valid = torch::ones({rows, 1}, torch::kBool);
+    const torch::Tensor new_keys = torch::randn({rows, kv_heads, 1, d}, f64);
+    const torch::Tensor new_values = torch::randn({rows, kv_heads, 1, d}, f64);
+    positions = torch::cat({positions, position}, 1);
+    valid = torch::cat({valid, is_valid}, 1);
+    keys = torch::cat({keys, new_keys}, 2);
+    values = torch::cat({values, new_values}, 2);
+    layout = cache.Extend(position, is_valid);
+    std::tie(k, v) = cache.Append(0, new_keys, new_values);
+    SCOPED_TRACE(step);
+    EXPECT_EQ(cache.length(), 4 + step);
+    EXPECT_TRUE(torch::equal(layout.positions, position));
+    EXPECT_TRUE(torch::equal(layout.key_positions, positions));
+    EXPECT_TRUE(torch::equal(layout.key_valid, valid));
+    EXPECT_TRUE(torch::equal(k, keys));
+    EXPECT_TRUE(torch::equal(v, values));
+    const int64_t capacity = cache.bytes() / (slot_bytes / 2 * rows);
+    if (storage != nullptr && capacity == capacities.back()) {
+      EXPECT_EQ(k.data_ptr(), storage) << "a step moved the keys";
+    }
+    storage = k.data_ptr();
+    capacities.push_back(capacity);
+  }
+  // 4 slots until the 5th, then 8 until the 9th, then 16.
+  const std::vector<int64_t> expected = {4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16};
+  EXPECT_EQ(capacities, expected);
+}
 
 }  // namespace
 }  // namespace tally

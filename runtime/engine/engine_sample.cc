@@ -1,0 +1,53 @@
+// Engine::Sample and Engine::ComputeLogprobs: the model's weights after its
+// last OptimStep, read without gradients (sample_call.h), on every rank of
+// the mesh (runtime/sample/decode.h: the data ranks split the sequences).
+#include "base/status.h"
+#include "runtime/engine/engine.h"
+#include "runtime/engine/sample_call.h"
+
+namespace tally {
+namespace {
+
+// The groups a decode needs beside the model's own (decode_types.h).
+DecodeGroups DecodeGroupsOf(const EngineGroups& groups) {
+  return DecodeGroups{groups.data_and_cp, groups.pp};
+}
+
+}  // namespace
+
+absl::StatusOr<SampleCallResult> Engine::Sample(const std::string& model_id,
+                                                SampleArgs args) {
+  TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
+  TALLY_RETURN_IF_ERROR(CheckIntact(*state));
+  // Every rank must draw with one seed: rank 0's, when the call names none
+  // (the server draws it before replicating the request; a direct caller
+  // may not).
+  if (!args.seed.has_value() && mesh_.world_size() > 1) {
+    torch::Tensor seed = torch::full(
+        {1}, static_cast<int64_t>(DrawSeed()),
+        torch::TensorOptions().dtype(torch::kInt64).device(device()));
+    TALLY_RETURN_IF_ERROR(world().Broadcast(seed, 0));
+    args.seed = static_cast<uint64_t>(seed.item<int64_t>());
+  }
+  // No window check: sampling reads the weights, not the gradients, so a
+  // pending window is neither blocked nor touched.
+  TALLY_ASSIGN_OR_RETURN(
+      SampleCallResult result,
+      RunSampleCall(state->built->model(), args, state->eos_token_ids,
+                    DecodeGroupsOf(groups_)));
+  result.step = state->step;
+  return result;
+}
+
+absl::StatusOr<LogprobsCallResult> Engine::ComputeLogprobs(
+    const std::string& model_id, const LogprobsArgs& args) {
+  TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
+  TALLY_RETURN_IF_ERROR(CheckIntact(*state));
+  TALLY_ASSIGN_OR_RETURN(
+      LogprobsCallResult result,
+      RunLogprobsCall(state->built->model(), args, DecodeGroupsOf(groups_)));
+  result.step = state->step;
+  return result;
+}
+
+}  // namespace tally
