@@ -368,9 +368,40 @@ class MultiRankServerTest(ServerTestCase):
         self.assertLess(responses[0].clip_coef, 1.0, "clipping must be active")
         self.assert_probes_close(self.probe(single), self.probe(multi),
                                  FLOAT64_RTOL, "logprobs after 2 steps")
+        self.assert_samples_equal(single, multi)
         self.assert_checkpoints_close(self.save(single, "single-2"),
                                       self.save(multi, "multi-2"),
                                       FLOAT64_RTOL, "<f8", moe)
+
+    def assert_all_close(self, a, b, what):
+        self.assertEqual(len(a), len(b), what)
+        for j, (x, y) in enumerate(zip(a, b)):
+            self.assert_close(x, y, FLOAT64_RTOL, f"{what} [{j}]")
+
+    def assert_samples_equal(self, single, multi):
+        """A seeded Sample of the trained weights, with prompt
+        log-probabilities: the same tokens and stop reasons on the mesh,
+        log-probabilities within FLOAT64_RTOL."""
+        request = pb.SampleRequest(
+            model_id=MODEL_ID, num_samples=2,
+            prompts=[pb.TokenSequence(tokens=[3, 17, 9, 40, 1]),
+                     pb.TokenSequence(tokens=[22, 5])],
+            params=pb.SamplingParams(max_tokens=5, temperature=0.9, top_k=20,
+                                     seed=1234),
+            include_prompt_logprobs=True, topk_prompt_logprobs=2)
+        a, b = (c.stub.Sample(request) for c in (single, multi))
+        self.assertEqual(len(a.sequences), 4)
+        self.assertEqual((a.seed, a.step), (b.seed, b.step))
+        for i, (x, y) in enumerate(zip(a.sequences, b.sequences)):
+            self.assertEqual(list(x.tokens), list(y.tokens), f"sequence {i}")
+            self.assertEqual(x.stop_reason, y.stop_reason, f"sequence {i}")
+            self.assert_all_close(x.logprobs, y.logprobs,
+                                  f"sequence {i} logprobs")
+        for i, (x, y) in enumerate(zip(a.prompt_logprobs, b.prompt_logprobs)):
+            self.assert_all_close(x.logprobs, y.logprobs,
+                                  f"prompt {i} logprobs")
+            self.assertEqual([list(t.tokens) for t in x.topk],
+                             [list(t.tokens) for t in y.topk], f"prompt {i}")
 
     def test_dp_shard_tp_float64_steps(self):
         self.check_float64_steps(DP_SHARD_TP)
