@@ -581,9 +581,9 @@ class ServiceClient:
         training = self.create_lora_training_client(
             base_model, rank=1, train_mlp=False, train_unembed=False,
             base_seed=base_seed, **create_model_fields)
-        return SamplingClient(training._client,  # pylint: disable=protected-access
-                              base_model, sequenced=True, tokenizer=tokenizer,
-                              owns_model=True)
+        client = training._client  # pylint: disable=protected-access
+        return SamplingClient(client, base_model, sequenced=True,
+                              tokenizer=tokenizer, owns_model=True)
 
     async def create_sampling_client_async(
             self, model_path: Optional[str] = None,
