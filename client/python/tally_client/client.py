@@ -27,7 +27,10 @@ call refused before it ran leaves its seq_id unused; the client fills it (a
 forward-only call of one token) so that no gap holds back the calls after it.
 export_weights and save(allow_pending=True) are sequenced too, so they write
 the state of every earlier step, but belong to no window: they neither close
-one nor abort one when they fail.
+one nor abort one when they fail. So are sample and compute_logprobs (the
+server's Sample and ComputeLogprobs), which read the weights of every
+earlier step and never a pending window; with sequenced=False they take no
+seq_id, for a model another client trains.
 
     client = TrainingClient("localhost:50051", "demo", token="s3cret")
     calls = [client.forward_backward(batch) for batch in window]
