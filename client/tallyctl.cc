@@ -5,13 +5,14 @@
 //   tallyctl train demo --steps 30 --calls-per-step 4
 //   tallyctl save demo /tmp/ckpt && tallyctl list --output json
 //   tallyctl export demo /tmp/demo-hf --dtype bfloat16
+//   tallyctl sample --model demo --prompt-ids 72,105 --max-tokens 8 --seed 1
 //   tallyctl server-info --target tally:50051 --ca-cert ca.pem --token "$T"
 //
 // The commands that change a model (train, load, abort) send its next
 // seq_ids as the server reports them, so a retried call is answered from the
 // server's cache and never applied twice; do not run them against a model a
-// sequenced client is training (they would take its seq_ids). save and
-// export change nothing and stay unsequenced.
+// sequenced client is training (they would take its seq_ids). save, export
+// and sample change nothing and stay unsequenced.
 //
 // Exit status: 0 on success, 1 when the server or a file on it fails (the
 // gRPC code and message go to stderr), 2 on a command-line error: an
@@ -33,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -408,6 +410,112 @@ class ExportCommand : public Command {
  private:
   std::string dtype_;
   bool merge_ = false;
+};
+
+// "1,2,3" as token ids: FlagValueError naming --<flag> otherwise.
+absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const std::string& flag,
+                                                   const std::string& text) {
+  std::vector<int32_t> ids;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int32_t id = 0;
+    if (!absl::SimpleAtoi(part, &id) || id < 0) {
+      return FlagValueError(flag, text,
+                            "a comma-separated list of token ids (ints >= 0)");
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+class SampleCommand : public Command {
+ public:
+  void AddFlags(FlagParser& flags) override {
+    flags.Add("model", &model_, "the model to sample from (required)");
+    flags.Add("prompt-ids", &prompt_ids_,
+              "the prompt as comma-separated token ids (required)");
+    flags.Add("max-tokens", &max_tokens_, "the most tokens per sequence");
+    flags.Add("temperature", &temperature_, "0: greedy (default: 1)");
+    flags.Add("top-p", &top_p_, "in (0, 1] (default: 1, off)");
+    flags.Add("top-k", &top_k_, "-1: off, else >= 1");
+    flags.Add("seed", &seed_,
+              "an integer >= 0 (default: the server picks one and prints it)");
+    flags.Add("num-samples", &num_samples_, "sequences sampled");
+    flags.Add("stop-ids", &stop_ids_,
+              "comma-separated token ids that end a sequence; 'eos': the "
+              "model's EOS tokens; 'none': only --max-tokens ends one");
+  }
+
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>&,
+                   Output& out) override {
+    TALLY_ASSIGN_OR_RETURN(v1::SampleRequest request, Request());
+    TALLY_ASSIGN_OR_RETURN(v1::SampleResponse response, client.Sample(request));
+    return out.Print(response, [&](std::ostream& os) {
+      os << absl::StrFormat("model %s, step %d, seed %d\n", model_,
+                            response.step(), response.seed());
+      for (int i = 0; i < response.sequences_size(); ++i) {
+        const v1::SampledSequence& sequence = response.sequences(i);
+        os << absl::StrFormat(
+            "sample %d (%s): %s\n  logprobs: %s\n", i,
+            sequence.stop_reason() == v1::STOP_REASON_STOP ? "stop" : "length",
+            absl::StrJoin(sequence.tokens(), ","),
+            absl::StrJoin(sequence.logprobs(), ",",
+                          [](std::string* text, double logprob) {
+                            absl::StrAppend(text,
+                                            absl::StrFormat("%.4f", logprob));
+                          }));
+      }
+    });
+  }
+
+ private:
+  absl::StatusOr<v1::SampleRequest> Request() const {
+    if (model_.empty()) return FlagError("flag --model is required");
+    if (prompt_ids_.empty()) return FlagError("flag --prompt-ids is required");
+    v1::SampleRequest request;
+    request.set_model_id(model_);
+    TALLY_ASSIGN_OR_RETURN(std::vector<int32_t> prompt,
+                           ParseTokenIds("prompt-ids", prompt_ids_));
+    request.add_prompts()->mutable_tokens()->Add(prompt.begin(), prompt.end());
+    if (num_samples_ < 1) {
+      return FlagValueError("num-samples", std::to_string(num_samples_),
+                            "an integer >= 1");
+    }
+    request.set_num_samples(num_samples_);
+    v1::SamplingParams& params = *request.mutable_params();
+    if (max_tokens_ < 1) {
+      return FlagValueError("max-tokens", std::to_string(max_tokens_),
+                            "an integer >= 1");
+    }
+    params.set_max_tokens(max_tokens_);
+    if (temperature_) params.set_temperature(*temperature_);
+    if (top_p_) params.set_top_p(*top_p_);
+    if (top_k_ != -1) params.set_top_k(top_k_);
+    if (!seed_.empty()) {
+      uint64_t seed = 0;
+      if (!absl::SimpleAtoi(seed_, &seed)) {
+        return FlagValueError("seed", seed_, "an integer >= 0");
+      }
+      params.set_seed(seed);
+    }
+    if (stop_ids_ == "none") {
+      params.mutable_stop();
+    } else if (stop_ids_ != "eos") {
+      TALLY_ASSIGN_OR_RETURN(std::vector<int32_t> stop,
+                             ParseTokenIds("stop-ids", stop_ids_));
+      params.mutable_stop()->mutable_token_ids()->Add(stop.begin(), stop.end());
+    }
+    return request;
+  }
+
+  std::string model_;
+  std::string prompt_ids_;
+  int max_tokens_ = 16;
+  std::optional<double> temperature_;
+  std::optional<double> top_p_;
+  int top_k_ = -1;
+  std::string seed_;
+  int num_samples_ = 1;
+  std::string stop_ids_ = "eos";
 };
 
 class LoadCommand : public Command {
@@ -860,6 +968,15 @@ const std::vector<CommandSpec>& Commands() {
        "adapter_config.json and adapter_model.safetensors, or with --merge "
        "merged into its base.",
        [] { return std::make_unique<ExportCommand>(); }},
+      {"sample",
+       {},
+       "Samples completions of a prompt.",
+       "Completes the prompt --prompt-ids with --model's weights after its "
+       "last OptimStep (Sample; a pending window is neither used nor "
+       "changed) and prints each sequence's token ids, its stop reason and "
+       "each token's log-probability under the model before temperature, "
+       "top-k and top-p.",
+       [] { return std::make_unique<SampleCommand>(); }},
       {"load",
        {"MODEL", "PATH"},
        "Loads a checkpoint.",

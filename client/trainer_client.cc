@@ -193,6 +193,22 @@ absl::StatusOr<v1::ExportWeightsResponse> TrainerClient::ExportWeights(
       });
 }
 
+absl::StatusOr<v1::SampleResponse> TrainerClient::Sample(
+    const v1::SampleRequest& request) {
+  return Invoke<v1::SampleResponse>(
+      /*retryable=*/true, [&](auto* context, auto* response) {
+        return trainer_->Sample(context, request, response);
+      });
+}
+
+absl::StatusOr<v1::ComputeLogprobsResponse> TrainerClient::ComputeLogprobs(
+    const v1::ComputeLogprobsRequest& request) {
+  return Invoke<v1::ComputeLogprobsResponse>(
+      /*retryable=*/true, [&](auto* context, auto* response) {
+        return trainer_->ComputeLogprobs(context, request, response);
+      });
+}
+
 absl::Status TrainerClient::WaitForServing(absl::Duration timeout) {
   using grpc::health::v1::HealthCheckResponse;
   constexpr absl::Duration kMaxBackoff = absl::Seconds(1);

@@ -119,6 +119,11 @@ class TrainerClient {
       const v1::LoadCheckpointRequest& request);
   absl::StatusOr<v1::ExportWeightsResponse> ExportWeights(
       const v1::ExportWeightsRequest& request);
+  // Retried on transient failures whether sequenced or not: neither changes
+  // the model.
+  absl::StatusOr<v1::SampleResponse> Sample(const v1::SampleRequest& request);
+  absl::StatusOr<v1::ComputeLogprobsResponse> ComputeLogprobs(
+      const v1::ComputeLogprobsRequest& request);
 
   // Polls grpc.health.v1 Check (service "") with exponential backoff until
   // the server reports SERVING. DEADLINE_EXCEEDED after `timeout`, with the

@@ -144,6 +144,68 @@ absl::Status ExecuteExportWeights(Engine& engine,
   return absl::OkStatus();
 }
 
+void ToProto(const PromptLogprobs& prompt, v1::PromptLogprobs* out) {
+  out->mutable_logprobs()->Add(prompt.logprobs.begin(), prompt.logprobs.end());
+  for (const TopkLogprobs& position : prompt.topk) {
+    v1::TopkLogprobs* topk = out->add_topk();
+    for (int64_t token : position.tokens) {
+      topk->add_tokens(static_cast<int32_t>(token));
+    }
+    topk->mutable_logprobs()->Add(position.logprobs.begin(),
+                                  position.logprobs.end());
+  }
+}
+
+absl::Status ExecuteSample(Engine& engine, const v1::SampleRequest& request,
+                           const SampleArgs& args, v1::SampleResponse* response,
+                           const RankZeroData&) {
+  TALLY_ASSIGN_OR_RETURN(SampleCallResult result,
+                         engine.Sample(request.model_id(), args));
+  for (const DecodedSequence& sequence : result.sequences) {
+    v1::SampledSequence* out = response->add_sequences();
+    for (int64_t token : sequence.tokens) {
+      out->add_tokens(static_cast<int32_t>(token));
+    }
+    out->mutable_logprobs()->Add(sequence.logprobs.begin(),
+                                 sequence.logprobs.end());
+    out->set_stop_reason(sequence.stop_reason == StopReason::kStop
+                             ? v1::STOP_REASON_STOP
+                             : v1::STOP_REASON_LENGTH);
+  }
+  for (const PromptLogprobs& prompt : result.prompt_logprobs) {
+    ToProto(prompt, response->add_prompt_logprobs());
+  }
+  response->set_seed(result.seed);
+  response->set_step(result.step);
+  return absl::OkStatus();
+}
+
+void RecordSample(ServerMetrics& metrics, const Engine&,
+                  const v1::SampleRequest& request,
+                  const v1::SampleResponse& response,
+                  const absl::Status& status, double seconds) {
+  if (!status.ok()) return;
+  int64_t tokens = 0;
+  for (const v1::SampledSequence& sequence : response.sequences()) {
+    tokens += sequence.tokens_size();
+  }
+  metrics.RecordSample(request.model_id(), tokens, seconds);
+}
+
+absl::Status ExecuteComputeLogprobs(Engine& engine,
+                                    const v1::ComputeLogprobsRequest& request,
+                                    const LogprobsArgs& args,
+                                    v1::ComputeLogprobsResponse* response,
+                                    const RankZeroData&) {
+  TALLY_ASSIGN_OR_RETURN(LogprobsCallResult result,
+                         engine.ComputeLogprobs(request.model_id(), args));
+  for (const PromptLogprobs& prompt : result.prompts) {
+    ToProto(prompt, response->add_prompts());
+  }
+  response->set_step(result.step);
+  return absl::OkStatus();
+}
+
 void RecordLoadCheckpoint(ServerMetrics& metrics, const Engine&,
                           const v1::LoadCheckpointRequest& request,
                           const v1::LoadCheckpointResponse&,
@@ -226,6 +288,17 @@ constexpr CommandSpec<v1::ExportWeightsRequest, ExportOptions,
                              &RecordWrite<kExportKind, v1::ExportWeightsRequest,
                                           v1::ExportWeightsResponse>,
                              /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::SampleRequest, SampleArgs, v1::SampleResponse>
+    kSampleCommand = {Command::kSample, &ParseSample, &ExecuteSample,
+                      &RecordSample, &ServerMetrics::ObserveSampleSeconds};
+constexpr CommandSpec<v1::ComputeLogprobsRequest, LogprobsArgs,
+                      v1::ComputeLogprobsResponse>
+    kComputeLogprobsCommand = {
+        Command::kComputeLogprobs, &ParseComputeLogprobs,
+        &ExecuteComputeLogprobs,
+        [](ServerMetrics&, const Engine&, const v1::ComputeLogprobsRequest&,
+           const v1::ComputeLogprobsResponse&, const absl::Status&, double) {},
+        /*observe_seconds=*/nullptr};
 constexpr CommandSpec<v1::internal::PoisonWindowCommand, NoArgs, bool>
     kPoisonWindowCommand = {Command::kPoisonWindow,
                             &NothingToParse<v1::internal::PoisonWindowCommand>,
@@ -356,6 +429,8 @@ constexpr ReplicaEntry kCommandTable[] = {
     ReplicaEntryOf<kLoadCheckpointCommand>(),
     ReplicaEntryOf<kPoisonWindowCommand>(),
     ReplicaEntryOf<kExportWeightsCommand>(),
+    ReplicaEntryOf<kSampleCommand>(),
+    ReplicaEntryOf<kComputeLogprobsCommand>(),
 };
 
 const ReplicaEntry* FindReplicaEntry(Command command) {

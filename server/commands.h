@@ -55,6 +55,8 @@ enum class Command : int64_t {
   kLoadCheckpoint,
   kPoisonWindow,
   kExportWeights,
+  kSample,
+  kComputeLogprobs,
 };
 
 // What rank 0 passes to and takes from a command beyond its request and
@@ -132,6 +134,14 @@ extern const CommandSpec<v1::LoadCheckpointRequest, NoArgs,
 extern const CommandSpec<v1::ExportWeightsRequest, ExportOptions,
                          v1::ExportWeightsResponse>
     kExportWeightsCommand;
+// Weights only, as ExportWeights: the window stays as it is
+// (Engine::Sample). A request without a seed is sampled with one the engine
+// draws and returns.
+extern const CommandSpec<v1::SampleRequest, SampleArgs, v1::SampleResponse>
+    kSampleCommand;
+extern const CommandSpec<v1::ComputeLogprobsRequest, LogprobsArgs,
+                         v1::ComputeLogprobsResponse>
+    kComputeLogprobsCommand;
 // Poisons the window of request.model_id for request.reason (quoted by the
 // OptimStep it fails). The response says whether this run poisoned it (false:
 // it already was); rank 0 counts the window poisoned when it did.

@@ -412,6 +412,69 @@ absl::StatusOr<ExportOptions> ParseExportWeights(
   return options;
 }
 
+namespace {
+
+std::vector<TokenIds> PromptsOf(
+    const google::protobuf::RepeatedPtrField<v1::TokenSequence>& prompts) {
+  std::vector<TokenIds> out;
+  for (const v1::TokenSequence& prompt : prompts) {
+    out.emplace_back(prompt.tokens().begin(), prompt.tokens().end());
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<SampleArgs> ParseSample(const v1::SampleRequest& r) {
+  if (r.num_samples() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_samples must be >= 0 (0: 1), got ", r.num_samples()));
+  }
+  SampleArgs args;
+  args.prompts = PromptsOf(r.prompts());
+  args.num_samples = r.num_samples() == 0 ? 1 : r.num_samples();
+  const v1::SamplingParams& params = r.params();
+  args.max_tokens = params.max_tokens();
+  if (params.has_temperature()) {
+    args.sampling.temperature = params.temperature();
+  }
+  if (params.has_top_p()) args.sampling.top_p = params.top_p();
+  if (params.has_top_k()) args.sampling.top_k = params.top_k();
+  if (params.has_seed()) args.seed = params.seed();
+  if (params.has_stop()) {
+    StopConditions stop;
+    stop.token_ids.assign(params.stop().token_ids().begin(),
+                          params.stop().token_ids().end());
+    stop.sequences = PromptsOf(params.stop().sequences());
+    args.stop = std::move(stop);
+  }
+  args.include_prompt_logprobs = r.include_prompt_logprobs();
+  args.topk_prompt_logprobs = r.topk_prompt_logprobs();
+  TALLY_RETURN_IF_ERROR(ValidateSampleArgs(args));
+  return args;
+}
+
+absl::StatusOr<LogprobsArgs> ParseComputeLogprobs(
+    const v1::ComputeLogprobsRequest& r) {
+  LogprobsArgs args;
+  args.prompts = PromptsOf(r.prompts());
+  args.topk = r.topk();
+  TALLY_RETURN_IF_ERROR(ValidateLogprobsArgs(args));
+  return args;
+}
+
+int64_t SampleTokenBound(const v1::SampleRequest& r) {
+  // In double: the product of a hostile request's int32 fields overflows.
+  const double samples = std::max(1, r.num_samples());
+  const double generated = std::max(0, r.params().max_tokens());
+  double tokens = 0;
+  for (const v1::TokenSequence& prompt : r.prompts()) {
+    tokens += samples * (prompt.tokens_size() + generated);
+  }
+  constexpr double kMax = 9e18;  // below INT64_MAX
+  return static_cast<int64_t>(std::min(tokens, kMax));
+}
+
 v1::LossReduction ToProto(std::optional<LossReduction> reduction) {
   if (!reduction) return v1::LOSS_REDUCTION_UNSPECIFIED;
   switch (*reduction) {
@@ -473,6 +536,9 @@ void ToProto(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_trainable_parameters(s.trainable_parameters);
   out->set_trainable_bytes(s.trainable_bytes);
   out->set_damage(s.damage);
+  for (int64_t id : s.eos_token_ids) {
+    out->add_eos_token_ids(static_cast<int32_t>(id));
+  }
 }
 
 int64_t ForwardBackwardResponseBound(const v1::ForwardBackwardRequest& request,

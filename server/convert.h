@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "runtime/checkpoint/weights_export.h"
+#include "runtime/config/sampling_params.h"
 #include "runtime/config/types.h"
 #include "tally/v1/trainer.pb.h"
 
@@ -62,6 +63,18 @@ absl::Status ValidateCheckpointPath(const std::string& path);
 // (DTYPE_UNSPECIFIED: the model's); max_shard_bytes stays the default.
 absl::StatusOr<ExportOptions> ParseExportWeights(
     const v1::ExportWeightsRequest& request);
+
+// The call's arguments (runtime/config/sampling_params.h), checked with
+// ValidateSampleArgs / ValidateLogprobsArgs: INVALID_ARGUMENT naming the
+// field (prompts[i].tokens[j], num_samples, params.max_tokens,
+// params.top_p, ...). num_samples 0 means 1; params.stop absent: the
+// model's EOS tokens. Token ranges are the engine's.
+absl::StatusOr<SampleArgs> ParseSample(const v1::SampleRequest& request);
+absl::StatusOr<LogprobsArgs> ParseComputeLogprobs(
+    const v1::ComputeLogprobsRequest& request);
+// The tokens a Sample may hold at once: prompts x num_samples x
+// (prompt + max_tokens), what --max-tokens-per-call bounds.
+int64_t SampleTokenBound(const v1::SampleRequest& request);
 
 // One page of ListModels: at most `size` models whose engine id sorts after
 // `after` (empty: from the first).

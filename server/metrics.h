@@ -115,6 +115,11 @@ class ServerMetrics {
   void ObserveForwardBackwardSeconds(const std::string& model_id,
                                      double seconds);
   void ObserveOptimStepSeconds(const std::string& model_id, double seconds);
+  // Rank 0: a Sample of `model_id` that generated `tokens` tokens in
+  // `seconds`. Ranks > 0: its seconds alone.
+  void RecordSample(const std::string& model_id, int64_t tokens,
+                    double seconds);
+  void ObserveSampleSeconds(const std::string& model_id, double seconds);
   // Copies this rank's collective counters and shard sizes from the engine;
   // models gone from the engine lose their series, and on rank 0 every
   // model the engine holds has its request-level series.
@@ -157,6 +162,9 @@ class ServerMetrics {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveRankSeries(const std::string& model_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The model's tally_sample_seconds series, created at its first Sample.
+  prometheus::Histogram& SampleSeconds(const std::string& model_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveModelSeries(const std::string& model_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The labels of model `id`'s execution-time histograms: model_id on rank
@@ -191,6 +199,8 @@ class ServerMetrics {
       nullptr;
   prometheus::Family<prometheus::Histogram>* optim_step_seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
+  prometheus::Family<prometheus::Counter>* sampled_tokens_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* sample_seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* duplicate_requests_ = nullptr;
   prometheus::Family<prometheus::Counter>* poisoned_windows_ = nullptr;
   prometheus::Family<prometheus::Counter>* collective_calls_ = nullptr;

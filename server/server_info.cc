@@ -84,6 +84,8 @@ void FillServerInfo(const Mesh& mesh, ZeroStage zero_stage,
         "zero_stages"}) {
     info->add_features(feature);
   }
+  // Sample and ComputeLogprobs decode on a single rank for now.
+  if (mesh.world_size() == 1) info->add_features("sample");
   *info->mutable_limits() = limits;
   *info->mutable_devices() = devices;
   info->set_authentication(authentication);

@@ -305,6 +305,34 @@ absl::Status TrainerService::CheckTokensPerCall(
       options_.max_tokens_per_call, "); split the call"));
 }
 
+absl::Status TrainerService::CheckTokensPerCall(
+    const v1::SampleRequest& request) const {
+  const int64_t tokens = SampleTokenBound(request);
+  if (options_.max_tokens_per_call <= 0 ||
+      tokens <= options_.max_tokens_per_call) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "prompts x num_samples x (prompt + params.max_tokens) = ", tokens,
+      " tokens, more than --max-tokens-per-call (",
+      options_.max_tokens_per_call, "); split the call"));
+}
+
+absl::Status TrainerService::CheckTokensPerCall(
+    const v1::ComputeLogprobsRequest& request) const {
+  int64_t tokens = 0;
+  for (const v1::TokenSequence& prompt : request.prompts()) {
+    tokens += prompt.tokens_size();
+  }
+  if (options_.max_tokens_per_call <= 0 ||
+      tokens <= options_.max_tokens_per_call) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "prompts hold ", tokens, " tokens, more than --max-tokens-per-call (",
+      options_.max_tokens_per_call, "); split the call"));
+}
+
 namespace {
 
 // The admission ledger's id of a LoRA base (model ids hold no spaces).
@@ -798,6 +826,41 @@ grpc::ServerUnaryReactor* TrainerService::ExportWeights(
                  validation, [this, server_form, options, response] {
                    return commands_.Run(kExportWeightsCommand, *server_form,
                                         **options, response);
+                 });
+}
+
+grpc::ServerUnaryReactor* TrainerService::Sample(
+    grpc::CallbackServerContext* context, const v1::SampleRequest* request,
+    v1::SampleResponse* response) {
+  auto server_form = std::make_shared<v1::SampleRequest>(*request);
+  auto args = std::make_shared<absl::StatusOr<SampleArgs>>(
+      kSampleCommand.parse(*request));
+  return Execute(
+      {"Sample", context, server_form->mutable_model_id(), request->seq_id(),
+       server_form.get(), response},
+      FirstError(
+          FirstError(ValidateModelId(request->model_id()), args->status()),
+          CheckTokensPerCall(*request)),
+      [this, server_form, args, response] {
+        return commands_.Run(kSampleCommand, *server_form, **args, response);
+      });
+}
+
+grpc::ServerUnaryReactor* TrainerService::ComputeLogprobs(
+    grpc::CallbackServerContext* context,
+    const v1::ComputeLogprobsRequest* request,
+    v1::ComputeLogprobsResponse* response) {
+  auto server_form = std::make_shared<v1::ComputeLogprobsRequest>(*request);
+  auto args = std::make_shared<absl::StatusOr<LogprobsArgs>>(
+      kComputeLogprobsCommand.parse(*request));
+  return Execute({"ComputeLogprobs", context, server_form->mutable_model_id(),
+                  request->seq_id(), server_form.get(), response},
+                 FirstError(FirstError(ValidateModelId(request->model_id()),
+                                       args->status()),
+                            CheckTokensPerCall(*request)),
+                 [this, server_form, args, response] {
+                   return commands_.Run(kComputeLogprobsCommand, *server_form,
+                                        **args, response);
                  });
 }
 

@@ -157,6 +157,14 @@ class TrainerService final : public v1::Trainer::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::ExportWeightsRequest* request,
       v1::ExportWeightsResponse* response) override;
+  // Ordered like ExportWeights (seq_id > 0), read-only: the window stays.
+  grpc::ServerUnaryReactor* Sample(grpc::CallbackServerContext* context,
+                                   const v1::SampleRequest* request,
+                                   v1::SampleResponse* response) override;
+  grpc::ServerUnaryReactor* ComputeLogprobs(
+      grpc::CallbackServerContext* context,
+      const v1::ComputeLogprobsRequest* request,
+      v1::ComputeLogprobsResponse* response) override;
 
  private:
   // One RPC on its way through the service. Handlers copy their request
@@ -196,6 +204,11 @@ class TrainerService final : public v1::Trainer::CallbackService {
   // INVALID_ARGUMENT over --max-tokens-per-call, on the gRPC thread.
   absl::Status CheckTokensPerCall(
       const v1::ForwardBackwardRequest& request) const;
+  // The same for a Sample: prompts x num_samples x (prompt + max_tokens)
+  // (SampleTokenBound), and for a ComputeLogprobs: its prompts' tokens.
+  absl::Status CheckTokensPerCall(const v1::SampleRequest& request) const;
+  absl::Status CheckTokensPerCall(
+      const v1::ComputeLogprobsRequest& request) const;
   // The resident bytes per rank the model `request` creates would add (0
   // when its config cannot be read: the engine then refuses it), predicted
   // from what the engine will build: its own, and for a LoRA model whose

@@ -15,10 +15,12 @@ set(TALLY_CONFIG_SOURCES
   runtime/config/families/qwen2.cc
   runtime/config/families/qwen3.cc
   runtime/config/families/registry.cc
+  runtime/config/generation_config.cc
   runtime/config/llama_config.cc
   runtime/config/lora_config.cc
   runtime/config/loss_spec.cc
   runtime/config/memory_estimate.cc
   runtime/config/model_family.cc
   runtime/config/peft_adapter_config.cc
+  runtime/config/sampling_params.cc
   runtime/config/types.cc)

@@ -261,6 +261,9 @@ struct ModelSummary {
   // Non-empty when the parameters may be partly updated (an OptimStep or a
   // LoadCheckpoint failed midway): why. Only a LoadCheckpoint repairs it.
   std::string damage;
+  // What ends a Sample with no stop conditions of its own: the
+  // init_checkpoint's eos_token_id (runtime/config/generation_config.h).
+  std::vector<int64_t> eos_token_ids;
 };
 
 struct SaveOptions {

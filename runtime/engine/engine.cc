@@ -9,6 +9,7 @@
 #include "base/error_reason.h"
 #include "base/status.h"
 #include "runtime/checkpoint/directory_identity.h"
+#include "runtime/config/generation_config.h"
 #include "runtime/engine/forward_backward.h"
 #include "runtime/parallel/device.h"
 #include "runtime/parallel/fault_hook.h"
@@ -118,6 +119,7 @@ ModelSummary Engine::Summarize(const ModelState& state) {
   s.step = state.step;
   s.window = state.window.counts();
   s.damage = state.damage;
+  s.eos_token_ids = state.eos_token_ids;
   return s;
 }
 
@@ -152,11 +154,19 @@ absl::StatusOr<ModelSummary> Engine::CreateModel(const ModelSpec& request) {
   build.bucket_bytes = options_.bucket_mb << 20;
   // Building can fail on one rank only (an unreadable init_checkpoint, memory):
   // the ranks agree before any of them adds the model.
-  absl::StatusOr<std::unique_ptr<BuiltModel>> built = BuildModel(
-      spec, base_key, RankContext{mesh_, groups_, phases()}, build, bases_);
+  // The EOS tokens of init_checkpoint (a Sample's default stop) first: a
+  // malformed generation config refuses the model before it is built.
+  absl::StatusOr<std::vector<int64_t>> eos =
+      ReadEosTokenIds(spec.init_checkpoint);
+  using Built = absl::StatusOr<std::unique_ptr<BuiltModel>>;
+  Built built = eos.ok() ? BuildModel(spec, base_key,
+                                      RankContext{mesh_, groups_, phases()},
+                                      build, bases_)
+                         : Built(eos.status());
   TALLY_RETURN_IF_ERROR(phases().Agree(built.status()));
   auto state = std::make_unique<ModelState>();
   state->built = *std::move(built);
+  state->eos_token_ids = *std::move(eos);
   // Finished only now: a rank that failed to build would never reach its
   // collectives.
   TALLY_RETURN_IF_ERROR(state->built->FinishBuild());

@@ -30,6 +30,7 @@
 #include "runtime/checkpoint/weights_export.h"
 #include "runtime/config/types.h"
 #include "runtime/engine/built_model.h"
+#include "runtime/engine/sample_call.h"
 #include "runtime/model/causal_lm.h"
 #include "runtime/model/shared_bases.h"
 #include "runtime/parallel/communicator.h"
@@ -137,6 +138,16 @@ class Engine {
                                              const std::string& path,
                                              const ExportOptions& options = {});
 
+  // Completes args.prompts (sample_call.h) with the model's weights after
+  // its last OptimStep: a pending (or poisoned) window is neither visible
+  // nor changed. FAILED_PRECONDITION for a damaged model, as
+  // SaveCheckpoint; UNIMPLEMENTED on a mesh of more than one rank.
+  absl::StatusOr<SampleCallResult> Sample(const std::string& model_id,
+                                          const SampleArgs& args);
+  // Each prompt's log-probabilities from the same weights, as Sample.
+  absl::StatusOr<LogprobsCallResult> ComputeLogprobs(
+      const std::string& model_id, const LogprobsArgs& args);
+
   // A model's parameters, to read (the server's memory gauges). Tests and
   // benchmarks reach further through EngineTestPeer
   // (tests/testing/engine_test_peer.h).
@@ -191,6 +202,8 @@ class Engine {
     // and tied copies (by an OptimStep that then refused to step), so later
     // calls of the window must sum their own share before adding it.
     bool replicas_summed = false;
+    // The init_checkpoint's EOS tokens: a Sample's default stop.
+    std::vector<int64_t> eos_token_ids;
 
     const ModelSpec& spec() const { return built->spec(); }
   };

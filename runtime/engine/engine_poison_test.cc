@@ -157,9 +157,15 @@ TEST_F(EnginePoisonTest, AnOptimStepFailingPartwayDamagesTheModelUntilLoad) {
   EXPECT_TRUE(some_changed) << "the failure must be partway for this test";
   EXPECT_THAT(engine_->GetModel("m")->damage, HasSubstr("OptimStep failed"));
 
+  SampleArgs sample;
+  sample.prompts = {{1, 2}};
+  LogprobsArgs logprobs;
+  logprobs.prompts = sample.prompts;
   for (const absl::Status& refused :
        {Train(3), engine_->OptimStep("m", {}).status(),
-        engine_->SaveCheckpoint("m", dir + "/damaged").status()}) {
+        engine_->SaveCheckpoint("m", dir + "/damaged").status(),
+        engine_->Sample("m", sample).status(),
+        engine_->ComputeLogprobs("m", logprobs).status()}) {
     EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
     EXPECT_THAT(std::string(refused.message()), HasSubstr("LoadCheckpoint"));
   }

@@ -2,7 +2,6 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
-#include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -28,24 +27,6 @@ torch::Tensor LastPositive(const torch::Tensor& probs) {
 }
 
 }  // namespace
-
-absl::Status ValidateSamplingParams(const SamplingParams& params) {
-  if (!std::isfinite(params.temperature) || params.temperature < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("temperature must be a finite number >= 0 (0: greedy), "
-                     "got ",
-                     params.temperature));
-  }
-  if (!(params.top_p > 0 && params.top_p <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_p must be in (0, 1] (1: off), got ", params.top_p));
-  }
-  if (params.top_k != -1 && params.top_k < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "top_k must be -1 (off) or at least 1, got ", params.top_k));
-  }
-  return absl::OkStatus();
-}
 
 torch::Generator SequenceGenerator(uint64_t seed, int64_t sequence) {
   return at::make_generator<at::CPUGeneratorImpl>(

@@ -43,18 +43,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "runtime/config/sampling_params.h"
 
 namespace tally {
-
-struct SamplingParams {
-  double temperature = 1.0;  // >= 0; 0: greedy
-  double top_p = 1.0;        // in (0, 1]; 1: off
-  int64_t top_k = -1;        // -1: off, else >= 1
-};
-
-// INVALID_ARGUMENT naming the field (temperature, top_p, top_k) that is out
-// of its range above or not finite.
-absl::Status ValidateSamplingParams(const SamplingParams& params);
 
 // The random stream of sequence `sequence` of a call seeded with `seed`: a
 // CPU generator whose seed mixes the two (SplitMix64), so neighbouring seeds

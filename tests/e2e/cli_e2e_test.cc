@@ -2,7 +2,8 @@
 // refuses exits 2 naming the flag; a busy gRPC or metrics port stops the
 // server with one line naming the port and its flag; tallyctl creates
 // bfloat16 models, shows GetServerInfo, prints results as JSON with
-// --output json, and train reports tokens/s and an ETA per step.
+// --output json, train reports tokens/s and an ETA per step, and sample
+// prints the server's Sample response.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -96,7 +97,17 @@ TEST(CliFlagsE2eTest, TallyctlRefusesABadCommandLineWithExit2) {
        {"list --client-cert c.pem", "--client-cert and --client-key go"},
        {"list --ca-cert /nonexistent/ca.pem", "--ca-cert: cannot read"},
        {"frobnicate", "unknown command 'frobnicate'"},
-       {"train m --steps", "flag --steps needs a value"}});
+       {"train m --steps", "flag --steps needs a value"},
+       {"sample --prompt-ids 1", "flag --model is required"},
+       {"sample --model m", "flag --prompt-ids is required"},
+       {"sample --model m --prompt-ids 1,x",
+        "flag --prompt-ids: '1,x' is not a comma-separated list of token "
+        "ids"},
+       {"sample --model m --prompt-ids 1 --stop-ids 2,-3",
+        "flag --stop-ids: '2,-3' is not"},
+       {"sample --model m --prompt-ids 1 --seed -1", "flag --seed: '-1'"},
+       {"sample --model m --prompt-ids 1 --max-tokens 0",
+        "flag --max-tokens: '0' is not an integer >= 1"}});
 }
 
 TEST(CliFlagsE2eTest, ServerRefusesABadCommandLineWithExit2) {
@@ -276,6 +287,67 @@ TEST_F(TallyctlE2eTest, TrainPrintsTokensPerSecondAndAnEtaPerStep) {
   const absl::StatusOr<v1::ModelInfo> info = client_->GetModel(get);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->step(), 5);
+}
+
+// tallyctl sample prints what Sample answers (the same request through the
+// C++ client); each token's log-probability is what ComputeLogprobs gives
+// for the completed sequence, up to float32 rounding of the cached forward.
+TEST_F(TallyctlE2eTest, SamplePrintsTheServersTokensAndLogprobs) {
+  ASSERT_EQ(Tallyctl("create --model-id s").first, 0);
+  const std::string sample =
+      "sample --model s --prompt-ids 84,104,101 --max-tokens 5 --seed 3 "
+      "--num-samples 2 --stop-ids none";
+  const auto [json_code, json] = Tallyctl(sample + " --output json");
+  ASSERT_EQ(json_code, 0) << json;
+  v1::SampleRequest request;
+  request.set_model_id("s");
+  const std::vector<int32_t> prompt = {84, 104, 101};
+  request.add_prompts()->mutable_tokens()->Add(prompt.begin(), prompt.end());
+  request.set_num_samples(2);
+  request.mutable_params()->set_max_tokens(5);
+  request.mutable_params()->set_seed(3);
+  request.mutable_params()->mutable_stop();
+  const absl::StatusOr<v1::SampleResponse> direct = client_->Sample(request);
+  ASSERT_TRUE(direct.ok()) << direct.status();
+  EXPECT_TRUE(
+      MessageDifferencer::Equals(FromJson<v1::SampleResponse>(json), *direct))
+      << json;
+  ASSERT_EQ(direct->sequences_size(), 2);
+  EXPECT_EQ(direct->seed(), 3u);
+  EXPECT_EQ(direct->step(), 0);
+  const v1::SampledSequence& first = direct->sequences(0);
+  EXPECT_EQ(first.tokens_size(), 5);
+  EXPECT_EQ(first.stop_reason(), v1::STOP_REASON_LENGTH);
+
+  const auto [text_code, text] = Tallyctl(sample);
+  ASSERT_EQ(text_code, 0) << text;
+  EXPECT_THAT(text, HasSubstr("model s, step 0, seed 3\n"));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("sample 0 (length): ",
+                                           absl::StrJoin(first.tokens(), ","),
+                                           "\n  logprobs: ")));
+
+  v1::ComputeLogprobsRequest logprobs;
+  logprobs.set_model_id("s");
+  v1::TokenSequence& completed = *logprobs.add_prompts();
+  completed.mutable_tokens()->Add(prompt.begin(), prompt.end());
+  completed.mutable_tokens()->MergeFrom(first.tokens());
+  const absl::StatusOr<v1::ComputeLogprobsResponse> computed =
+      client_->ComputeLogprobs(logprobs);
+  ASSERT_TRUE(computed.ok()) << computed.status();
+  ASSERT_EQ(computed->prompts(0).logprobs_size(), 7);
+  for (int t = 0; t < first.tokens_size(); ++t) {
+    EXPECT_NEAR(computed->prompts(0).logprobs(2 + t), first.logprobs(t), 1e-4)
+        << "token " << t;
+  }
+
+  const absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_THAT(info->features(), ::testing::Contains("sample"));
+  const auto [refused, message] =
+      Tallyctl("sample --model s --prompt-ids 1,100000");
+  EXPECT_EQ(refused, 1) << message;
+  EXPECT_THAT(message, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(message, HasSubstr("prompts[0].tokens[1] = 100000"));
 }
 
 }  // namespace
