@@ -214,15 +214,21 @@ class TinkerSamplingClientTest(FakeTestCase):
                          [None] + [list(zip(*topk(t, 2))) for t in prompt[1:]])
         self.assertEqual(response.seed, SERVER_SEED)
 
-    def test_without_prompt_logprobs_there_are_none(self):
+    def test_no_prompt_logprobs_unless_asked_and_an_empty_stop(self):
         _, sampler = self.sampler()
         response = sampler.sample(types.ModelInput.from_ints([5]), 1,
                                   types.SamplingParams(max_tokens=1, seed=3)
                                   ).result(TIMEOUT)
         self.assertIsNone(response.prompt_logprobs)
         self.assertIsNone(response.topk_prompt_logprobs)
-        self.assertEqual(self.fake.sent("Sample")[0].params.seed, 3)
-        self.assertFalse(self.fake.sent("Sample")[0].params.HasField("stop"))
+        sampler.sample(types.ModelInput.from_ints([5]), 1,
+                       types.SamplingParams(max_tokens=1, stop=[])
+                       ).result(TIMEOUT)
+        default_stop, no_stop = self.fake.sent("Sample")
+        self.assertEqual(default_stop.params.seed, 3)
+        self.assertFalse(default_stop.params.HasField("stop"))
+        self.assertTrue(no_stop.params.HasField("stop"))
+        self.assertEqual(no_stop.params.stop, pb.StopConditions())
 
     def test_string_stops_go_through_the_tokenizer_or_are_refused(self):
         _, plain = self.sampler()
@@ -236,6 +242,9 @@ class TinkerSamplingClientTest(FakeTestCase):
         with self.assertRaises(ValueError) as raised:
             plain.sample(prompt, 1, types.SamplingParams())
         self.assertIn("max_tokens", str(raised.exception))
+        with self.assertRaisesRegex(ValueError, "not both"):
+            plain.sample(prompt, 1, types.SamplingParams(max_tokens=1,
+                                                         stop=["a", 2]))
         with self.assertRaises(NotImplementedError):
             plain.get_tokenizer()
         self.assertEqual(self.fake.sent("Sample"), [])

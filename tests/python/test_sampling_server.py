@@ -2,15 +2,16 @@
 log-probability returned with each sampled token is ForwardBackward's
 log-probability of the same completed sequence (fp64, to 1e-10 relative),
 greedy sampling takes the argmax, compute_logprobs matches the forward, a
-seed reproduces its tokens, and sampling neither sees nor disturbs a pending
-window. test_sampling_client.py checks the conversions against a fake
+seed reproduces its tokens, sampling neither sees nor disturbs a pending
+window, and the Tinker client's base_model sampler computes the base. test_sampling_client.py checks the conversions against a fake
 server; test_rl_loop.py runs the RL loop through the Tinker client."""
 
 import unittest
 
 import numpy as np
 
-from tally_client import StopReason, TrainingClient, sample
+from tally_client import StopReason, TrainingClient, sample, tinker
+from tally_client.tinker import types
 from tally_testing import TINY_LLAMA, SharedServerTestCase
 
 PROMPTS = [[3, 17, 42, 5], [60, 1]]
@@ -106,6 +107,25 @@ class SamplingServerTest(SharedServerTestCase):
         self.assertEqual(again.seed, 123)
         self.assertEqual(client.pending_window()[0], 1)
         self.assertEqual(client.optim_step().result(TIMEOUT).step, 2)
+
+    def test_a_tinker_base_model_sampler_is_the_untrained_base(self):
+        full = TrainingClient(self.target, "full-base")
+        self.addCleanup(full.close)
+        full.create_model(config=TINY_LLAMA, seed=8, dtype="fp64")
+        service = tinker.ServiceClient(base_url=self.target)
+        self.addCleanup(service.close)
+        prompt = types.ModelInput.from_ints(PROMPTS[0])
+        with service.create_sampling_client(
+                base_model=tinker.DEMO_MODEL, config=TINY_LLAMA, base_seed=8,
+                dtype="fp64") as sampler:
+            np.testing.assert_allclose(
+                sampler.compute_logprobs(prompt).result(TIMEOUT)[1:],
+                self.forward_logprobs(full, PROMPTS[0]), rtol=RTOL, atol=0)
+            adapter = sampler.model_id
+            self.assertIn(adapter, [m.model_id for m in
+                                    service.server.list_models().models])
+        self.assertNotIn(adapter, [m.model_id for m in
+                                   service.server.list_models().models])
 
 
 if __name__ == "__main__":

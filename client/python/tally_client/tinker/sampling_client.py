@@ -156,8 +156,12 @@ class SamplingClient:
         if stop is None:
             return None
         items: Sequence[Any] = [stop] if isinstance(stop, str) else stop
-        if not all(isinstance(item, str) for item in items):
+        strings = [isinstance(item, str) for item in items]
+        if not any(strings):
             return list(items)
+        if not all(strings):
+            raise ValueError("sampling_params.stop: strings or token ids, "
+                             "not both")
         if self._tokenizer is None:
             raise ValueError(
                 "sampling_params.stop: a string stop needs a tokenizer, which "
