@@ -1,11 +1,12 @@
-"""A complete RL loop through tally's Tinker client against a real tally-
-server, the shape of the cookbook's rl_loop: sample a group of rollouts from
-the policy (SamplingClient of the weights being trained), score them with a
-toy reward, build datums with the sampler's logprobs and group-centred
-advantages, train with importance_sampling (or ppo, two updates per batch),
-step, and sample again from the new weights. The reward rises; and because
-the sampler reads the very weights the trainer holds, the sampler-trainer
-logprob gap of the first batch is zero (to float32 rounding).
+"""A complete RL loop through tally's Tinker client against a real
+tally-server, the shape of the cookbook's rl_loop: sample a group of
+rollouts from the policy (SamplingClient of the weights being trained),
+score them with a toy reward, build datums with the sampler's logprobs and
+group-centred advantages, train with importance_sampling (or ppo, two
+updates per batch), step, and sample again from the new weights. The reward
+rises; and because the sampler reads the very weights the trainer holds, the
+sampler-trainer logprob gap of the first batch is zero (to float32
+rounding).
 
 The task: after PROMPT, every completion token equal to TARGET earns 1 /
 MAX_TOKENS. Seeded sampling and a single-rank server make every run the

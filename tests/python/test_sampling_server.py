@@ -1,9 +1,9 @@
-"""tally_client's sampling calls against a real tally-server: the log-
-probability returned with each sampled token is ForwardBackward's log-
-probability of the same completed sequence (fp64, to 1e-10 relative), greedy
-sampling takes the argmax, compute_logprobs matches the forward, a seed
-reproduces its tokens, sampling neither sees nor disturbs a pending window,
-and the Tinker client's base_model sampler computes the base.
+"""tally_client's sampling calls against a real tally-server: the
+log-probability returned with each sampled token is ForwardBackward's
+log-probability of the same completed sequence (fp64, to 1e-10 relative),
+greedy sampling takes the argmax, compute_logprobs matches the forward, a
+seed reproduces its tokens, sampling neither sees nor disturbs a pending
+window, and the Tinker client's base_model sampler computes the base.
 test_sampling_client.py checks the conversions against a fake server;
 test_rl_loop.py runs the RL loop through the Tinker client."""
 
