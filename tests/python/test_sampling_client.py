@@ -307,6 +307,18 @@ class TinkerSamplingClientTest(FakeTestCase):
                     self.assertRaises(ValueError):
                 service.create_sampling_client(**arguments)
 
+    def test_a_training_clients_create_sampling_client(self):
+        training, _ = self.sampler()
+        own = training.create_sampling_client(training.model_id)
+        other = training.create_sampling_client("m")
+        params = types.SamplingParams(max_tokens=1)
+        for sampler in (own, other):
+            sampler.sample(types.ModelInput.from_ints([1]), 1,
+                           params).result(TIMEOUT)
+        mine, theirs = self.fake.sent("Sample")
+        self.assertEqual((mine.model_id, mine.seq_id), (training.model_id, 1))
+        self.assertEqual((theirs.model_id, theirs.seq_id), ("m", 0))
+
     def test_create_sampling_client_of_a_base_model_owns_its_adapter(self):
         sampler = self.service().create_sampling_client(
             base_model="/data/base", dtype="fp64")
