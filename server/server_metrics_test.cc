@@ -431,7 +431,8 @@ TEST_F(ModelMetricsTest, PolicyStatisticsOfTheLastRlCall) {
 // The series one model adds to rank 0, as docs/metrics.md counts them: 110
 // once it trained and stepped (the grad norm histogram's 36, the execution
 // histograms' 2 x 25, 13 gauges and counters, 8 policy statistics, 3 shard
-// sizes), 2 more once evaluated, none once a call carries sampling_logprobs.
+// sizes), 2 more once evaluated, none once a call carries sampling_logprobs,
+// 26 once sampled (tally_sample_seconds' 25, tally_sampled_tokens_total).
 TEST_F(ModelMetricsTest, SeriesPerModelAreBoundedAsDocumented) {
   auto count = [&] {
     const std::string text = Scrape(metrics_->port());
@@ -454,9 +455,24 @@ TEST_F(ModelMetricsTest, SeriesPerModelAreBoundedAsDocumented) {
   ForwardBackwardArgs rl{samples};
   rl.loss = ParseLossSpec("ppo", {}).value();
   Call(rl);
+  const int64_t rl_called = count();
+  metrics_->RecordSample("m", 7, 0.25);
+  const int64_t sampled = count();
+  metrics_->RecordSample("m", 3, 0.5);
   EXPECT_EQ(trained, 110);
   EXPECT_EQ(evaluated - trained, 2);
-  EXPECT_EQ(count() - evaluated, 0);
+  EXPECT_EQ(rl_called - evaluated, 0);
+  EXPECT_EQ(sampled - rl_called, 26);
+  EXPECT_EQ(count() - sampled, 0);
+  const std::string text = Scrape(metrics_->port());
+  EXPECT_EQ(
+      Value(text, "tally_sampled_tokens_total{rank=\"0\",model_id=\"m\"}"), 10);
+  EXPECT_EQ(
+      Value(text, "tally_sample_seconds_count{rank=\"0\",model_id=\"m\"}"), 2);
+  // Deleting the model drops its sampling series with the others.
+  ASSERT_TRUE(engine_->DeleteModel("m").ok());
+  metrics_->RemoveModel("m");
+  EXPECT_EQ(count(), 0);
 }
 
 // The largest finite buckets docs/metrics.md states: ForwardBackward and
