@@ -842,6 +842,13 @@ grpc::ServerUnaryReactor* TrainerService::Sample(
           FirstError(ValidateModelId(request->model_id()), args->status()),
           CheckTokensPerCall(*request)),
       [this, server_form, args, response] {
+        // Drawn here, on rank 0, after the request was fingerprinted: the
+        // seed travels with the replicated request, so that every rank
+        // draws the same tokens.
+        if (!server_form->params().has_seed()) {
+          server_form->mutable_params()->set_seed(DrawSeed());
+          (*args)->seed = server_form->params().seed();
+        }
         return commands_.Run(kSampleCommand, *server_form, **args, response);
       });
 }

@@ -340,6 +340,18 @@ TEST_F(TallyctlE2eTest, SamplePrintsTheServersTokensAndLogprobs) {
         << "token " << t;
   }
 
+  // Without --seed the server draws one and says which: it replays.
+  const auto [drawn_code, drawn_json] = Tallyctl(
+      "sample --model s --prompt-ids 84,104,101 --max-tokens 5 "
+      "--stop-ids none --output json");
+  ASSERT_EQ(drawn_code, 0) << drawn_json;
+  const auto drawn = FromJson<v1::SampleResponse>(drawn_json);
+  request.set_num_samples(1);
+  request.mutable_params()->set_seed(drawn.seed());
+  const absl::StatusOr<v1::SampleResponse> replayed = client_->Sample(request);
+  ASSERT_TRUE(replayed.ok()) << replayed.status();
+  EXPECT_TRUE(MessageDifferencer::Equals(*replayed, drawn)) << drawn_json;
+
   const absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_THAT(info->features(), ::testing::Contains("sample"));
