@@ -108,6 +108,11 @@ class SamplingServerTest(SharedServerTestCase):
         self.assertEqual(again.seed, 123)
         self.assertEqual(client.pending_window()[0], 1)
         self.assertEqual(client.optim_step().result(TIMEOUT).step, 2)
+        drawn = client.sample(PROMPTS, max_tokens=MAX_TOKENS).result(TIMEOUT)
+        replay = client.sample(PROMPTS, max_tokens=MAX_TOKENS,
+                               seed=drawn.seed).result(TIMEOUT)
+        self.assertEqual([s.tokens for s in replay.sequences],
+                         [s.tokens for s in drawn.sequences])
 
     def test_a_tinker_base_model_sampler_is_the_untrained_base(self):
         full = TrainingClient(self.target, "full-base")
