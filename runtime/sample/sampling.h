@@ -25,6 +25,10 @@
 // token (what Tinker reports, and what ForwardBackward computes for the same
 // token), in the logits' dtype, returned as float64.
 //
+// SamplingParams and ValidateSamplingParams are torch-free, in
+// runtime/config/sampling_params.h, so that the server checks a request's
+// parameters without LibTorch.
+//
 //   tally::SamplingParams params;
 //   params.temperature = 0.7;
 //   params.top_p = 0.9;
