@@ -17,8 +17,10 @@ from tally_client.tinker import ServiceClient
 # The modules whose public functions and methods must be annotated.
 PUBLIC_MODULES = ("tally_client.client", "tally_client.dtypes",
                   "tally_client.errors", "tally_client.results",
-                  "tally_client.samples",
-                  "tally_client.server", "tally_client.tinker.clients",
+                  "tally_client.samples", "tally_client.sampling",
+                  "tally_client.server", "tally_client.tinker.api_future",
+                  "tally_client.tinker.clients",
+                  "tally_client.tinker.sampling_client",
                   "tally_client.tinker.types")
 
 # Every spelling and the DType it means (the set tallyctl's --dtype takes).

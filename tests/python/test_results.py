@@ -29,7 +29,8 @@ LEFT_OUT = {"tally.v1.ListModelsResponse": {"next_page_token"}}
 ENUMS = ((results.DType, pb.DType, "DTYPE_"),
          (results.Optimizer, pb.Optimizer, "OPTIMIZER_"),
          (results.LossReduction, pb.LossReduction, "LOSS_REDUCTION_"),
-         (results.GradSync, pb.GradSync, "GRAD_SYNC_"))
+         (results.GradSync, pb.GradSync, "GRAD_SYNC_"),
+         (results.StopReason, pb.StopReason, "STOP_REASON_"))
 
 # The result type of every client call, by the response message it wraps.
 CALL_RESULTS = {
@@ -43,6 +44,8 @@ CALL_RESULTS = {
     "tally.v1.SaveCheckpointResponse": tally_client.SaveResult,
     "tally.v1.LoadCheckpointResponse": tally_client.LoadResult,
     "tally.v1.ExportWeightsResponse": tally_client.ExportResult,
+    "tally.v1.SampleResponse": tally_client.SamplingResult,
+    "tally.v1.ComputeLogprobsResponse": tally_client.LogprobsResult,
 }
 
 
@@ -63,6 +66,8 @@ FUTURES = {
     "save": tally_client.SaveResult,
     "export_weights": tally_client.ExportResult,
     "load": tally_client.LoadResult,
+    "sample": tally_client.SamplingResult,
+    "compute_logprobs": tally_client.LogprobsResult,
 }
 
 

@@ -535,11 +535,6 @@ class ClientApiTest(TinkerTestCase):
                 [datum], "ppo", {"clip_low": 0.9}).result()
         self.assertEqual(raised.exception.code.name, "INVALID_ARGUMENT")
         self.assertIn("clip_low", raised.exception.details)
-        with self.assertRaisesRegex(NotImplementedError,
-                                    "save_weights_for_sampler"):
-            training_client.save_weights_and_get_sampling_client("x")
-        with self.assertRaisesRegex(NotImplementedError, "no sampler"):
-            self.service.create_sampling_client(base_model=tinker.DEMO_MODEL)
         with self.assertRaisesRegex(NotImplementedError, "tokenizer"):
             training_client.get_tokenizer()
         with self.assertRaises(tinker.TallyError) as raised:

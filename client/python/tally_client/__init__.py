@@ -7,6 +7,8 @@
     fb = client.forward_backward([sample([1, 2, 3], [2, 3, 4])])
     step = client.optim_step(max_grad_norm=1.0)
     print(fb.result().loss_mean, step.result().grad_norm)
+    done = client.sample([[1, 2, 3]], num_samples=4, max_tokens=8).result()
+    print([s.tokens for s in done.sequences], done.sequences[0].logprobs)
 
 Results are frozen dataclasses (tally_client.results: ModelInfo,
 ServerInfo, ForwardBackwardResult, OptimStepResult, ...) with the field names
@@ -42,9 +44,10 @@ from tally_client.errors import (TRANSIENT_CODES, AbortedError,
                                  error_details, is_retryable)
 from tally_client.results import (AbortResult, DeleteResult, DType,
                                   ExportResult, ForwardBackwardResult,
-                                  GradSync, LoadResult, LossReduction,
-                                  ModelInfo, ModelList, OptimStepResult,
-                                  Optimizer, SaveResult, ServerInfo)
+                                  GradSync, LoadResult, LogprobsResult,
+                                  LossReduction, ModelInfo, ModelList,
+                                  OptimStepResult, Optimizer, SamplingResult,
+                                  SaveResult, ServerInfo, StopReason)
 from tally_client.samples import sample, samples_from_batch, to_samples
 from tally_client.server import (RetryPolicy, ServerClient, Tls, make_channel,
                                  wait_for_serving)
@@ -54,12 +57,13 @@ __all__ = [
     "DType", "DataLossError", "DeadlineExceededError", "DeleteResult",
     "ExportResult", "FailedPreconditionError", "ForwardBackwardResult",
     "GradSync", "InternalError", "InvalidArgumentError", "LoadResult",
-    "LossReduction", "ModelInfo", "ModelList", "NotFoundError",
-    "OptimStepResult", "Optimizer", "OutOfRangeError", "PendingWindowError",
-    "PermissionDeniedError", "ResourceExhaustedError", "RetryPolicy",
-    "SaveResult", "ServerClient", "ServerInfo", "TRANSIENT_CODES",
-    "TallyError", "Tls", "TrainingClient", "UnauthenticatedError",
-    "UnavailableError", "UnimplementedError", "UnknownError",
-    "WindowAbortedError", "error_class", "error_details", "is_retryable",
-    "lora_config", "make_channel", "parse_dtype", "pb", "pb_grpc", "sample",
-    "samples_from_batch", "to_samples", "wait_for_serving"]
+    "LogprobsResult", "LossReduction", "ModelInfo", "ModelList",
+    "NotFoundError", "OptimStepResult", "Optimizer", "OutOfRangeError",
+    "PendingWindowError", "PermissionDeniedError", "ResourceExhaustedError",
+    "RetryPolicy", "SamplingResult", "SaveResult", "ServerClient",
+    "ServerInfo", "StopReason", "TRANSIENT_CODES", "TallyError", "Tls",
+    "TrainingClient", "UnauthenticatedError", "UnavailableError",
+    "UnimplementedError", "UnknownError", "WindowAbortedError", "error_class",
+    "error_details", "is_retryable", "lora_config", "make_channel",
+    "parse_dtype", "pb", "pb_grpc", "sample", "samples_from_batch",
+    "to_samples", "wait_for_serving"]

@@ -27,7 +27,10 @@ call refused before it ran leaves its seq_id unused; the client fills it (a
 forward-only call of one token) so that no gap holds back the calls after it.
 export_weights and save(allow_pending=True) are sequenced too, so they write
 the state of every earlier step, but belong to no window: they neither close
-one nor abort one when they fail.
+one nor abort one when they fail. So are sample and compute_logprobs (the
+server's Sample and ComputeLogprobs), which read the weights of every
+earlier step and never a pending window; with sequenced=False they take no
+seq_id, for a model another client trains.
 
     client = TrainingClient("localhost:50051", "demo", token="s3cret")
     calls = [client.forward_backward(batch) for batch in window]
@@ -55,9 +58,12 @@ from tally_client.errors import (AbortedError, NotFoundError,
                                  WindowAbortedError)
 from tally_client.results import (AbortResult, DeleteResult, ExportResult,
                                   ForwardBackwardResult, LoadResult,
-                                  LoraConfig, ModelInfo, OptimStepResult,
-                                  SaveResult, ServerInfo, TypedMessage)
+                                  LogprobsResult, LoraConfig, ModelInfo,
+                                  OptimStepResult, SamplingResult, SaveResult,
+                                  ServerInfo, TypedMessage)
 from tally_client.samples import SampleLike, to_samples
+from tally_client.sampling import (StopLike, TokensLike, logprobs_request,
+                                   sample_request)
 from tally_client.server import RetryPolicy, ServerClient, TlsLike
 
 # A future of a call's result.
@@ -294,6 +300,54 @@ class TrainingClient:
                                      load_optimizer=load_optimizer),
             LoadResult.from_proto)
 
+    # ---- sampling --------------------------------------------------------
+
+    def sample(self, prompts: Sequence[TokensLike], num_samples: int = 1, *,
+               max_tokens: int, temperature: Optional[float] = 1.0,
+               top_p: Optional[float] = None, top_k: Optional[int] = None,
+               stop: StopLike = None, seed: Optional[int] = None,
+               include_prompt_logprobs: bool = False,
+               topk_prompt_logprobs: int = 0,
+               sequenced: bool = True) -> Future[SamplingResult]:
+        """Future of a SamplingResult: `num_samples` completions of each of
+        `prompts` (lists of token ids, numpy arrays or torch tensors), from
+        the weights after the model's last optim_step (a pending window is
+        neither seen nor changed). `max_tokens` >= 1 per completion;
+        `temperature` 0: greedy; `top_p` in (0, 1], `top_k` >= 1 or -1
+        (None: off); `stop`: None for the model's EOS ids
+        (ModelInfo.eos_token_ids), else stop token ids and token-id
+        sequences (tally_client.sampling; [] : only max_tokens); `seed`
+        None: the server picks one (SamplingResult.seed). Each sequence's
+        logprobs are of the raw logits, before temperature, top-k and top-p.
+        `include_prompt_logprobs` / `topk_prompt_logprobs` k > 0 add each
+        prompt's logprobs / its k most probable tokens per position.
+
+        `sequenced` (default): the call takes the next seq_id, so it sees
+        every optim_step made before it on this client, and it belongs to
+        no window (like export_weights). False: seq_id 0, for a model that
+        another client trains (a seq_id of this client would break that
+        client's sequence): it samples the weights of the last step the
+        server finished."""
+        request = sample_request(
+            self.model_id, prompts, num_samples=num_samples,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, stop=stop, seed=seed,
+            include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs)
+        return self._send_read("Sample", request, SamplingResult.from_proto,
+                               sequenced)
+
+    def compute_logprobs(self, prompts: Sequence[TokensLike], topk: int = 0,
+                         *, sequenced: bool = True
+                         ) -> Future[LogprobsResult]:
+        """Future of a LogprobsResult: each prompt's log p(prompt[i + 1] |
+        prompt[0..i]) (one fewer than its tokens), and with `topk` > 0 the
+        k most probable tokens at each of those positions, from the same
+        weights as sample(). `sequenced` as sample's."""
+        return self._send_read(
+            "ComputeLogprobs", logprobs_request(self.model_id, prompts, topk),
+            LogprobsResult.from_proto, sequenced)
+
     def pending_window(self) -> Tuple[int, int, int]:
         """(calls, tokens, samples) accumulated on the server for this
         model and not yet stepped, whoever sent them."""
@@ -377,6 +431,18 @@ class TrainingClient:
             _chain(self._call_sequenced(method, request), result, convert)
 
         _when_all_done([] if closing is None else [closing], send)
+        return result
+
+    def _send_read(self, method: str, request: Any,
+                   convert: Callable[[Any], R], sequenced: bool) -> Future[R]:
+        """Future of `convert` of read-only `method(request)`: under the
+        next seq_id outside any window when `sequenced`, else unsequenced
+        (seq_id 0, sent at once, retried like any read)."""
+        if sequenced:
+            return self._send_sequenced(method, request, convert,
+                                        in_window=False)
+        result: Future[R] = Future()
+        _chain(self._call(method, request, retryable=True), result, convert)
         return result
 
     def _close_window(self, method: str, request: Any,

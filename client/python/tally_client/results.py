@@ -31,10 +31,12 @@ from typing import Any, ClassVar, Dict, List, Optional, Type, TypeVar
 __all__ = [
     "AbortResult", "AdamParams", "ComputeInfo", "DType", "DeleteResult",
     "DevicesInfo", "ExportResult", "ForwardBackwardResult", "GpuInfo",
-    "GradSync", "LimitsInfo", "LoadResult", "LoraConfig", "LossReduction",
-    "MeshInfo", "ModelConfig", "ModelInfo", "ModelList", "OptimStepResult",
-    "Optimizer", "PolicyStats", "RopeScaling", "SampleResult", "SaveResult",
-    "ServerInfo", "TypedMessage", "UnresumedModel"]
+    "GradSync", "LimitsInfo", "LoadResult", "LogprobsResult", "LoraConfig",
+    "LossReduction", "MeshInfo", "ModelConfig", "ModelInfo", "ModelList",
+    "OptimStepResult", "Optimizer", "PolicyStats", "PromptLogprobs",
+    "RopeScaling", "SampleResult", "SampledSequence", "SamplingResult",
+    "SaveResult", "ServerInfo", "StopReason", "TopkLogprobs", "TypedMessage",
+    "UnresumedModel"]
 
 
 class DType(enum.IntEnum):
@@ -66,6 +68,14 @@ class GradSync(enum.IntEnum):
     UNSPECIFIED = 0
     EAGER = 1
     DEFERRED = 2
+
+
+class StopReason(enum.IntEnum):
+    """tally.v1.StopReason without its STOP_REASON_ prefix: why a sampled
+    sequence ended."""
+    UNSPECIFIED = 0
+    LENGTH = 1  # max_tokens generated
+    STOP = 2    # a stop token or sequence generated
 
 
 M = TypeVar("M", bound="TypedMessage")
@@ -237,6 +247,7 @@ class ModelInfo(TypedMessage):
     trainable_parameters: int
     trainable_bytes: int
     damage: str
+    eos_token_ids: List[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,3 +467,59 @@ class ExportResult(TypedMessage):
     path: str
     bytes_written: int
     files: List[str]
+
+
+# ---- sampling ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledSequence(TypedMessage):
+    """tally.v1.SampledSequence: one completion, without its prompt; each
+    token's logprob is log_softmax of the raw logits (before temperature,
+    top-k and top-p), what forward_backward's return_logprobs gives."""
+    PROTO: ClassVar[str] = "tally.v1.SampledSequence"
+    tokens: List[int]
+    logprobs: List[float]
+    stop_reason: StopReason
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkLogprobs(TypedMessage):
+    """tally.v1.TopkLogprobs: the k most probable tokens at one position,
+    most probable first."""
+    PROTO: ClassVar[str] = "tally.v1.TopkLogprobs"
+    tokens: List[int]
+    logprobs: List[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs(TypedMessage):
+    """tally.v1.PromptLogprobs: logprobs[i] = log p(prompt[i + 1] |
+    prompt[0..i]), one per prompt token after the first; `topk` per
+    position when asked for."""
+    PROTO: ClassVar[str] = "tally.v1.PromptLogprobs"
+    logprobs: List[float]
+    topk: List[TopkLogprobs]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingResult(TypedMessage):
+    """tally.v1.SampleResponse (sample()): prompts x num_samples sequences,
+    prompt-major (sequence p * num_samples + s is sample s of prompt p),
+    each prompt's logprobs when asked for, the seed drawn with and the
+    step whose weights sampled."""
+    PROTO: ClassVar[str] = "tally.v1.SampleResponse"
+    sequences: List[SampledSequence]
+    prompt_logprobs: List[PromptLogprobs]
+    seed: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobsResult(TypedMessage):
+    """tally.v1.ComputeLogprobsResponse (compute_logprobs()): one
+    PromptLogprobs per prompt, in order, and the step whose weights
+    computed them."""
+    PROTO: ClassVar[str] = "tally.v1.ComputeLogprobsResponse"
+    prompts: List[PromptLogprobs]
+    step: int

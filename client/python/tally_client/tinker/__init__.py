@@ -16,24 +16,35 @@ tally by changing its import and its ServiceClient's constructor.
 
 create_lora_training_client makes a LoRA adapter (PEFT's, alpha 32) over
 the frozen base_model, which the server shares among the adapters of the
-same base. What differs from Tinker (client/python/README.md has the whole
-list): no sampling (save_weights_for_sampler writes a LoRA model's PEFT
-adapter directory, or with merge=True the merged HF directory, for vLLM or
-transformers), checkpoint paths are server-side directories, and failures
-raise tally_client's TallyError.
+same base. save_weights_and_get_sampling_client() gives a SamplingClient
+that samples the weights being trained, in the server and in call order
+(no snapshot is written):
+
+    sampler = training.save_weights_and_get_sampling_client()
+    result = sampler.sample(types.ModelInput.from_ints(prompt), 8,
+                            types.SamplingParams(max_tokens=32)).result()
+
+What differs from Tinker (client/python/README.md has the whole list): no
+sampler snapshots yet (a sampling client reads a model's latest weights),
+string stops need a tokenizer passed in, checkpoint paths are server-side
+directories, and failures raise tally_client's TallyError.
 """
 
 from tally_client.errors import TallyError, WindowAbortedError
 from tally_client.tinker import types
-from tally_client.tinker.clients import (DEMO_MODEL, REDUCTIONS, APIFuture,
+from tally_client.tinker.api_future import APIFuture
+from tally_client.tinker.clients import (DEMO_MODEL, REDUCTIONS,
                                          ServiceClient, TrainingClient)
+from tally_client.tinker.sampling_client import SamplingClient
 from tally_client.tinker.types import (AdamParams, Datum, EncodedTextChunk,
                                        ForwardBackwardOutput, LossFnType,
                                        ModelInput, OptimStepResponse,
-                                       TensorData)
+                                       SampledSequence, SampleResponse,
+                                       SamplingParams, TensorData)
 
 __all__ = ["APIFuture", "AdamParams", "DEMO_MODEL", "Datum",
            "EncodedTextChunk", "ForwardBackwardOutput", "LossFnType",
-           "ModelInput", "OptimStepResponse", "REDUCTIONS", "ServiceClient",
-           "TallyError", "TensorData", "TrainingClient", "WindowAbortedError",
-           "types"]
+           "ModelInput", "OptimStepResponse", "REDUCTIONS", "SampleResponse",
+           "SampledSequence", "SamplingClient", "SamplingParams",
+           "ServiceClient", "TallyError", "TensorData", "TrainingClient",
+           "WindowAbortedError", "types"]

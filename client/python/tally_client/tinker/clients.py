@@ -20,6 +20,9 @@ being applied twice.
 |                                          | PEFT adapter directory; merge:   |
 |                                          | the merged HF directory)         |
 | get_info()                               | GetModel                         |
+| save_weights_and_get_sampling_client()   | a SamplingClient (Sample,        |
+|                                          | ComputeLogprobs) of the weights  |
+|                                          | being trained, in call order     |
 
 Losses sum over tokens as Tinker's do (reduction "sum"); a TrainingClient
 made with reduction="token_mean" or "sample_mean" has tally normalize the
@@ -29,14 +32,13 @@ gradients of a whole accumulation window at optim_step instead.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import dataclasses
 import os
 import threading
 import warnings
-from typing import (Any, Callable, Dict, Generator, Generic, Iterable, List,
-                    Mapping, Optional, Sequence, Tuple, TypeVar)
+from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional,
+                    Sequence, Tuple)
 
 from tally_client import client as tally
 from tally_client._proto.tally.v1 import trainer_pb2 as pb
@@ -44,6 +46,8 @@ from tally_client.dtypes import DTypeLike
 from tally_client.results import (ForwardBackwardResult, OptimStepResult,
                                   SaveResult)
 from tally_client.server import RetryPolicy, ServerClient, TlsLike
+from tally_client.tinker.api_future import APIFuture
+from tally_client.tinker.sampling_client import SamplingClient
 from tally_client.tinker.types import (AdamParams, Datum,
                                        ForwardBackwardOutput, GetInfoResponse,
                                        GetServerCapabilitiesResponse,
@@ -67,62 +71,11 @@ _SAMPLE_FIELDS: Dict[str, str] = {
     "target_tokens": "target_tokens", "weights": "weights", "mask": "weights",
     "advantages": "advantages", "logprobs": "sampling_logprobs"}
 
-_NO_SAMPLER = ("tally trains and has no sampler: write the weights with "
-               "save_weights_for_sampler(name) and serve that directory (a "
-               "LoRA model's PEFT adapter, for vLLM's --lora-modules or PEFT "
-               "over the base; with merge=True an HF model directory) with "
-               "vLLM or transformers; forward() returns the trainer's "
-               "logprobs")
-
 # create_lora_training_client's arguments that are LoraConfig fields.
 _LORA_ARGUMENTS = ("rank", "seed", "train_attn", "train_mlp", "train_unembed")
 
-
-T = TypeVar("T")
-
 # A custom loss: (data, logprobs per datum) -> (loss tensor, metrics).
 CustomLossFn = Callable[[List[Datum], List[Any]], Tuple[Any, Dict[str, float]]]
-
-
-class APIFuture(Generic[T]):
-    """The result of a submitted request, like Tinker's APIFuture:
-    result() blocks, `await future` (or result_async()) waits in asyncio.
-    A submitted request cannot be cancelled."""
-
-    def __init__(self, source: concurrent.futures.Future,
-                 convert: Callable[[Any], T]) -> None:
-        """The result of concurrent.futures.Future `source`, passed through
-        `convert`."""
-        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._future.set_running_or_notify_cancel()
-
-        def done(finished: concurrent.futures.Future) -> None:
-            try:
-                value = convert(finished.result())
-            # The request's error, or converting's: either completes it.
-            except Exception as error:  # pylint: disable=broad-except
-                self._future.set_exception(error)
-            else:
-                self._future.set_result(value)
-
-        source.add_done_callback(done)
-
-    def result(self, timeout: Optional[float] = None) -> T:
-        """The result; raises TimeoutError after `timeout` seconds (None:
-        waits as long as it takes) and the request's error if it failed."""
-        return self._future.result(timeout)
-
-    async def result_async(self, timeout: Optional[float] = None) -> T:
-        """result() for asyncio."""
-        return await asyncio.wait_for(asyncio.wrap_future(self._future),
-                                      timeout)
-
-    def __await__(self) -> Generator[Any, None, T]:
-        return self.result_async().__await__()
-
-    def future(self) -> concurrent.futures.Future[T]:
-        """The underlying concurrent.futures.Future."""
-        return self._future
 
 
 def _unsupported(name: str, instead: str) -> Callable[..., Any]:
@@ -385,19 +338,59 @@ class TrainingClient:
         """save_weights_for_sampler for asyncio."""
         return self.save_weights_for_sampler(name, ttl_seconds, **kwargs)
 
+    # ---- sampling -----------------------------------------------------------
+
+    def save_weights_and_get_sampling_client(
+            self, name: Optional[str] = None, retry_config: Any = None, *,
+            tokenizer: Any = None) -> SamplingClient:
+        """A SamplingClient of this model's latest weights in call order:
+        each of its calls sees every optim_step made before it on this
+        TrainingClient and none made after (tally samples the weights being
+        trained, in the server; nothing is written). `name`: accepted and
+        ignored, with a warning, as no snapshot is taken (Tinker has
+        deprecated it too); `retry_config`: the ServiceClient's RetryPolicy
+        applies. `tokenizer`: for string stops (see SamplingClient)."""
+        del retry_config
+        if name is not None:
+            warnings.warn("save_weights_and_get_sampling_client: tally takes "
+                          "no snapshot (the sampler reads the weights being "
+                          "trained, in call order): name is ignored",
+                          stacklevel=2)
+        return SamplingClient(self._client, self._model_name, sequenced=True,
+                              tokenizer=tokenizer)
+
+    async def save_weights_and_get_sampling_client_async(
+            self, name: Optional[str] = None, retry_config: Any = None, *,
+            tokenizer: Any = None) -> SamplingClient:
+        """save_weights_and_get_sampling_client for asyncio."""
+        return self.save_weights_and_get_sampling_client(
+            name, retry_config, tokenizer=tokenizer)
+
+    def create_sampling_client(self, model_path: str,
+                               retry_config: Any = None, *,
+                               tokenizer: Any = None) -> SamplingClient:
+        """ServiceClient.create_sampling_client(model_path=...) on this
+        client's connection; this model's own id samples it in call order,
+        as save_weights_and_get_sampling_client does."""
+        del retry_config
+        if model_path == self.model_id:
+            return self.save_weights_and_get_sampling_client(
+                tokenizer=tokenizer)
+        return _model_sampler(self._client.server, model_path, tokenizer)
+
+    async def create_sampling_client_async(
+            self, model_path: str, retry_config: Any = None, *,
+            tokenizer: Any = None) -> SamplingClient:
+        """create_sampling_client for asyncio."""
+        return await asyncio.to_thread(self.create_sampling_client,
+                                       model_path, retry_config,
+                                       tokenizer=tokenizer)
+
     # ---- not in tally -----------------------------------------------------
 
     get_tokenizer = _unsupported(
         "get_tokenizer", "tally serves no tokenizers: load the base model's "
         "with transformers.AutoTokenizer.from_pretrained(<its HF directory>)")
-    create_sampling_client = _unsupported("create_sampling_client",
-                                          _NO_SAMPLER)
-    create_sampling_client_async = _unsupported(
-        "create_sampling_client_async", _NO_SAMPLER)
-    save_weights_and_get_sampling_client = _unsupported(
-        "save_weights_and_get_sampling_client", _NO_SAMPLER)
-    save_weights_and_get_sampling_client_async = _unsupported(
-        "save_weights_and_get_sampling_client_async", _NO_SAMPLER)
 
 
 class ServiceClient:
@@ -547,10 +540,61 @@ class ServiceClient:
             self.create_training_client_from_state_with_optimizer,
             *args, **kwargs)
 
-    create_sampling_client = _unsupported("create_sampling_client",
-                                          _NO_SAMPLER)
-    create_sampling_client_async = _unsupported(
-        "create_sampling_client_async", _NO_SAMPLER)
+    def create_sampling_client(
+            self, model_path: Optional[str] = None,
+            base_model: Optional[str] = None, retry_config: Any = None, *,
+            tokenizer: Any = None,
+            **create_model_fields: Any) -> SamplingClient:
+        """A SamplingClient (tally has no sampler snapshots yet, so no saved
+        directory can be sampled):
+
+        - `model_path`: the model_id of a model on the server (a
+          TrainingClient's model_id): samples the weights of the last
+          optim_step the server finished on it, with unsequenced calls that
+          leave the sequence of the client training it alone (to sample in
+          call order, use that TrainingClient's
+          save_weights_and_get_sampling_client). A path (a save_state or
+          save_weights_for_sampler directory) is a ValueError: load it with
+          create_training_client_from_state and sample that model. An
+          unknown model_id raises NotFoundError.
+        - `base_model`: the untrained base, as create_lora_training_client
+          takes it (a server-side HF directory, or DEMO_MODEL with
+          `create_model_fields` such as config= and base_seed=): the client
+          creates a LoRA adapter of rank 1 on the attention with B = 0,
+          which computes exactly the base and shares it with the other
+          adapters of that base, and deletes it on close().
+
+        `retry_config`: the ServiceClient's RetryPolicy applies.
+        `tokenizer`: for string stops (see SamplingClient)."""
+        del retry_config
+        if (model_path is None) == (base_model is None):
+            raise ValueError("create_sampling_client takes one of model_path "
+                             "(a model_id on the server) or base_model")
+        if model_path is not None:
+            if create_model_fields:
+                raise ValueError("create_sampling_client(model_path=...) "
+                                 "creates no model: it takes no CreateModel "
+                                 "fields")
+            return _model_sampler(self.server, model_path, tokenizer)
+        assert base_model is not None
+        base_seed = create_model_fields.pop("base_seed", None)
+        training = self.create_lora_training_client(
+            base_model, rank=1, train_mlp=False, train_unembed=False,
+            base_seed=base_seed, **create_model_fields)
+        client = training._client  # pylint: disable=protected-access
+        return SamplingClient(client, base_model, sequenced=True,
+                              tokenizer=tokenizer, owns_model=True)
+
+    async def create_sampling_client_async(
+            self, model_path: Optional[str] = None,
+            base_model: Optional[str] = None, retry_config: Any = None, *,
+            tokenizer: Any = None,
+            **create_model_fields: Any) -> SamplingClient:
+        """create_sampling_client for asyncio."""
+        return await asyncio.to_thread(
+            self.create_sampling_client, model_path, base_model, retry_config,
+            tokenizer=tokenizer, **create_model_fields)
+
     create_rest_client = _unsupported(
         "create_rest_client", "tally has no REST API: list models with "
         "tallyctl or the Trainer service's ListModels, checkpoints are "
@@ -624,6 +668,21 @@ class _SavedStates:
         with self._lock:
             known = self._states.get(path)
         return None if known is None else (known[0], copy.deepcopy(known[1]))
+
+
+def _model_sampler(server: ServerClient, model_id: str,
+                   tokenizer: Any) -> SamplingClient:
+    """An unsequenced SamplingClient of model `model_id` on `server` (its
+    existence checked: NotFoundError otherwise)."""
+    if "/" in model_id or "://" in model_id:
+        raise ValueError(
+            f"model_path {model_id!r}: tally samples a model on the server "
+            f"(its model_id), not a saved directory; load the directory with "
+            f"create_training_client_from_state(path) and sample that model")
+    client = server.training_client(model_id)
+    info = client.get_model()
+    return SamplingClient(client, info.base or model_id, sequenced=False,
+                          tokenizer=tokenizer)
 
 
 def _parse_base_url(base_url: str) -> Tuple[str, Optional[bool]]:

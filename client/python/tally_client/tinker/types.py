@@ -19,7 +19,8 @@ import array
 import dataclasses
 import math
 import sys
-from typing import Any, Dict, List, Literal, Optional, Sequence
+from typing import (Any, Dict, List, Literal, Optional, Sequence, Tuple,
+                    Union)
 
 from tally_client._proto.tally.v1 import trainer_pb2 as pb
 
@@ -293,3 +294,57 @@ class GetServerCapabilitiesResponse:
 
     supported_models: List[SupportedModel]
     server_info: Optional[pb.ServerInfo] = None
+
+
+# ---- sampling ---------------------------------------------------------------
+
+# Why a sampled sequence ended: max_tokens generated, or a stop token or
+# sequence generated.
+StopReason = Literal["length", "stop"]
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How SamplingClient.sample draws, with Tinker's fields and defaults.
+    `max_tokens`: the most tokens per sequence (tally needs one, >= 1).
+    `seed`: None lets the server pick. `stop`: None: the model's EOS ids;
+    token ids (ints) or strings (each encoded by the SamplingClient's
+    tokenizer, which a string needs) end a sequence; an empty list: only
+    max_tokens does. `temperature` 0: greedy; `top_k` -1: off; `top_p` 1:
+    off."""
+
+    max_tokens: Optional[int] = None
+    seed: Optional[int] = None
+    stop: Union[str, Sequence[str], Sequence[int], None] = None
+    temperature: float = 1
+    top_k: int = -1
+    top_p: float = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledSequence:
+    """One completion: its tokens (without the prompt), each token's
+    log-probability under the model before temperature, top-k and top-p
+    (what forward_backward's logprobs give for the same sequence, and what
+    the RL losses take as the sampler's "logprobs"), and why it ended."""
+
+    stop_reason: StopReason
+    tokens: List[int]
+    logprobs: Optional[List[float]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleResponse:
+    """A sample's result: `sequences` (num_samples of them); with
+    include_prompt_logprobs, `prompt_logprobs` (one per prompt token, None
+    for the first, which has no context); with topk_prompt_logprobs k > 0,
+    `topk_prompt_logprobs` ((token, logprob) pairs per position, most
+    probable first, None for the first). tally's extras: the `seed` the
+    sequences were drawn with and the model `step` whose weights sampled."""
+
+    sequences: Sequence[SampledSequence]
+    prompt_logprobs: Optional[List[Optional[float]]] = None
+    topk_prompt_logprobs: Optional[
+        List[Optional[List[Tuple[int, float]]]]] = None
+    seed: Optional[int] = None
+    step: Optional[int] = None
