@@ -26,19 +26,21 @@ absl::Status ValidateSamplingParams(const SamplingParams& params) {
   return absl::OkStatus();
 }
 
-namespace {
-
-// INVALID_ARGUMENT naming `field`[j] for a negative token id.
-absl::Status CheckNonNegative(const TokenIds& tokens,
-                              const std::string& field) {
+absl::Status CheckTokenIds(const TokenIds& tokens, const std::string& field,
+                           int64_t vocab_size) {
   for (size_t j = 0; j < tokens.size(); ++j) {
-    if (tokens[j] < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, "[", j, "] = ", tokens[j], " is not a token id (< 0)"));
-    }
+    if (tokens[j] >= 0 && (vocab_size < 0 || tokens[j] < vocab_size)) continue;
+    return absl::InvalidArgumentError(
+        vocab_size < 0
+            ? absl::StrCat(field, "[", j, "] = ", tokens[j],
+                           " is not a token id (< 0)")
+            : absl::StrCat(field, "[", j, "] = ", tokens[j],
+                           " is not a token id in [0, ", vocab_size, ")"));
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 absl::Status ValidatePrompts(const std::vector<TokenIds>& prompts) {
   if (prompts.empty()) {
@@ -50,14 +52,13 @@ absl::Status ValidatePrompts(const std::vector<TokenIds>& prompts) {
           absl::StrCat("prompts[", i, "].tokens is empty"));
     }
     TALLY_RETURN_IF_ERROR(
-        CheckNonNegative(prompts[i], absl::StrCat("prompts[", i, "].tokens")));
+        CheckTokenIds(prompts[i], absl::StrCat("prompts[", i, "].tokens")));
   }
   return absl::OkStatus();
 }
 
 absl::Status ValidateStop(const StopConditions& stop) {
-  TALLY_RETURN_IF_ERROR(
-      CheckNonNegative(stop.token_ids, "params.stop.token_ids"));
+  TALLY_RETURN_IF_ERROR(CheckTokenIds(stop.token_ids, "params.stop.token_ids"));
   for (size_t i = 0; i < stop.sequences.size(); ++i) {
     const std::string field = absl::StrCat("params.stop.sequences[", i, "]");
     if (stop.sequences[i].empty()) {
@@ -65,7 +66,7 @@ absl::Status ValidateStop(const StopConditions& stop) {
           absl::StrCat(field, ".tokens is empty"));
     }
     TALLY_RETURN_IF_ERROR(
-        CheckNonNegative(stop.sequences[i], absl::StrCat(field, ".tokens")));
+        CheckTokenIds(stop.sequences[i], absl::StrCat(field, ".tokens")));
   }
   return absl::OkStatus();
 }

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -35,6 +36,11 @@ struct SamplingParams {
 absl::Status ValidateSamplingParams(const SamplingParams& params);
 
 using TokenIds = std::vector<int64_t>;
+
+// INVALID_ARGUMENT naming `field`[j] for a token id of `tokens` outside
+// [0, vocab_size); with vocab_size -1 (not known here), for a negative one.
+absl::Status CheckTokenIds(const TokenIds& tokens, const std::string& field,
+                           int64_t vocab_size = -1);
 
 // What ends a sampled sequence besides max_tokens: a generated token in
 // token_ids, or generated tokens ending with one of `sequences` (each

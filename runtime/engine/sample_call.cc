@@ -10,26 +10,13 @@
 namespace tally {
 namespace {
 
-// INVALID_ARGUMENT naming `field`[j] for a token outside [0, vocab_size).
-absl::Status CheckInVocab(const TokenIds& tokens, const std::string& field,
-                          int64_t vocab_size) {
-  for (size_t j = 0; j < tokens.size(); ++j) {
-    if (tokens[j] < 0 || tokens[j] >= vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", j, "] = ", tokens[j],
-                       " is not a token id in [0, ", vocab_size, ")"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CheckSampleTokens(const SampleArgs& args, int64_t vocab_size) {
   TALLY_RETURN_IF_ERROR(CheckPromptTokens(args.prompts, vocab_size));
   if (args.stop) {
-    TALLY_RETURN_IF_ERROR(CheckInVocab(args.stop->token_ids,
-                                       "params.stop.token_ids", vocab_size));
+    TALLY_RETURN_IF_ERROR(CheckTokenIds(args.stop->token_ids,
+                                        "params.stop.token_ids", vocab_size));
     for (size_t i = 0; i < args.stop->sequences.size(); ++i) {
-      TALLY_RETURN_IF_ERROR(CheckInVocab(
+      TALLY_RETURN_IF_ERROR(CheckTokenIds(
           args.stop->sequences[i],
           absl::StrCat("params.stop.sequences[", i, "].tokens"), vocab_size));
     }

@@ -21,14 +21,7 @@ absl::Status CheckTokens(const std::vector<int64_t>& tokens,
   if (tokens.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(field, " is empty"));
   }
-  for (size_t j = 0; j < tokens.size(); ++j) {
-    if (tokens[j] < 0 || tokens[j] >= vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", j, "] = ", tokens[j],
-                       " is not a token id in [0, ", vocab_size, ")"));
-    }
-  }
-  return absl::OkStatus();
+  return CheckTokenIds(tokens, field, vocab_size);
 }
 
 bool EndsWith(const std::vector<int64_t>& tokens,

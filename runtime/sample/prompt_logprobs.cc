@@ -78,13 +78,8 @@ absl::Status CheckPromptTokens(const std::vector<TokenIds>& prompts,
       return absl::InvalidArgumentError(
           absl::StrCat("prompts[", i, "].tokens is empty"));
     }
-    for (size_t j = 0; j < prompts[i].size(); ++j) {
-      if (prompts[i][j] < 0 || prompts[i][j] >= vocab_size) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("prompts[", i, "].tokens[", j, "] = ", prompts[i][j],
-                         " is not a token id in [0, ", vocab_size, ")"));
-      }
-    }
+    TALLY_RETURN_IF_ERROR(CheckTokenIds(
+        prompts[i], absl::StrCat("prompts[", i, "].tokens"), vocab_size));
   }
   return absl::OkStatus();
 }

@@ -37,17 +37,7 @@ struct DecodeMesh {
   bool lora = false;  // LoRA adapters on every projection (TestLora)
 };
 
-MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1, int ep = 1,
-                int pp = 1) {
-  MeshShape shape;
-  shape.dp_replicate = dp_replicate;
-  shape.dp_shard = dp_shard;
-  shape.tp = tp;
-  shape.cp = cp;
-  shape.ep = ep;
-  shape.pp = pp;
-  return shape;
-}
+using testing::Shape;
 
 void PrintTo(const DecodeMesh& mesh, std::ostream* os) { *os << mesh.name; }
 

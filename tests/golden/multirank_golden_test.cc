@@ -53,17 +53,7 @@ struct MeshCase {
   ZeroStage zero_stage = ZeroStage::kParameters;
 };
 
-MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1, int ep = 1,
-                int pp = 1) {
-  MeshShape shape;
-  shape.pp = pp;
-  shape.dp_replicate = dp_replicate;
-  shape.dp_shard = dp_shard;
-  shape.tp = tp;
-  shape.cp = cp;
-  shape.ep = ep;
-  return shape;
-}
+using testing::Shape;
 
 MeshShape PipelineShape(int pp, int dp_shard = 1, int tp = 1, int cp = 1,
                         int ep = 1) {

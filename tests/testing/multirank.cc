@@ -308,4 +308,16 @@ void RunOnRanks(int world_size, const RankBody& body, absl::Duration timeout) {
   RunAsRank(world_size, body);
 }
 
+MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp, int ep,
+                int pp) {
+  MeshShape shape;
+  shape.dp_replicate = dp_replicate;
+  shape.dp_shard = dp_shard;
+  shape.tp = tp;
+  shape.cp = cp;
+  shape.ep = ep;
+  shape.pp = pp;
+  return shape;
+}
+
 }  // namespace tally::testing

@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "runtime/parallel/distributed.h"
+#include "runtime/parallel/mesh.h"
 
 namespace tally::testing {
 
@@ -42,6 +43,10 @@ void RunOnRanks(int world_size, const RankBody& body,
 
 // A TCP port that was free on every interface a moment ago.
 int PickFreePort();
+
+// The mesh of these sizes per dimension (its world size their product).
+MeshShape Shape(int dp_replicate, int dp_shard, int tp, int cp = 1, int ep = 1,
+                int pp = 1);
 
 }  // namespace tally::testing
 
