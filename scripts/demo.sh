@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # End-to-end demo: starts a 4-rank tally-server (dp_shard 2 x tp 2) with the
 # embedded demo model on free ports, trains it for 30 steps with tallyctl on
-# the bundled corpus, shows a few of the server's metrics, then stops the
-# server with SIGTERM and checks that it shut down cleanly.
+# the bundled corpus, samples a completion from the trained weights, shows a
+# few of the server's metrics, then stops the server with SIGTERM and checks
+# that it shut down cleanly.
 #
 #   scripts/demo.sh [BUILD_DIR]   # default: build
 #
@@ -82,6 +83,22 @@ echo
 
 "$tallyctl" train demo --target "localhost:$grpc_port" --steps 30 \
   --metrics-url "$metrics_url"
+echo
+
+# Sampling from the weights just trained, on the same 4-rank mesh: the demo
+# model's tokens are bytes, so the completion reads as text.
+prompt="The "
+prompt_ids=$(printf '%s' "$prompt" | od -An -tu1 | xargs | tr ' ' ',')
+echo "demo: the trained model completes \"$prompt\" (greedy, 40 tokens):"
+sampled=$("$tallyctl" sample --target "localhost:$grpc_port" --model demo \
+  --prompt-ids "$prompt_ids" --max-tokens 40 --temperature 0 --stop-ids none)
+echo "$sampled"
+completion=$(sed -n 's/^sample 0 ([a-z]*): //p' <<<"$sampled")
+text=""
+for id in ${completion//,/ }; do
+  text+=$(printf "\\$(printf '%03o' "$id")")
+done
+echo "demo: as text: \"$prompt$text\""
 echo
 
 if command -v curl >/dev/null; then
