@@ -294,28 +294,26 @@ absl::Status TrainerService::CheckCallFits(
 }
 
 absl::Status TrainerService::CheckTokensPerCall(
-    const v1::ForwardBackwardRequest& request) const {
-  const int64_t tokens = Tokens(request);
+    int64_t tokens, absl::string_view counted) const {
   if (options_.max_tokens_per_call <= 0 ||
       tokens <= options_.max_tokens_per_call) {
     return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "samples hold ", tokens, " tokens, more than --max-tokens-per-call (",
+      counted, " ", tokens, " tokens, more than --max-tokens-per-call (",
       options_.max_tokens_per_call, "); split the call"));
 }
 
 absl::Status TrainerService::CheckTokensPerCall(
+    const v1::ForwardBackwardRequest& request) const {
+  return CheckTokensPerCall(Tokens(request), "samples hold");
+}
+
+absl::Status TrainerService::CheckTokensPerCall(
     const v1::SampleRequest& request) const {
-  const int64_t tokens = SampleTokenBound(request);
-  if (options_.max_tokens_per_call <= 0 ||
-      tokens <= options_.max_tokens_per_call) {
-    return absl::OkStatus();
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "prompts x num_samples x (prompt + params.max_tokens) = ", tokens,
-      " tokens, more than --max-tokens-per-call (",
-      options_.max_tokens_per_call, "); split the call"));
+  return CheckTokensPerCall(
+      SampleTokenBound(request),
+      "prompts x num_samples x (prompt + params.max_tokens) =");
 }
 
 absl::Status TrainerService::CheckTokensPerCall(
@@ -324,13 +322,7 @@ absl::Status TrainerService::CheckTokensPerCall(
   for (const v1::TokenSequence& prompt : request.prompts()) {
     tokens += prompt.tokens_size();
   }
-  if (options_.max_tokens_per_call <= 0 ||
-      tokens <= options_.max_tokens_per_call) {
-    return absl::OkStatus();
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "prompts hold ", tokens, " tokens, more than --max-tokens-per-call (",
-      options_.max_tokens_per_call, "); split the call"));
+  return CheckTokensPerCall(tokens, "prompts hold");
 }
 
 namespace {

@@ -209,6 +209,10 @@ class TrainerService final : public v1::Trainer::CallbackService {
   absl::Status CheckTokensPerCall(const v1::SampleRequest& request) const;
   absl::Status CheckTokensPerCall(
       const v1::ComputeLogprobsRequest& request) const;
+  // The three: `tokens` against --max-tokens-per-call, the error saying
+  // "<counted> <tokens> tokens, more than ...".
+  absl::Status CheckTokensPerCall(int64_t tokens,
+                                  absl::string_view counted) const;
   // The resident bytes per rank the model `request` creates would add (0
   // when its config cannot be read: the engine then refuses it), predicted
   // from what the engine will build: its own, and for a LoRA model whose

@@ -88,12 +88,8 @@ absl::StatusOr<LogprobsCallResult> RunLogprobsCall(CausalLm& model,
                                                    const LogprobsArgs& args,
                                                    const DecodeGroups& groups) {
   TALLY_RETURN_IF_ERROR(ValidateLogprobsArgs(args));
-  const int64_t vocab = model.config().vocab_size;
-  TALLY_RETURN_IF_ERROR(CheckPromptTokens(args.prompts, vocab));
-  if (args.topk > vocab) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "topk must be at most vocab_size = ", vocab, ", got ", args.topk));
-  }
+  // ComputePromptLogprobs checks the token ids and topk against the
+  // vocabulary, naming them as the request does.
   LogprobsCallResult result;
   TALLY_ASSIGN_OR_RETURN(
       result.prompts,

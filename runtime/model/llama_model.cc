@@ -552,12 +552,15 @@ torch::Tensor LlamaModel::Mlp(int layer, const torch::Tensor& h,
   return ProjectRowParallel(gated, slot[kDown], slot[kDownBias]);
 }
 
-torch::Tensor LlamaModel::Embed(const torch::Tensor& input,
-                                int64_t vocab_start) {
+int64_t LlamaModel::VocabStart() const {
+  return sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
+}
+
+torch::Tensor LlamaModel::Embed(const torch::Tensor& input) {
   if (!first_stage()) return input;
   return sharding_.tp_size() == 1
              ? torch::embedding(Weight(embed_), input)
-             : VocabParallelEmbedding(input, Weight(embed_), vocab_start,
+             : VocabParallelEmbedding(input, Weight(embed_), VocabStart(),
                                       *sharding_.tp);
 }
 
@@ -567,12 +570,11 @@ torch::Tensor LlamaModel::Logits(const torch::Tensor& x) {
       .to(AtLeastFloat32(compute_type()));
 }
 
-torch::Tensor LlamaModel::TargetLogprobsFromHidden(const torch::Tensor& x,
-                                                   const torch::Tensor& targets,
-                                                   int64_t vocab_start) {
+torch::Tensor LlamaModel::TargetLogprobsFromHidden(
+    const torch::Tensor& x, const torch::Tensor& targets) {
   const torch::Tensor logits = Logits(x);
   if (sharding_.tp_size() > 1) {
-    return VocabParallelTargetLogprobs(logits, targets, vocab_start,
+    return VocabParallelTargetLogprobs(logits, targets, VocabStart(),
                                        *sharding_.tp);
   }
   return torch::log_softmax(logits, -1)
@@ -627,13 +629,9 @@ torch::Tensor LlamaModel::StageForward(const torch::Tensor& input,
         {config_.num_hidden_layers, config_.num_local_experts},
         torch::TensorOptions(torch::kFloat64).device(input.device()));
   }
-  // Rows [vocab_start, vocab_start + V / tp) of the vocabulary live here.
-  const int64_t vocab_start =
-      sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
-  torch::Tensor x = RunLayers(Embed(input, vocab_start), layout, io,
-                              /*cache=*/nullptr);
+  torch::Tensor x = RunLayers(Embed(input), layout, io, /*cache=*/nullptr);
   if (!last_stage()) return x;
-  return TargetLogprobsFromHidden(x, targets, vocab_start);
+  return TargetLogprobsFromHidden(x, targets);
 }
 
 torch::Tensor LlamaModel::RunLayers(torch::Tensor x,
@@ -705,10 +703,8 @@ absl::StatusOr<torch::Tensor> LlamaModel::ForwardWithCache(
     const torch::Device here = device();
     const AttentionLayout layout =
         cache.Extend(positions.to(here, torch::kInt64), valid.to(here));
-    const int64_t vocab_start =
-        sharding_.tp_rank() * (config_.vocab_size / sharding_.tp_size());
-    torch::Tensor x = RunLayers(Embed(input.to(here), vocab_start), layout,
-                                /*io=*/nullptr, &cache);
+    torch::Tensor x =
+        RunLayers(Embed(input.to(here)), layout, /*io=*/nullptr, &cache);
     if (!last_stage()) return x;
     if (logits_at.defined()) {
       x = x.gather(1, logits_at.to(here)

@@ -207,14 +207,16 @@ class LlamaModel : public CausalLm {
   // with `cache`, each layer's keys and values join it (no recomputation).
   torch::Tensor RunLayers(torch::Tensor x, const AttentionLayout& layout,
                           StageIo* io, KvCache* cache);
+  // The first vocabulary row of this tp rank: rows [VocabStart(),
+  // VocabStart() + V / tp) of the embedding and the head live here.
+  int64_t VocabStart() const;
   // Embedding (first stage) or received hidden states.
-  torch::Tensor Embed(const torch::Tensor& input, int64_t vocab_start);
+  torch::Tensor Embed(const torch::Tensor& input);
   // The last stage's head: the logits [B, T, V / tp] in float32 at least ...
   torch::Tensor Logits(const torch::Tensor& x);
   // ... and the target log-probabilities.
   torch::Tensor TargetLogprobsFromHidden(const torch::Tensor& x,
-                                         const torch::Tensor& targets,
-                                         int64_t vocab_start);
+                                         const torch::Tensor& targets);
 
   const ModelFamily& family_;
   const ModelFeatures features_;
