@@ -20,8 +20,13 @@ PUBLIC_MODULES = ("tally_client.client", "tally_client.dtypes",
                   "tally_client.samples", "tally_client.sampling",
                   "tally_client.server", "tally_client.tinker.api_future",
                   "tally_client.tinker.clients",
+                  "tally_client.tinker.conversions",
                   "tally_client.tinker.sampling_client",
-                  "tally_client.tinker.types")
+                  "tally_client.tinker.tokenizer",
+                  "tally_client.tinker.types.datum",
+                  "tally_client.tinker.types.image_chunk",
+                  "tally_client.tinker.types.model_input",
+                  "tally_client.tinker.types.tensor_data")
 
 # Every spelling and the DType it means (the set tallyctl's --dtype takes).
 SPELLINGS = {

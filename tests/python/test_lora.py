@@ -786,7 +786,7 @@ class TinkerLoraTest(LoraTestCase):
             fwd_bwd = training.forward_backward(data, "cross_entropy")
             step = training.optim_step(adam)
             losses.append(fwd_bwd.result().metrics["loss:sum"])
-            self.assertGreater(step.result().metrics["grad_norm"], 0.0)
+            self.assertGreater(step.result().metrics["tally/grad_norm"], 0.0)
         self.assertLess(losses[-1], 0.7 * losses[0], losses)
         self.assertTrue(all(later < earlier for earlier, later
                             in zip(losses, losses[1:])), losses)

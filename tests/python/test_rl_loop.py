@@ -89,11 +89,11 @@ class RlLoopTest(ServerTestCase):
         return rewards, first
 
     def assertRewardRises(self, rewards, first):
-        self.assertEqual(first.metrics["policy_tokens:sum"],
+        self.assertEqual(first.metrics["tally/policy_tokens:sum"],
                          GROUP_SIZE * MAX_TOKENS)
         # The sampler's logprobs are the trainer's own.
-        self.assertLess(first.metrics["logprob_gap:max"], 1e-5)
-        self.assertAlmostEqual(first.metrics["ratio:mean"], 1.0, delta=1e-5)
+        self.assertLess(first.metrics["tally/logprob_gap:max"], 1e-5)
+        self.assertAlmostEqual(first.metrics["tally/ratio:mean"], 1.0, delta=1e-5)
         self.assertLess(rewards[0], 0.25, rewards)
         self.assertGreater(np.mean(rewards[-3:]), rewards[0] + 0.3, rewards)
 

@@ -245,7 +245,7 @@ class TinkerSamplingClientTest(FakeTestCase):
         with self.assertRaisesRegex(ValueError, "not both"):
             plain.sample(prompt, 1, types.SamplingParams(max_tokens=1,
                                                          stop=["a", 2]))
-        with self.assertRaises(NotImplementedError):
+        with self.assertRaisesRegex(ValueError, "tokenizer"):
             plain.get_tokenizer()
         self.assertEqual(self.fake.sent("Sample"), [])
 

@@ -168,7 +168,7 @@ class TypesTest(unittest.TestCase):
         for url in ("grpc://localhost:1", "localhost:1"):
             tinker.ServiceClient(base_url=url).close()
         with self.assertRaisesRegex(ValueError, "tally speaks gRPC"):
-            tinker.ServiceClient(base_url="https://tinker.example/")
+            tinker.ServiceClient(base_url="ws://tinker.example/")
 
 
 class SupervisedLoopTest(TinkerTestCase):
@@ -198,8 +198,8 @@ class SupervisedLoopTest(TinkerTestCase):
             self.assertAlmostEqual(fwdbwd_result.metrics["loss:sum"],
                                    -np.dot(logprobs, weights),
                                    delta=1e-4 * abs(losses[-1]) * weights.sum())
-            self.assertGreater(optim_result.metrics["grad_norm"], 0.0)
-        self.assertEqual(optim_result.metrics["step"], 8.0)
+            self.assertGreater(optim_result.metrics["tally/grad_norm"], 0.0)
+        self.assertEqual(optim_result.metrics["tally/step"], 8.0)
         self.assertLess(losses[-1], 0.8 * losses[0], losses)
         # The demo model is the embedded byte-level Llama.
         info = training_client.get_info()
@@ -299,7 +299,7 @@ class LossOutputsTest(TinkerTestCase):
         for loss_fn, formula in expected.items():
             config = {"beta": 0.1} if loss_fn == "dro" else None
             result = training_client.forward(datums, loss_fn, config).result()
-            self.assertEqual(result.loss_fn_output_type, loss_fn)
+            self.assertEqual(result.loss_fn_output_type, "ArrayRecord")
             for output, lp, a in zip(result.loss_fn_outputs, logprobs,
                                      advantages):
                 self.assertEqual(output["elementwise_loss"].shape, [len(lp)])
@@ -313,16 +313,18 @@ class LossOutputsTest(TinkerTestCase):
             self.assertAlmostEqual(result.metrics["loss:sum"], total,
                                    delta=1e-4, msg=loss_fn)
             metrics = result.metrics
-            self.assertEqual(metrics["policy_tokens:sum"], 6.0, loss_fn)
-            for name in ("ratio:mean", "ratio:min", "ratio:max"):
+            self.assertEqual(metrics["tally/policy_tokens:sum"], 6.0, loss_fn)
+            for name in ("tally/ratio:mean", "tally/ratio:min",
+                         "tally/ratio:max"):
                 self.assertAlmostEqual(metrics[name], ratio, delta=1e-5,
                                        msg=(loss_fn, name))
-            self.assertAlmostEqual(metrics["logprob_gap:max"], self.GAP,
+            self.assertAlmostEqual(metrics["tally/logprob_gap:max"], self.GAP,
                                    delta=1e-5)
-            self.assertAlmostEqual(metrics["kl_k1:mean"], -self.GAP, delta=1e-5)
-            self.assertAlmostEqual(metrics["kl_k3:mean"],
+            self.assertAlmostEqual(metrics["tally/kl_k1:mean"], -self.GAP,
+                                   delta=1e-5)
+            self.assertAlmostEqual(metrics["tally/kl_k3:mean"],
                                    ratio - 1 - self.GAP, delta=1e-5)
-            self.assertEqual(metrics["clipped_fraction:mean"],
+            self.assertEqual(metrics["tally/clipped_fraction:mean"],
                              1.0 if loss_fn in ("ppo", "cispo") else 0.0,
                              loss_fn)
 
@@ -343,7 +345,7 @@ class LossOutputsTest(TinkerTestCase):
         np.testing.assert_allclose(
             result.loss_fn_outputs[0]["elementwise_loss"].to_numpy(),
             np.full(3, -math.exp(self.GAP)), rtol=1e-5)
-        self.assertEqual(result.metrics["clipped_fraction:mean"], 0.0)
+        self.assertEqual(result.metrics["tally/clipped_fraction:mean"], 0.0)
 
 
 class ClientApiTest(TinkerTestCase):
@@ -379,7 +381,7 @@ class ClientApiTest(TinkerTestCase):
         (fwd_bwd_result, optim_result, forward, loaded, exported, info,
          capabilities, restored_info) = asyncio.run(main())
         self.assertEqual(len(fwd_bwd_result.loss_fn_outputs), 1)
-        self.assertEqual(optim_result.metrics["step"], 1.0)
+        self.assertEqual(optim_result.metrics["tally/step"], 1.0)
         # The forward ran after the step: another loss on the same datum.
         self.assertNotEqual(forward.metrics["loss:sum"],
                             fwd_bwd_result.metrics["loss:sum"])
@@ -417,8 +419,8 @@ class ClientApiTest(TinkerTestCase):
         self.assertEqual(loss(), loss_at_save)
         self.assertEqual(training_client.get_info().model_info.step, 1)
         # With the optimizer restored, the second step repeats exactly.
-        self.assertEqual(train_step().metrics["grad_norm"],
-                         second_step.metrics["grad_norm"])
+        self.assertEqual(train_step().metrics["tally/grad_norm"],
+                         second_step.metrics["tally/grad_norm"])
 
         training_client.load_state(saved.path).result()
         self.assertEqual(loss(), loss_at_save)
@@ -429,8 +431,9 @@ class ClientApiTest(TinkerTestCase):
         resumed = self.service.create_training_client_from_state_with_optimizer(
             saved.path)
         resumed.forward_backward(data, "cross_entropy")
-        self.assertEqual(resumed.optim_step(adam).result().metrics["grad_norm"],
-                         second_step.metrics["grad_norm"])
+        self.assertEqual(resumed.optim_step(adam).result()
+                         .metrics["tally/grad_norm"],
+                         second_step.metrics["tally/grad_norm"])
 
     def test_save_state_mid_window_keeps_the_window_pending(self):
         data = [process_example(ex) for ex in PIG_LATIN[:3]]
@@ -451,7 +454,8 @@ class ClientApiTest(TinkerTestCase):
         got = saving.optim_step(adam).result()
         # The step took the window sent before the save, as if no save
         # had happened ...
-        self.assertEqual(got.metrics["grad_norm"], want.metrics["grad_norm"])
+        self.assertEqual(got.metrics["tally/grad_norm"],
+                         want.metrics["tally/grad_norm"])
         self.assertEqual(loss(saving), loss(control))
         # ... and the state saved is the one before the step.
         restored = self.service.create_training_client_from_state(saved.path)
@@ -477,7 +481,8 @@ class ClientApiTest(TinkerTestCase):
                 training_client.optim_step(refused).result()
             self.assertEqual(raised.exception.code.name, "INVALID_ARGUMENT")
         got = training_client.optim_step(adam).result()
-        self.assertEqual(got.metrics["grad_norm"], want.metrics["grad_norm"])
+        self.assertEqual(got.metrics["tally/grad_norm"],
+                         want.metrics["tally/grad_norm"])
         self.assertEqual(training_client.get_info().model_info.step, 1)
 
     def test_save_weights_for_sampler_writes_the_adapter(self):
@@ -511,9 +516,9 @@ class ClientApiTest(TinkerTestCase):
         result = custom.forward_backward_custom(data, weighted_nll).result()
         got = custom.optim_step(types.AdamParams()).result()
         self.assertGreater(result.metrics["nll:sum"], 0.0)
-        self.assertAlmostEqual(got.metrics["grad_norm"],
-                               want.metrics["grad_norm"],
-                               delta=1e-5 * want.metrics["grad_norm"])
+        self.assertAlmostEqual(got.metrics["tally/grad_norm"],
+                               want.metrics["tally/grad_norm"],
+                               delta=1e-5 * want.metrics["tally/grad_norm"])
 
         async def custom_async():
             future = await custom.forward_backward_custom_async(data,
@@ -521,6 +526,13 @@ class ClientApiTest(TinkerTestCase):
             return await future
 
         self.assertIn("nll:sum", asyncio.run(custom_async()).metrics)
+
+        # A loss that leaves a datum out is refused, as Tinker's.
+        def first_only(data, logprobs):
+            return -logprobs[0].sum(), {}
+
+        with self.assertRaisesRegex(ValueError, "no gradient"):
+            custom.forward_backward_custom(data, first_only)
 
     def test_errors_name_the_problem(self):
         training_client = self.create(config=RL_MODEL, seed=1)
@@ -535,7 +547,7 @@ class ClientApiTest(TinkerTestCase):
                 [datum], "ppo", {"clip_low": 0.9}).result()
         self.assertEqual(raised.exception.code.name, "INVALID_ARGUMENT")
         self.assertIn("clip_low", raised.exception.details)
-        with self.assertRaisesRegex(NotImplementedError, "tokenizer"):
+        with self.assertRaisesRegex(ValueError, "no tokenizer"):
             training_client.get_tokenizer()
         with self.assertRaises(tinker.TallyError) as raised:
             self.service_client("wrong-token").create_lora_training_client(

@@ -13,6 +13,13 @@ details and its reason:
     except tally_client.TallyError as error:
         print(error.code, error.reason)
 
+Each class is also the exception class of Tinker's SDK for the HTTP status
+its gRPC code maps to (Google's canonical mapping: INVALID_ARGUMENT is
+BadRequestError, NOT_FOUND NotFoundError, RESOURCE_EXHAUSTED RateLimitError,
+INTERNAL InternalServerError, ...), all of them TinkerError and APIError, so
+that a Tinker program's `except tinker.BadRequestError` catches tally's
+failures (tally_client.tinker re-exports these names).
+
 The server sends, with a failed call's status code, a google.rpc.Status in
 gRPC's `grpc-status-details-bin` trailer holding a google.rpc.ErrorInfo (a
 stable `reason`, domain "tally.v1") and, when retrying the same request can
@@ -43,7 +50,93 @@ TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
 _DETAILS_KEY = "grpc-status-details-bin"
 
 
-class TallyError(Exception):
+# ---- Tinker's exception classes (tinker._exceptions' names and hierarchy)
+
+
+class TinkerError(Exception):
+    """The base of Tinker's exceptions (and of every TallyError)."""
+
+
+class APIError(TinkerError):
+    """A failed API call (Tinker's); `message` is the error's text and
+    `body` None (gRPC answers carry no body)."""
+
+    message: str = ""
+    body: object = None
+
+
+class APIStatusError(APIError):
+    """A call the server answered with an error status; `status_code` is
+    the HTTP status Tinker would report for it."""
+
+    status_code: int = 500
+
+
+class APIConnectionError(APIError):
+    """The server could not be reached (gRPC UNAVAILABLE)."""
+
+
+class APITimeoutError(APIConnectionError):
+    """No answer within the timeout (gRPC DEADLINE_EXCEEDED)."""
+
+
+class APIResponseValidationError(APIError):
+    """An answer that does not fit its type (Tinker's name; tally's
+    clients raise ValueError for those instead)."""
+
+
+class BadRequestError(APIStatusError):
+    """HTTP 400: INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE."""
+
+    status_code = 400
+
+
+class AuthenticationError(APIStatusError):
+    """HTTP 401: UNAUTHENTICATED."""
+
+    status_code = 401
+
+
+class _PermissionDenied(APIStatusError):
+    """HTTP 403: PERMISSION_DENIED (PermissionDeniedError below)."""
+
+    status_code = 403
+
+
+class _NotFound(APIStatusError):
+    """HTTP 404: NOT_FOUND (NotFoundError below)."""
+
+    status_code = 404
+
+
+class ConflictError(APIStatusError):
+    """HTTP 409: ALREADY_EXISTS, ABORTED."""
+
+    status_code = 409
+
+
+class UnprocessableEntityError(APIStatusError):
+    """HTTP 422 (Tinker's name; no gRPC code maps to it)."""
+
+    status_code = 422
+
+
+class RateLimitError(APIStatusError):
+    """HTTP 429: RESOURCE_EXHAUSTED."""
+
+    status_code = 429
+
+
+class InternalServerError(APIStatusError):
+    """HTTP 500 and up: INTERNAL, UNKNOWN, DATA_LOSS, UNIMPLEMENTED (501)."""
+
+
+class RequestFailedError(TinkerError):
+    """Tinker's failed asynchronous request (Tinker's name; tally's
+    requests fail with the class of their status code instead)."""
+
+
+class TallyError(APIError):
     """A call failed for good; `code` is its grpc.StatusCode, `reason` the
     server's ErrorInfo reason (None when it sent none). Raised as the
     subclass of its code (error_class)."""
@@ -56,75 +149,76 @@ class TallyError(Exception):
         self.code = code
         self.details = details
         self.reason = reason
+        self.message = str(self)
 
 
 class CancelledError(TallyError):
     """CANCELLED: the call was cancelled, usually by the caller."""
 
 
-class UnknownError(TallyError):
+class UnknownError(TallyError, InternalServerError):
     """UNKNOWN: an error without a better code."""
 
 
-class InvalidArgumentError(TallyError):
+class InvalidArgumentError(TallyError, BadRequestError):
     """INVALID_ARGUMENT: a field of the request is bad; the details name
     it."""
 
 
-class DeadlineExceededError(TallyError):
+class DeadlineExceededError(TallyError, APITimeoutError):
     """DEADLINE_EXCEEDED: no answer within the timeout (retried first)."""
 
 
-class NotFoundError(TallyError):
+class NotFoundError(TallyError, _NotFound):
     """NOT_FOUND: no such model, checkpoint or directory."""
 
 
-class AlreadyExistsError(TallyError):
+class AlreadyExistsError(TallyError, ConflictError):
     """ALREADY_EXISTS: what the call would create exists."""
 
 
-class PermissionDeniedError(TallyError):
+class PermissionDeniedError(TallyError, _PermissionDenied):
     """PERMISSION_DENIED: the token may not do this (e.g. a path outside
     the server's --checkpoint-root)."""
 
 
-class ResourceExhaustedError(TallyError):
+class ResourceExhaustedError(TallyError, RateLimitError):
     """RESOURCE_EXHAUSTED: a queue, memory or message limit; the reason
     says which, and whether a retry can succeed."""
 
 
-class FailedPreconditionError(TallyError):
+class FailedPreconditionError(TallyError, BadRequestError):
     """FAILED_PRECONDITION: the model's state does not allow the call (a
     save with a pending window, a step with nothing accumulated)."""
 
 
-class AbortedError(TallyError):
+class AbortedError(TallyError, ConflictError):
     """ABORTED: the call was abandoned (a poisoned window, a sequence
     gap)."""
 
 
-class OutOfRangeError(TallyError):
+class OutOfRangeError(TallyError, BadRequestError):
     """OUT_OF_RANGE: a value past its valid range."""
 
 
-class UnimplementedError(TallyError):
+class UnimplementedError(TallyError, InternalServerError):
     """UNIMPLEMENTED: the server does not have this method or feature."""
 
 
-class InternalError(TallyError):
+class InternalError(TallyError, InternalServerError):
     """INTERNAL: the server failed; the window is poisoned."""
 
 
-class UnavailableError(TallyError):
+class UnavailableError(TallyError, APIConnectionError):
     """UNAVAILABLE: the server cannot be reached or is shutting down
     (retried first)."""
 
 
-class DataLossError(TallyError):
+class DataLossError(TallyError, InternalServerError):
     """DATA_LOSS: stored data are damaged (a checkpoint's files)."""
 
 
-class UnauthenticatedError(TallyError):
+class UnauthenticatedError(TallyError, AuthenticationError):
     """UNAUTHENTICATED: no token, or a wrong one."""
 
 

@@ -1,5 +1,8 @@
-"""Tinker's Python SDK on a tally server: a Tinker training loop runs on
-tally by changing its import and its ServiceClient's constructor.
+"""Tinker's Python SDK on a tally server: a Tinker program runs on tally by
+changing its imports and giving it the server's address (base_url= or
+$TINKER_BASE_URL). The names of `tinker` and `tinker.types` (a package laid
+out as Tinker's), the clients' parameters and Tinker's exception classes
+are Tinker 0.25.0's (tests/python/tinker_signatures.json lists them).
 
     from tally_client import tinker          # was: import tinker
     from tally_client.tinker import types    # was: from tinker import types
@@ -12,7 +15,8 @@ tally by changing its import and its ServiceClient's constructor.
         loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
     fwd_bwd = training.forward_backward([datum], "cross_entropy")
     step = training.optim_step(types.AdamParams(learning_rate=1e-4))
-    print(fwd_bwd.result().metrics["loss:sum"], step.result().metrics)
+    print(fwd_bwd.result().metrics["loss:sum"],
+          step.result().metrics["tally/grad_norm"])
 
 create_lora_training_client makes a LoRA adapter (PEFT's, alpha 32) over
 the frozen base_model, which the server shares among the adapters of the
@@ -26,25 +30,42 @@ that samples the weights being trained, in the server and in call order
 
 What differs from Tinker (client/python/README.md has the whole list): no
 sampler snapshots yet (a sampling client reads a model's latest weights),
-string stops need a tokenizer passed in, checkpoint paths are server-side
-directories, and failures raise tally_client's TallyError.
+checkpoint paths are server-side directories, tally's metrics come under
+"tally/", and every failure is a TallyError as well as Tinker's class.
 """
 
-from tally_client.errors import TallyError, WindowAbortedError
+from tally_client.errors import (APIConnectionError, APIError,
+                                 APIResponseValidationError, APIStatusError,
+                                 APITimeoutError, AuthenticationError,
+                                 BadRequestError, ConflictError,
+                                 InternalServerError, NotFoundError,
+                                 PermissionDeniedError, RateLimitError,
+                                 RequestFailedError, TallyError, TinkerError,
+                                 UnprocessableEntityError, WindowAbortedError)
 from tally_client.tinker import types
 from tally_client.tinker.api_future import APIFuture
 from tally_client.tinker.clients import (DEMO_MODEL, REDUCTIONS,
                                          ServiceClient, TrainingClient)
 from tally_client.tinker.sampling_client import SamplingClient
 from tally_client.tinker.types import (AdamParams, Datum, EncodedTextChunk,
-                                       ForwardBackwardOutput, LossFnType,
-                                       ModelInput, OptimStepResponse,
+                                       ForwardBackwardOutput,
+                                       ImageAssetPointerChunk, ImageChunk,
+                                       LossFnType, ModelInput,
+                                       ModelInputChunk, OptimStepResponse,
                                        SampledSequence, SampleResponse,
-                                       SamplingParams, TensorData)
+                                       SamplingParams, StopReason, TensorData,
+                                       TensorDtype)
 
-__all__ = ["APIFuture", "AdamParams", "DEMO_MODEL", "Datum",
-           "EncodedTextChunk", "ForwardBackwardOutput", "LossFnType",
-           "ModelInput", "OptimStepResponse", "REDUCTIONS", "SampleResponse",
-           "SampledSequence", "SamplingClient", "SamplingParams",
-           "ServiceClient", "TallyError", "TensorData", "TrainingClient",
-           "WindowAbortedError", "types"]
+__all__ = ["APIConnectionError", "APIError", "APIFuture",
+           "APIResponseValidationError", "APIStatusError", "APITimeoutError",
+           "AdamParams", "AuthenticationError", "BadRequestError",
+           "ConflictError", "DEMO_MODEL", "Datum", "EncodedTextChunk",
+           "ForwardBackwardOutput", "ImageAssetPointerChunk", "ImageChunk",
+           "InternalServerError", "LossFnType", "ModelInput",
+           "ModelInputChunk", "NotFoundError", "OptimStepResponse",
+           "PermissionDeniedError", "REDUCTIONS", "RateLimitError",
+           "RequestFailedError", "SampleResponse", "SampledSequence",
+           "SamplingClient", "SamplingParams", "ServiceClient", "StopReason",
+           "TallyError", "TensorData", "TensorDtype", "TinkerError",
+           "TrainingClient", "UnprocessableEntityError", "WindowAbortedError",
+           "types"]

@@ -19,12 +19,15 @@ being applied twice.
 | save_weights_for_sampler(name)           | ExportWeights (a LoRA model: a   |
 |                                          | PEFT adapter directory; merge:   |
 |                                          | the merged HF directory)         |
-| get_info()                               | GetModel                         |
+| get_info(), get_tokenizer()              | GetModel (the tokenizer: files   |
+|                                          | of the base's directory)         |
 | save_weights_and_get_sampling_client()   | a SamplingClient (Sample,        |
 |                                          | ComputeLogprobs) of the weights  |
 |                                          | being trained, in call order     |
 
-Losses sum over tokens as Tinker's do (reduction "sum"); a TrainingClient
+Datums become tally Samples, and results Tinker's types, in
+tally_client.tinker.conversions. Losses sum over tokens as Tinker's do
+(reduction "sum"); a TrainingClient
 made with reduction="token_mean" or "sample_mean" has tally normalize the
 gradients of a whole accumulation window at optim_step instead.
 """
@@ -34,48 +37,53 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import os
 import threading
 import warnings
-from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional,
-                    Sequence, Tuple)
+from typing import (Any, Awaitable, Callable, Dict, Iterable, List, Mapping,
+                    Optional, Tuple, TypeVar)
 
 from tally_client import client as tally
-from tally_client._proto.tally.v1 import trainer_pb2 as pb
 from tally_client.dtypes import DTypeLike
-from tally_client.results import (ForwardBackwardResult, OptimStepResult,
-                                  SaveResult)
+from tally_client.results import SaveResult
 from tally_client.server import RetryPolicy, ServerClient, TlsLike
+from tally_client.tinker import conversions
 from tally_client.tinker.api_future import APIFuture
-from tally_client.tinker.sampling_client import SamplingClient
+from tally_client.tinker.sampling_client import DEMO_MODEL, SamplingClient
+from tally_client.tinker.tokenizer import load_tokenizer
 from tally_client.tinker.types import (AdamParams, Datum,
                                        ForwardBackwardOutput, GetInfoResponse,
                                        GetServerCapabilitiesResponse,
                                        LoadWeightsResponse, ModelData,
                                        OptimStepResponse,
                                        SaveWeightsForSamplerResponse,
-                                       SaveWeightsResponse, SupportedModel,
-                                       TensorData)
-
-# The base_model that names no checkpoint: the server builds the model, as
-# the embedded default (a small byte-level Llama) or of the `config` passed.
-DEMO_MODEL = "tally/demo"
+                                       SaveWeightsResponse, SupportedModel)
 
 REDUCTIONS = ("sum", "token_mean", "sample_mean")
 
-# tally Sample fields by Tinker's loss_fn_inputs keys.
-# Datum.loss_fn_inputs keys -> Sample fields. "mask" (the cookbook's RL
-# datums carry one: 0 on prompt positions) is a weight, so that prompt
-# positions count neither in token_mean nor in the policy statistics.
-_SAMPLE_FIELDS: Dict[str, str] = {
-    "target_tokens": "target_tokens", "weights": "weights", "mask": "weights",
-    "advantages": "advantages", "logprobs": "sampling_logprobs"}
+T = TypeVar("T")
+
+# Where ServiceClient connects without a base_url (after $TINKER_BASE_URL).
+DEFAULT_BASE_URL = "localhost:50051"
 
 # create_lora_training_client's arguments that are LoraConfig fields.
 _LORA_ARGUMENTS = ("rank", "seed", "train_attn", "train_mlp", "train_unembed")
 
 # A custom loss: (data, logprobs per datum) -> (loss tensor, metrics).
 CustomLossFn = Callable[[List[Datum], List[Any]], Tuple[Any, Dict[str, float]]]
+
+
+def _in_thread(method: Callable[..., T]) -> Callable[..., Awaitable[T]]:
+    """The asyncio variant of a blocking ServiceClient method: runs it in a
+    thread; same parameters (inspect.signature follows __wrapped__)."""
+    @functools.wraps(method)
+    async def variant(self: Any, *args: Any, **kwargs: Any) -> T:
+        return await asyncio.to_thread(method, self, *args, **kwargs)
+    variant.__name__ = f"{method.__name__}_async"
+    variant.__qualname__ = f"{method.__qualname__}_async"
+    variant.__doc__ = f"{method.__name__} for asyncio."
+    return variant
 
 
 def _unsupported(name: str, instead: str) -> Callable[..., Any]:
@@ -94,13 +102,16 @@ class TrainingClient:
     def __init__(self, client: tally.TrainingClient, model_name: str,
                  reduction: str = "sum", *,
                  create_fields: Optional[Dict[str, Any]] = None,
-                 saved_states: Optional[_SavedStates] = None) -> None:
+                 saved_states: Optional[_SavedStates] = None,
+                 tokenizer_id: Optional[str] = None) -> None:
         """`client`: the tally_client.TrainingClient of the model.
         `model_name`: the base_model it was created from. `reduction`: how
         forward_backward's losses reduce (see REDUCTIONS).
         `create_fields`: the CreateModel fields the model was made with;
         `saved_states`: the ServiceClient's record of the LoRA states saved
-        (what create_training_client_from_state needs to rebuild one)."""
+        (what create_training_client_from_state needs to rebuild one).
+        `tokenizer_id`: the directory of the base's tokenizer files (None:
+        unknown, or a base without one)."""
         if reduction not in REDUCTIONS:
             raise ValueError(f"unknown reduction {reduction!r}; valid: "
                              f"{', '.join(REDUCTIONS)}")
@@ -109,6 +120,7 @@ class TrainingClient:
         self._reduction = reduction
         self._create_fields = create_fields
         self._saved_states = saved_states
+        self._tokenizer_id = tokenizer_id
         self.model_id = client.model_id
 
     # ---- forward and backward -------------------------------------------
@@ -136,39 +148,46 @@ class TrainingClient:
                                       forward_only=True)
 
     def forward_backward_custom(
-            self, data: Iterable[Datum],
-            loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
+            self, data: Iterable[Datum], loss_fn: CustomLossFn, *,
+            loss_type_input: str = "logprobs"
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Future of the ForwardBackwardOutput of an arbitrary loss of the
         logprobs: `loss_fn(data, logprobs)` (one torch tensor per datum)
         returns (loss tensor, metrics). Runs forward() and waits for it,
         differentiates `loss_fn` locally, then sends cross_entropy with
         weights -d(loss)/d(logprobs), which has the same gradient. Needs
-        torch. With reduction "token_mean" or "sample_mean" the surrogate is
-        normalized like any other call of the window."""
-        data = list(data)
+        torch. A loss that leaves a datum's logprobs without a gradient is
+        a ValueError, as Tinker's. `loss_type_input`: "logprobs", the only
+        input space (Tinker's too). With reduction "token_mean" or
+        "sample_mean" the surrogate is normalized like any other call of the
+        window."""
+        data = _custom_data(data, loss_type_input)
         return self._custom_backward(
-            data, loss_fn, self.forward(_targets_only(data),
+            data, loss_fn, self.forward(conversions.targets_only(data),
                                         "cross_entropy").result())
 
     async def forward_backward_custom_async(
-            self, data: Iterable[Datum],
-            loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
+            self, data: Iterable[Datum], loss_fn: CustomLossFn, *,
+            loss_type_input: str = "logprobs"
+    ) -> APIFuture[ForwardBackwardOutput]:
         """forward_backward_custom for asyncio."""
-        data = list(data)
-        forward = await self.forward(_targets_only(data), "cross_entropy")
+        data = _custom_data(data, loss_type_input)
+        forward = await self.forward(conversions.targets_only(data),
+                                     "cross_entropy")
         return self._custom_backward(data, loss_fn, forward)
 
     def _forward_backward(
             self, data: Iterable[Datum], loss_fn: str,
             loss_fn_config: Optional[Dict[str, float]],
             forward_only: bool) -> APIFuture[ForwardBackwardOutput]:
+        data = list(data)
+        samples = [conversions.to_sample(datum, loss_fn) for datum in data]
         call = self._client.forward_backward(
-            [_to_sample(datum) for datum in data], reduction=self._reduction,
-            forward_only=forward_only, return_logprobs=True, loss_fn=loss_fn,
-            loss_fn_config=loss_fn_config)
-        return APIFuture(call,
-                         lambda response: _forward_backward_output(loss_fn,
-                                                                   response))
+            samples, reduction=self._reduction, forward_only=forward_only,
+            return_logprobs=True, loss_fn=loss_fn,
+            loss_fn_config=conversions.loss_fn_config_of(data, samples,
+                                                         loss_fn_config))
+        return APIFuture(call, conversions.forward_backward_output)
 
     def _custom_backward(
             self, data: List[Datum], loss_fn: CustomLossFn,
@@ -179,12 +198,14 @@ class TrainingClient:
                     for output in forward.loss_fn_outputs]
         loss, metrics = loss_fn(data, logprobs)
         loss.backward()
+        if any(logprob.grad is None for logprob in logprobs):
+            raise ValueError("forward_backward_custom: the loss computed no "
+                             "gradient for some datum's logprobs (every "
+                             "datum's must take part in the loss)")
         surrogate = [
             Datum(model_input=datum.model_input, loss_fn_inputs={
                 "target_tokens": datum.loss_fn_inputs["target_tokens"],
-                # A datum the loss does not read has no gradient: weight 0.
-                "weights": [0.0] * len(logprob) if logprob.grad is None
-                           else -logprob.grad})
+                "weights": -logprob.grad})
             for datum, logprob in zip(data, logprobs)]
         call = self.forward_backward(surrogate, "cross_entropy")
         return APIFuture(call.future(), lambda output: dataclasses.replace(
@@ -197,29 +218,33 @@ class TrainingClient:
         """Future of an OptimStepResponse: one AdamW step on the gradients
         accumulated since the last one, with AdamParams `adam_params` (every
         field sent, Tinker's defaults included; grad_clip_norm 0: no
-        clipping). Its metrics hold grad_norm (before clipping), clip_coef,
-        learning_rate, step, normalizer and skipped (1 when a non-finite
-        gradient skipped the step)."""
+        clipping). Its metrics are tally's, under "tally/" (so that they
+        overwrite none of a loop's own): tally/grad_norm (before clipping),
+        tally/clip_coef, tally/learning_rate, tally/step, tally/normalizer,
+        tally/skipped (1 when a non-finite gradient skipped the step)."""
         call = self._client.optim_step(
             adam={"learning_rate": adam_params.learning_rate,
                   "beta1": adam_params.beta1, "beta2": adam_params.beta2,
                   "eps": adam_params.eps,
                   "weight_decay": adam_params.weight_decay},
             max_grad_norm=adam_params.grad_clip_norm)
-        return APIFuture(call, _optim_step_response)
+        return APIFuture(call, conversions.optim_step_response)
 
     # ---- checkpoints ------------------------------------------------------
 
-    def save_state(self, name: str, ttl_seconds: Optional[int] = None
-                   ) -> APIFuture[SaveWeightsResponse]:
+    def save_state(self, name: str, ttl_seconds: Optional[int] = None,
+                   overwrite: bool = False) -> APIFuture[SaveWeightsResponse]:
         """Future of a SaveWeightsResponse: weights, optimizer state and step
         as a checkpoint at `name` (absolute, or relative: under
         <model_id>/weights/ of the server's --checkpoint-root); a LoRA
         model's holds its adapter only (the base is shared and frozen).
+        `overwrite`: accepted; tally replaces a checkpoint of the same name
+        whatever its value.
         As Tinker's, it saves the state at this point of the call sequence:
         forward_backward calls made before it and not yet stepped stay
         pending for the next optim_step (the checkpoint holds the weights
         and optimizer state of the steps taken, not their gradients)."""
+        del overwrite  # the server replaces a checkpoint atomically
         _warn_ttl(ttl_seconds)
         call = self._client.save(self._path(name, "weights"),
                                  allow_pending=True)
@@ -233,15 +258,21 @@ class TrainingClient:
 
         return APIFuture(call, saved)
 
-    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+    def load_state(self, path: str, weights_access_token: Optional[str] = None
+                   ) -> APIFuture[LoadWeightsResponse]:
         """Future of a LoadWeightsResponse: weights and step from the
         checkpoint `path` (a save_state path); the optimizer restarts from
-        zero moments. Discards the pending window."""
+        zero moments. Discards the pending window. `weights_access_token`
+        (another account's checkpoints) must be None: a tally token reads
+        its own tenant's checkpoints only."""
+        _no_access_token(weights_access_token)
         return self._load(path, load_optimizer=False)
 
-    def load_state_with_optimizer(self, path: str
-                                  ) -> APIFuture[LoadWeightsResponse]:
+    def load_state_with_optimizer(
+            self, path: str, weights_access_token: Optional[str] = None
+    ) -> APIFuture[LoadWeightsResponse]:
         """load_state that also restores the optimizer state."""
+        _no_access_token(weights_access_token)
         return self._load(path, load_optimizer=True)
 
     def save_weights_for_sampler(
@@ -268,7 +299,8 @@ class TrainingClient:
     def _load(self, path: str,
               load_optimizer: bool) -> APIFuture[LoadWeightsResponse]:
         call = self._client.load(path, load_optimizer=load_optimizer)
-        return APIFuture(call, lambda _: LoadWeightsResponse(path=path))
+        return APIFuture(call, lambda _: LoadWeightsResponse(
+            path=path, model_id=self.model_id))
 
     def _path(self, name: str, kind: str) -> str:
         """The server-side directory for checkpoint `name` of `kind`, named
@@ -285,7 +317,8 @@ class TrainingClient:
         lora_rank = info.lora.rank if info.lora is not None else 0
         return GetInfoResponse(
             model_data=ModelData(arch=info.config.model_type or "llama",
-                                 model_name=self._model_name),
+                                 model_name=self._model_name,
+                                 tokenizer_id=self._tokenizer_id),
             model_id=info.model_id, is_lora=lora_rank > 0,
             lora_rank=lora_rank or None, model_name=self._model_name,
             model_info=info.raw)
@@ -317,26 +350,31 @@ class TrainingClient:
         return self.optim_step(adam_params)
 
     async def save_state_async(self, name: str,
-                               ttl_seconds: Optional[int] = None
+                               ttl_seconds: Optional[int] = None,
+                               overwrite: bool = False
                                ) -> APIFuture[SaveWeightsResponse]:
         """save_state for asyncio."""
-        return self.save_state(name, ttl_seconds)
+        return self.save_state(name, ttl_seconds, overwrite)
 
-    async def load_state_async(self, path: str
-                               ) -> APIFuture[LoadWeightsResponse]:
+    async def load_state_async(
+            self, path: str, weights_access_token: Optional[str] = None
+    ) -> APIFuture[LoadWeightsResponse]:
         """load_state for asyncio."""
-        return self.load_state(path)
+        return self.load_state(path, weights_access_token)
 
     async def load_state_with_optimizer_async(
-            self, path: str) -> APIFuture[LoadWeightsResponse]:
+            self, path: str, weights_access_token: Optional[str] = None
+    ) -> APIFuture[LoadWeightsResponse]:
         """load_state_with_optimizer for asyncio."""
-        return self.load_state_with_optimizer(path)
+        return self.load_state_with_optimizer(path, weights_access_token)
 
     async def save_weights_for_sampler_async(
-            self, name: str, ttl_seconds: Optional[int] = None,
-            **kwargs: Any) -> APIFuture[SaveWeightsForSamplerResponse]:
+            self, name: str, ttl_seconds: Optional[int] = None, *,
+            merge: bool = False, dtype: DTypeLike = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """save_weights_for_sampler for asyncio."""
-        return self.save_weights_for_sampler(name, ttl_seconds, **kwargs)
+        return self.save_weights_for_sampler(name, ttl_seconds, merge=merge,
+                                             dtype=dtype)
 
     # ---- sampling -----------------------------------------------------------
 
@@ -386,11 +424,19 @@ class TrainingClient:
                                        model_path, retry_config,
                                        tokenizer=tokenizer)
 
-    # ---- not in tally -----------------------------------------------------
+    # ---- tokenizer and telemetry ----------------------------------------
 
-    get_tokenizer = _unsupported(
-        "get_tokenizer", "tally serves no tokenizers: load the base model's "
-        "with transformers.AutoTokenizer.from_pretrained(<its HF directory>)")
+    def get_tokenizer(self) -> Any:
+        """The tokenizer of the model's base, from the tokenizer files in
+        its directory (get_info().model_data.tokenizer_id), which must be
+        readable here: a transformers tokenizer, or without transformers a
+        tokenizers one (tally_client.tinker.tokenizer)."""
+        return load_tokenizer(self.get_info().model_data.tokenizer_id)
+
+    def get_telemetry(self) -> None:
+        """None: tally keeps no client telemetry (Tinker's returns None too
+        when telemetry is off)."""
+        return None
 
 
 class ServiceClient:
@@ -401,24 +447,29 @@ class ServiceClient:
         training = service.create_lora_training_client("/data/Qwen3-0.6B")
     """
 
-    def __init__(self, base_url: Optional[str] = None,
+    def __init__(self, user_metadata: Optional[Dict[str, str]] = None,
+                 project_id: Optional[str] = None, *,
+                 base_url: Optional[str] = None,
                  api_key: Optional[str] = None, tls: TlsLike = None,
-                 user_metadata: Optional[Dict[str, str]] = None, *,
                  timeout: float = 600.0,
                  retry: Optional[RetryPolicy] = None) -> None:
-        """`base_url`: "host:port", "grpc://host:port", or
-        "grpcs://host:port" for TLS with the system's roots (default
-        "localhost:50051"). `api_key`: the bearer token (default: the
-        TALLY_TOKEN environment variable). `tls`: as tally_client's
-        TrainingClient (True, a Tls, or grpc.ChannelCredentials).
-        `user_metadata`: accepted for Tinker compatibility, not stored.
-        `timeout`, `retry`: per-attempt seconds and RetryPolicy of every
-        call. Every call goes through the tally_client.ServerClient
-        `self.server` (server_info(), list_models())."""
-        del user_metadata  # tally keeps no run metadata
-        target, url_tls = _parse_base_url(base_url or "localhost:50051")
-        token = api_key if api_key is not None else os.environ.get(
-            "TALLY_TOKEN")
+        """`user_metadata`, `project_id`: accepted as Tinker's, not stored
+        (tally keeps no run metadata). `base_url` (keyword, as Tinker's;
+        default: $TINKER_BASE_URL, else "localhost:50051"): "host:port",
+        "grpc://host:port" or "http://host:port" (plaintext), or
+        "grpcs://host:port" or "https://host:port" (TLS with the system's
+        roots); tally speaks gRPC on that port. `api_key`: the bearer token
+        (default: $TALLY_TOKEN, else $TINKER_API_KEY). `tls`: as
+        tally_client's TrainingClient (True, a Tls, or
+        grpc.ChannelCredentials). `timeout`, `retry`: per-attempt seconds
+        and RetryPolicy of every call. Every call goes through the
+        tally_client.ServerClient `self.server` (server_info(),
+        list_models())."""
+        del user_metadata, project_id  # tally keeps no run metadata
+        target, url_tls = _parse_base_url(
+            base_url or os.environ.get("TINKER_BASE_URL") or DEFAULT_BASE_URL)
+        token = api_key if api_key is not None else (
+            os.environ.get("TALLY_TOKEN") or os.environ.get("TINKER_API_KEY"))
         self.server = ServerClient(target, token,
                                    url_tls if tls is None else tls,
                                    timeout=timeout, retry=retry)
@@ -483,17 +534,22 @@ class ServiceClient:
             fields["lora"] = dict(extra, rank=rank, seed=seed,
                                   train_attn=train_attn, train_mlp=train_mlp,
                                   train_unembed=train_unembed)
-        return self._create(base_model, fields, reduction)
+        return self._create(base_model, fields, reduction,
+                            _tokenizer_dir(base_model))
 
     def create_training_client_from_state(
-            self, path: str, user_metadata: Optional[Dict[str, str]] = None,
-            *, reduction: str = "sum",
+            self, path: str, base_model: Optional[str] = None,
+            user_metadata: Optional[Dict[str, str]] = None,
+            weights_access_token: Optional[str] = None, *,
+            reduction: str = "sum",
             **create_model_fields: Any) -> TrainingClient:
         """A TrainingClient of a new model with the weights and step of the
         tally checkpoint `path` (a save_state path); the optimizer starts
-        from zero moments. `create_model_fields` as
-        create_lora_training_client's (dtype= for a bfloat16 model's
-        checkpoint).
+        from zero moments. `base_model`: the name get_info() reports
+        (default: the state's base when this ServiceClient saved it, else
+        `path`); `weights_access_token` must be None (see load_state).
+        `create_model_fields` as create_lora_training_client's (dtype= for
+        a bfloat16 model's checkpoint).
 
         A LoRA state holds the adapter only. One saved through this
         ServiceClient is rebuilt over its base by itself; for one saved
@@ -501,18 +557,24 @@ class ServiceClient:
         base_model> (or config= and seed= of a DEMO_MODEL base) and
         lora={"rank": ..., "alpha": ..., "train_*": ...} as created."""
         del user_metadata
-        client = self._create_from_state(path, create_model_fields, reduction)
+        _no_access_token(weights_access_token)
+        client = self._create_from_state(path, base_model,
+                                         create_model_fields, reduction)
         client.load_state(path).result()
         return client
 
     def create_training_client_from_state_with_optimizer(
-            self, path: str, user_metadata: Optional[Dict[str, str]] = None,
-            *, reduction: str = "sum",
+            self, path: str, base_model: Optional[str] = None,
+            user_metadata: Optional[Dict[str, str]] = None,
+            weights_access_token: Optional[str] = None, *,
+            reduction: str = "sum",
             **create_model_fields: Any) -> TrainingClient:
         """create_training_client_from_state that also restores the
         optimizer state."""
         del user_metadata
-        client = self._create_from_state(path, create_model_fields, reduction)
+        _no_access_token(weights_access_token)
+        client = self._create_from_state(path, base_model,
+                                         create_model_fields, reduction)
         client.load_state_with_optimizer(path).result()
         return client
 
@@ -521,24 +583,12 @@ class ServiceClient:
         """get_server_capabilities for asyncio."""
         return await asyncio.to_thread(self.get_server_capabilities)
 
-    async def create_lora_training_client_async(
-            self, *args: Any, **kwargs: Any) -> TrainingClient:
-        """create_lora_training_client for asyncio."""
-        return await asyncio.to_thread(self.create_lora_training_client,
-                                       *args, **kwargs)
-
-    async def create_training_client_from_state_async(
-            self, *args: Any, **kwargs: Any) -> TrainingClient:
-        """create_training_client_from_state for asyncio."""
-        return await asyncio.to_thread(self.create_training_client_from_state,
-                                       *args, **kwargs)
-
-    async def create_training_client_from_state_with_optimizer_async(
-            self, *args: Any, **kwargs: Any) -> TrainingClient:
-        """create_training_client_from_state_with_optimizer for asyncio."""
-        return await asyncio.to_thread(
-            self.create_training_client_from_state_with_optimizer,
-            *args, **kwargs)
+    create_lora_training_client_async = _in_thread(
+        create_lora_training_client)
+    create_training_client_from_state_async = _in_thread(
+        create_training_client_from_state)
+    create_training_client_from_state_with_optimizer_async = _in_thread(
+        create_training_client_from_state_with_optimizer)
 
     def create_sampling_client(
             self, model_path: Optional[str] = None,
@@ -595,6 +645,10 @@ class ServiceClient:
             self.create_sampling_client, model_path, base_model, retry_config,
             tokenizer=tokenizer, **create_model_fields)
 
+    def get_telemetry(self) -> None:
+        """None: tally keeps no client telemetry."""
+        return None
+
     create_rest_client = _unsupported(
         "create_rest_client", "tally has no REST API: list models with "
         "tallyctl or the Trainer service's ListModels, checkpoints are "
@@ -612,8 +666,9 @@ class ServiceClient:
         self.close()
 
     def _create(self, model_name: str, fields: Dict[str, Any],
-                reduction: str) -> TrainingClient:
-        """A TrainingClient of a model made by CreateModel(`fields`)."""
+                reduction: str, tokenizer_id: Optional[str]) -> TrainingClient:
+        """A TrainingClient of a model made by CreateModel(`fields`), whose
+        tokenizer files are in directory `tokenizer_id` (None: unknown)."""
         fields = dict(fields)
         model_id = fields.pop("model_id", "")
         info = self.server.training_client(model_id).create_model(
@@ -623,9 +678,10 @@ class ServiceClient:
             self.server.training_client(
                 info.model_id, first_seq_id=max(1, info.next_seq_id)),
             model_name, reduction, create_fields=fields,
-            saved_states=self._saved_states)
+            saved_states=self._saved_states,
+            tokenizer_id=tokenizer_id)
 
-    def _create_from_state(self, path: str,
+    def _create_from_state(self, path: str, base_model: Optional[str],
                            create_model_fields: Dict[str, Any],
                            reduction: str) -> TrainingClient:
         """The model a load of state `path` fits: a LoRA state this
@@ -635,9 +691,12 @@ class ServiceClient:
         `path`."""
         known = self._saved_states.get(path)
         if known is None or "lora" in create_model_fields:
-            return self._create(path, {"init_checkpoint": path,
-                                       **create_model_fields}, reduction)
+            return self._create(base_model or path,
+                                {"init_checkpoint": path,
+                                 **create_model_fields}, reduction,
+                                tokenizer_id=base_model)
         model_name, fields = known
+        model_name = base_model or model_name
         fields = dict(fields, **create_model_fields)
         lora = fields["lora"]
         fields["lora"] = dict(lora) if isinstance(lora, dict) else \
@@ -647,7 +706,8 @@ class ServiceClient:
         else:
             fields["lora"] = copy.deepcopy(fields["lora"])
             fields["lora"].init_adapter = path
-        return self._create(model_name, fields, reduction)
+        return self._create(model_name, fields, reduction,
+                            _tokenizer_dir(model_name))
 
 class _SavedStates:
     """The LoRA states a ServiceClient's TrainingClients saved: server path
@@ -690,86 +750,33 @@ def _parse_base_url(base_url: str) -> Tuple[str, Optional[bool]]:
     scheme, separator, target = base_url.partition("://")
     if not separator:
         return base_url, None
-    if scheme in ("grpc", "grpcs"):
-        return target.rstrip("/"), scheme == "grpcs" or None
+    if scheme in ("grpc", "grpcs", "http", "https"):
+        return target.rstrip("/"), scheme in ("grpcs", "https") or None
     raise ValueError(f"base_url {base_url!r}: tally speaks gRPC; give "
                      f"host:port, grpc://host:port or grpcs://host:port")
+
+
+def _no_access_token(weights_access_token: Optional[str]) -> None:
+    if weights_access_token is not None:
+        raise ValueError("weights_access_token: tally reads the checkpoints "
+                         "of the caller's own tenant only; pass None")
+
+
+def _tokenizer_dir(base_model: str) -> Optional[str]:
+    """Where the tokenizer files of `base_model` are: its directory, none
+    for DEMO_MODEL."""
+    return None if base_model == DEMO_MODEL else base_model
+
+
+def _custom_data(data: Iterable[Datum], loss_type_input: str) -> List[Datum]:
+    """`data` as a list, for a custom loss of input `loss_type_input`."""
+    if loss_type_input != "logprobs":
+        raise ValueError(f"loss_type_input {loss_type_input!r}: the only "
+                         f"supported value is 'logprobs'")
+    return list(data)
 
 
 def _warn_ttl(ttl_seconds: Optional[int]) -> None:
     if ttl_seconds is not None:
         warnings.warn("tally keeps checkpoints until they are deleted: "
                       "ttl_seconds is ignored", stacklevel=3)
-
-
-def _to_sample(datum: Datum) -> pb.Sample:
-    """The tally Sample of a Datum."""
-    tokens = datum.model_input.to_ints()
-    fields: Dict[str, List[Any]] = {}
-    for key, tensor in datum.loss_fn_inputs.items():
-        if key not in _SAMPLE_FIELDS:
-            raise ValueError(
-                f"loss_fn_inputs key {key!r} is not supported; tally reads "
-                f"{', '.join(_SAMPLE_FIELDS)}")
-        if len(tensor.data) != len(tokens) or tensor.shape not in (
-                None, [len(tokens)]):
-            raise ValueError(
-                f"loss_fn_inputs[{key!r}] has shape "
-                f"{tensor.shape or [len(tensor.data)]}; a model_input of "
-                f"{len(tokens)} tokens needs ({len(tokens)},)")
-        if _SAMPLE_FIELDS[key] in fields:
-            raise ValueError("loss_fn_inputs holds both 'weights' and 'mask'")
-        fields[_SAMPLE_FIELDS[key]] = tensor.data
-    if "target_tokens" not in fields:
-        raise ValueError("loss_fn_inputs needs 'target_tokens'")
-    return pb.Sample(input_tokens=tokens, **fields)
-
-
-def _targets_only(data: Sequence[Datum]) -> List[Datum]:
-    """`data` with only the target_tokens of each Datum (what forward needs
-    for cross_entropy's logprobs)."""
-    return [Datum(model_input=datum.model_input,
-                  loss_fn_inputs={"target_tokens":
-                                  datum.loss_fn_inputs["target_tokens"]})
-            for datum in data]
-
-
-def _forward_backward_output(
-        loss_fn: str,
-        response: ForwardBackwardResult) -> ForwardBackwardOutput:
-    """The ForwardBackwardOutput of a ForwardBackwardResult."""
-    outputs = [{"logprobs": _vector(result.logprobs),
-                "elementwise_loss": _vector(result.token_losses)}
-               for result in response.samples]
-    metrics = {"loss:sum": response.loss_sum,
-               "valid_tokens:sum": float(response.valid_tokens)}
-    policy = response.policy
-    if policy is not None and policy.tokens:
-        metrics.update({
-            "policy_tokens:sum": float(policy.tokens),
-            "ratio:mean": policy.ratio_mean,
-            "ratio:min": policy.ratio_min,
-            "ratio:max": policy.ratio_max,
-            "clipped_fraction:mean": policy.clipped_fraction,
-            "logprob_gap:mean": policy.logprob_gap_mean,
-            "logprob_gap:max": policy.logprob_gap_max,
-            "kl_k1:mean": policy.kl_k1,
-            "kl_k3:mean": policy.kl_k3,
-        })
-    return ForwardBackwardOutput(loss_fn_output_type=loss_fn,
-                                 loss_fn_outputs=outputs, metrics=metrics)
-
-
-def _vector(values: Sequence[float]) -> TensorData:
-    return TensorData(data=list(values), dtype="float32", shape=[len(values)])
-
-
-def _optim_step_response(
-        response: OptimStepResult) -> OptimStepResponse:
-    """The OptimStepResponse of a tally OptimStepResult."""
-    metrics = dict(response.metrics)
-    metrics.update(grad_norm=response.grad_norm, clip_coef=response.clip_coef,
-                   learning_rate=response.learning_rate,
-                   step=float(response.step), normalizer=response.normalizer,
-                   skipped=float(response.skipped))
-    return OptimStepResponse(metrics=metrics)

@@ -25,9 +25,10 @@ yet):
   model of that base that the client creates (an adapter with B = 0 over the
   shared base, so exactly the base's outputs) and deletes on close().
 
-A string stop needs a tokenizer (SamplingClient(tokenizer=...), or the
-`tokenizer=` of the calls that make one): without one, sample() raises
-ValueError before anything is sent.
+A string stop needs a tokenizer: the one given (SamplingClient(tokenizer=
+...), or the `tokenizer=` of the calls that make one), else get_tokenizer()'s
+(the base directory's files, readable where the client runs); without
+either, sample() raises ValueError before anything is sent.
 """
 
 from __future__ import annotations
@@ -38,9 +39,14 @@ from tally_client import client as tally
 from tally_client.results import SamplingResult, StopReason
 from tally_client.sampling import StopLike
 from tally_client.tinker.api_future import APIFuture
+from tally_client.tinker.tokenizer import load_tokenizer
 from tally_client.tinker.types import (ModelInput, SampledSequence,
                                        SampleResponse, SamplingParams)
 from tally_client.tinker.types import StopReason as TinkerStopReason
+
+# The base_model that names no checkpoint: the server builds the model, as
+# the embedded default (a small byte-level Llama) or of the `config` passed.
+DEMO_MODEL = "tally/demo"
 
 # Tinker's stop reasons by tally's.
 _STOP_REASONS: Dict[int, TinkerStopReason] = {StopReason.LENGTH: "length",
@@ -120,14 +126,17 @@ class SamplingClient:
         return await self.compute_logprobs(prompt)
 
     def get_tokenizer(self) -> Any:
-        """The tokenizer this client was given; tally serves none, so
-        without one: NotImplementedError naming what to do."""
+        """The tokenizer this client was given, else the one in the base
+        model's directory (get_base_model()), which must be readable here
+        (tally_client.tinker.tokenizer.load_tokenizer)."""
         if self._tokenizer is None:
-            raise NotImplementedError(
-                "get_tokenizer: tally serves no tokenizers: pass tokenizer= "
-                "when making the sampling client (e.g. transformers."
-                "AutoTokenizer.from_pretrained(<the base's HF directory>))")
+            self._tokenizer = load_tokenizer(
+                None if self._base_model == DEMO_MODEL else self._base_model)
         return self._tokenizer
+
+    def get_telemetry(self) -> None:
+        """None: tally keeps no client telemetry."""
+        return None
 
     def get_base_model(self) -> str:
         """The base model this client samples (or its model_id)."""
@@ -162,12 +171,14 @@ class SamplingClient:
         if not all(strings):
             raise ValueError("sampling_params.stop: strings or token ids, "
                              "not both")
-        if self._tokenizer is None:
+        try:
+            tokenizer = self.get_tokenizer()
+        except (ValueError, ImportError) as error:
             raise ValueError(
-                "sampling_params.stop: a string stop needs a tokenizer, which "
-                "tally does not serve: pass stop token ids, or make the "
-                "sampling client with tokenizer=...")
-        return [self._tokenizer.encode(item, add_special_tokens=False)
+                f"sampling_params.stop: a string stop needs a tokenizer "
+                f"({error}): pass stop token ids, or make the sampling "
+                f"client with tokenizer=...") from error
+        return [tokenizer.encode(item, add_special_tokens=False)
                 for item in items]
 
 

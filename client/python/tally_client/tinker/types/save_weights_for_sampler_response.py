@@ -1,0 +1,17 @@
+"""SaveWeightsForSamplerResponse: save_weights_for_sampler's result
+(Tinker's `tinker.types.save_weights_for_sampler_response`).
+
+    path = training_client.save_weights_for_sampler("s1").result().path
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SaveWeightsForSamplerResponse:
+    """save_weights_for_sampler's result: where the weights were
+    written."""
+
+    path: str

@@ -1,0 +1,89 @@
+"""A program written only against Tinker's public API (tinker_program.py)
+runs unchanged on a real tally-server, each phase in a fresh process: SL
+lowers the loss, RL with sampling raises the reward, a refused call is
+Tinker's BadRequestError, and the saved state resumes in a new process with
+the same loss.
+
+The base model is a tiny HF Llama directory written by the test (what a
+Tinker program names as "Qwen/Qwen3-8B" is, on tally, a directory the
+server reads). Seeded sampling and a single-rank server make every run the
+same."""
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+from hf_reference import hf_config, random_weights, write_hf_model
+from tally_testing import ServerTestCase
+
+CONFIG = hf_config("llama", vocab_size=16, hidden_size=32,
+                   intermediate_size=48, num_attention_heads=4,
+                   num_key_value_heads=2, num_hidden_layers=2,
+                   max_position_embeddings=64, rms_norm_eps=1e-5)
+PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                       "tinker_program.py")
+TIMEOUT = 300
+# What a server without resume-from-path answers create_training_client_
+# from_state(path) of a LoRA state.
+UNRESUMABLE = "holds a LoRA adapter without its base"
+
+
+class TinkerProgramTest(ServerTestCase):
+
+    def run_program(self, *args):
+        """The JSON report of tinker_program.py run with `args` in a new
+        process; skips the (sub)test when the server cannot yet resume a
+        LoRA state from its path alone (issue 33's server part)."""
+        out = os.path.join(self.temp_dir, f"{args[0]}.json")
+        done = subprocess.run(
+            [sys.executable, PROGRAM, args[0],
+             f"localhost:{self.server.grpc_port}", *args[1:], out],
+            capture_output=True, text=True, timeout=TIMEOUT, check=False)
+        if done.returncode != 0 and UNRESUMABLE in done.stderr:
+            self.skipTest(f"this server resumes no LoRA state from its path "
+                          f"alone: {UNRESUMABLE}")
+        self.assertEqual(done.returncode, 0, done.stderr[-4000:])
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)
+
+    def test_sl_rl_save_and_resume_in_a_new_process(self):
+        base = os.path.join(self.temp_dir, "base")
+        write_hf_model(base, CONFIG, random_weights(CONFIG, seed=5),
+                       storage="f32")
+        self.start_server(extra_args=["--checkpoint-root", self.temp_dir])
+        report = self.run_program("train", base)
+
+        losses = report["sl_losses"]
+        self.assertLess(losses[-1], 0.5 * losses[0], losses)
+        self.assertEqual(report["output_type"], "ArrayRecord")
+        # tally's optim_step metrics are its extras, so a loop that merges
+        # them into its own finds no "step" or "learning_rate" overwritten.
+        metrics = report["optim_metrics"]
+        self.assertEqual(metrics["tally/step"], 6.0)
+        self.assertFalse([name for name in metrics
+                          if not name.startswith("tally/")], metrics)
+
+        rewards = report["rewards"]
+        self.assertGreater(rewards[-1], rewards[0] + 0.3, rewards)
+        first = report["rl_metrics"][0]
+        # Without a mask, the positions padded with logprob 0 and advantage
+        # 0 (the prompt's) are not sampled tokens: the statistics count
+        # the 16 x 4 sampled ones only, and the sampler's logprobs are the
+        # trainer's own.
+        self.assertEqual(first["tally/policy_tokens:sum"], 16 * 4)
+        self.assertAlmostEqual(first["tally/ratio:mean"], 1.0, delta=1e-5)
+        self.assertLess(first["tally/logprob_gap:max"], 1e-5)
+
+        self.assertEqual(report["refused"],
+                         ["InvalidArgumentError", 400, True])
+        self.assertEqual(report["info"], base)
+
+        with self.subTest("resume in a new process"):
+            resumed = self.run_program("resume", report["state_path"])
+            self.assertEqual(resumed["loss"], report["loss_at_save"])
+
+
+if __name__ == "__main__":
+    unittest.main()
