@@ -28,7 +28,7 @@ this file decodes prompts greedily from an HF directory (one JSON line per
 prompt), the independent side of tally's decoding tests:
 
   python3 hf_reference.py greedy --model DIR --prompt 1,5,9 --prompt 4,2 \
-      --max-tokens 12
+      --max-tokens 12 [--dtype float32]
 
 A reference runs one unpadded sequence at a time (batch 1, attention_mask
 None, position_ids 0..T-1), in the dtype it is given (float64 for the exact
@@ -824,20 +824,29 @@ def write_hf_model(directory, config, weights, storage="bf16", shards=1):
 # Command line
 # ---------------------------------------------------------------------------
 
+_COMPUTE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        description="Greedy decoding of an HF model directory (float64) with "
-                    "the reference model; one JSON line per prompt: "
+        description="Greedy decoding of an HF model directory with the "
+                    "reference model (in float64 unless --dtype says "
+                    'otherwise); one JSON line per prompt: '
                     '{"tokens": [...], "logprobs": [...]}')
     parser.add_argument("command", choices=["greedy"])
     parser.add_argument("--model", required=True, help="an HF model directory")
     parser.add_argument("--prompt", action="append", required=True,
                         help="comma-separated token ids; repeat for more prompts")
     parser.add_argument("--max-tokens", type=int, required=True)
+    parser.add_argument("--dtype", choices=sorted(_COMPUTE_DTYPES),
+                        default="float64",
+                        help="the dtype the reference computes in (the "
+                             "weights are read as stored, then cast)")
     args = parser.parse_args(argv)
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    model = ReferenceCausalLM(config, read_hf_directory(args.model), torch.float64)
+    model = ReferenceCausalLM(config, read_hf_directory(args.model),
+                              _COMPUTE_DTYPES[args.dtype])
     for prompt in args.prompt:
         tokens, logprobs = model.greedy_decode([int(t) for t in prompt.split(",")],
                                                args.max_tokens)
