@@ -287,7 +287,8 @@ class TrainerService final : public v1::Trainer::CallbackService {
       const grpc::CallbackServerContext& context);
   // Rewrites a checkpoint path (of the server's copy of a request) to its
   // confined absolute form; PERMISSION_DENIED when it escapes
-  // --checkpoint-root.
+  // --checkpoint-root. A tally:// handle names its path under the tenant's
+  // root (FAILED_PRECONDITION without --checkpoint-root).
   absl::Status ConfinePath(const grpc::CallbackServerContext& context,
                            std::string* path);
   // The validation of a request naming a model and a directory: its
@@ -307,9 +308,11 @@ class TrainerService final : public v1::Trainer::CallbackService {
                                              const std::string& dir,
                                              int64_t step,
                                              uint64_t ttl_seconds);
-  // Resolves a CreateModel.init_checkpoint that names a model of
-  // --models-root (in the server's copy of the request).
-  absl::Status ResolveBaseModel(std::string* init_checkpoint) const;
+  // A CreateModel.init_checkpoint (the server's copy) that names a model of
+  // --models-root ("Org/Name", models_root.h) becomes its directory; any
+  // other is confined as a path (ConfinePath).
+  absl::Status ResolveInitCheckpoint(const grpc::CallbackServerContext& context,
+                                     std::string* init_checkpoint);
 
   Engine* engine_;
   CommandExecutor* executor_;
