@@ -29,7 +29,8 @@ absl::Status CheckPlainName(const std::string& name) {
 // The SHA-256 (hex) of the file at `path`.
 absl::StatusOr<std::string> FileSha256(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat("cannot read ", path.string()));
   std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> context(
       EVP_MD_CTX_new(), &EVP_MD_CTX_free);
   EVP_DigestInit_ex(context.get(), EVP_sha256(), nullptr);

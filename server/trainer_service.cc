@@ -998,7 +998,16 @@ TrainerService::DownloadArtifact(grpc::CallbackServerContext* context,
   }
   v1::DownloadArtifactChunk first;
   for (const v1::ArtifactFile& file : *manifest) *first.add_manifest() = file;
-  ArtifactReader reader(*dir, std::move(*manifest), request->offset());
+  // A chunk and its few fields stay under --max-message-bytes.
+  constexpr int64_t kFieldsBytes = 4096;
+  const uint64_t chunk_bytes =
+      options_.max_message_bytes > 0
+          ? static_cast<uint64_t>(std::clamp<int64_t>(
+                options_.max_message_bytes - kFieldsBytes, kFieldsBytes,
+                static_cast<int64_t>(ArtifactReader::kDefaultChunkBytes)))
+          : ArtifactReader::kDefaultChunkBytes;
+  ArtifactReader reader(*dir, std::move(*manifest), request->offset(),
+                        chunk_bytes);
   const absl::StatusOr<uint64_t> total = reader.Validate();
   if (!total.ok()) return ArtifactDownload::Refuse(total.status(), finished);
   first.set_total_bytes(*total);

@@ -79,7 +79,10 @@ def verify_files(local_dir: str, manifest: Sequence[Any]) -> None:
         digest = hashlib.sha256()
         try:
             with open(path, "rb") as data:
-                for block in iter(lambda d=data: d.read(1 << 20), b""):
+                while True:
+                    block = data.read(1 << 20)
+                    if not block:
+                        break
                     digest.update(block)
         except FileNotFoundError:
             pass
@@ -103,7 +106,7 @@ def progress_reporter(progress: ProgressLike) -> Optional[Progress]:
         return None
     try:
         # pylint: disable-next=import-outside-toplevel
-        from tqdm import tqdm  # type: ignore[import-untyped]
+        from tqdm import tqdm
     except ImportError:
         tqdm = None
     bar: Any = None
