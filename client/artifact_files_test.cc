@@ -37,6 +37,7 @@ class ArtifactFilesTest : public ::testing::Test {
                "artifact_files_test_", getpid(), "_",
                ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
+    fs::create_directories(dir_);
     for (const auto& [name, data] : files_) {
       v1::ArtifactFile* file = manifest_.Add();
       file->set_path(name);
