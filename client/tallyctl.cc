@@ -1156,8 +1156,10 @@ int Main(std::vector<std::string> args) {
       std::cout << Overview();
       return 0;
     }
-    // "tallyctl help train" == "tallyctl train --help".
-    args = {args[1], "--help"};
+    // "tallyctl help train" == "tallyctl train --help" (and so for a
+    // two-word command).
+    args.erase(args.begin());
+    args.push_back("--help");
   }
   // Two-word commands ("checkpoints list") as one name.
   if (args.size() > 1 &&

@@ -289,6 +289,10 @@ TEST_F(ArtifactsE2eTest, TallyctlListsDownloadsAndDeletes) {
   EXPECT_THAT(out, HasSubstr("NOT_FOUND"));
   std::tie(code, out) = run("checkpoints download tally://runs/s1");
   EXPECT_EQ(code, 2) << out;
+  std::tie(code, out) = run("help checkpoints download");
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("tallyctl checkpoints download"));
+  EXPECT_THAT(out, HasSubstr("HANDLE DIR"));
 }
 
 }  // namespace

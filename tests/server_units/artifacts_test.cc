@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-std::string Sha256Hex(const std::string& data) {
+std::string HexDigestOf(const std::string& data) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int size = 0;
   EVP_Digest(data.data(), data.size(), digest, &size, EVP_sha256(), nullptr);
@@ -28,7 +28,7 @@ std::string Sha256Hex(const std::string& data) {
       absl::string_view(reinterpret_cast<const char*>(digest), size));
 }
 
-void WriteFile(const fs::path& path, const std::string& data) {
+void WriteTestFile(const fs::path& path, const std::string& data) {
   fs::create_directories(path.parent_path());
   std::ofstream(path, std::ios::binary | std::ios::trunc) << data;
 }
@@ -41,10 +41,10 @@ void WriteArtifact(const fs::path& dir,
   if (state) files.emplace_back("tally.json", "{\"step\": 3}");
   std::string list;
   for (const auto& [name, data] : files) {
-    WriteFile(dir / name, data);
-    absl::StrAppend(&list, Sha256Hex(data), "  ", name, "\n");
+    WriteTestFile(dir / name, data);
+    absl::StrAppend(&list, HexDigestOf(data), "  ", name, "\n");
   }
-  WriteFile(dir / "checksums.sha256", list);
+  WriteTestFile(dir / "checksums.sha256", list);
 }
 
 class ArtifactsTest : public ::testing::Test {
@@ -97,7 +97,7 @@ TEST_F(ArtifactsTest, EscapesAreInvalidArguments) {
 }
 
 TEST_F(ArtifactsTest, ADirectoryWithoutChecksumsOrAStagingCopyIsNotFound) {
-  WriteFile(root_ / "alice/plain/file", "x");
+  WriteTestFile(root_ / "alice/plain/file", "x");
   WriteArtifact(root_ / "alice/.s1.staging-1-1", {{"a", "b"}}, true);
   EXPECT_EQ(Store().Resolve("alice", "tally://plain").status().code(),
             absl::StatusCode::kNotFound);
@@ -185,19 +185,19 @@ TEST_F(ArtifactsTest, ManifestListsChecksummedFilesThenTheList) {
   // The record is not part of a download.
   EXPECT_THAT(names, ElementsAre("a.bin", "b.bin", "checksums.sha256"));
   EXPECT_EQ(files[0].size_bytes(), 5);
-  EXPECT_EQ(files[0].sha256(), Sha256Hex("hello"));
+  EXPECT_EQ(files[0].sha256(), HexDigestOf("hello"));
   std::ifstream list(root_ / "alice/s1/checksums.sha256");
   const std::string text((std::istreambuf_iterator<char>(list)), {});
-  EXPECT_EQ(files[2].sha256(), Sha256Hex(text));
+  EXPECT_EQ(files[2].sha256(), HexDigestOf(text));
 }
 
 TEST_F(ArtifactsTest, AMalformedOrEscapingListIsDataLoss) {
-  WriteFile(root_ / "alice/s1/checksums.sha256",
-            absl::StrCat(std::string(64, 'a'), "  ../../etc/passwd\n"));
+  WriteTestFile(root_ / "alice/s1/checksums.sha256",
+                absl::StrCat(std::string(64, 'a'), "  ../../etc/passwd\n"));
   EXPECT_EQ(Store().Manifest((root_ / "alice/s1").string()).status().code(),
             absl::StatusCode::kDataLoss);
-  WriteFile(root_ / "alice/s2/checksums.sha256",
-            absl::StrCat(std::string(64, 'a'), "  missing\n"));
+  WriteTestFile(root_ / "alice/s2/checksums.sha256",
+                absl::StrCat(std::string(64, 'a'), "  missing\n"));
   EXPECT_EQ(Store().Manifest((root_ / "alice/s2").string()).status().code(),
             absl::StatusCode::kDataLoss);
 }
@@ -253,7 +253,7 @@ TEST_F(ArtifactsTest, ReaderRefusesAnOffsetPastTheEndAndATruncatedFile) {
   EXPECT_EQ(
       ArtifactReader(dir.string(), files, total + 1).Validate().status().code(),
       absl::StatusCode::kOutOfRange);
-  WriteFile(dir / "a", "01234");  // truncated after the manifest was made
+  WriteTestFile(dir / "a", "01234");  // truncated after the manifest was made
   ArtifactReader reader(dir.string(), files, 0);
   v1::DownloadArtifactChunk piece;
   EXPECT_EQ(reader.Next(&piece).status().code(), absl::StatusCode::kDataLoss);

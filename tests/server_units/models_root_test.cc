@@ -16,7 +16,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::ElementsAre;
 
-void WriteFile(const fs::path& path, const std::string& data) {
+void WriteModelFile(const fs::path& path, const std::string& data) {
   fs::create_directories(path.parent_path());
   std::ofstream(path, std::ios::trunc) << data;
 }
@@ -48,33 +48,33 @@ class ModelsRootTest : public ::testing::Test {
 
 TEST_F(ModelsRootTest, HubCacheUsesRefsMain) {
   const fs::path entry = root_ / "models/models--Qwen--Qwen3-8B";
-  WriteFile(entry / "snapshots/aaa/config.json", "{}");
-  WriteFile(entry / "snapshots/bbb/config.json", "{}");
-  WriteFile(entry / "refs/main", "bbb\n");
+  WriteModelFile(entry / "snapshots/aaa/config.json", "{}");
+  WriteModelFile(entry / "snapshots/bbb/config.json", "{}");
+  WriteModelFile(entry / "refs/main", "bbb\n");
   EXPECT_EQ(Resolve("Qwen/Qwen3-8B"),
             fs::canonical(entry / "snapshots/bbb").string());
 }
 
 TEST_F(ModelsRootTest, HubCacheWithOneSnapshotNeedsNoRef) {
   const fs::path entry = root_ / "models/models--Org--M";
-  WriteFile(entry / "snapshots/only/config.json", "{}");
+  WriteModelFile(entry / "snapshots/only/config.json", "{}");
   EXPECT_EQ(Resolve("Org/M"), fs::canonical(entry / "snapshots/only").string());
 }
 
 TEST_F(ModelsRootTest, SeveralSnapshotsWithoutRefOrABadRefAreRefused) {
   const fs::path entry = root_ / "models/models--Org--M";
-  WriteFile(entry / "snapshots/a/config.json", "{}");
-  WriteFile(entry / "snapshots/b/config.json", "{}");
+  WriteModelFile(entry / "snapshots/a/config.json", "{}");
+  WriteModelFile(entry / "snapshots/b/config.json", "{}");
   EXPECT_EQ(ResolveModelName(models_, "Org/M").status().code(),
             absl::StatusCode::kFailedPrecondition);
-  WriteFile(entry / "refs/main", "../../../etc");
+  WriteModelFile(entry / "refs/main", "../../../etc");
   EXPECT_EQ(ResolveModelName(models_, "Org/M").status().code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(ModelsRootTest, PlainFolders) {
-  WriteFile(root_ / "models/meta/Llama-1B/config.json", "{}");
-  WriteFile(root_ / "models/tiny/config.json", "{}");
+  WriteModelFile(root_ / "models/meta/Llama-1B/config.json", "{}");
+  WriteModelFile(root_ / "models/tiny/config.json", "{}");
   EXPECT_EQ(Resolve("meta/Llama-1B"),
             fs::canonical(root_ / "models/meta/Llama-1B").string());
   EXPECT_EQ(Resolve("tiny"), fs::canonical(root_ / "models/tiny").string());
@@ -82,8 +82,8 @@ TEST_F(ModelsRootTest, PlainFolders) {
 }
 
 TEST_F(ModelsRootTest, NamesCannotEscapeTheRoot) {
-  WriteFile(root_ / "outside/config.json", "{}");
-  WriteFile(root_ / "models/org/config.json", "{}");
+  WriteModelFile(root_ / "outside/config.json", "{}");
+  WriteModelFile(root_ / "models/org/config.json", "{}");
   for (const char* name :
        {"../outside", "org/..", "/abs/path", "./org", "a/b/c", ".hidden", ""}) {
     EXPECT_EQ(Resolve(name), std::nullopt) << name;
@@ -95,12 +95,12 @@ TEST_F(ModelsRootTest, NamesCannotEscapeTheRoot) {
 }
 
 TEST_F(ModelsRootTest, ListsBothLayouts) {
-  WriteFile(root_ / "models/models--Qwen--Qwen3-8B/snapshots/r/config.json",
-            "{}");
-  WriteFile(root_ / "models/models--Org--Empty/refs/main", "x");
-  WriteFile(root_ / "models/meta/Llama-1B/config.json", "{}");
-  WriteFile(root_ / "models/tiny/config.json", "{}");
-  WriteFile(root_ / "models/notes/readme.txt", "");
+  WriteModelFile(
+      root_ / "models/models--Qwen--Qwen3-8B/snapshots/r/config.json", "{}");
+  WriteModelFile(root_ / "models/models--Org--Empty/refs/main", "x");
+  WriteModelFile(root_ / "models/meta/Llama-1B/config.json", "{}");
+  WriteModelFile(root_ / "models/tiny/config.json", "{}");
+  WriteModelFile(root_ / "models/notes/readme.txt", "");
   EXPECT_THAT(ListModelNames(models_),
               ElementsAre("Qwen/Qwen3-8B", "meta/Llama-1B", "tiny"));
 }
