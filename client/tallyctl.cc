@@ -906,6 +906,110 @@ class ConnectionFlags {
   std::string ca_cert_, client_cert_, client_key_, server_name_;
 };
 
+// Artifacts: tallyctl checkpoints list|delete|download.
+
+std::string ArtifactKindName(v1::ArtifactKind kind) {
+  switch (kind) {
+    case v1::ARTIFACT_KIND_STATE:
+      return "state";
+    case v1::ARTIFACT_KIND_EXPORT:
+      return "export";
+    case v1::ARTIFACT_KIND_SAMPLER_SNAPSHOT:
+      return "sampler";
+    default:
+      return "unknown";
+  }
+}
+
+std::string UnixTimeText(int64_t seconds) {
+  if (seconds == 0) return "-";
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::FromUnixSeconds(seconds),
+                          absl::UTCTimeZone());
+}
+
+class CheckpointsListCommand : public Command {
+ public:
+  void AddFlags(FlagParser& flags) override {
+    flags.Add("model", &model_, "only this model's artifacts (empty: all)");
+  }
+
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
+    v1::ListCheckpointsRequest request;
+    request.set_model_id(model_);
+    TALLY_ASSIGN_OR_RETURN(v1::ListCheckpointsResponse response,
+                           client.ListCheckpoints(request));
+    return out.Print(response, [&](std::ostream& os) {
+      if (response.artifacts().empty()) os << "no checkpoints\n";
+      for (const v1::Artifact& a : response.artifacts()) {
+        os << absl::StrFormat(
+            "%s  %s  model %s  step %d  %d bytes  created %s  expires %s\n",
+            a.handle(), ArtifactKindName(a.kind()),
+            a.model_id().empty() ? "-" : a.model_id(), a.step(), a.size_bytes(),
+            UnixTimeText(a.created_unix_seconds()),
+            UnixTimeText(a.expires_unix_seconds()));
+      }
+    });
+  }
+
+ private:
+  std::string model_;
+};
+
+class CheckpointsDeleteCommand : public Command {
+ public:
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
+    v1::DeleteCheckpointRequest request;
+    request.set_handle(args[0]);
+    TALLY_ASSIGN_OR_RETURN(v1::DeleteCheckpointResponse response,
+                           client.DeleteCheckpoint(request));
+    return out.Print(response, [&](std::ostream& os) {
+      os << "deleted " << response.deleted().handle() << " ("
+         << response.deleted().size_bytes() << " bytes)\n";
+    });
+  }
+};
+
+class CheckpointsDownloadCommand : public Command {
+ public:
+  void AddFlags(FlagParser& flags) override {
+    flags.Add("quiet", &quiet_, "no progress on stderr");
+  }
+
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
+    std::function<void(uint64_t, uint64_t)> progress;
+    if (!quiet_) {
+      progress = [](uint64_t done, uint64_t total) {
+        std::cerr << absl::StrFormat("\r%d / %d bytes", done, total)
+                  << (done == total ? "\n" : "") << std::flush;
+      };
+    }
+    TALLY_ASSIGN_OR_RETURN(ArtifactManifest manifest,
+                           client.DownloadArtifact(args[0], args[1], progress));
+    uint64_t bytes = 0;
+    nlohmann::ordered_json files = nlohmann::ordered_json::array();
+    for (const v1::ArtifactFile& file : manifest) {
+      bytes += file.size_bytes();
+      files.push_back({{"path", file.path()},
+                       {"size_bytes", file.size_bytes()},
+                       {"sha256", file.sha256()}});
+    }
+    out.Print({{"handle", args[0]},
+               {"dir", args[1]},
+               {"bytes", bytes},
+               {"files", files}},
+              absl::StrFormat("downloaded %s to %s (%d files, %d bytes, "
+                              "checksums verified)\n",
+                              args[0], args[1], manifest.size(), bytes));
+    return absl::OkStatus();
+  }
+
+ private:
+  bool quiet_ = false;
+};
+
 struct CommandSpec {
   std::string name;
   std::vector<std::string> positional;
@@ -996,6 +1100,26 @@ const std::vector<CommandSpec>& Commands() {
        "step time so far times the steps left); with --output json one "
        "object per step.",
        [] { return std::make_unique<TrainCommand>(); }},
+      {"checkpoints list",
+       {},
+       "Lists the saved checkpoints and exports.",
+       "Lists your checkpoints and weight exports under the server's "
+       "--checkpoint-root (ListCheckpoints): handle, kind (state or "
+       "export), model, step, size, created and expiry (ttl_seconds).",
+       [] { return std::make_unique<CheckpointsListCommand>(); }},
+      {"checkpoints delete",
+       {"HANDLE"},
+       "Deletes a checkpoint or export.",
+       "Deletes the checkpoint or export HANDLE (tally://...) on the "
+       "server.",
+       [] { return std::make_unique<CheckpointsDeleteCommand>(); }},
+      {"checkpoints download",
+       {"HANDLE", "DIR"},
+       "Downloads a checkpoint or export.",
+       "Downloads the files of HANDLE (tally://...) into the local "
+       "directory DIR, resuming a partial download found there, and "
+       "verifies every file's SHA-256.",
+       [] { return std::make_unique<CheckpointsDownloadCommand>(); }},
   };
   return *commands;
 }
@@ -1032,8 +1156,19 @@ int Main(std::vector<std::string> args) {
       std::cout << Overview();
       return 0;
     }
-    // "tallyctl help train" == "tallyctl train --help".
-    args = {args[1], "--help"};
+    // "tallyctl help train" == "tallyctl train --help" (and so for a
+    // two-word command).
+    args.erase(args.begin());
+    args.push_back("--help");
+  }
+  // Two-word commands ("checkpoints list") as one name.
+  if (args.size() > 1 &&
+      std::any_of(Commands().begin(), Commands().end(),
+                  [&](const CommandSpec& s) {
+                    return s.name == absl::StrCat(args[0], " ", args[1]);
+                  })) {
+    args[1] = absl::StrCat(args[0], " ", args[1]);
+    args.erase(args.begin());
   }
   const auto spec =
       std::find_if(Commands().begin(), Commands().end(),

@@ -247,4 +247,103 @@ absl::Status TrainerClient::WaitForServing(absl::Duration timeout) {
   }
 }
 
+// Artifacts.
+
+absl::StatusOr<v1::ListCheckpointsResponse> TrainerClient::ListCheckpoints(
+    const v1::ListCheckpointsRequest& request) {
+  return Invoke<v1::ListCheckpointsResponse>(
+      /*retryable=*/true, [&](auto* context, auto* response) {
+        return trainer_->ListCheckpoints(context, request, response);
+      });
+}
+
+absl::StatusOr<v1::DeleteCheckpointResponse> TrainerClient::DeleteCheckpoint(
+    const v1::DeleteCheckpointRequest& request) {
+  return Invoke<v1::DeleteCheckpointResponse>(
+      /*retryable=*/false, [&](auto* context, auto* response) {
+        return trainer_->DeleteCheckpoint(context, request, response);
+      });
+}
+
+namespace {
+
+// Whether two manifests name the same files with the same contents.
+bool SameManifest(const ArtifactManifest& a, const ArtifactManifest& b) {
+  if (a.size() != b.size()) return false;
+  for (int i = 0; i < a.size(); ++i) {
+    if (a[i].path() != b[i].path() || a[i].size_bytes() != b[i].size_bytes() ||
+        a[i].sha256() != b[i].sha256()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::DownloadArtifactChunk> TrainerClient::StreamArtifact(
+    const std::string& handle, uint64_t offset, bool manifest_only,
+    const std::string& local_dir,
+    const std::function<void(uint64_t, uint64_t)>& progress) {
+  grpc::ClientContext context;
+  SetDeadline(context, absl::Now() + deadline_);
+  Authorize(context);
+  v1::DownloadArtifactRequest request;
+  request.set_handle(handle);
+  request.set_offset(offset);
+  request.set_manifest_only(manifest_only);
+  std::unique_ptr<grpc::ClientReader<v1::DownloadArtifactChunk>> reader =
+      trainer_->DownloadArtifact(&context, request);
+  v1::DownloadArtifactChunk first;
+  const bool got_first = reader->Read(&first);
+  if (got_first && progress) progress(offset, first.total_bytes());
+  absl::Status written;
+  v1::DownloadArtifactChunk chunk;
+  while (got_first && written.ok() && reader->Read(&chunk)) {
+    written = WriteChunk(local_dir, chunk);
+    if (written.ok() && progress) {
+      progress(chunk.offset() + chunk.data().size(), first.total_bytes());
+    }
+  }
+  if (!written.ok()) context.TryCancel();
+  const absl::Status finished = FromGrpcStatus(reader->Finish());
+  TALLY_RETURN_IF_ERROR(written);
+  TALLY_RETURN_IF_ERROR(finished);
+  if (!got_first) return absl::InternalError("the server sent no manifest");
+  return first;
+}
+
+absl::StatusOr<ArtifactManifest> TrainerClient::DownloadArtifact(
+    const std::string& handle, const std::string& local_dir,
+    const std::function<void(uint64_t, uint64_t)>& progress) {
+  TALLY_ASSIGN_OR_RETURN(
+      const v1::DownloadArtifactChunk head,
+      StreamArtifact(handle, 0, /*manifest_only=*/true, local_dir, nullptr));
+  absl::Duration backoff = retry_.initial_backoff;
+  for (int attempt = 1;; ++attempt) {
+    TALLY_ASSIGN_OR_RETURN(const uint64_t offset,
+                           ResumeOffset(local_dir, head.manifest()));
+    if (offset == head.total_bytes()) {
+      if (progress) progress(offset, offset);
+      break;
+    }
+    absl::StatusOr<v1::DownloadArtifactChunk> streamed = StreamArtifact(
+        handle, offset, /*manifest_only=*/false, local_dir, progress);
+    if (streamed.ok() && !SameManifest(streamed->manifest(), head.manifest())) {
+      return absl::AbortedError(
+          absl::StrCat(handle,
+                       " was replaced during the download; download "
+                       "it again into an empty directory"));
+    }
+    if (streamed.ok()) break;
+    if (!IsRetryable(streamed.status()) || attempt >= retry_.max_attempts) {
+      return streamed.status();
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, retry_.max_backoff);
+  }
+  TALLY_RETURN_IF_ERROR(VerifyFiles(local_dir, head.manifest()));
+  return head.manifest();
+}
+
 }  // namespace tally

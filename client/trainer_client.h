@@ -38,6 +38,7 @@
 #include <grpcpp/support/status.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,6 +46,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/artifact_files.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tally/v1/trainer.grpc.pb.h"
 
@@ -130,7 +132,30 @@ class TrainerClient {
   // last answer (a status or a serving state) in the message.
   absl::Status WaitForServing(absl::Duration timeout);
 
+  // Artifacts (tally:// handles; the server's --checkpoint-root).
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(
+      const v1::ListCheckpointsRequest& request);
+  // Not retried: a repeat of an applied delete would be NOT_FOUND.
+  absl::StatusOr<v1::DeleteCheckpointResponse> DeleteCheckpoint(
+      const v1::DeleteCheckpointRequest& request);
+  // Downloads the artifact `handle` into `local_dir` (created), resuming
+  // after the bytes already there (client/artifact_files.h), and verifies
+  // every file's SHA-256 (DATA_LOSS naming a mismatch). `progress`, when
+  // set, gets (bytes held, total) after the manifest and after each chunk.
+  // Returns the manifest. A broken stream is resumed up to the retry
+  // policy's attempts.
+  absl::StatusOr<ArtifactManifest> DownloadArtifact(
+      const std::string& handle, const std::string& local_dir,
+      const std::function<void(uint64_t, uint64_t)>& progress = nullptr);
+
  private:
+  // One DownloadArtifact stream from `offset` (manifest-only when asked):
+  // its first message, the data chunks written into `local_dir`.
+  absl::StatusOr<v1::DownloadArtifactChunk> StreamArtifact(
+      const std::string& handle, uint64_t offset, bool manifest_only,
+      const std::string& local_dir,
+      const std::function<void(uint64_t, uint64_t)>& progress);
+
   // Runs `rpc(context, response)` under the configured deadline (per
   // attempt), retrying transient failures when `retryable`.
   template <typename Response, typename Rpc>

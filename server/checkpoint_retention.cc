@@ -65,4 +65,30 @@ absl::Status PruneStepCheckpoints(const std::string& model_dir, int keep) {
   return absl::OkStatus();
 }
 
+PeriodicSweep::PeriodicSweep(absl::Duration interval,
+                             std::function<void()> pass)
+    : interval_(interval),
+      pass_(std::move(pass)),
+      thread_([this] { Loop(); }) {}
+
+PeriodicSweep::~PeriodicSweep() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+void PeriodicSweep::Loop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time due = absl::Now() + interval_;
+      mu_.AwaitWithDeadline(absl::Condition(&stopping_), due);
+      if (stopping_) return;
+    }
+    pass_();
+  }
+}
+
 }  // namespace tally

@@ -7,8 +7,10 @@
 #include "server/flags.h"
 
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -116,6 +118,9 @@ ABSL_FLAG(int64_t, zero_stage,
 // Checkpoints (docs/checkpoints.md).
 ABSL_FLAG(std::string, checkpoint_root, tally::Defaults().checkpoint_root,
           "client checkpoint paths must lie inside DIR (relative: under it)");
+ABSL_FLAG(std::string, models_root, tally::Defaults().models_root,
+          "CreateModel init_checkpoint names such as Org/Name resolve in DIR "
+          "(HF hub cache layout or Org/Name folders)");
 ABSL_FLAG(std::string, checkpoint_dir, tally::Defaults().checkpoint_dir,
           "periodic checkpoints and --resume: DIR/<model>/step-<N>/");
 ABSL_FLAG(int64_t, checkpoint_every_steps,
@@ -236,6 +241,7 @@ const std::vector<FlagSection>& Sections() {
         {"allow-tf32", nullptr}}},
       {"Checkpoints",
        {{"checkpoint-root", "DIR"},
+        {"models-root", "DIR"},
         {"checkpoint-dir", "DIR"},
         {"checkpoint-every-steps", "N"},
         {"checkpoint-keep", "K"},
@@ -485,6 +491,13 @@ absl::Status SetTrainingOptions(ServerOptions& o) {
 
 absl::Status SetCheckpointOptions(ServerOptions& o) {
   o.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  o.models_root = absl::GetFlag(FLAGS_models_root);
+  std::error_code models_root_error;
+  if (!o.models_root.empty() &&
+      !std::filesystem::is_directory(o.models_root, models_root_error)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--models-root ", o.models_root, " is not a directory"));
+  }
   o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   TALLY_RETURN_IF_ERROR(SetInt(FLAGS_checkpoint_every_steps, 0,
                                int64_t{1} << 40, &o.checkpoint_every_steps));

@@ -462,6 +462,7 @@ absl::StatusOr<std::unique_ptr<TallyServer>> TallyServer::Start(
   service_options.devices =
       DescribeDevices(device, options.allow_tf32, QueryCudaFacts());
   service_options.checkpoint_root = options.checkpoint_root;
+  service_options.models_root = options.models_root;
   if (!options.auth_tokens_file.empty()) {
     TALLY_ASSIGN_OR_RETURN(s->authenticator_,
                            Authenticator::FromFile(options.auth_tokens_file));

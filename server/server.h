@@ -108,6 +108,9 @@ struct ServerOptions {
   // (SaveCheckpoint, LoadCheckpoint, init_checkpoint) must lie inside this
   // existing directory; relative ones are taken relative to it.
   std::string checkpoint_root;
+  // Non-empty: CreateModel.init_checkpoint names such as "Org/Name" resolve
+  // in this directory (server/models_root.h); GetServerInfo lists them.
+  std::string models_root;
   // Periodic checkpoints and --resume: <dir>/<model_id>/step-<N>/ (with
   // auth, <dir>/<tenant>/<model_id>/step-<N>/).
   std::string checkpoint_dir;

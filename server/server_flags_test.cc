@@ -172,6 +172,7 @@ TEST(ServerFlagsTest, BadFlagsAreNamed) {
                          {{"--log-format", "yaml"}, "--log-format"},
                          {{"--max-message-bytes", "10"}, "--max-message-bytes"},
                          {{"--metrics-port"}, "--metrics-port"},
+                         {{"--models-root", "/no/such/dir"}, "--models-root"},
                          {{"--no-such-flag"}, "--no-such-flag"},
                          {{"positional"}, "positional"}}) {
     auto flags = Parse(c.args);
@@ -180,6 +181,13 @@ TEST(ServerFlagsTest, BadFlagsAreNamed) {
     EXPECT_NE(flags.status().message().find(c.named), std::string::npos)
         << flags.status();
   }
+}
+
+TEST(ServerFlagsTest, ModelsRootReachesTheServerOptions) {
+  EXPECT_EQ(Parse({})->options.models_root, "");
+  auto flags = Parse({"--models-root", "/tmp"});
+  ASSERT_TRUE(flags.ok()) << flags.status();
+  EXPECT_EQ(flags->options.models_root, "/tmp");
 }
 
 TEST(ServerFlagsTest, EachParseStartsFromTheDefaults) {

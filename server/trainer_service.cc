@@ -12,6 +12,7 @@
 #include <system_error>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/error_reason.h"
 #include "base/log.h"
@@ -21,9 +22,11 @@
 #include "runtime/checkpoint/directory_identity.h"
 #include "runtime/config/memory_estimate.h"
 #include "runtime/model/llama_model.h"
+#include "server/artifact_download.h"
 #include "server/cancellable_reactor.h"
 #include "server/commands.h"
 #include "server/convert.h"
+#include "server/models_root.h"
 #include "server/path_confinement.h"
 #include "server/server_info.h"
 
@@ -122,6 +125,14 @@ TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
   metrics->SetMemoryLimits(options_.memory.limit_bytes,
                            options_.memory.per_tenant_bytes);
   AdmitExistingModels();
+  if (!options_.checkpoint_root.empty()) {
+    artifacts_.emplace(options_.checkpoint_root);
+    sweep_ = std::make_unique<PeriodicSweep>(
+        options_.artifact_sweep_interval, [this] {
+          executor_->Submit(
+              [this] { artifacts_->SweepExpired(options_.clock()); });
+        });
+  }
   if (options_.checkpointer != nullptr) {
     options_.checkpointer->set_server_state_source(
         [this](const std::string& model_id) {
@@ -162,6 +173,7 @@ std::string TrainerService::SequencingState(const std::string& model_id) const {
 }
 
 void TrainerService::StopExecuting() {
+  sweep_.reset();
   stopped_ = true;
   scheduler_.sequencer().Stop(StoppedBeforeRunning());
 }
@@ -432,6 +444,11 @@ absl::StatusOr<std::string> TrainerService::AuthenticateCall(
 
 absl::Status TrainerService::ConfinePath(
     const grpc::CallbackServerContext& context, std::string* path) {
+  if (absl::StartsWith(*path, kHandleScheme)) {
+    // A handle names its path under the tenant's root.
+    TALLY_RETURN_IF_ERROR(ArtifactsAvailable());
+    path->erase(0, sizeof(kHandleScheme) - 1);
+  }
   if (options_.checkpoint_root.empty()) return absl::OkStatus();
   absl::StatusOr<std::string> tenant = Authenticate(context);
   if (!tenant.ok()) return absl::OkStatus();  // Execute refuses the call
@@ -544,7 +561,8 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
                                   : ValidateModelId(request->model_id()),
       spec->status());
   if (validation.ok() && !request->init_checkpoint().empty()) {
-    validation = ConfinePath(*context, server_form->mutable_init_checkpoint());
+    validation =
+        ResolveInitCheckpoint(*context, server_form->mutable_init_checkpoint());
   }
   if (validation.ok() && !request->lora().init_adapter().empty()) {
     validation = ConfinePath(
@@ -602,6 +620,11 @@ grpc::ServerUnaryReactor* TrainerService::GetServerInfo(
     FillServerInfo(engine_->mesh(), engine_->zero_stage(), ServerInfoLimits(),
                    options_.devices, options_.authenticator != nullptr,
                    response);
+    if (!options_.models_root.empty()) {
+      for (std::string& name : ListModelNames(options_.models_root)) {
+        response->add_base_models(std::move(name));
+      }
+    }
   }
   Finish("GetServerInfo", reactor, tenant.status());
   return reactor;
@@ -740,17 +763,25 @@ grpc::ServerUnaryReactor* TrainerService::SaveCheckpoint(
     v1::SaveCheckpointResponse* response) {
   auto server_form = std::make_shared<v1::SaveCheckpointRequest>(*request);
   const absl::Status validation = ValidateModelAndPath(
-      *context, request->model_id(), ValidateCheckpointPath(request->path()),
+      *context, request->model_id(),
+      FirstError(
+          ValidateCheckpointPath(request->path()),
+          request->ttl_seconds() > 0 ? ArtifactsAvailable() : absl::OkStatus()),
       server_form->mutable_path());
-  return Execute({"SaveCheckpoint", context, server_form->mutable_model_id(),
-                  request->seq_id(), server_form.get(), response},
-                 validation, [this, server_form, response] {
-                   RankZeroData rank_zero;
-                   rank_zero.server_state =
-                       SequencingState(server_form->model_id());
-                   return commands_.Run(kSaveCheckpointCommand, *server_form,
-                                        response, rank_zero);
-                 });
+  return Execute(
+      {"SaveCheckpoint", context, server_form->mutable_model_id(),
+       request->seq_id(), server_form.get(), response},
+      validation, [this, server_form, response] {
+        RankZeroData rank_zero;
+        rank_zero.server_state = SequencingState(server_form->model_id());
+        TALLY_RETURN_IF_ERROR(commands_.Run(kSaveCheckpointCommand,
+                                            *server_form, response, rank_zero));
+        TALLY_ASSIGN_OR_RETURN(
+            *response->mutable_handle(),
+            RecordArtifact(server_form->model_id(), response->path(),
+                           response->step(), server_form->ttl_seconds()));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::LoadCheckpoint(
@@ -810,15 +841,27 @@ grpc::ServerUnaryReactor* TrainerService::ExportWeights(
   auto server_form = std::make_shared<v1::ExportWeightsRequest>(*request);
   auto options = std::make_shared<absl::StatusOr<ExportOptions>>(
       kExportWeightsCommand.parse(*request));
-  const absl::Status validation =
-      ValidateModelAndPath(*context, request->model_id(), options->status(),
-                           server_form->mutable_path());
-  return Execute({"ExportWeights", context, server_form->mutable_model_id(),
-                  request->seq_id(), server_form.get(), response},
-                 validation, [this, server_form, options, response] {
-                   return commands_.Run(kExportWeightsCommand, *server_form,
-                                        **options, response);
-                 });
+  const absl::Status validation = ValidateModelAndPath(
+      *context, request->model_id(),
+      FirstError(options->status(), request->ttl_seconds() > 0
+                                        ? ArtifactsAvailable()
+                                        : absl::OkStatus()),
+      server_form->mutable_path());
+  return Execute(
+      {"ExportWeights", context, server_form->mutable_model_id(),
+       request->seq_id(), server_form.get(), response},
+      validation, [this, server_form, options, response]() -> absl::Status {
+        TALLY_RETURN_IF_ERROR(commands_.Run(kExportWeightsCommand, *server_form,
+                                            **options, response));
+        const absl::StatusOr<ModelSummary> model =
+            engine_->GetModel(server_form->model_id());
+        TALLY_ASSIGN_OR_RETURN(
+            *response->mutable_handle(),
+            RecordArtifact(server_form->model_id(), response->path(),
+                           model.ok() ? model->step : 0,
+                           server_form->ttl_seconds()));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::Sample(
@@ -861,6 +904,118 @@ grpc::ServerUnaryReactor* TrainerService::ComputeLogprobs(
                    return commands_.Run(kComputeLogprobsCommand, *server_form,
                                         **args, response);
                  });
+}
+
+// Artifacts through the API (server/artifacts.h).
+
+absl::Status TrainerService::ArtifactsAvailable() const {
+  if (artifacts_.has_value()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "this server keeps no artifacts: start it with --checkpoint-root for "
+      "tally:// handles, ttl_seconds and the artifact RPCs");
+}
+
+absl::StatusOr<std::string> TrainerService::RecordArtifact(
+    const std::string& engine_id, const std::string& dir, int64_t step,
+    uint64_t ttl_seconds) {
+  if (!artifacts_.has_value()) return std::string();
+  const std::string tenant = TenantOf(engine_id);
+  ArtifactRecord record;
+  record.model_id = ClientModelId(engine_id);
+  record.step = step;
+  record.created = options_.clock();
+  record.expires = ExpiryOf(record.created, ttl_seconds);
+  TALLY_RETURN_IF_ERROR(artifacts_->Record(dir, record));
+  return artifacts_->HandleOf(tenant, dir);
+}
+
+absl::Status TrainerService::ResolveInitCheckpoint(
+    const grpc::CallbackServerContext& context, std::string* init_checkpoint) {
+  if (!options_.models_root.empty()) {
+    TALLY_ASSIGN_OR_RETURN(
+        const std::optional<std::string> dir,
+        ResolveModelName(options_.models_root, *init_checkpoint));
+    if (dir.has_value()) {
+      *init_checkpoint = *dir;
+      return absl::OkStatus();
+    }
+  }
+  return ConfinePath(context, init_checkpoint);
+}
+
+grpc::ServerUnaryReactor* TrainerService::ListCheckpoints(
+    grpc::CallbackServerContext* context,
+    const v1::ListCheckpointsRequest* request,
+    v1::ListCheckpointsResponse* response) {
+  const std::string tenant = Authenticate(*context).value_or("");
+  const std::string model_id = request->model_id();
+  return Execute({"ListCheckpoints", context},
+                 FirstError(ArtifactsAvailable(),
+                            model_id.empty() ? absl::OkStatus()
+                                             : ValidateModelId(model_id)),
+                 [this, tenant, model_id, response]() -> absl::Status {
+                   TALLY_ASSIGN_OR_RETURN(std::vector<v1::Artifact> listed,
+                                          artifacts_->List(tenant, model_id));
+                   for (v1::Artifact& artifact : listed) {
+                     *response->add_artifacts() = std::move(artifact);
+                   }
+                   return absl::OkStatus();
+                 });
+}
+
+grpc::ServerUnaryReactor* TrainerService::DeleteCheckpoint(
+    grpc::CallbackServerContext* context,
+    const v1::DeleteCheckpointRequest* request,
+    v1::DeleteCheckpointResponse* response) {
+  const std::string tenant = Authenticate(*context).value_or("");
+  const std::string handle = request->handle();
+  return Execute({"DeleteCheckpoint", context}, ArtifactsAvailable(),
+                 [this, tenant, handle, response]() -> absl::Status {
+                   TALLY_ASSIGN_OR_RETURN(*response->mutable_deleted(),
+                                          artifacts_->Delete(tenant, handle));
+                   return absl::OkStatus();
+                 });
+}
+
+grpc::ServerWriteReactor<v1::DownloadArtifactChunk>*
+TrainerService::DownloadArtifact(grpc::CallbackServerContext* context,
+                                 const v1::DownloadArtifactRequest* request) {
+  auto finished = [this](const absl::Status& status) {
+    metrics_->RecordRequest("DownloadArtifact",
+                            absl::StatusCodeToString(status.code()));
+  };
+  const absl::StatusOr<std::string> tenant = AuthenticateCall(*context);
+  if (!tenant.ok()) return ArtifactDownload::Refuse(tenant.status(), finished);
+  if (absl::Status available = ArtifactsAvailable(); !available.ok()) {
+    return ArtifactDownload::Refuse(available, finished);
+  }
+  absl::StatusOr<std::string> dir =
+      artifacts_->Resolve(*tenant, request->handle());
+  absl::StatusOr<std::vector<v1::ArtifactFile>> manifest =
+      dir.ok() ? artifacts_->Manifest(*dir) : dir.status();
+  if (!manifest.ok()) {
+    return ArtifactDownload::Refuse(manifest.status(), finished);
+  }
+  v1::DownloadArtifactChunk first;
+  for (const v1::ArtifactFile& file : *manifest) *first.add_manifest() = file;
+  // A chunk and its few fields stay under --max-message-bytes.
+  constexpr int64_t kFieldsBytes = 4096;
+  const uint64_t chunk_bytes =
+      options_.max_message_bytes > 0
+          ? static_cast<uint64_t>(std::clamp<int64_t>(
+                options_.max_message_bytes - kFieldsBytes, kFieldsBytes,
+                static_cast<int64_t>(ArtifactReader::kDefaultChunkBytes)))
+          : ArtifactReader::kDefaultChunkBytes;
+  ArtifactReader reader(*dir, std::move(*manifest), request->offset(),
+                        chunk_bytes);
+  const absl::StatusOr<uint64_t> total = reader.Validate();
+  if (!total.ok()) return ArtifactDownload::Refuse(total.status(), finished);
+  first.set_total_bytes(*total);
+  first.set_offset(request->offset());
+  auto* download = new ArtifactDownload(std::move(first), std::move(reader),
+                                        request->manifest_only(), finished);
+  download->Start();
+  return download;
 }
 
 }  // namespace tally

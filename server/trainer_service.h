@@ -40,6 +40,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,9 +49,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "runtime/engine/engine.h"
 #include "server/admission.h"
+#include "server/artifacts.h"
 #include "server/auth.h"
+#include "server/checkpoint_retention.h"
 #include "server/checkpointer.h"
 #include "server/commands.h"
 #include "server/executor.h"
@@ -90,6 +95,14 @@ struct TrainerServiceOptions {
   int64_t max_tokens_per_call = 0;
   // GetServerInfo's devices (DescribeDevices), fixed at start.
   v1::ServerInfo::Devices devices;
+  // Artifacts (ListCheckpoints, DeleteCheckpoint, DownloadArtifact,
+  // ttl_seconds; need checkpoint_root): the clock their records use, and
+  // how often the executor deletes the expired ones.
+  std::function<absl::Time()> clock = [] { return absl::Now(); };
+  absl::Duration artifact_sweep_interval = absl::Minutes(1);
+  // --models-root: CreateModel.init_checkpoint names such as "Org/Name"
+  // resolve there (models_root.h). Empty: none.
+  std::string models_root;
 };
 
 class TrainerService final : public v1::Trainer::CallbackService {
@@ -165,6 +178,21 @@ class TrainerService final : public v1::Trainer::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::ComputeLogprobsRequest* request,
       v1::ComputeLogprobsResponse* response) override;
+
+  // Artifacts (server/artifacts.h): FAILED_PRECONDITION without
+  // --checkpoint-root. List and Delete run on the executor, ordered after
+  // the saves queued before them; a download reads on gRPC's threads.
+  grpc::ServerUnaryReactor* ListCheckpoints(
+      grpc::CallbackServerContext* context,
+      const v1::ListCheckpointsRequest* request,
+      v1::ListCheckpointsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteCheckpoint(
+      grpc::CallbackServerContext* context,
+      const v1::DeleteCheckpointRequest* request,
+      v1::DeleteCheckpointResponse* response) override;
+  grpc::ServerWriteReactor<v1::DownloadArtifactChunk>* DownloadArtifact(
+      grpc::CallbackServerContext* context,
+      const v1::DownloadArtifactRequest* request) override;
 
  private:
   // One RPC on its way through the service. Handlers copy their request
@@ -259,7 +287,8 @@ class TrainerService final : public v1::Trainer::CallbackService {
       const grpc::CallbackServerContext& context);
   // Rewrites a checkpoint path (of the server's copy of a request) to its
   // confined absolute form; PERMISSION_DENIED when it escapes
-  // --checkpoint-root.
+  // --checkpoint-root. A tally:// handle names its path under the tenant's
+  // root (FAILED_PRECONDITION without --checkpoint-root).
   absl::Status ConfinePath(const grpc::CallbackServerContext& context,
                            std::string* path);
   // The validation of a request naming a model and a directory: its
@@ -269,6 +298,21 @@ class TrainerService final : public v1::Trainer::CallbackService {
                                     const std::string& model_id,
                                     const absl::Status& fields,
                                     std::string* path);
+
+  // FAILED_PRECONDITION without --checkpoint-root (no artifacts).
+  absl::Status ArtifactsAvailable() const;
+  // After a save of `engine_id` at `step` into the confined directory `dir`:
+  // records the artifact (its ttl_seconds' expiry) and returns its handle;
+  // "" without --checkpoint-root.
+  absl::StatusOr<std::string> RecordArtifact(const std::string& engine_id,
+                                             const std::string& dir,
+                                             int64_t step,
+                                             uint64_t ttl_seconds);
+  // A CreateModel.init_checkpoint (the server's copy) that names a model of
+  // --models-root ("Org/Name", models_root.h) becomes its directory; any
+  // other is confined as a path (ConfinePath).
+  absl::Status ResolveInitCheckpoint(const grpc::CallbackServerContext& context,
+                                     std::string* init_checkpoint);
 
   Engine* engine_;
   CommandExecutor* executor_;
@@ -288,6 +332,10 @@ class TrainerService final : public v1::Trainer::CallbackService {
   std::atomic<bool> stopped_{false};
   mutable absl::Mutex failure_mu_;
   absl::Status rank_failure_ ABSL_GUARDED_BY(failure_mu_);
+  // Set with --checkpoint-root.
+  std::optional<ArtifactStore> artifacts_;
+  // Deletes expired artifacts (on the executor) until StopExecuting.
+  std::unique_ptr<PeriodicSweep> sweep_;
 };
 
 }  // namespace tally

@@ -56,7 +56,9 @@ from tally_client.dtypes import DTypeLike, parse_dtype
 from tally_client.errors import (AbortedError, NotFoundError,
                                  PendingWindowError, TallyError,
                                  WindowAbortedError)
-from tally_client.results import (AbortResult, DeleteResult, ExportResult,
+from tally_client.artifacts import ProgressLike
+from tally_client.results import (AbortResult, ArtifactFile, ArtifactList,
+                                  CheckpointDeleted, DeleteResult, ExportResult,
                                   ForwardBackwardResult, LoadResult,
                                   LogprobsResult, LoraConfig, ModelInfo,
                                   OptimStepResult, SamplingResult, SaveResult,
@@ -252,17 +254,22 @@ class TrainingClient:
             pb.AbortAccumulationRequest(model_id=self.model_id),
             AbortResult.from_proto)
 
-    def save(self, path: str, allow_pending: bool = False
-             ) -> Future[SaveResult]:
+    def save(self, path: str, allow_pending: bool = False, *,
+             ttl_seconds: int = 0) -> Future[SaveResult]:
         """Future of a SaveResult (path: a server-side directory):
         the weights, optimizer state and step. With a pending window the
         server refuses it (FAILED_PRECONDITION; the window stays as it
         was), unless `allow_pending`: then it saves the state every earlier
         optim_step produced, without the window's gradients, and the window
         stays pending for the next optim_step (Tinker's save_state; the
-        result's unsaved_* fields count what the checkpoint lacks)."""
+        result's unsaved_* fields count what the checkpoint lacks).
+        `path` may be a handle (tally://...) of an earlier save.
+        `ttl_seconds` > 0: the server deletes the checkpoint that long after
+        the save (it needs --checkpoint-root). The result's `handle` is what
+        download(), list_checkpoints() and load() take."""
         request = pb.SaveCheckpointRequest(model_id=self.model_id, path=path,
-                                           allow_pending=allow_pending)
+                                           allow_pending=allow_pending,
+                                           ttl_seconds=ttl_seconds)
         if allow_pending:
             return self._send_sequenced("SaveCheckpoint", request,
                                         SaveResult.from_proto,
@@ -271,7 +278,8 @@ class TrainingClient:
                                   SaveResult.from_proto)
 
     def export_weights(self, path: str, dtype: DTypeLike = None,
-                       merge: bool = False) -> Future[ExportResult]:
+                       merge: bool = False, *,
+                       ttl_seconds: int = 0) -> Future[ExportResult]:
         """Future of an ExportResult: writes the weights every
         earlier optim_step produced to the server-side directory `path` for
         inference (Tinker's save_weights_for_sampler): a full model as an HF
@@ -283,11 +291,12 @@ class TrainingClient:
         `dtype`: a spelling of tally_client.dtypes ("bf16", "float16",
         ...), a pb.DType, or None for the model's. Weights only: it neither
         waits for nor closes the pending window, and its failure does not
-        abort the window."""
+        abort the window. `ttl_seconds` and the result's `handle` as
+        save()'s."""
         request = pb.ExportWeightsRequest(
             model_id=self.model_id, path=path,
             dtype=parse_dtype(dtype, "dtype"),
-            merge=bool(merge))
+            merge=bool(merge), ttl_seconds=ttl_seconds)
         return self._send_sequenced("ExportWeights", request,
                                     ExportResult.from_proto, in_window=False)
 
@@ -347,6 +356,24 @@ class TrainingClient:
         return self._send_read(
             "ComputeLogprobs", logprobs_request(self.model_id, prompts, topk),
             LogprobsResult.from_proto, sequenced)
+
+    # ---- artifacts --------------------------------------------------------
+
+    def list_checkpoints(self) -> ArtifactList:
+        """This model's checkpoints and exports (ServerClient's
+        list_checkpoints for its id)."""
+        return self.server.list_checkpoints(self.model_id)
+
+    def delete_checkpoint(self, handle: str) -> CheckpointDeleted:
+        """Deletes the checkpoint or export `handle` (a SaveResult's or
+        ExportResult's .handle)."""
+        return self.server.delete_checkpoint(handle)
+
+    def download(self, handle: str, local_dir: str,
+                 progress: ProgressLike = True) -> List[ArtifactFile]:
+        """Downloads `handle` into `local_dir`, resuming and verifying
+        checksums (ServerClient.download)."""
+        return self.server.download(handle, local_dir, progress)
 
     def pending_window(self) -> Tuple[int, int, int]:
         """(calls, tokens, samples) accumulated on the server for this

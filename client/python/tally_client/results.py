@@ -29,7 +29,8 @@ import typing
 from typing import Any, ClassVar, Dict, List, Optional, Type, TypeVar
 
 __all__ = [
-    "AbortResult", "AdamParams", "ComputeInfo", "DType", "DeleteResult",
+    "AbortResult", "AdamParams", "Artifact", "ArtifactFile", "ArtifactKind",
+    "ArtifactList", "CheckpointDeleted", "ComputeInfo", "DType", "DeleteResult",
     "DevicesInfo", "ExportResult", "ForwardBackwardResult", "GpuInfo",
     "GradSync", "LimitsInfo", "LoadResult", "LogprobsResult", "LoraConfig",
     "LossReduction", "MeshInfo", "ModelConfig", "ModelInfo", "ModelList",
@@ -68,6 +69,14 @@ class GradSync(enum.IntEnum):
     UNSPECIFIED = 0
     EAGER = 1
     DEFERRED = 2
+
+
+class ArtifactKind(enum.IntEnum):
+    """tally.v1.ArtifactKind without its ARTIFACT_KIND_ prefix."""
+    UNSPECIFIED = 0
+    STATE = 1             # save(): weights and optimizer state
+    EXPORT = 2            # export_weights(): an HF or PEFT directory
+    SAMPLER_SNAPSHOT = 3  # listed by ListSamplers, not list_checkpoints()
 
 
 class StopReason(enum.IntEnum):
@@ -358,6 +367,7 @@ class ServerInfo(TypedMessage):
     limits: LimitsInfo
     authentication: bool
     devices: DevicesInfo
+    base_models: List[str]  # the --models-root names CreateModel takes
 
 
 # ---- training --------------------------------------------------------------
@@ -446,6 +456,7 @@ class SaveResult(TypedMessage):
     unsaved_calls: int
     unsaved_tokens: int
     unsaved_samples: int
+    handle: str  # "tally://...", for download() and load() ("" without root)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,6 +478,7 @@ class ExportResult(TypedMessage):
     path: str
     bytes_written: int
     files: List[str]
+    handle: str  # as SaveResult.handle
 
 
 # ---- sampling ------------------------------------------------------------
@@ -523,3 +535,43 @@ class LogprobsResult(TypedMessage):
     PROTO: ClassVar[str] = "tally.v1.ComputeLogprobsResponse"
     prompts: List[PromptLogprobs]
     step: int
+
+
+# ---- artifacts -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifact(TypedMessage):
+    """tally.v1.Artifact: a saved checkpoint or export, by its tally://
+    handle (never a server path)."""
+    PROTO: ClassVar[str] = "tally.v1.Artifact"
+    handle: str
+    kind: ArtifactKind
+    model_id: str
+    step: int
+    size_bytes: int
+    created_unix_seconds: int
+    expires_unix_seconds: int  # 0: never
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactList(TypedMessage):
+    """tally.v1.ListCheckpointsResponse (list_checkpoints())."""
+    PROTO: ClassVar[str] = "tally.v1.ListCheckpointsResponse"
+    artifacts: List[Artifact]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointDeleted(TypedMessage):
+    """tally.v1.DeleteCheckpointResponse (delete_checkpoint())."""
+    PROTO: ClassVar[str] = "tally.v1.DeleteCheckpointResponse"
+    deleted: Artifact
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactFile(TypedMessage):
+    """tally.v1.ArtifactFile: one file of a download's manifest."""
+    PROTO: ClassVar[str] = "tally.v1.ArtifactFile"
+    path: str
+    size_bytes: int
+    sha256: str

@@ -28,8 +28,13 @@ import grpc
 
 from tally_client._proto.tally.v1 import trainer_pb2 as pb
 from tally_client._proto.tally.v1 import trainer_pb2_grpc as pb_grpc
-from tally_client.errors import error_class, error_details, is_retryable
-from tally_client.results import ModelList, ServerInfo
+from tally_client.errors import (TallyError, error_class, error_details,
+                                 is_retryable)
+from tally_client.artifacts import (ProgressLike, progress_reporter,
+                                    resume_offset, verify_files, write_chunk)
+from tally_client.errors import AbortedError
+from tally_client.results import (ArtifactFile, ArtifactList,
+                                  CheckpointDeleted, ModelList, ServerInfo)
 
 if TYPE_CHECKING:
     from tally_client.client import TrainingClient
@@ -191,6 +196,86 @@ class ServerClient:
 
         attempt(1)
         return result
+
+    # ---- artifacts (tally:// handles; the server's --checkpoint-root) ----
+
+    def list_checkpoints(self, model_id: str = "") -> ArtifactList:
+        """ListCheckpoints: this tenant's checkpoints and exports (of
+        `model_id` only, unless empty), each with its handle, kind, step,
+        size, creation and expiry."""
+        return ArtifactList.from_proto(self.call(
+            "ListCheckpoints", pb.ListCheckpointsRequest(model_id=model_id),
+            retryable=True).result())
+
+    def delete_checkpoint(self, handle: str) -> CheckpointDeleted:
+        """DeleteCheckpoint: removes the checkpoint or export `handle`
+        (NotFoundError when it names nothing of this tenant's)."""
+        return CheckpointDeleted.from_proto(self.call(
+            "DeleteCheckpoint", pb.DeleteCheckpointRequest(handle=handle),
+            retryable=False).result())
+
+    def download(self, handle: str, local_dir: str,
+                 progress: ProgressLike = True) -> List[ArtifactFile]:
+        """Downloads the files of the checkpoint or export `handle` into
+        `local_dir` (created), resuming after the bytes a partial download
+        left there, and verifies every file's SHA-256 (DataLossError naming a
+        mismatch; the file is deleted, so a rerun fetches it). A broken
+        stream is resumed up to the retry policy's attempts. `progress`:
+        True draws a progress bar (tqdm's when installed), a callable gets
+        (bytes held, total), False nothing. Returns the manifest."""
+        report = progress_reporter(progress)
+        head = self._stream_artifact(handle, 0, True, local_dir, None)
+        for attempt in range(1, self._retry.max_attempts + 1):
+            offset = resume_offset(local_dir, head.manifest)
+            if offset == head.total_bytes:
+                if report:
+                    report(offset, offset)
+                break
+            try:
+                streamed = self._stream_artifact(handle, offset, False,
+                                                 local_dir, report)
+            except TallyError as error:
+                if (attempt < self._retry.max_attempts and is_retryable(
+                        error.code, error.reason, None)):
+                    time.sleep(self._retry.backoff(attempt))
+                    continue
+                raise
+            if list(streamed.manifest) != list(head.manifest):
+                raise AbortedError(
+                    "DownloadArtifact", grpc.StatusCode.ABORTED,
+                    f"{handle} was replaced during the download; download it "
+                    f"again into an empty directory")
+            break
+        verify_files(local_dir, head.manifest)
+        return [ArtifactFile.from_proto(f) for f in head.manifest]
+
+    def _stream_artifact(self, handle: str, offset: int, manifest_only: bool,
+                         local_dir: str, report: Any) -> Any:
+        """One DownloadArtifact stream from `offset`: its first message;
+        the data chunks written into `local_dir`."""
+        request = pb.DownloadArtifactRequest(
+            handle=handle, offset=offset, manifest_only=manifest_only)
+        first = None
+        try:
+            for chunk in self._stub.DownloadArtifact(
+                    request, timeout=self._timeout, metadata=self._metadata):
+                if first is None:
+                    first = chunk
+                    if report:
+                        report(offset, first.total_bytes)
+                    continue
+                write_chunk(local_dir, chunk)
+                if report:
+                    report(chunk.offset + len(chunk.data), first.total_bytes)
+        except grpc.RpcError as error:
+            code, details = error.code(), error.details()
+            reason, _ = error_details(error)
+            raise error_class(code)("DownloadArtifact", code, details,
+                                    reason) from None
+        if first is None:
+            raise TallyError("DownloadArtifact", grpc.StatusCode.INTERNAL,
+                             "the server sent no manifest")
+        return first
 
     def close(self) -> None:
         """Closes the channel, unless it was passed in."""
