@@ -245,8 +245,9 @@ class SaveWeightsResponse:
 
 @dataclasses.dataclass
 class SaveWeightsForSamplerResponse:
-    """save_weights_for_sampler's result: the server-side HF model
-    directory."""
+    """save_weights_for_sampler's result: the sampler snapshot's handle
+    (tally://<model_id>/samplers/<name>), or with export the server-side
+    directory written."""
 
     path: str
 
