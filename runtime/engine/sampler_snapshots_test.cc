@@ -173,7 +173,9 @@ TEST_F(SamplerSnapshotTest, RemovingASnapshotFreesItsTensors) {
   Create(TinySpec("m", DType::kFloat32, OptimizerKind::kAdamW));
   SamplerSnapshots snapshots;
   snapshots.Add("s", SamplerSnapshot::Take(model(), 0).value());
-  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> copies;
+  std::vector<
+      c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>
+      copies;
   {
     SwappedInWeights swapped(model(), *snapshots.Find("m", "s").value());
     for (const Parameter& p : model().parameters()) {
