@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "server/admission.h"
@@ -21,14 +22,15 @@ using ::testing::HasSubstr;
 TEST(SamplerRequestsTest, NamesAreCheckedNamingTheField) {
   v1::SaveWeightsForSamplerRequest save;
   save.set_model_id("m");
-  for (const std::string bad :
-       {"", "a/b", "..", ".", "with space", std::string(129, 'x')}) {
+  for (const std::string& bad : std::vector<std::string>{
+           "", "a/b", "..", ".", "with space", std::string(129, 'x')}) {
     save.set_name(bad);
     const absl::Status status = ValidateSamplerRequest(save);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(std::string(status.message()), HasSubstr("name")) << bad;
   }
-  for (const std::string good : {"step-3", "a.b_c", std::string(128, 'x')}) {
+  for (const std::string& good :
+       std::vector<std::string>{"step-3", "a.b_c", std::string(128, 'x')}) {
     save.set_name(good);
     EXPECT_TRUE(ValidateSamplerRequest(save).ok()) << good;
   }
