@@ -528,11 +528,9 @@ class SampleCommand : public Command {
 
 // One line per sampler snapshot.
 void PrintSamplerInfo(std::ostream& os, const v1::SamplerInfo& info) {
-  os << absl::StrFormat(
-      "%s: model %s, step %d, %d bytes%s
-      ", info.path(),
-      info.model_id(),
-      info.step(), info.bytes(), info.is_adapter() ? " (adapter)" : "");
+  os << absl::StrFormat("%s: model %s, step %d, %d bytes%s\n", info.path(),
+                        info.model_id(), info.step(), info.bytes(),
+                        info.is_adapter() ? " (adapter)" : "");
 }
 
 class SamplersSaveCommand : public Command {
