@@ -1,7 +1,8 @@
 """Sampler snapshots against a real tally-server: save_weights_for_sampler
 freezes the weights of the last step, so that sampling the snapshot after
 more optim_steps returns exactly what sampling the live weights returned
-when it was saved (tokens, and logprobs bitwise); names are unique per model,
+when it was saved (tokens, and logprobs bitwise), on one rank and on a
+tp 2 x dp_shard 2 server; names are unique per model,
 listed, deleted (and with their model); the Tinker client's
 save_weights_for_sampler handle and save_weights_and_get_sampling_client(name)
 sample the snapshot; and a snapshot that does not fit --max-memory-bytes is
@@ -123,6 +124,27 @@ class SamplerSnapshotServerTest(SharedServerTestCase):
         self.assertEqual(tokens_and_logprobs(by_path), want)
         live = training.save_weights_and_get_sampling_client()
         self.assertNotEqual(tokens_and_logprobs(live), want)
+
+
+class SamplerSnapshotMeshServerTest(ServerTestCase):
+
+    def test_every_rank_freezes_its_shard(self):
+        # tp 2 x dp_shard 2: the command reaches every rank, each copies
+        # its own shard, and the snapshot samples as the live weights did.
+        mesh = self.start_server(extra_args=[
+            "--nproc-per-node", "4", "--dp-shard", "2", "--tp", "2"])
+        client = TrainingClient(f"localhost:{mesh.server.grpc_port}", "m")
+        self.addCleanup(client.close)
+        client.create_model(config=TINY_LLAMA, seed=5, dtype="fp64")
+        train(client, 3)
+        live = draw(client)
+        client.save_weights_for_sampler("s").result(TIMEOUT)
+        train(client, 4)
+        self.assertEqual(draw(client, "s"), live)
+        self.assertNotEqual(draw(client), live)
+        client.delete_sampler("s")
+        with self.assertRaisesRegex(NotFoundError, "sampler 's'"):
+            draw(client, "s")
 
 
 class SamplerSnapshotAdmissionTest(ServerTestCase):
