@@ -6,13 +6,16 @@
 //   tallyctl save demo /tmp/ckpt && tallyctl list --output json
 //   tallyctl export demo /tmp/demo-hf --dtype bfloat16
 //   tallyctl sample --model demo --prompt-ids 72,105 --max-tokens 8 --seed 1
+//   tallyctl samplers save demo step3 && tallyctl sample --model demo \
+//       --sampler step3 --prompt-ids 72,105
+//   tallyctl samplers list --model demo && tallyctl samplers delete demo step3
 //   tallyctl server-info --target tally:50051 --ca-cert ca.pem --token "$T"
 //
 // The commands that change a model (train, load, abort) send its next
 // seq_ids as the server reports them, so a retried call is answered from the
 // server's cache and never applied twice; do not run them against a model a
-// sequenced client is training (they would take its seq_ids). save, export
-// and sample change nothing and stay unsequenced.
+// sequenced client is training (they would take its seq_ids). save, export,
+// sample and samplers change no weights and stay unsequenced.
 //
 // Exit status: 0 on success, 1 when the server or a file on it fails (the
 // gRPC code and message go to stderr), 2 on a command-line error: an
@@ -443,6 +446,9 @@ class SampleCommand : public Command {
     flags.Add("stop-ids", &stop_ids_,
               "comma-separated token ids that end a sequence; 'eos': the "
               "model's EOS tokens; 'none': only --max-tokens ends one");
+    flags.Add("sampler", &sampler_,
+              "a sampler snapshot of the model (tallyctl samplers save) to "
+              "sample from (default: the live weights)");
   }
 
   absl::Status Run(TrainerClient& client, const std::vector<std::string>&,
@@ -473,6 +479,7 @@ class SampleCommand : public Command {
     if (prompt_ids_.empty()) return FlagError("flag --prompt-ids is required");
     v1::SampleRequest request;
     request.set_model_id(model_);
+    request.set_sampler(sampler_);
     TALLY_ASSIGN_OR_RETURN(std::vector<int32_t> prompt,
                            ParseTokenIds("prompt-ids", prompt_ids_));
     request.add_prompts()->mutable_tokens()->Add(prompt.begin(), prompt.end());
@@ -516,6 +523,69 @@ class SampleCommand : public Command {
   std::string seed_;
   int num_samples_ = 1;
   std::string stop_ids_ = "eos";
+  std::string sampler_;
+};
+
+// One line per sampler snapshot.
+void PrintSamplerInfo(std::ostream& os, const v1::SamplerInfo& info) {
+  os << absl::StrFormat("%s: model %s, step %d, %d bytes%s\n", info.path(),
+                        info.model_id(), info.step(), info.bytes(),
+                        info.is_adapter() ? " (adapter)" : "");
+}
+
+class SamplersSaveCommand : public Command {
+ public:
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
+    v1::SaveWeightsForSamplerRequest request;
+    request.set_model_id(args[0]);
+    request.set_name(args[1]);
+    TALLY_ASSIGN_OR_RETURN(v1::SamplerInfo info,
+                           client.SaveWeightsForSampler(request));
+    return out.Print(info, [&](std::ostream& os) {
+      os << "saved ";
+      PrintSamplerInfo(os, info);
+    });
+  }
+};
+
+class SamplersListCommand : public Command {
+ public:
+  void AddFlags(FlagParser& flags) override {
+    flags.Add("model", &model_, "only this model's (default: every model's)");
+  }
+
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>&,
+                   Output& out) override {
+    v1::ListSamplersRequest request;
+    request.set_model_id(model_);
+    TALLY_ASSIGN_OR_RETURN(v1::ListSamplersResponse response,
+                           client.ListSamplers(request));
+    return out.Print(response, [&](std::ostream& os) {
+      if (response.samplers().empty()) os << "no sampler snapshots\n";
+      for (const v1::SamplerInfo& info : response.samplers()) {
+        PrintSamplerInfo(os, info);
+      }
+    });
+  }
+
+ private:
+  std::string model_;
+};
+
+class SamplersDeleteCommand : public Command {
+ public:
+  absl::Status Run(TrainerClient& client, const std::vector<std::string>& args,
+                   Output& out) override {
+    v1::DeleteSamplerRequest request;
+    request.set_model_id(args[0]);
+    request.set_name(args[1]);
+    TALLY_ASSIGN_OR_RETURN(v1::SamplerInfo info, client.DeleteSampler(request));
+    return out.Print(info, [&](std::ostream& os) {
+      os << "deleted ";
+      PrintSamplerInfo(os, info);
+    });
+  }
 };
 
 class LoadCommand : public Command {
@@ -1077,10 +1147,29 @@ const std::vector<CommandSpec>& Commands() {
        "Samples completions of a prompt.",
        "Completes the prompt --prompt-ids with --model's weights after its "
        "last OptimStep (Sample; a pending window is neither used nor "
-       "changed) and prints each sequence's token ids, its stop reason and "
-       "each token's log-probability under the model before temperature, "
-       "top-k and top-p.",
+       "changed), or with its sampler snapshot --sampler, and prints each "
+       "sequence's token ids, its stop reason and each token's "
+       "log-probability under the model before temperature, top-k and "
+       "top-p.",
        [] { return std::make_unique<SampleCommand>(); }},
+      {"samplers save",
+       {"MODEL", "NAME"},
+       "Freezes the weights as a sampler snapshot.",
+       "Freezes MODEL's weights after its last OptimStep as the sampler "
+       "snapshot NAME (SaveWeightsForSampler; a LoRA model's adapter "
+       "alone), which 'tallyctl sample --sampler NAME' reads whatever later "
+       "steps do. It holds server memory until deleted.",
+       [] { return std::make_unique<SamplersSaveCommand>(); }},
+      {"samplers list",
+       {},
+       "Lists the sampler snapshots.",
+       "Lists the sampler snapshots of every model, or of --model.",
+       [] { return std::make_unique<SamplersListCommand>(); }},
+      {"samplers delete",
+       {"MODEL", "NAME"},
+       "Deletes a sampler snapshot.",
+       "Deletes MODEL's sampler snapshot NAME, freeing its memory.",
+       [] { return std::make_unique<SamplersDeleteCommand>(); }},
       {"load",
        {"MODEL", "PATH"},
        "Loads a checkpoint.",

@@ -209,6 +209,30 @@ absl::StatusOr<v1::ComputeLogprobsResponse> TrainerClient::ComputeLogprobs(
       });
 }
 
+absl::StatusOr<v1::SamplerInfo> TrainerClient::SaveWeightsForSampler(
+    const v1::SaveWeightsForSamplerRequest& request) {
+  return Invoke<v1::SamplerInfo>(
+      request.seq_id() > 0, [&](auto* context, auto* response) {
+        return trainer_->SaveWeightsForSampler(context, request, response);
+      });
+}
+
+absl::StatusOr<v1::ListSamplersResponse> TrainerClient::ListSamplers(
+    const v1::ListSamplersRequest& request) {
+  return Invoke<v1::ListSamplersResponse>(
+      /*retryable=*/true, [&](auto* context, auto* response) {
+        return trainer_->ListSamplers(context, request, response);
+      });
+}
+
+absl::StatusOr<v1::SamplerInfo> TrainerClient::DeleteSampler(
+    const v1::DeleteSamplerRequest& request) {
+  return Invoke<v1::SamplerInfo>(
+      /*retryable=*/false, [&](auto* context, auto* response) {
+        return trainer_->DeleteSampler(context, request, response);
+      });
+}
+
 absl::Status TrainerClient::WaitForServing(absl::Duration timeout) {
   using grpc::health::v1::HealthCheckResponse;
   constexpr absl::Duration kMaxBackoff = absl::Seconds(1);

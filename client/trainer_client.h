@@ -126,6 +126,17 @@ class TrainerClient {
   absl::StatusOr<v1::SampleResponse> Sample(const v1::SampleRequest& request);
   absl::StatusOr<v1::ComputeLogprobsResponse> ComputeLogprobs(
       const v1::ComputeLogprobsRequest& request);
+  // Sampler snapshots: a Sample or ComputeLogprobs request names one in its
+  // `sampler` field. SaveWeightsForSampler is retried when sequenced (the
+  // server answers a repeated seq_id from its cache), DeleteSampler never
+  // (a retry of an applied delete would be NOT_FOUND); ListSamplers is
+  // read-only.
+  absl::StatusOr<v1::SamplerInfo> SaveWeightsForSampler(
+      const v1::SaveWeightsForSamplerRequest& request);
+  absl::StatusOr<v1::ListSamplersResponse> ListSamplers(
+      const v1::ListSamplersRequest& request);
+  absl::StatusOr<v1::SamplerInfo> DeleteSampler(
+      const v1::DeleteSamplerRequest& request);
 
   // Polls grpc.health.v1 Check (service "") with exponential backoff until
   // the server reports SERVING. DEADLINE_EXCEEDED after `timeout`, with the

@@ -52,7 +52,19 @@ double CgroupLimitBytes(const char* path) {
 absl::Status MemoryAdmission::CheckModel(const std::string& tenant,
                                          double bytes) const {
   absl::MutexLock lock(&mu_);
-  return Report(ModelShortfall(tenant, bytes), "model");
+  return Report(ModelShortfall(
+                    tenant, bytes,
+                    "the model (parameters, gradients, optimizer state) needs"),
+                "model");
+}
+
+absl::Status MemoryAdmission::CheckSnapshot(const std::string& tenant,
+                                            double bytes) const {
+  absl::MutexLock lock(&mu_);
+  return Report(ModelShortfall(tenant, bytes,
+                               "the sampler snapshot (its copy of the "
+                               "weights) needs"),
+                "model");
 }
 
 absl::Status MemoryAdmission::CheckCall(double bytes) const {
@@ -71,12 +83,12 @@ void MemoryAdmission::ReportResident() const {
 }
 
 absl::Status MemoryAdmission::ModelShortfall(const std::string& tenant,
-                                             double bytes) const {
+                                             double bytes,
+                                             const char* needs) const {
   if (options_.limit_bytes > 0 && total_ + bytes > options_.limit_bytes) {
     return ReasonError(
         ErrorReason::kMemoryLimit,
-        absl::StrCat("the model needs an estimated ", Gib(bytes),
-                     " per rank (parameters, gradients, optimizer state), and ",
+        absl::StrCat(needs, " an estimated ", Gib(bytes), " per rank, and ",
                      Gib(std::max(0.0, options_.limit_bytes - total_)),
                      " of the ", Gib(options_.limit_bytes), " of ",
                      options_.limit_name, " are left; nothing was allocated"));
@@ -86,7 +98,7 @@ absl::Status MemoryAdmission::ModelShortfall(const std::string& tenant,
     return ReasonError(
         ErrorReason::kMemoryLimit,
         absl::StrCat(
-            "the model needs an estimated ", Gib(bytes), " per rank, and ",
+            needs, " an estimated ", Gib(bytes), " per rank, and ",
             Gib(std::max(0.0, options_.per_tenant_bytes - TenantBytes(tenant))),
             " of this tenant's ", Gib(options_.per_tenant_bytes),
             " (--max-memory-bytes-per-tenant) are left; nothing was "
@@ -138,6 +150,18 @@ double MemoryAdmission::TenantBytes(const std::string& tenant) const {
     if (held.tenant == tenant) bytes += held.bytes;
   }
   return bytes;
+}
+
+double SamplerSnapshotBytes(const ModelSummary& model, int dp_shard,
+                            ZeroStage zero) {
+  const double element = MasterDType(model.dtype) == DType::kFloat64 ? 8 : 4;
+  const double whole =
+      model.lora.enabled()
+          ? static_cast<double>(model.trainable_bytes)
+          : static_cast<double>(model.num_parameters) * element;
+  const double shards = std::max(dp_shard, 1);
+  if (shards == 1) return whole;
+  return whole / shards + (zero == ZeroStage::kParameters ? 0 : whole);
 }
 
 int64_t DefaultMemoryLimitBytes(int local_ranks) {

@@ -6,9 +6,11 @@
 //
 // A model holds its resident bytes (parameters, gradients, optimizer state)
 // from creation to deletion, against --max-memory-bytes and its tenant's
-// --max-memory-bytes-per-tenant; a ForwardBackward's activations must fit in
-// what the resident models leave (calls run one at a time). Used on the
-// executor thread, where creations and deletions are ordered.
+// --max-memory-bytes-per-tenant, and so does each of its sampler snapshots
+// (SamplerSnapshotBytes, charged to the model's tenant) until it is deleted;
+// a ForwardBackward's activations must fit in what the resident models
+// leave (calls run one at a time). Used on the executor thread, where
+// creations and deletions are ordered.
 //
 //   tally::MemoryAdmission admission({/*limit=*/8e9, /*per_tenant=*/0});
 //   TALLY_RETURN_IF_ERROR(admission.CheckModel("alice", bytes));
@@ -16,6 +18,7 @@
 //   admission.Add("alice/m", "alice", bytes);
 //   TALLY_RETURN_IF_ERROR(admission.CheckCall(activation_bytes));
 //   admission.Remove("alice/m");  // deleted
+//   TALLY_RETURN_IF_ERROR(admission.CheckSnapshot("alice", snapshot_bytes));
 //
 // On a CUDA rank the limit is the device's (DeviceMemoryLimit): what was free
 // at start plus what the caching allocator holds unused, less a margin.
@@ -32,6 +35,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "runtime/config/types.h"
 
 namespace tally {
 
@@ -56,6 +60,8 @@ class MemoryAdmission {
   // new model of `tenant` ("" without authentication) of `bytes` does not
   // fit.
   absl::Status CheckModel(const std::string& tenant, double bytes) const;
+  // The same for a new sampler snapshot of one of `tenant`'s models.
+  absl::Status CheckSnapshot(const std::string& tenant, double bytes) const;
   void Add(const std::string& model_id, const std::string& tenant,
            double bytes);
   void Remove(const std::string& model_id);
@@ -71,7 +77,9 @@ class MemoryAdmission {
   };
   double TenantBytes(const std::string& tenant) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ModelShortfall(const std::string& tenant, double bytes) const
+  // `needs` says what is admitted ("the model (...) needs").
+  absl::Status ModelShortfall(const std::string& tenant, double bytes,
+                              const char* needs) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CallShortfall(double bytes) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -84,6 +92,13 @@ class MemoryAdmission {
   std::map<std::string, Held> models_ ABSL_GUARDED_BY(mu_);
   double total_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+// The bytes per rank a sampler snapshot of `model` holds
+// (runtime/engine/sampler_snapshots.h), an upper bound like the model's: its
+// parameters as kept (a LoRA model's adapter alone) split over `dp_shard`,
+// plus the gathered copy that ZeRO stages 1 and 2 keep between steps.
+double SamplerSnapshotBytes(const ModelSummary& model, int dp_shard,
+                            ZeroStage zero);
 
 // The default --max-memory-bytes of one rank: 80% of the machine's memory,
 // or of the cgroup's limit when that is lower, shared by `local_ranks`.

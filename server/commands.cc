@@ -159,8 +159,9 @@ void ToProto(const PromptLogprobs& prompt, v1::PromptLogprobs* out) {
 absl::Status ExecuteSample(Engine& engine, const v1::SampleRequest& request,
                            const SampleArgs& args, v1::SampleResponse* response,
                            const RankZeroData&) {
-  TALLY_ASSIGN_OR_RETURN(SampleCallResult result,
-                         engine.Sample(request.model_id(), args));
+  TALLY_ASSIGN_OR_RETURN(
+      SampleCallResult result,
+      engine.Sample(request.model_id(), args, request.sampler()));
   for (const DecodedSequence& sequence : result.sequences) {
     v1::SampledSequence* out = response->add_sequences();
     for (int64_t token : sequence.tokens) {
@@ -197,14 +198,49 @@ absl::Status ExecuteComputeLogprobs(Engine& engine,
                                     const LogprobsArgs& args,
                                     v1::ComputeLogprobsResponse* response,
                                     const RankZeroData&) {
-  TALLY_ASSIGN_OR_RETURN(LogprobsCallResult result,
-                         engine.ComputeLogprobs(request.model_id(), args));
+  TALLY_ASSIGN_OR_RETURN(
+      LogprobsCallResult result,
+      engine.ComputeLogprobs(request.model_id(), args, request.sampler()));
   for (const PromptLogprobs& prompt : result.prompts) {
     ToProto(prompt, response->add_prompts());
   }
   response->set_step(result.step);
   return absl::OkStatus();
 }
+
+// The parse of a sampler command: its name (ValidateSamplerRequest).
+template <typename Request>
+absl::StatusOr<NoArgs> ParseSamplerName(const Request& request) {
+  TALLY_RETURN_IF_ERROR(ValidateSamplerRequest(request));
+  return NoArgs();
+}
+
+absl::Status ExecuteSaveWeightsForSampler(
+    Engine& engine, const v1::SaveWeightsForSamplerRequest& request,
+    const NoArgs&, v1::SamplerInfo* response, const RankZeroData&) {
+  TALLY_ASSIGN_OR_RETURN(
+      SamplerSummary saved,
+      engine.SaveWeightsForSampler(request.model_id(), request.name()));
+  ToProto(saved, response);
+  return absl::OkStatus();
+}
+
+absl::Status ExecuteDeleteSampler(Engine& engine,
+                                  const v1::DeleteSamplerRequest& request,
+                                  const NoArgs&, v1::SamplerInfo* response,
+                                  const RankZeroData&) {
+  TALLY_ASSIGN_OR_RETURN(
+      SamplerSummary deleted,
+      engine.DeleteSampler(request.model_id(), request.name()));
+  ToProto(deleted, response);
+  return absl::OkStatus();
+}
+
+// Sampler commands record nothing of their own (the RPC counters count
+// them).
+template <typename Request>
+void RecordNothing(ServerMetrics&, const Engine&, const Request&,
+                   const v1::SamplerInfo&, const absl::Status&, double) {}
 
 void RecordLoadCheckpoint(ServerMetrics& metrics, const Engine&,
                           const v1::LoadCheckpointRequest& request,
@@ -298,6 +334,18 @@ constexpr CommandSpec<v1::ComputeLogprobsRequest, LogprobsArgs,
         &ExecuteComputeLogprobs,
         [](ServerMetrics&, const Engine&, const v1::ComputeLogprobsRequest&,
            const v1::ComputeLogprobsResponse&, const absl::Status&, double) {},
+        /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::SaveWeightsForSamplerRequest, NoArgs, v1::SamplerInfo>
+    kSaveWeightsForSamplerCommand = {
+        Command::kSaveWeightsForSampler,
+        &ParseSamplerName<v1::SaveWeightsForSamplerRequest>,
+        &ExecuteSaveWeightsForSampler,
+        &RecordNothing<v1::SaveWeightsForSamplerRequest>,
+        /*observe_seconds=*/nullptr};
+constexpr CommandSpec<v1::DeleteSamplerRequest, NoArgs, v1::SamplerInfo>
+    kDeleteSamplerCommand = {
+        Command::kDeleteSampler, &ParseSamplerName<v1::DeleteSamplerRequest>,
+        &ExecuteDeleteSampler, &RecordNothing<v1::DeleteSamplerRequest>,
         /*observe_seconds=*/nullptr};
 constexpr CommandSpec<v1::internal::PoisonWindowCommand, NoArgs, bool>
     kPoisonWindowCommand = {Command::kPoisonWindow,
@@ -431,6 +479,8 @@ constexpr ReplicaEntry kCommandTable[] = {
     ReplicaEntryOf<kExportWeightsCommand>(),
     ReplicaEntryOf<kSampleCommand>(),
     ReplicaEntryOf<kComputeLogprobsCommand>(),
+    ReplicaEntryOf<kSaveWeightsForSamplerCommand>(),
+    ReplicaEntryOf<kDeleteSamplerCommand>(),
 };
 
 const ReplicaEntry* FindReplicaEntry(Command command) {

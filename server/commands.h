@@ -57,6 +57,8 @@ enum class Command : int64_t {
   kExportWeights,
   kSample,
   kComputeLogprobs,
+  kSaveWeightsForSampler,
+  kDeleteSampler,
 };
 
 // What rank 0 passes to and takes from a command beyond its request and
@@ -142,6 +144,13 @@ extern const CommandSpec<v1::SampleRequest, SampleArgs, v1::SampleResponse>
 extern const CommandSpec<v1::ComputeLogprobsRequest, LogprobsArgs,
                          v1::ComputeLogprobsResponse>
     kComputeLogprobsCommand;
+// Sampler snapshots (Engine::SaveWeightsForSampler, DeleteSampler): every
+// rank copies or frees its own shard. Rank 0's response describes its copy.
+extern const CommandSpec<v1::SaveWeightsForSamplerRequest, NoArgs,
+                         v1::SamplerInfo>
+    kSaveWeightsForSamplerCommand;
+extern const CommandSpec<v1::DeleteSamplerRequest, NoArgs, v1::SamplerInfo>
+    kDeleteSamplerCommand;
 // Poisons the window of request.model_id for request.reason (quoted by the
 // OptimStep it fails). The response says whether this run poisoned it (false:
 // it already was); rank 0 counts the window poisoned when it did.

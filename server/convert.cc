@@ -7,6 +7,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "base/status.h"
 #include "runtime/config/loss_spec.h"
 
@@ -425,6 +426,16 @@ std::vector<TokenIds> PromptsOf(
 
 }  // namespace
 
+namespace {
+
+// A Sample's or ComputeLogprobs' sampler: empty (the live weights) or a name.
+absl::Status ValidateSamplerField(const std::string& sampler) {
+  return sampler.empty() ? absl::OkStatus()
+                         : ValidateSamplerName(sampler, "sampler");
+}
+
+}  // namespace
+
 absl::StatusOr<SampleArgs> ParseSample(const v1::SampleRequest& r) {
   if (r.num_samples() < 0) {
     return absl::InvalidArgumentError(
@@ -451,6 +462,7 @@ absl::StatusOr<SampleArgs> ParseSample(const v1::SampleRequest& r) {
   args.include_prompt_logprobs = r.include_prompt_logprobs();
   args.topk_prompt_logprobs = r.topk_prompt_logprobs();
   TALLY_RETURN_IF_ERROR(ValidateSampleArgs(args));
+  TALLY_RETURN_IF_ERROR(ValidateSamplerField(r.sampler()));
   return args;
 }
 
@@ -460,7 +472,32 @@ absl::StatusOr<LogprobsArgs> ParseComputeLogprobs(
   args.prompts = PromptsOf(r.prompts());
   args.topk = r.topk();
   TALLY_RETURN_IF_ERROR(ValidateLogprobsArgs(args));
+  TALLY_RETURN_IF_ERROR(ValidateSamplerField(r.sampler()));
   return args;
+}
+
+absl::Status ValidateSamplerRequest(
+    const v1::SaveWeightsForSamplerRequest& request) {
+  return ValidateSamplerName(request.name());
+}
+
+absl::Status ValidateSamplerRequest(const v1::DeleteSamplerRequest& request) {
+  return ValidateSamplerName(request.name());
+}
+
+std::string SamplerPath(const std::string& client_model_id,
+                        const std::string& name) {
+  return absl::StrCat("tally://", client_model_id, "/samplers/", name);
+}
+
+void ToProto(const SamplerSummary& summary, v1::SamplerInfo* out) {
+  out->set_model_id(ClientModelId(summary.model_id));
+  out->set_name(summary.name);
+  out->set_step(summary.step);
+  out->set_bytes(summary.bytes);
+  out->set_created_unix_micros(absl::ToUnixMicros(summary.created));
+  out->set_is_adapter(summary.is_adapter);
+  out->set_path(SamplerPath(out->model_id(), summary.name));
 }
 
 int64_t SampleTokenBound(const v1::SampleRequest& r) {

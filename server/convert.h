@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "runtime/checkpoint/weights_export.h"
+#include "runtime/config/sampler_name.h"
 #include "runtime/config/sampling_params.h"
 #include "runtime/config/types.h"
 #include "tally/v1/trainer.pb.h"
@@ -72,6 +73,16 @@ absl::StatusOr<ExportOptions> ParseExportWeights(
 absl::StatusOr<SampleArgs> ParseSample(const v1::SampleRequest& request);
 absl::StatusOr<LogprobsArgs> ParseComputeLogprobs(
     const v1::ComputeLogprobsRequest& request);
+// Both also check `sampler` when set (ValidateSamplerName), naming it.
+// SaveWeightsForSampler's and DeleteSampler's name (ValidateSamplerName,
+// runtime/config/sampler_name.h): INVALID_ARGUMENT naming `name`.
+absl::Status ValidateSamplerRequest(
+    const v1::SaveWeightsForSamplerRequest& request);
+absl::Status ValidateSamplerRequest(const v1::DeleteSamplerRequest& request);
+// The handle of a sampler snapshot that Tinker-shaped clients pass as a
+// model_path: "tally://<client model id>/samplers/<name>".
+std::string SamplerPath(const std::string& client_model_id,
+                        const std::string& name);
 // The tokens a Sample may hold at once: prompts x num_samples x
 // (prompt + max_tokens), what --max-tokens-per-call bounds.
 int64_t SampleTokenBound(const v1::SampleRequest& request);
@@ -105,6 +116,8 @@ void ToProto(const ForwardBackwardResult& result,
              v1::ForwardBackwardResponse* out);
 void ToProto(const OptimStepResult& result, v1::OptimStepResponse* out);
 v1::LossReduction ToProto(std::optional<LossReduction> reduction);
+// model_id is the client's, path SamplerPath's.
+void ToProto(const SamplerSummary& summary, v1::SamplerInfo* out);
 
 }  // namespace tally
 

@@ -344,6 +344,12 @@ std::string BaseLedgerId(const std::string& base_key) {
   return absl::StrCat("lora base ", base_key);
 }
 
+// The admission ledger's id of a sampler snapshot of the model `engine_id`.
+std::string SamplerLedgerId(const std::string& engine_id,
+                            const std::string& name) {
+  return absl::StrCat("sampler ", engine_id, " ", name);
+}
+
 // `spec`, parsed from a client's CreateModelRequest, for `server_form`, the
 // request as the server rewrote it: the engine id and the confined paths,
 // which ParseCreateModel copies as they are.
@@ -681,24 +687,32 @@ grpc::ServerUnaryReactor* TrainerService::DeleteModel(
     grpc::CallbackServerContext* context, const v1::DeleteModelRequest* request,
     v1::DeleteModelResponse* response) {
   auto server_form = std::make_shared<v1::DeleteModelRequest>(*request);
-  return Execute({"DeleteModel", context, server_form->mutable_model_id()},
-                 ValidateModelId(request->model_id()),
-                 [this, server_form, response]() -> absl::Status {
-                   const std::string& engine_id = server_form->model_id();
-                   TALLY_RETURN_IF_ERROR(commands_.Run(kDeleteModelCommand,
-                                                       *server_form, response));
-                   FillNextSeqId(engine_id, response->mutable_model());
-                   scheduler_.sequencer().RemoveModel(engine_id);
-                   admission_.Remove(engine_id);
-                   const std::string& base = response->model().base();
-                   if (!base.empty() && !engine_->HasBase(base)) {
-                     admission_.Remove(BaseLedgerId(base));
-                   }
-                   if (options_.checkpointer != nullptr) {
-                     options_.checkpointer->ForgetModel(engine_id);
-                   }
-                   return absl::OkStatus();
-                 });
+  return Execute(
+      {"DeleteModel", context, server_form->mutable_model_id()},
+      ValidateModelId(request->model_id()),
+      [this, server_form, response]() -> absl::Status {
+        const std::string& engine_id = server_form->model_id();
+        // Its sampler snapshots go with it.
+        const std::vector<SamplerSummary> samplers =
+            engine_->ListSamplers(engine_id).value_or(
+                std::vector<SamplerSummary>());
+        TALLY_RETURN_IF_ERROR(
+            commands_.Run(kDeleteModelCommand, *server_form, response));
+        FillNextSeqId(engine_id, response->mutable_model());
+        scheduler_.sequencer().RemoveModel(engine_id);
+        admission_.Remove(engine_id);
+        for (const SamplerSummary& sampler : samplers) {
+          admission_.Remove(SamplerLedgerId(engine_id, sampler.name));
+        }
+        const std::string& base = response->model().base();
+        if (!base.empty() && !engine_->HasBase(base)) {
+          admission_.Remove(BaseLedgerId(base));
+        }
+        if (options_.checkpointer != nullptr) {
+          options_.checkpointer->ForgetModel(engine_id);
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* TrainerService::ForwardBackward(
@@ -1016,6 +1030,90 @@ TrainerService::DownloadArtifact(grpc::CallbackServerContext* context,
                                         request->manifest_only(), finished);
   download->Start();
   return download;
+}
+
+absl::StatusOr<double> TrainerService::AdmitSnapshot(
+    const v1::SaveWeightsForSamplerRequest& request) const {
+  const std::string& engine_id = request.model_id();
+  TALLY_ASSIGN_OR_RETURN(const ModelSummary model,
+                         engine_->GetModel(engine_id));
+  TALLY_ASSIGN_OR_RETURN(const std::vector<SamplerSummary> samplers,
+                         engine_->ListSamplers(engine_id));
+  for (const SamplerSummary& sampler : samplers) {
+    if (sampler.name == request.name()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "sampler '", request.name(), "' of model '", ClientModelId(engine_id),
+          "' already exists; DeleteSampler it or choose another name"));
+    }
+  }
+  const double bytes = SamplerSnapshotBytes(
+      model, engine_->mesh().shape().dp_shard, engine_->zero_stage());
+  TALLY_RETURN_IF_ERROR(admission_.CheckSnapshot(TenantOf(engine_id), bytes));
+  return bytes;
+}
+
+grpc::ServerUnaryReactor* TrainerService::SaveWeightsForSampler(
+    grpc::CallbackServerContext* context,
+    const v1::SaveWeightsForSamplerRequest* request,
+    v1::SamplerInfo* response) {
+  auto server_form =
+      std::make_shared<v1::SaveWeightsForSamplerRequest>(*request);
+  return Execute(
+      {"SaveWeightsForSampler", context, server_form->mutable_model_id(),
+       request->seq_id(), server_form.get(), response},
+      FirstError(ValidateModelId(request->model_id()),
+                 ValidateSamplerRequest(*request)),
+      [this, server_form, response]() -> absl::Status {
+        const v1::SaveWeightsForSamplerRequest& request = *server_form;
+        // Before any rank copies anything.
+        TALLY_ASSIGN_OR_RETURN(const double bytes, AdmitSnapshot(request));
+        TALLY_RETURN_IF_ERROR(commands_.Run(kSaveWeightsForSamplerCommand,
+                                            request, NoArgs(), response));
+        admission_.Add(SamplerLedgerId(request.model_id(), request.name()),
+                       TenantOf(request.model_id()), bytes);
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* TrainerService::ListSamplers(
+    grpc::CallbackServerContext* context,
+    const v1::ListSamplersRequest* request,
+    v1::ListSamplersResponse* response) {
+  // A tenant lists its own models' snapshots only (Execute refuses bad
+  // credentials).
+  const std::string tenant = Authenticate(*context).value_or("");
+  auto server_form = std::make_shared<v1::ListSamplersRequest>(*request);
+  const bool one_model = !request->model_id().empty();
+  return Execute(
+      {"ListSamplers", context,
+       one_model ? server_form->mutable_model_id() : nullptr},
+      one_model ? ValidateModelId(request->model_id()) : absl::OkStatus(),
+      [this, server_form, response, tenant]() -> absl::Status {
+        TALLY_ASSIGN_OR_RETURN(const std::vector<SamplerSummary> samplers,
+                               engine_->ListSamplers(server_form->model_id()));
+        for (const SamplerSummary& sampler : samplers) {
+          if (InTenant(sampler.model_id, tenant)) {
+            ToProto(sampler, response->add_samplers());
+          }
+        }
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* TrainerService::DeleteSampler(
+    grpc::CallbackServerContext* context,
+    const v1::DeleteSamplerRequest* request, v1::SamplerInfo* response) {
+  auto server_form = std::make_shared<v1::DeleteSamplerRequest>(*request);
+  return Execute({"DeleteSampler", context, server_form->mutable_model_id()},
+                 FirstError(ValidateModelId(request->model_id()),
+                            ValidateSamplerRequest(*request)),
+                 [this, server_form, response]() -> absl::Status {
+                   TALLY_RETURN_IF_ERROR(commands_.Run(kDeleteSamplerCommand,
+                                                       *server_form, response));
+                   admission_.Remove(SamplerLedgerId(server_form->model_id(),
+                                                     server_form->name()));
+                   return absl::OkStatus();
+                 });
 }
 
 }  // namespace tally

@@ -178,6 +178,21 @@ class TrainerService final : public v1::Trainer::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::ComputeLogprobsRequest* request,
       v1::ComputeLogprobsResponse* response) override;
+  // Ordered and exactly-once like ExportWeights (seq_id > 0); charged to
+  // memory admission (the model's tenant) before any rank copies anything.
+  grpc::ServerUnaryReactor* SaveWeightsForSampler(
+      grpc::CallbackServerContext* context,
+      const v1::SaveWeightsForSamplerRequest* request,
+      v1::SamplerInfo* response) override;
+  // The caller's tenant's snapshots only.
+  grpc::ServerUnaryReactor* ListSamplers(
+      grpc::CallbackServerContext* context,
+      const v1::ListSamplersRequest* request,
+      v1::ListSamplersResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteSampler(
+      grpc::CallbackServerContext* context,
+      const v1::DeleteSamplerRequest* request,
+      v1::SamplerInfo* response) override;
 
   // Artifacts (server/artifacts.h): FAILED_PRECONDITION without
   // --checkpoint-root. List and Delete run on the executor, ordered after
@@ -257,6 +272,11 @@ class TrainerService final : public v1::Trainer::CallbackService {
   void ChargeModel(const ModelSummary& model);
   // Charges the models the engine holds at start (resumed ones).
   void AdmitExistingModels();
+  // Before SaveWeightsForSampler copies anything: ALREADY_EXISTS for a taken
+  // name, RESOURCE_EXHAUSTED when the snapshot does not fit; the bytes to
+  // charge once it exists.
+  absl::StatusOr<double> AdmitSnapshot(
+      const v1::SaveWeightsForSamplerRequest& request) const;
   // The tenant of an engine id ("" without authentication).
   std::string TenantOf(const std::string& engine_id) const;
   void PoisonForGap(const std::string& model_id);

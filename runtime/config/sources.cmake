@@ -22,5 +22,6 @@ set(TALLY_CONFIG_SOURCES
   runtime/config/memory_estimate.cc
   runtime/config/model_family.cc
   runtime/config/peft_adapter_config.cc
+  runtime/config/sampler_name.cc
   runtime/config/sampling_params.cc
   runtime/config/types.cc)

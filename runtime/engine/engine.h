@@ -31,6 +31,7 @@
 #include "runtime/config/types.h"
 #include "runtime/engine/built_model.h"
 #include "runtime/engine/sample_call.h"
+#include "runtime/engine/sampler_snapshots.h"
 #include "runtime/model/causal_lm.h"
 #include "runtime/model/shared_bases.h"
 #include "runtime/parallel/communicator.h"
@@ -142,12 +143,35 @@ class Engine {
   // its last OptimStep: a pending (or poisoned) window is neither visible
   // nor changed. FAILED_PRECONDITION for a damaged model, as
   // SaveCheckpoint. Every rank takes part and returns the whole result; a
-  // call without a seed samples with one rank 0 draws.
+  // call without a seed samples with one rank 0 draws. A non-empty
+  // `sampler` reads that sampler snapshot of the model instead (NOT_FOUND
+  // naming it when absent), result.step the snapshot's; the live weights
+  // are back when the call returns.
   absl::StatusOr<SampleCallResult> Sample(const std::string& model_id,
-                                          SampleArgs args);
+                                          SampleArgs args,
+                                          const std::string& sampler = "");
   // Each prompt's log-probabilities from the same weights, as Sample.
   absl::StatusOr<LogprobsCallResult> ComputeLogprobs(
-      const std::string& model_id, const LogprobsArgs& args);
+      const std::string& model_id, const LogprobsArgs& args,
+      const std::string& sampler = "");
+
+  // Sampler snapshots (sampler_snapshots.h), in engine_sampler.cc. Freezes
+  // the model's weights after its last OptimStep (never a pending window's:
+  // the window holds gradients, not weights) as `name`, on every rank its
+  // own shard; a LoRA model's adapter alone. INVALID_ARGUMENT for a bad
+  // name, ALREADY_EXISTS for a taken one, FAILED_PRECONDITION for a damaged
+  // model; the ranks agree, so a copy that fails on one rank keeps none.
+  // Later OptimSteps and LoadCheckpoints do not change it; DeleteModel
+  // deletes it.
+  absl::StatusOr<SamplerSummary> SaveWeightsForSampler(
+      const std::string& model_id, const std::string& name);
+  // The snapshots of `model_id` (empty: of every model), by model id then
+  // name; NOT_FOUND for an unknown model.
+  absl::StatusOr<std::vector<SamplerSummary>> ListSamplers(
+      const std::string& model_id) const;
+  // NOT_FOUND naming the sampler (or the model) when absent.
+  absl::StatusOr<SamplerSummary> DeleteSampler(const std::string& model_id,
+                                               const std::string& name);
 
   // A model's parameters, to read (the server's memory gauges). Tests and
   // benchmarks reach further through EngineTestPeer
@@ -205,6 +229,8 @@ class Engine {
     bool replicas_summed = false;
     // The init_checkpoint's EOS tokens: a Sample's default stop.
     std::vector<int64_t> eos_token_ids;
+    // Its sampler snapshots, which go with it.
+    SamplerSnapshots samplers;
 
     const ModelSpec& spec() const { return built->spec(); }
   };
@@ -236,6 +262,11 @@ class Engine {
   static absl::Status CheckIntact(const ModelState& state);
   // Whether this poisoned the window (false when it already was).
   static bool Poison(ModelState& state, std::string reason);
+  // The weights a Sample or ComputeLogprobs of `state` reads, and their
+  // step: the live ones (intact, CheckIntact; null) or `sampler`'s, swapped
+  // in for as long as the result lives.
+  static absl::StatusOr<std::unique_ptr<SwappedInWeights>> WeightsToSample(
+      ModelState& state, const std::string& sampler, int64_t* step);
 
   EngineOptions options_;
   Mesh mesh_;

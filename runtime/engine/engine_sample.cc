@@ -1,6 +1,7 @@
 // Engine::Sample and Engine::ComputeLogprobs: the model's weights after its
-// last OptimStep, read without gradients (sample_call.h), on every rank of
-// the mesh (runtime/sample/decode.h: the data ranks split the sequences).
+// last OptimStep, or a sampler snapshot's (engine_sampler.cc), read without
+// gradients (sample_call.h), on every rank of the mesh
+// (runtime/sample/decode.h: the data ranks split the sequences).
 #include "base/status.h"
 #include "runtime/engine/engine.h"
 #include "runtime/engine/sample_call.h"
@@ -16,9 +17,12 @@ DecodeGroups DecodeGroupsOf(const EngineGroups& groups) {
 }  // namespace
 
 absl::StatusOr<SampleCallResult> Engine::Sample(const std::string& model_id,
-                                                SampleArgs args) {
+                                                SampleArgs args,
+                                                const std::string& sampler) {
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
-  TALLY_RETURN_IF_ERROR(CheckIntact(*state));
+  int64_t step = 0;
+  TALLY_ASSIGN_OR_RETURN(const std::unique_ptr<SwappedInWeights> weights,
+                         WeightsToSample(*state, sampler, &step));
   // Every rank must draw with one seed: rank 0's, when the call names none
   // (the server draws it before replicating the request; a direct caller
   // may not).
@@ -35,18 +39,21 @@ absl::StatusOr<SampleCallResult> Engine::Sample(const std::string& model_id,
       SampleCallResult result,
       RunSampleCall(state->built->model(), args, state->eos_token_ids,
                     DecodeGroupsOf(groups_)));
-  result.step = state->step;
+  result.step = step;
   return result;
 }
 
 absl::StatusOr<LogprobsCallResult> Engine::ComputeLogprobs(
-    const std::string& model_id, const LogprobsArgs& args) {
+    const std::string& model_id, const LogprobsArgs& args,
+    const std::string& sampler) {
   TALLY_ASSIGN_OR_RETURN(ModelState * state, Find(model_id));
-  TALLY_RETURN_IF_ERROR(CheckIntact(*state));
+  int64_t step = 0;
+  TALLY_ASSIGN_OR_RETURN(const std::unique_ptr<SwappedInWeights> weights,
+                         WeightsToSample(*state, sampler, &step));
   TALLY_ASSIGN_OR_RETURN(
       LogprobsCallResult result,
       RunLogprobsCall(state->built->model(), args, DecodeGroupsOf(groups_)));
-  result.step = state->step;
+  result.step = step;
   return result;
 }
 

@@ -362,5 +362,45 @@ TEST_F(TallyctlE2eTest, SamplePrintsTheServersTokensAndLogprobs) {
   EXPECT_THAT(message, HasSubstr("prompts[0].tokens[1] = 100000"));
 }
 
+// tallyctl samplers save / list / delete and sample --sampler: the snapshot
+// samples what the live weights sampled when it was saved.
+TEST_F(TallyctlE2eTest, SamplersSaveListDeleteAndSampleFromOne) {
+  ASSERT_EQ(Tallyctl("create --model-id s").first, 0);
+  const auto [saved_code, saved] = Tallyctl("samplers save s first");
+  ASSERT_EQ(saved_code, 0) << saved;
+  EXPECT_THAT(saved, HasSubstr("saved tally://s/samplers/first: model s, "
+                               "step 0"));
+  const std::string sample =
+      "sample --model s --prompt-ids 84,104,101 --max-tokens 4 --seed 3 "
+      "--stop-ids none --output json";
+  const auto [live_code, live] = Tallyctl(sample);
+  ASSERT_EQ(live_code, 0) << live;
+  const auto [frozen_code, frozen] = Tallyctl(sample + " --sampler first");
+  ASSERT_EQ(frozen_code, 0) << frozen;
+  EXPECT_TRUE(MessageDifferencer::Equals(FromJson<v1::SampleResponse>(frozen),
+                                         FromJson<v1::SampleResponse>(live)))
+      << frozen;
+
+  const auto [listed_code, listed] =
+      Tallyctl("samplers list --model s --output json");
+  ASSERT_EQ(listed_code, 0) << listed;
+  const auto list = FromJson<v1::ListSamplersResponse>(listed);
+  ASSERT_EQ(list.samplers_size(), 1) << listed;
+  EXPECT_EQ(list.samplers(0).name(), "first");
+  EXPECT_EQ(list.samplers(0).path(), "tally://s/samplers/first");
+
+  const auto [repeat_code, repeat] = Tallyctl("samplers save s first");
+  EXPECT_EQ(repeat_code, 1) << repeat;
+  EXPECT_THAT(repeat, HasSubstr("ALREADY_EXISTS"));
+  ASSERT_EQ(Tallyctl("samplers delete s first").first, 0);
+  EXPECT_THAT(Tallyctl("samplers list").second,
+              HasSubstr("no sampler snapshots"));
+  const auto [gone_code, gone] = Tallyctl(sample + " --sampler first");
+  EXPECT_EQ(gone_code, 1) << gone;
+  EXPECT_THAT(gone, HasSubstr("sampler 'first'"));
+  // The server refuses a bad name: INVALID_ARGUMENT, exit status 1.
+  EXPECT_EQ(Tallyctl("samplers save s a/b").first, 1);
+}
+
 }  // namespace
 }  // namespace tally

@@ -138,6 +138,12 @@ class FakeTrainer(pb_grpc.TrainerServicer):
         self._record("ForwardBackward", request, context)
         return pb.ForwardBackwardResponse()
 
+    def SaveWeightsForSampler(self, request, context):
+        self._record("SaveWeightsForSampler", request, context)
+        return pb.SamplerInfo(
+            model_id=request.model_id, name=request.name, step=self.step,
+            path=f"tally://{request.model_id}/samplers/{request.name}")
+
     def Sample(self, request, context):
         params = request.params
         self._record("Sample", request, context, valid=params.max_tokens >= 1)

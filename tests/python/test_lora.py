@@ -793,7 +793,7 @@ class TinkerLoraTest(LoraTestCase):
 
         # The sampler's weights: the adapter (PEFT), or merged on request.
         peft = training.save_weights_for_sampler(
-            os.path.join(self.temp_dir, "sampler")).result().path
+            os.path.join(self.temp_dir, "sampler"), export=True).result().path
         self.assertEqual(sorted(os.listdir(peft)), [
             "adapter_config.json", "adapter_model.safetensors",
             "checksums.sha256"])

@@ -9,7 +9,6 @@ server). test_sampling_server.py runs the same calls on a real server."""
 
 import asyncio
 import unittest
-import warnings
 
 import numpy as np
 import torch
@@ -286,10 +285,14 @@ class TinkerSamplingClientTest(FakeTestCase):
         self.assertEqual(response.result(TIMEOUT).step, 1)
         (step,) = self.fake.sent("OptimStep")
         self.assertEqual(self.fake.sent("Sample")[0].seq_id, step.seq_id + 1)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            training.save_weights_and_get_sampling_client("snapshot")
-        self.assertIn("name is ignored", str(caught[0].message))
+        # A name freezes a snapshot, which the sampler then reads.
+        frozen = training.save_weights_and_get_sampling_client("snapshot")
+        (saved,) = self.fake.sent("SaveWeightsForSampler")
+        self.assertEqual(saved.name, "snapshot")
+        frozen.sample(types.ModelInput.from_ints([1]), 1,
+                      types.SamplingParams(max_tokens=1)).result(TIMEOUT)
+        self.assertEqual(self.fake.sent("Sample")[-1].sampler, "snapshot")
+        self.assertEqual(self.fake.sent("Sample")[0].sampler, "")
 
     def test_create_sampling_client_of_a_model_id(self):
         service = self.service()

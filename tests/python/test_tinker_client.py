@@ -370,7 +370,8 @@ class ClientApiTest(TinkerTestCase):
             await (await training_client.load_state_with_optimizer_async(
                 saved.path))
             exported = await (await training_client
-                              .save_weights_for_sampler_async("async"))
+                              .save_weights_for_sampler_async(
+                                  "async", export=True))
             info = await training_client.get_info_async()
             capabilities = await self.service.get_server_capabilities_async()
             restored = await self.service \
@@ -487,7 +488,8 @@ class ClientApiTest(TinkerTestCase):
 
     def test_save_weights_for_sampler_writes_the_adapter(self):
         training_client = self.create(config=TINY_BYTES, seed=2)
-        path = training_client.save_weights_for_sampler("0000").result().path
+        path = training_client.save_weights_for_sampler(
+            "0000", export=True).result().path
         self.assertEqual(path, os.path.join(
             self.checkpoint_root, TENANT, training_client.model_id,
             "sampler_weights", "0000"))

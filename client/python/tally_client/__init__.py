@@ -46,8 +46,9 @@ from tally_client.results import (AbortResult, DeleteResult, DType,
                                   ExportResult, ForwardBackwardResult,
                                   GradSync, LoadResult, LogprobsResult,
                                   LossReduction, ModelInfo, ModelList,
-                                  OptimStepResult, Optimizer, SamplingResult,
-                                  SaveResult, ServerInfo, StopReason)
+                                  OptimStepResult, Optimizer, SamplerInfo,
+                                  SamplingResult, SaveResult, ServerInfo,
+                                  StopReason)
 from tally_client.samples import sample, samples_from_batch, to_samples
 from tally_client.server import (RetryPolicy, ServerClient, Tls, make_channel,
                                  wait_for_serving)
@@ -60,7 +61,7 @@ __all__ = [
     "LogprobsResult", "LossReduction", "ModelInfo", "ModelList",
     "NotFoundError", "OptimStepResult", "Optimizer", "OutOfRangeError",
     "PendingWindowError", "PermissionDeniedError", "ResourceExhaustedError",
-    "RetryPolicy", "SamplingResult", "SaveResult", "ServerClient",
+    "RetryPolicy", "SamplerInfo", "SamplingResult", "SaveResult", "ServerClient",
     "ServerInfo", "StopReason", "TRANSIENT_CODES", "TallyError", "Tls",
     "TrainingClient", "UnauthenticatedError", "UnavailableError",
     "UnimplementedError", "UnknownError", "WindowAbortedError", "error_class",

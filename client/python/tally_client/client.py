@@ -61,8 +61,9 @@ from tally_client.results import (AbortResult, ArtifactFile, ArtifactList,
                                   CheckpointDeleted, DeleteResult, ExportResult,
                                   ForwardBackwardResult, LoadResult,
                                   LogprobsResult, LoraConfig, ModelInfo,
-                                  OptimStepResult, SamplingResult, SaveResult,
-                                  ServerInfo, TypedMessage)
+                                  OptimStepResult, SamplerInfo,
+                                  SamplingResult, SaveResult, ServerInfo,
+                                  TypedMessage)
 from tally_client.samples import SampleLike, to_samples
 from tally_client.sampling import (StopLike, TokensLike, logprobs_request,
                                    sample_request)
@@ -317,7 +318,8 @@ class TrainingClient:
                stop: StopLike = None, seed: Optional[int] = None,
                include_prompt_logprobs: bool = False,
                topk_prompt_logprobs: int = 0,
-               sequenced: bool = True) -> Future[SamplingResult]:
+               sequenced: bool = True,
+               sampler: Optional[str] = None) -> Future[SamplingResult]:
         """Future of a SamplingResult: `num_samples` completions of each of
         `prompts` (lists of token ids, numpy arrays or torch tensors), from
         the weights after the model's last optim_step (a pending window is
@@ -336,25 +338,31 @@ class TrainingClient:
         no window (like export_weights). False: seq_id 0, for a model that
         another client trains (a seq_id of this client would break that
         client's sequence): it samples the weights of the last step the
-        server finished."""
+        server finished.
+
+        `sampler`: the name of a snapshot save_weights_for_sampler made, to
+        sample its frozen weights instead (SamplingResult.step is its
+        step)."""
         request = sample_request(
             self.model_id, prompts, num_samples=num_samples,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, stop=stop, seed=seed,
             include_prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs)
+            topk_prompt_logprobs=topk_prompt_logprobs, sampler=sampler)
         return self._send_read("Sample", request, SamplingResult.from_proto,
                                sequenced)
 
     def compute_logprobs(self, prompts: Sequence[TokensLike], topk: int = 0,
-                         *, sequenced: bool = True
+                         *, sequenced: bool = True,
+                         sampler: Optional[str] = None
                          ) -> Future[LogprobsResult]:
         """Future of a LogprobsResult: each prompt's log p(prompt[i + 1] |
         prompt[0..i]) (one fewer than its tokens), and with `topk` > 0 the
         k most probable tokens at each of those positions, from the same
-        weights as sample(). `sequenced` as sample's."""
+        weights as sample(). `sequenced` and `sampler` as sample's."""
         return self._send_read(
-            "ComputeLogprobs", logprobs_request(self.model_id, prompts, topk),
+            "ComputeLogprobs",
+            logprobs_request(self.model_id, prompts, topk, sampler),
             LogprobsResult.from_proto, sequenced)
 
     # ---- artifacts --------------------------------------------------------
@@ -374,6 +382,37 @@ class TrainingClient:
         """Downloads `handle` into `local_dir`, resuming and verifying
         checksums (ServerClient.download)."""
         return self.server.download(handle, local_dir, progress)
+
+    # ---- sampler snapshots ------------------------------------------------
+
+    def save_weights_for_sampler(self, name: str) -> Future[SamplerInfo]:
+        """Future of a SamplerInfo: freezes the weights every earlier
+        optim_step produced as the sampler snapshot `name` (unique per
+        model: AlreadyExistsError on a repeat), which sample(sampler=name)
+        and compute_logprobs(sampler=name) read whatever later steps do. A
+        LoRA model's copies its adapter alone. It holds server memory
+        (ResourceExhaustedError when it does not fit) until delete_sampler
+        or delete_model. Sequenced like export_weights, outside any
+        window: a retry is answered from the server's cache."""
+        request = pb.SaveWeightsForSamplerRequest(model_id=self.model_id,
+                                                  name=name)
+        return self._send_sequenced("SaveWeightsForSampler", request,
+                                    SamplerInfo.from_proto, in_window=False)
+
+    def list_samplers(self) -> List[SamplerInfo]:
+        """ListSamplers: this model's sampler snapshots, by name."""
+        response = self._call(
+            "ListSamplers", pb.ListSamplersRequest(model_id=self.model_id),
+            retryable=True).result()
+        return [SamplerInfo.from_proto(info) for info in response.samplers]
+
+    def delete_sampler(self, name: str) -> SamplerInfo:
+        """DeleteSampler: deletes the snapshot `name`, freeing its memory;
+        NotFoundError naming it when absent."""
+        return SamplerInfo.from_proto(self._call(
+            "DeleteSampler",
+            pb.DeleteSamplerRequest(model_id=self.model_id, name=name),
+            retryable=False).result())
 
     def pending_window(self) -> Tuple[int, int, int]:
         """(calls, tokens, samples) accumulated on the server for this

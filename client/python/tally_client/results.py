@@ -485,6 +485,21 @@ class ExportResult(TypedMessage):
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplerInfo(TypedMessage):
+    """tally.v1.SamplerInfo (save_weights_for_sampler(), list_samplers(),
+    delete_sampler()): a sampler snapshot, the weights of `step` frozen under
+    `name`; `path` is its handle, tally://<model_id>/samplers/<name>."""
+    PROTO: ClassVar[str] = "tally.v1.SamplerInfo"
+    model_id: str
+    name: str
+    step: int
+    bytes: int
+    created_unix_micros: int
+    is_adapter: bool
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
 class SampledSequence(TypedMessage):
     """tally.v1.SampledSequence: one completion, without its prompt; each
     token's logprob is log_softmax of the raw logits (before temperature,

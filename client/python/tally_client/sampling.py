@@ -32,9 +32,11 @@ def sample_request(model_id: str, prompts: Sequence[TokensLike], *,
                    temperature: Optional[float], top_p: Optional[float],
                    top_k: Optional[int], stop: StopLike, seed: Optional[int],
                    include_prompt_logprobs: bool,
-                   topk_prompt_logprobs: int) -> pb.SampleRequest:
+                   topk_prompt_logprobs: int,
+                   sampler: Optional[str] = None) -> pb.SampleRequest:
     """The SampleRequest of TrainingClient.sample's arguments (None leaves
-    an optional parameter unset: the server's default)."""
+    an optional parameter unset: the server's default; `sampler` None: the
+    live weights)."""
     params = pb.SamplingParams(max_tokens=int(max_tokens))
     for name, value in (("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed)):
@@ -47,16 +49,30 @@ def sample_request(model_id: str, prompts: Sequence[TokensLike], *,
         model_id=model_id, prompts=token_sequences(prompts, "prompts"),
         num_samples=int(num_samples), params=params,
         include_prompt_logprobs=bool(include_prompt_logprobs),
-        topk_prompt_logprobs=int(topk_prompt_logprobs))
+        topk_prompt_logprobs=int(topk_prompt_logprobs),
+        sampler=sampler_name(sampler))
 
 
 def logprobs_request(model_id: str, prompts: Sequence[TokensLike],
-                     topk: int) -> pb.ComputeLogprobsRequest:
+                     topk: int,
+                     sampler: Optional[str] = None
+                     ) -> pb.ComputeLogprobsRequest:
     """The ComputeLogprobsRequest of TrainingClient.compute_logprobs'
     arguments."""
     return pb.ComputeLogprobsRequest(
         model_id=model_id, prompts=token_sequences(prompts, "prompts"),
-        topk=int(topk))
+        topk=int(topk), sampler=sampler_name(sampler))
+
+
+def sampler_name(sampler: Optional[str]) -> str:
+    """The request's `sampler` field: "" (the live weights) for None, else
+    the snapshot name (a str; anything else is a ValueError)."""
+    if sampler is None:
+        return ""
+    if not isinstance(sampler, str):
+        raise ValueError(f"sampler must be a snapshot name (str), not "
+                         f"{type(sampler).__name__}")
+    return sampler
 
 
 def token_sequences(prompts: Sequence[TokensLike],

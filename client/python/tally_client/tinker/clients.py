@@ -16,14 +16,18 @@ being applied twice.
 |                                          | weights -dfn/dlogprobs           |
 | optim_step(AdamParams)                   | OptimStep                        |
 | save_state / load_state[_with_optimizer] | SaveCheckpoint / LoadCheckpoint  |
-| save_weights_for_sampler(name)           | ExportWeights (a LoRA model: a   |
+| save_weights_for_sampler(name)           | SaveWeightsForSampler: a frozen  |
+|                                          | snapshot, tally://<model>/       |
+|                                          | samplers/<name>; export=True:    |
+|                                          | ExportWeights (a LoRA model: a   |
 |                                          | PEFT adapter directory; merge:   |
 |                                          | the merged HF directory)         |
 | get_info(), get_tokenizer()              | GetModel (the tokenizer: files   |
 |                                          | of the base's directory)         |
 | save_weights_and_get_sampling_client()   | a SamplingClient (Sample,        |
 |                                          | ComputeLogprobs) of the weights  |
-|                                          | being trained, in call order     |
+|                                          | being trained, in call order;    |
+|                                          | with a name, of that snapshot    |
 
 Datums become tally Samples, and results Tinker's types, in
 tally_client.tinker.conversions. Losses sum over tokens as Tinker's do
@@ -93,6 +97,10 @@ def _unsupported(name: str, instead: str) -> Callable[..., Any]:
     method.__name__ = name
     method.__doc__ = f"Not supported by tally: {instead}."
     return method
+
+
+# How save_weights_for_sampler's handles begin.
+SAMPLER_PATH_PREFIX = "tally://"
 
 
 class TrainingClient:
@@ -277,20 +285,32 @@ class TrainingClient:
 
     def save_weights_for_sampler(
             self, name: str, ttl_seconds: Optional[int] = None, *,
-            merge: bool = False, dtype: DTypeLike = None
+            export: bool = False, merge: bool = False,
+            dtype: DTypeLike = None
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """Future of a SaveWeightsForSamplerResponse: the weights for
-        inference at `name` (absolute, or under
-        <model_id>/sampler_weights/ of --checkpoint-root). A LoRA model
-        writes its adapter, as Tinker's sampler serves it: a PEFT adapter
-        directory (adapter_config.json + adapter_model.safetensors) for
-        vLLM's --lora-modules or PEFT over the base model; with `merge`
-        (tally's extra), an HF model directory of the base with the adapter
-        merged in. A fully fine-tuned model (rank=None) writes an HF model
-        directory (`merge` is refused). `dtype`: as
-        tally_client.TrainingClient.export_weights (None: the model's). Does
-        not touch the pending window."""
+        """Future of a SaveWeightsForSamplerResponse. By default it freezes
+        the weights of every earlier optim_step as the server's sampler
+        snapshot `name` (SaveWeightsForSampler; a LoRA model's adapter
+        alone), and the path is its handle, tally://<model_id>/samplers/
+        <name>, which ServiceClient.create_sampling_client(model_path=...)
+        samples. The snapshot holds server memory until the model is
+        deleted (or tally_client's delete_sampler).
+
+        With `export` (or `merge` or `dtype`, tally's extras) it writes the
+        weights for inference at `name` instead (absolute, or under
+        <model_id>/sampler_weights/ of --checkpoint-root): a LoRA model a
+        PEFT adapter directory (adapter_config.json +
+        adapter_model.safetensors) for vLLM's --lora-modules or PEFT over
+        the base model, with `merge` an HF model directory of the base with
+        the adapter merged in; a fully fine-tuned model (rank=None) an HF
+        model directory (`merge` is refused). `dtype`: as
+        tally_client.TrainingClient.export_weights (None: the model's).
+        Neither touches the pending window."""
         _warn_ttl(ttl_seconds)
+        if not (export or merge or dtype is not None):
+            return APIFuture(self._client.save_weights_for_sampler(name),
+                             lambda info: SaveWeightsForSamplerResponse(
+                                 path=info.path))
         call = self._client.export_weights(
             self._path(name, "sampler_weights"), dtype=dtype, merge=merge)
         return APIFuture(call, lambda response: SaveWeightsForSamplerResponse(
@@ -381,21 +401,19 @@ class TrainingClient:
     def save_weights_and_get_sampling_client(
             self, name: Optional[str] = None, retry_config: Any = None, *,
             tokenizer: Any = None) -> SamplingClient:
-        """A SamplingClient of this model's latest weights in call order:
-        each of its calls sees every optim_step made before it on this
-        TrainingClient and none made after (tally samples the weights being
-        trained, in the server; nothing is written). `name`: accepted and
-        ignored, with a warning, as no snapshot is taken (Tinker has
-        deprecated it too); `retry_config`: the ServiceClient's RetryPolicy
+        """A SamplingClient. With `name`: of the sampler snapshot `name` it
+        freezes now (save_weights_for_sampler(name); waits for it), whose
+        weights later optim_steps leave as they are. Without: of this
+        model's latest weights in call order: each of its calls sees every
+        optim_step made before it on this TrainingClient and none made after
+        (nothing is copied). `retry_config`: the ServiceClient's RetryPolicy
         applies. `tokenizer`: for string stops (see SamplingClient)."""
         del retry_config
+        sampler = None
         if name is not None:
-            warnings.warn("save_weights_and_get_sampling_client: tally takes "
-                          "no snapshot (the sampler reads the weights being "
-                          "trained, in call order): name is ignored",
-                          stacklevel=2)
+            sampler = self._client.save_weights_for_sampler(name).result().name
         return SamplingClient(self._client, self._model_name, sequenced=True,
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, sampler=sampler)
 
     async def save_weights_and_get_sampling_client_async(
             self, name: Optional[str] = None, retry_config: Any = None, *,
@@ -595,15 +613,17 @@ class ServiceClient:
             base_model: Optional[str] = None, retry_config: Any = None, *,
             tokenizer: Any = None,
             **create_model_fields: Any) -> SamplingClient:
-        """A SamplingClient (tally has no sampler snapshots yet, so no saved
-        directory can be sampled):
+        """A SamplingClient (no saved directory can be sampled):
 
         - `model_path`: the model_id of a model on the server (a
           TrainingClient's model_id): samples the weights of the last
           optim_step the server finished on it, with unsequenced calls that
           leave the sequence of the client training it alone (to sample in
           call order, use that TrainingClient's
-          save_weights_and_get_sampling_client). A path (a save_state or
+          save_weights_and_get_sampling_client). Or a sampler snapshot's
+          handle, tally://<model_id>/samplers/<name> (what
+          save_weights_for_sampler returns): samples its frozen weights
+          (NotFoundError naming it when absent). A path (a save_state or
           save_weights_for_sampler directory) is a ValueError: load it with
           create_training_client_from_state and sample that model. An
           unknown model_id raises NotFoundError.
@@ -730,19 +750,31 @@ class _SavedStates:
         return None if known is None else (known[0], copy.deepcopy(known[1]))
 
 
-def _model_sampler(server: ServerClient, model_id: str,
+def _model_sampler(server: ServerClient, model_path: str,
                    tokenizer: Any) -> SamplingClient:
-    """An unsequenced SamplingClient of model `model_id` on `server` (its
-    existence checked: NotFoundError otherwise)."""
+    """An unsequenced SamplingClient of `model_path` on `server`: a model_id,
+    or a sampler snapshot's handle tally://<model_id>/samplers/<name> (what
+    save_weights_for_sampler returns). The model's existence is checked
+    (NotFoundError otherwise); a snapshot's when sampled."""
+    model_id, sampler = model_path, None
+    if model_path.startswith(SAMPLER_PATH_PREFIX):
+        model_id, kind, sampler = \
+            model_path[len(SAMPLER_PATH_PREFIX):].partition("/samplers/")
+        if not kind or not model_id or not sampler or "/" in sampler:
+            raise ValueError(
+                f"model_path {model_path!r}: a sampler snapshot's handle is "
+                f"tally://<model_id>/samplers/<name>")
     if "/" in model_id or "://" in model_id:
         raise ValueError(
-            f"model_path {model_id!r}: tally samples a model on the server "
-            f"(its model_id), not a saved directory; load the directory with "
-            f"create_training_client_from_state(path) and sample that model")
+            f"model_path {model_path!r}: tally samples a model on the server "
+            f"(its model_id) or a sampler snapshot (tally://<model_id>/"
+            f"samplers/<name>), not a saved directory; load the directory "
+            f"with create_training_client_from_state(path) and sample that "
+            f"model")
     client = server.training_client(model_id)
     info = client.get_model()
     return SamplingClient(client, info.base or model_id, sequenced=False,
-                          tokenizer=tokenizer)
+                          tokenizer=tokenizer, sampler=sampler)
 
 
 def _parse_base_url(base_url: str) -> Tuple[str, Optional[bool]]:

@@ -12,11 +12,15 @@ sampler-trainer numeric gap.
     for sequence in result.sequences:
         print(sequence.tokens, sequence.logprobs, sequence.stop_reason)
 
-Which weights a SamplingClient reads (tally has no frozen sampler snapshot
-yet):
+Which weights a SamplingClient reads:
 - from TrainingClient.save_weights_and_get_sampling_client(): the training
   model's latest weights in call order: each sample sees every optim_step
   made before it on that TrainingClient, and none made after.
+- from save_weights_and_get_sampling_client(name), or
+  ServiceClient.create_sampling_client(model_path=<the tally://<model_id>/
+  samplers/<name> handle save_weights_for_sampler(name) returns>): the
+  sampler snapshot `name`, frozen on the server when it was saved; later
+  optim_steps do not change it.
 - from ServiceClient.create_sampling_client(model_path=model_id): the
   weights of the last optim_step the server finished on that model (the
   calls are unsequenced, so that they never disturb the sequence of the
@@ -60,19 +64,23 @@ class SamplingClient:
 
     def __init__(self, client: tally.TrainingClient, base_model: str, *,
                  sequenced: bool, tokenizer: Any = None,
-                 owns_model: bool = False) -> None:
+                 owns_model: bool = False,
+                 sampler: Optional[str] = None) -> None:
         """`client`: the tally_client.TrainingClient of the model sampled.
         `base_model`: what get_base_model() answers. `sequenced`: each call
         takes the client's next seq_id (it sees every optim_step made
         before it on `client`); False: unsequenced (the last step the
         server finished). `tokenizer`: anything with
         encode(text, add_special_tokens=False) (a transformers tokenizer),
-        for string stops. `owns_model`: close() deletes the model."""
+        for string stops. `owns_model`: close() deletes the model.
+        `sampler`: the model's sampler snapshot to read (None: the live
+        weights)."""
         self._client = client
         self._base_model = base_model
         self._sequenced = sequenced
         self._tokenizer = tokenizer
         self._owns_model = owns_model
+        self._sampler = sampler
         self.model_id = client.model_id
 
     def sample(self, prompt: ModelInput, num_samples: int,
@@ -98,7 +106,7 @@ class SamplingClient:
             stop=self._stop(sampling_params.stop), seed=sampling_params.seed,
             include_prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
-            sequenced=self._sequenced)
+            sequenced=self._sequenced, sampler=self._sampler)
         return APIFuture(call, lambda response: _sample_response(
             response, include_prompt_logprobs, topk_prompt_logprobs))
 
@@ -116,7 +124,8 @@ class SamplingClient:
         """Future of the log-probability of each token of `prompt` given the
         tokens before it: None for the first, which has no context."""
         call = self._client.compute_logprobs([prompt.to_ints()],
-                                             sequenced=self._sequenced)
+                                             sequenced=self._sequenced,
+                                             sampler=self._sampler)
         return APIFuture(call, lambda response: [None] + list(
             response.prompts[0].logprobs))
 

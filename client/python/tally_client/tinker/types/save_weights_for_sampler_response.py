@@ -11,7 +11,8 @@ import dataclasses
 
 @dataclasses.dataclass
 class SaveWeightsForSamplerResponse:
-    """save_weights_for_sampler's result: where the weights were
-    written."""
+    """save_weights_for_sampler's result: the sampler snapshot's handle
+    (tally://<model_id>/samplers/<name>), or with export the server-side
+    directory written."""
 
     path: str
