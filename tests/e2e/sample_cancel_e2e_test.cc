@@ -55,13 +55,17 @@ v1::CreateModelRequest TinyModel(const std::string& model_id) {
   return request;
 }
 
+void AddPrompt(v1::TokenSequence* prompt, const std::vector<int32_t>& tokens) {
+  prompt->mutable_tokens()->Add(tokens.begin(), tokens.end());
+}
+
 // Two prompts x 2 samples, no stop condition (params.stop empty).
 v1::SampleRequest SampleOf(const std::string& model_id, int32_t max_tokens,
                            uint64_t seed) {
   v1::SampleRequest request;
   request.set_model_id(model_id);
-  request.add_prompts()->mutable_tokens()->Add({3, 14, 15});
-  request.add_prompts()->mutable_tokens()->Add({9, 2});
+  AddPrompt(request.add_prompts(), {3, 14, 15});
+  AddPrompt(request.add_prompts(), {9, 2});
   request.set_num_samples(2);
   request.mutable_params()->set_max_tokens(max_tokens);
   request.mutable_params()->set_temperature(1.0);

@@ -1,5 +1,6 @@
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -12,11 +13,15 @@ using ::testing::HasSubstr;
 
 constexpr int32_t kLargestToken = std::numeric_limits<int32_t>::max();
 
+void AddPrompt(v1::TokenSequence* prompt, const std::vector<int32_t>& tokens) {
+  prompt->mutable_tokens()->Add(tokens.begin(), tokens.end());
+}
+
 v1::SampleRequest TwoPrompts() {
   v1::SampleRequest request;
   request.set_model_id("m");
-  request.add_prompts()->mutable_tokens()->Add({1, 2, 3});
-  request.add_prompts()->mutable_tokens()->Add({1, 2, 3, 4, 5});
+  AddPrompt(request.add_prompts(), {1, 2, 3});
+  AddPrompt(request.add_prompts(), {1, 2, 3, 4, 5});
   request.set_num_samples(3);
   request.mutable_params()->set_max_tokens(7);
   return request;
@@ -102,8 +107,8 @@ TEST(SampleResponseBoundTest, SaturatesOnHostileFields) {
 TEST(ComputeLogprobsResponseBoundTest, BoundsTheWidestResponseAndRefuses) {
   v1::ComputeLogprobsRequest request;
   request.set_model_id("m");
-  request.add_prompts()->mutable_tokens()->Add({1, 2, 3, 4});
-  request.add_prompts()->mutable_tokens()->Add({1});
+  AddPrompt(request.add_prompts(), {1, 2, 3, 4});
+  AddPrompt(request.add_prompts(), {1});
   request.set_topk(5);
   v1::ComputeLogprobsResponse widest;
   for (const v1::TokenSequence& prompt : request.prompts()) {
