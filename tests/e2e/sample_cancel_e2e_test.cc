@@ -1,11 +1,12 @@
 // End-to-end test of stopping a running Sample on a 2-rank tally-server: a
 // Sample cancelled by its client while it decodes stops on every rank (the
-// server answers it CANCELLED rather than finishing it), and the server goes
-// on serving: a Sample, a ForwardBackward and an OptimStep of the same model
-// afterwards answer exactly what they answer on an identical model that
-// never saw the cancelled call. Run on a lockstep mesh (dp_shard: the data
-// ranks' forwards meet in ZeRO gathers) and a tensor-parallel one (no data
-// split; the ranks meet only in the stop checks and tp's collectives).
+// server answers it CANCELLED rather than finishing it), as does one whose
+// deadline passes (DEADLINE_EXCEEDED), and the server goes on serving: a
+// Sample, a ForwardBackward and an OptimStep of the same model afterwards
+// answer exactly what they answer on an identical model that never saw the
+// cancelled call. Run on a lockstep mesh (dp_shard: the data ranks' forwards
+// meet in ZeRO gathers) and a tensor-parallel one (no data split; the ranks
+// meet only in the stop checks and tp's collectives).
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
@@ -35,7 +36,7 @@ using ::tally::testing::ServerProcess;
 
 constexpr int32_t kVocab = 64;
 constexpr absl::Duration kShutdownTimeout = absl::Seconds(30);
-// Far more steps than the test could wait for: only a stop ends it.
+// Far more steps than the test waits for: a stop ends it.
 constexpr int32_t kEndlessTokens = 50000;
 
 v1::CreateModelRequest TinyModel(const std::string& model_id) {
@@ -130,12 +131,14 @@ absl::StatusOr<double> ModelMetric(const ServerProcess& server,
   return MetricValue(*metrics, name, {{"model_id", model_id}});
 }
 
-absl::StatusOr<double> CancelledSamples(const ServerProcess& server) {
+// How many Samples the server answered with `code`.
+absl::StatusOr<double> SamplesAnswered(const ServerProcess& server,
+                                       const std::string& code) {
   const absl::StatusOr<std::string> metrics =
       HttpGet(server.metrics_port(), "/metrics");
   if (!metrics.ok()) return metrics.status();
   return MetricValue(*metrics, "tally_requests_total",
-                     {{"method", "Sample"}, {"code", "CANCELLED"}});
+                     {{"method", "Sample"}, {"code", code}});
 }
 
 class SampleCancelE2eTest
@@ -185,6 +188,18 @@ TEST_P(SampleCancelE2eTest, ACancelledSampleStopsOnEveryRankAndChangesNothing) {
   EXPECT_EQ(cancelled_status.error_code(), grpc::StatusCode::CANCELLED)
       << cancelled_status.error_message();
 
+  // One whose deadline passes while it decodes (on a host too slow to
+  // start it within the deadline, before it runs): DEADLINE_EXCEEDED.
+  {
+    grpc::ClientContext expiring;
+    expiring.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::SampleResponse response;
+    const grpc::Status expired =
+        stub->Sample(&expiring, SampleOf("a", kEndlessTokens, 19), &response);
+    EXPECT_EQ(expired.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << expired.error_message();
+  }
+
   // Queued behind the cancelled call: they run once it stopped.
   const Answers a = RunAfter(*client_, "a");
   const Answers b = RunAfter(*client_, "b");
@@ -198,9 +213,12 @@ TEST_P(SampleCancelE2eTest, ACancelledSampleStopsOnEveryRankAndChangesNothing) {
   EXPECT_EQ(a.after.step(), 1);
   EXPECT_GT(a.forward_backward.valid_tokens(), 0);
 
-  // The server answered the call CANCELLED: it stopped decoding, rather
-  // than finishing kEndlessTokens and answering OK; nothing is left running.
-  EXPECT_EQ(CancelledSamples(*server).value_or(-1), 1.0) << server->ReadLog();
+  // The server answered the calls CANCELLED and DEADLINE_EXCEEDED: it
+  // stopped decoding, rather than finishing kEndlessTokens and answering OK;
+  // nothing is left running.
+  EXPECT_EQ(SamplesAnswered(*server, "CANCELLED").value_or(-1), 1.0)
+      << server->ReadLog();
+  EXPECT_EQ(SamplesAnswered(*server, "DEADLINE_EXCEEDED").value_or(-1), 1.0);
   EXPECT_EQ(
       ModelMetric(*server, "tally_sample_active_sequences", "a").value_or(-1),
       0.0);
