@@ -213,12 +213,16 @@ TEST_P(SampleCancelE2eTest, ACancelledSampleStopsOnEveryRankAndChangesNothing) {
   EXPECT_EQ(a.after.step(), 1);
   EXPECT_GT(a.forward_backward.valid_tokens(), 0);
 
-  // The server answered the calls CANCELLED and DEADLINE_EXCEEDED: it
-  // stopped decoding, rather than finishing kEndlessTokens and answering OK;
-  // nothing is left running.
-  EXPECT_EQ(SamplesAnswered(*server, "CANCELLED").value_or(-1), 1.0)
+  // The server answered both calls as given up: it stopped decoding,
+  // rather than finishing kEndlessTokens and answering OK; nothing is left
+  // running. (gRPC cancels a call whose deadline passed, so the server may
+  // see the cancellation a moment before its clock passes the deadline and
+  // answer CANCELLED; the client gets DEADLINE_EXCEEDED either way.)
+  EXPECT_EQ(SamplesAnswered(*server, "CANCELLED").value_or(0) +
+                SamplesAnswered(*server, "DEADLINE_EXCEEDED").value_or(0),
+            2.0)
       << server->ReadLog();
-  EXPECT_EQ(SamplesAnswered(*server, "DEADLINE_EXCEEDED").value_or(-1), 1.0);
+  EXPECT_EQ(SamplesAnswered(*server, "OK").value_or(-1), 4.0);
   EXPECT_EQ(
       ModelMetric(*server, "tally_sample_active_sequences", "a").value_or(-1),
       0.0);

@@ -173,7 +173,9 @@ TEST_P(DecodeGoldenTest, EqualsTheSingleRank) {
         if (mesh_case.lora) ActivateAdapters(*reference, *model);
         TALLY_ASSIGN_OR_RETURN(std::vector<DecodeRequest> requests,
                                Requests(*reference));
-        const DecodeGroups groups{g.data_and_cp, g.pp};
+        // As Engine::Sample passes them: the world agrees every few steps
+        // whether to stop, whichever ranks still decode.
+        const DecodeGroups groups{g.data_and_cp, g.pp, g.world};
         for (size_t r = 0; r < requests.size(); ++r) {
           TALLY_ASSIGN_OR_RETURN(std::vector<DecodedSequence> want,
                                  Decode(*reference, requests[r]));
