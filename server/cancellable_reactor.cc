@@ -1,5 +1,6 @@
 #include "server/cancellable_reactor.h"
 
+#include <chrono>
 #include <utility>
 
 namespace tally {
@@ -28,5 +29,17 @@ void CancellableReactor::OnCancel() {
 
 // gRPC calls it last, once every other reaction has returned.
 void CancellableReactor::OnDone() { delete this; }
+
+absl::Status CallerGaveUpWhileRunning(grpc::CallbackServerContext& context) {
+  if (context.deadline() < std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError(
+        "the deadline passed while the request ran: it was stopped");
+  }
+  if (context.IsCancelled()) {
+    return absl::CancelledError(
+        "cancelled by the client while the request ran: it was stopped");
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace tally

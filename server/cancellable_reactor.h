@@ -7,6 +7,9 @@
 //   ...  // hand the request on; reactor->Finish(status) exactly once
 //   reactor->OnCancelled([=] { scheduler->Withdraw(ticket, why); });
 //   return reactor;  // from the handler
+//
+// CallerGaveUpWhileRunning tells a request that is running (a Sample that
+// decodes) that its caller no longer waits, so that it can stop.
 #ifndef TALLY_SERVER_CANCELLABLE_REACTOR_H_
 #define TALLY_SERVER_CANCELLABLE_REACTOR_H_
 
@@ -14,6 +17,7 @@
 
 #include <functional>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 
 namespace tally {
@@ -32,6 +36,12 @@ class CancellableReactor final : public grpc::ServerUnaryReactor {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void()> on_cancel_ ABSL_GUARDED_BY(mu_);
 };
+
+// Why the caller of `context`'s running request no longer waits for its
+// answer: DEADLINE_EXCEEDED (its deadline passed) or CANCELLED (it
+// cancelled), each saying the request was stopped while it ran; OK while it
+// waits.
+absl::Status CallerGaveUpWhileRunning(grpc::CallbackServerContext& context);
 
 }  // namespace tally
 

@@ -49,6 +49,14 @@ prometheus::Histogram::BucketBoundaries CommandBuckets() {
   return DoublingFromOneMs(22);
 }
 
+// 0.1 ms .. 3.2768 s (16 buckets): one decoding step, from a small model
+// on a GPU to a large one on CPUs.
+prometheus::Histogram::BucketBoundaries TokenBuckets() {
+  prometheus::Histogram::BucketBoundaries b = DoublingFromOneMs(16);
+  for (double& bound : b) bound /= 10;
+  return b;
+}
+
 // 1 ms .. 16777.216 s, ~4.7 h (25 buckets): checkpoint saves and loads of
 // large models on slow storage.
 prometheus::Histogram::BucketBoundaries CheckpointBuckets() {
@@ -205,6 +213,10 @@ struct TrainingFamilies {
   prometheus::Family<prometheus::Counter>* requests;
   prometheus::Family<prometheus::Counter>* sampled_tokens;
   prometheus::Family<prometheus::Histogram>* sample_seconds;
+  prometheus::Family<prometheus::Histogram>* sample_first_token_seconds;
+  prometheus::Family<prometheus::Histogram>* sample_token_seconds;
+  prometheus::Family<prometheus::Gauge>* sample_kv_cache_bytes;
+  prometheus::Family<prometheus::Gauge>* sample_active_sequences;
 };
 
 TrainingFamilies RegisterTrainingFamilies(FamilyBuilder& build) {
@@ -276,6 +288,20 @@ TrainingFamilies RegisterTrainingFamilies(FamilyBuilder& build) {
       "tally_sample_seconds",
       "Sample execution time on this rank (by model on rank 0, all models "
       "together elsewhere)");
+  f.sample_first_token_seconds = build.Histogram(
+      "tally_sample_time_to_first_token_seconds",
+      "Rank 0: time from a Sample's decode start (prefill included) to its "
+      "first token");
+  f.sample_token_seconds = build.Histogram(
+      "tally_sample_token_seconds",
+      "Rank 0: time of each decoding step after the first token (one token "
+      "per active sequence)");
+  f.sample_kv_cache_bytes =
+      build.Gauge("tally_sample_kv_cache_bytes",
+                  "Rank 0: KV-cache bytes of the model's running Sample");
+  f.sample_active_sequences = build.Gauge(
+      "tally_sample_active_sequences",
+      "Rank 0: sequences the model's running Sample still decodes on rank 0");
   return f;
 }
 
@@ -469,6 +495,11 @@ struct ServerMetrics::ModelSeries {
   // Null until the model's first Sample, so models never sampled carry no
   // sampling series.
   prometheus::Counter* sampled_tokens;
+  // Null until the model's first decode reports (ObserveDecodeProgress).
+  prometheus::Histogram* first_token_seconds;
+  prometheus::Histogram* token_seconds;
+  prometheus::Gauge* kv_cache_bytes;
+  prometheus::Gauge* active_sequences;
 };
 
 struct ServerMetrics::RankModelSeries {
@@ -516,6 +547,10 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(
   m->requests_ = training.requests;
   m->sampled_tokens_ = training.sampled_tokens;
   m->sample_seconds_ = training.sample_seconds;
+  m->sample_first_token_seconds_ = training.sample_first_token_seconds;
+  m->sample_token_seconds_ = training.sample_token_seconds;
+  m->sample_kv_cache_bytes_ = training.sample_kv_cache_bytes;
+  m->sample_active_sequences_ = training.sample_active_sequences;
   const RankFamilies rank = RegisterRankFamilies(build);
   m->collective_calls_ = rank.collective_calls;
   m->collective_bytes_ = rank.collective_bytes;
@@ -575,19 +610,30 @@ ServerMetrics::ModelSeries& ServerMetrics::Series(const std::string& id) {
       labels[key] = value;
       return labels;
     };
-    slot = std::make_unique<ModelSeries>(ModelSeries{
-        &grad_norm_->Add(l),
-        &grad_norm_distribution_->Add(l, GradNormBuckets()),
-        &clip_coefficient_->Add(l),
-        &optim_steps_->Add(with("outcome", "applied")),
-        &optim_steps_->Add(with("outcome", "skipped_nonfinite")),
-        &valid_tokens_->Add(PhaseLabels(id, "train")), &samples_->Add(l),
-        &pending_tokens_->Add(l), &loss_->Add(l), &model_step_->Add(l),
-        &duplicate_requests_->Add(l), &poisoned_windows_->Add(l),
-        &loss_sum_->Add(PhaseLabels(id, "train")), &window_loss_->Add(l),
-        /*eval_valid_tokens=*/nullptr, /*eval_loss_sum=*/nullptr,
-        PolicySeries(id), /*window_loss_sum=*/0.0,
-        /*sampled_tokens=*/nullptr});
+    slot = std::make_unique<ModelSeries>(
+        ModelSeries{&grad_norm_->Add(l),
+                    &grad_norm_distribution_->Add(l, GradNormBuckets()),
+                    &clip_coefficient_->Add(l),
+                    &optim_steps_->Add(with("outcome", "applied")),
+                    &optim_steps_->Add(with("outcome", "skipped_nonfinite")),
+                    &valid_tokens_->Add(PhaseLabels(id, "train")),
+                    &samples_->Add(l),
+                    &pending_tokens_->Add(l),
+                    &loss_->Add(l),
+                    &model_step_->Add(l),
+                    &duplicate_requests_->Add(l),
+                    &poisoned_windows_->Add(l),
+                    &loss_sum_->Add(PhaseLabels(id, "train")),
+                    &window_loss_->Add(l),
+                    /*eval_valid_tokens=*/nullptr,
+                    /*eval_loss_sum=*/nullptr,
+                    PolicySeries(id),
+                    /*window_loss_sum=*/0.0,
+                    /*sampled_tokens=*/nullptr,
+                    /*first_token_seconds=*/nullptr,
+                    /*token_seconds=*/nullptr,
+                    /*kv_cache_bytes=*/nullptr,
+                    /*active_sequences=*/nullptr});
   }
   return *slot;
 }
@@ -721,6 +767,24 @@ void ServerMetrics::RecordSample(const std::string& model_id, int64_t tokens,
   RecordRankStateLocked();
 }
 
+void ServerMetrics::ObserveDecodeProgress(const std::string& model_id,
+                                          const DecodeStats& stats) {
+  absl::MutexLock lock(&mu_);
+  ModelSeries& s = Series(model_id);
+  if (s.first_token_seconds == nullptr) {
+    const prometheus::Labels l = {{"model_id", model_id}};
+    s.first_token_seconds =
+        &sample_first_token_seconds_->Add(l, CommandBuckets());
+    s.token_seconds = &sample_token_seconds_->Add(l, TokenBuckets());
+    s.kv_cache_bytes = &sample_kv_cache_bytes_->Add(l);
+    s.active_sequences = &sample_active_sequences_->Add(l);
+  }
+  if (stats.step == 1) s.first_token_seconds->Observe(stats.step_seconds);
+  if (stats.step > 1) s.token_seconds->Observe(stats.step_seconds);
+  s.kv_cache_bytes->Set(static_cast<double>(stats.cache_bytes));
+  s.active_sequences->Set(static_cast<double>(stats.active_sequences));
+}
+
 void ServerMetrics::ObserveSampleSeconds(const std::string& model_id,
                                          double seconds) {
   absl::MutexLock lock(&mu_);
@@ -789,6 +853,12 @@ void ServerMetrics::RemoveModelSeries(const std::string& model_id) {
     loss_sum_->Remove(s.eval_loss_sum);
   }
   if (s.sampled_tokens != nullptr) sampled_tokens_->Remove(s.sampled_tokens);
+  if (s.first_token_seconds != nullptr) {
+    sample_first_token_seconds_->Remove(s.first_token_seconds);
+    sample_token_seconds_->Remove(s.token_seconds);
+    sample_kv_cache_bytes_->Remove(s.kv_cache_bytes);
+    sample_active_sequences_->Remove(s.active_sequences);
+  }
   series_.erase(it);
 }
 

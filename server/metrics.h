@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "runtime/engine/engine.h"
+#include "runtime/sample/decode_control.h"
 #include "server/auth.h"
 #include "server/device_metrics.h"
 #include "server/http_endpoint.h"
@@ -120,6 +121,11 @@ class ServerMetrics {
   void RecordSample(const std::string& model_id, int64_t tokens,
                     double seconds);
   void ObserveSampleSeconds(const std::string& model_id, double seconds);
+  // Rank 0: a decode of `model_id` reported `stats` (decode_control.h): the
+  // time to first token, each later step's time, and the running decode's
+  // KV-cache bytes and active sequences (0 once it ends).
+  void ObserveDecodeProgress(const std::string& model_id,
+                             const DecodeStats& stats);
   // Copies this rank's collective counters and shard sizes from the engine;
   // models gone from the engine lose their series, and on rank 0 every
   // model the engine holds has its request-level series.
@@ -201,6 +207,11 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
   prometheus::Family<prometheus::Counter>* sampled_tokens_ = nullptr;
   prometheus::Family<prometheus::Histogram>* sample_seconds_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* sample_first_token_seconds_ =
+      nullptr;
+  prometheus::Family<prometheus::Histogram>* sample_token_seconds_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* sample_kv_cache_bytes_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* sample_active_sequences_ = nullptr;
   prometheus::Family<prometheus::Counter>* duplicate_requests_ = nullptr;
   prometheus::Family<prometheus::Counter>* poisoned_windows_ = nullptr;
   prometheus::Family<prometheus::Counter>* collective_calls_ = nullptr;

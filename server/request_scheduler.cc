@@ -52,6 +52,14 @@ absl::Status RequestScheduler::RunGuarded(const ScheduledRequest& request) {
   // What the command logs names its model and request (its seq_id).
   const LogContext context(
       request.model_id, request.seq_id > 0 ? absl::StrCat(request.seq_id) : "");
+  DecodeControl control;
+  control.stop = request.stop_check;
+  if (hooks_.on_decode_progress) {
+    control.on_progress = [this, &request](const DecodeStats& stats) {
+      hooks_.on_decode_progress(request.model_id, stats);
+    };
+  }
+  const ScopedDecodeControl installed(&control);
   std::string what;
   try {
     return request.run();

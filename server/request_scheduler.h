@@ -7,7 +7,11 @@
 // (seq_id 0), through the Sequencer (exactly once, in seq_id order) when
 // sequenced —, runs it unless the caller gave up (`precheck`), gives the slot
 // back and replies. A sequenced request whose caller gives up while it waits
-// is answered and gives its slot back at once (`Withdraw`). Every request is
+// is answered and gives its slot back at once (`Withdraw`). While a command
+// runs, its `stop_check` is the thread's DecodeControl
+// (runtime/sample/decode_control.h): a Sample that is decoding when its caller
+// gives up stops within a few steps, and reports its progress to
+// `on_decode_progress`. Every request is
 // replied to exactly once, whatever happens to its model meanwhile (deleted,
 // re-created, restored) or to the server (stopping). A command that throws is
 // answered INTERNAL and reported to `on_command_exception` (the service poisons
@@ -38,6 +42,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "runtime/sample/decode_control.h"
 #include "server/executor.h"
 #include "server/request_budget.h"
 #include "server/sequencer.h"
@@ -55,6 +60,9 @@ struct ScheduledRequest {
   std::function<absl::Status()> precheck;
   // Runs the command on the executor thread.
   std::function<absl::Status()> run;
+  // Polled while `run` runs, by a decode in it (DecodeControl): OK, or why
+  // the caller gave up (its answer; the decode stops). Null: never.
+  std::function<absl::Status()> stop_check;
   // An OK `run` ended the model's accumulation window (an OptimStep, an
   // AbortAccumulation, a LoadCheckpoint): retry outcomes are kept by window.
   bool closes_window = false;
@@ -93,6 +101,10 @@ struct RequestSchedulerHooks {
   std::function<void(const std::string& model_id)> on_gap_timeout;
   std::function<void(const std::string& model_id)> on_duplicate;
   std::function<void(double seconds)> on_gap_closed;
+  // A decode in a command of `model_id` reported its progress (on the
+  // executor thread, after each step and at its end).
+  std::function<void(const std::string& model_id, const DecodeStats& stats)>
+      on_decode_progress;
 };
 
 class RequestScheduler {
@@ -131,7 +143,8 @@ class RequestScheduler {
   std::function<void(const absl::Status&)> ReplyOnce(
       std::string tenant, std::string model_id, bool reserved,
       std::function<void(const absl::Status&)> reply);
-  // `request.run`, with an exception turned into INTERNAL.
+  // `request.run`, with an exception turned into INTERNAL, under a
+  // DecodeControl of its stop_check and on_decode_progress.
   absl::Status RunGuarded(const ScheduledRequest& request);
   void ScheduleUnsequenced(ScheduledRequest request);
   void ScheduleSequenced(ScheduledRequest request, uint64_t caller_id);

@@ -432,7 +432,9 @@ TEST_F(ModelMetricsTest, PolicyStatisticsOfTheLastRlCall) {
 // once it trained and stepped (the grad norm histogram's 36, the execution
 // histograms' 2 x 25, 13 gauges and counters, 8 policy statistics, 3 shard
 // sizes), 2 more once evaluated, none once a call carries sampling_logprobs,
-// 26 once sampled (tally_sample_seconds' 25, tally_sampled_tokens_total).
+// 26 once sampled (tally_sample_seconds' 25, tally_sampled_tokens_total),
+// 46 more once a decode reported (the time to first token's 25, the token
+// time's 19, the KV-cache bytes and active sequences).
 TEST_F(ModelMetricsTest, SeriesPerModelAreBoundedAsDocumented) {
   auto count = [&] {
     const std::string text = Scrape(metrics_->port());
@@ -459,16 +461,60 @@ TEST_F(ModelMetricsTest, SeriesPerModelAreBoundedAsDocumented) {
   metrics_->RecordSample("m", 7, 0.25);
   const int64_t sampled = count();
   metrics_->RecordSample("m", 3, 0.5);
+  const int64_t resampled = count();
+  DecodeStats first;
+  first.step = 1;
+  first.step_seconds = 0.125;
+  first.active_sequences = 3;
+  first.cache_bytes = 4096;
+  metrics_->ObserveDecodeProgress("m", first);
+  const int64_t decoding = count();
+  std::string text = Scrape(metrics_->port());
+  EXPECT_EQ(
+      Value(text, "tally_sample_active_sequences{rank=\"0\",model_id=\"m\"}"),
+      3);
+  EXPECT_EQ(
+      Value(text, "tally_sample_kv_cache_bytes{rank=\"0\",model_id=\"m\"}"),
+      4096);
+  DecodeStats later = first;
+  later.step = 2;
+  later.step_seconds = 0.002;
+  metrics_->ObserveDecodeProgress("m", later);
+  metrics_->ObserveDecodeProgress("m", later);
+  DecodeStats done;
+  done.done = true;
+  done.step_seconds = 0.001;
+  metrics_->ObserveDecodeProgress("m", done);
   EXPECT_EQ(trained, 110);
   EXPECT_EQ(evaluated - trained, 2);
   EXPECT_EQ(rl_called - evaluated, 0);
   EXPECT_EQ(sampled - rl_called, 26);
-  EXPECT_EQ(count() - sampled, 0);
-  const std::string text = Scrape(metrics_->port());
+  EXPECT_EQ(resampled - sampled, 0);
+  EXPECT_EQ(decoding - resampled, 46);
+  EXPECT_EQ(count() - decoding, 0);
+  text = Scrape(metrics_->port());
   EXPECT_EQ(
       Value(text, "tally_sampled_tokens_total{rank=\"0\",model_id=\"m\"}"), 10);
   EXPECT_EQ(
       Value(text, "tally_sample_seconds_count{rank=\"0\",model_id=\"m\"}"), 2);
+  // The first token once, the later steps each; the gauges back at 0.
+  EXPECT_EQ(Value(text,
+                  "tally_sample_time_to_first_token_seconds_count{rank=\"0\","
+                  "model_id=\"m\"}"),
+            1);
+  EXPECT_EQ(Value(text,
+                  "tally_sample_time_to_first_token_seconds_sum{rank=\"0\","
+                  "model_id=\"m\"}"),
+            0.125);
+  EXPECT_EQ(
+      Value(text,
+            "tally_sample_token_seconds_count{rank=\"0\",model_id=\"m\"}"),
+      2);
+  EXPECT_EQ(
+      Value(text, "tally_sample_active_sequences{rank=\"0\",model_id=\"m\"}"),
+      0);
+  EXPECT_EQ(
+      Value(text, "tally_sample_kv_cache_bytes{rank=\"0\",model_id=\"m\"}"), 0);
   // Deleting the model drops its sampling series with the others.
   ASSERT_TRUE(engine_->DeleteModel("m").ok());
   metrics_->RemoveModel("m");

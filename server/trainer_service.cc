@@ -28,6 +28,7 @@
 #include "server/convert.h"
 #include "server/models_root.h"
 #include "server/path_confinement.h"
+#include "server/response_bound.h"
 #include "server/server_info.h"
 
 namespace tally {
@@ -118,8 +119,9 @@ TrainerService::TrainerService(Engine* engine, CommandExecutor* executor,
               [metrics](const std::string& model_id) {
                 metrics->RecordDuplicate(model_id);
               },
-              [metrics](double seconds) {
-                metrics->RecordSeqGapWait(seconds);
+              [metrics](double seconds) { metrics->RecordSeqGapWait(seconds); },
+              [metrics](const std::string& model_id, const DecodeStats& stats) {
+                metrics->ObserveDecodeProgress(model_id, stats);
               }}),
       admission_(ObservedBy(options_.memory, metrics)) {
   metrics->SetMemoryLimits(options_.memory.limit_bytes,
@@ -518,6 +520,9 @@ grpc::ServerUnaryReactor* TrainerService::Execute(
   scheduled.seq_id = call.seq_id;
   scheduled.closes_window = call.closes_window;
   scheduled.precheck = [this, context] { return Precheck(context); };
+  scheduled.stop_check = [context] {
+    return CallerGaveUpWhileRunning(*context);
+  };
   scheduled.reply = [this, method = call.method,
                      reactor](const absl::Status& status) {
     Finish(method, reactor, status);
@@ -889,7 +894,9 @@ grpc::ServerUnaryReactor* TrainerService::Sample(
        server_form.get(), response},
       FirstError(
           FirstError(ValidateModelId(request->model_id()), args->status()),
-          CheckTokensPerCall(*request)),
+          FirstError(
+              CheckTokensPerCall(*request),
+              CheckSampleResponseFits(*request, options_.max_message_bytes))),
       [this, server_form, args, response] {
         // Drawn here, on rank 0, after the request was fingerprinted: the
         // seed travels with the replicated request, so that every rank
@@ -909,15 +916,18 @@ grpc::ServerUnaryReactor* TrainerService::ComputeLogprobs(
   auto server_form = std::make_shared<v1::ComputeLogprobsRequest>(*request);
   auto args = std::make_shared<absl::StatusOr<LogprobsArgs>>(
       kComputeLogprobsCommand.parse(*request));
-  return Execute({"ComputeLogprobs", context, server_form->mutable_model_id(),
-                  request->seq_id(), server_form.get(), response},
-                 FirstError(FirstError(ValidateModelId(request->model_id()),
-                                       args->status()),
-                            CheckTokensPerCall(*request)),
-                 [this, server_form, args, response] {
-                   return commands_.Run(kComputeLogprobsCommand, *server_form,
-                                        **args, response);
-                 });
+  return Execute(
+      {"ComputeLogprobs", context, server_form->mutable_model_id(),
+       request->seq_id(), server_form.get(), response},
+      FirstError(
+          FirstError(ValidateModelId(request->model_id()), args->status()),
+          FirstError(CheckTokensPerCall(*request),
+                     CheckComputeLogprobsResponseFits(
+                         *request, options_.max_message_bytes))),
+      [this, server_form, args, response] {
+        return commands_.Run(kComputeLogprobsCommand, *server_form, **args,
+                             response);
+      });
 }
 
 // Artifacts through the API (server/artifacts.h).

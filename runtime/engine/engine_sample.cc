@@ -9,9 +9,10 @@
 namespace tally {
 namespace {
 
-// The groups a decode needs beside the model's own (decode_types.h).
+// The groups a decode needs beside the model's own (decode_types.h); the
+// world agrees on stopping a cancelled call.
 DecodeGroups DecodeGroupsOf(const EngineGroups& groups) {
-  return DecodeGroups{groups.data_and_cp, groups.pp};
+  return DecodeGroups{groups.data_and_cp, groups.pp, groups.world};
 }
 
 }  // namespace

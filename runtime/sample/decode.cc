@@ -4,7 +4,10 @@
 #include <string>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/status.h"
 #include "runtime/model/kv_cache.h"
 #include "runtime/sample/mesh_decode.h"
@@ -129,23 +132,82 @@ absl::StatusOr<torch::Tensor> ChooseTokens(MeshStep& step,
   return tokens.index_select(0, rows);
 }
 
+// The current thread's DecodeControl (decode_control.h), polled and
+// reported to at each step.
+class StepControl {
+ public:
+  StepControl()
+      : control_(ScopedDecodeControl::Current()), last_(absl::Now()) {}
+
+  // At a check step, why this rank wants to stop (OK: it does not).
+  absl::Status Poll(bool check) const {
+    return check ? PollStop(control_) : absl::OkStatus();
+  }
+  // After a step that chose the `step`-th token of each active sequence;
+  // done: the final report.
+  void Report(const ActiveRows& active, const KvCache& cache, int64_t step,
+              bool done) {
+    if (control_ == nullptr || !control_->on_progress) return;
+    const absl::Time now = absl::Now();
+    DecodeStats stats;
+    stats.active_sequences =
+        done ? 0 : static_cast<int64_t>(active.sequences.size());
+    stats.cache_bytes = done || active.sequences.empty() ? 0 : cache.bytes();
+    stats.step = done ? 0 : step;
+    stats.step_seconds = absl::ToDoubleSeconds(now - last_);
+    stats.done = done;
+    last_ = now;
+    control_->on_progress(stats);
+  }
+
+ private:
+  const DecodeControl* control_;
+  absl::Time last_;
+};
+
+// A rank with nothing left whose forwards meet no other data rank's: it
+// joins the others' stop checks until none decodes (the result) or they
+// stop (the error).
+absl::Status JoinChecksUntilDone(MeshStep& step, const StepControl& control) {
+  while (true) {
+    const absl::Status own = control.Poll(/*check=*/true);
+    TALLY_ASSIGN_OR_RETURN(
+        const StepAgreement agreed,
+        step.Agree(/*decoding=*/false, !own.ok(), /*check=*/true));
+    if (agreed.stop) return StoppedBecause(own);
+    if (!agreed.more) return absl::OkStatus();
+  }
+}
+
+// Starts `decode` on this rank's block: its rows, their streams and
+// positions; returns the longest prompt.
+int64_t StartBlock(BlockDecode& decode,
+                   std::vector<std::vector<int64_t>>& prompts) {
+  int64_t longest = 0;
+  for (int64_t b = decode.block.begin; b < decode.block.end; ++b) {
+    const std::vector<int64_t>& prompt = decode.request.prompts[b];
+    prompts.push_back(prompt);
+    const auto length = static_cast<int64_t>(prompt.size());
+    longest = std::max(longest, length);
+    decode.active.sequences.push_back(b);
+    decode.active.streams.push_back(SequenceGenerator(decode.request.seed, b));
+    decode.active.positions.push_back(length);
+  }
+  decode.out.resize(decode.block.end - decode.block.begin);
+  return longest;
+}
+
 // Decodes this rank's block of the request's sequences, in step with the
-// other ranks of the mesh (`step`).
+// other ranks of the mesh (`step`). Every kStopCheckSteps steps the ranks
+// agree whether to stop (the current DecodeControl's stop, on rank 0); a
+// stopped decode returns why, having changed nothing but its own cache.
 absl::StatusOr<std::vector<DecodedSequence>> DecodeBlock(
     CausalLm& model, const DecodeRequest& request, SequenceBlock block,
     MeshStep& step) {
+  StepControl control;
   BlockDecode decode{request, block, {}, {}};
-  decode.out.resize(block.end - block.begin);
   std::vector<std::vector<int64_t>> prompts;
-  int64_t longest = 0;
-  for (int64_t b = block.begin; b < block.end; ++b) {
-    prompts.push_back(request.prompts[b]);
-    const auto length = static_cast<int64_t>(request.prompts[b].size());
-    longest = std::max(longest, length);
-    decode.active.sequences.push_back(b);
-    decode.active.streams.push_back(SequenceGenerator(request.seed, b));
-    decode.active.positions.push_back(length);
-  }
+  const int64_t longest = StartBlock(decode, prompts);
   ActiveRows& active = decode.active;
   KvCache cache(model.config().num_hidden_layers,
                 longest + request.max_tokens - 1);
@@ -155,14 +217,24 @@ absl::StatusOr<std::vector<DecodedSequence>> DecodeBlock(
   } else if (step.lockstep()) {
     TALLY_RETURN_IF_ERROR(step.Idle());
   }
-  while (true) {
+  absl::Cleanup report_done = [&] { control.Report(active, cache, 0, true); };
+  for (int64_t iteration = 0;; ++iteration) {
     torch::Tensor next;
     if (!active.sequences.empty()) {
       TALLY_ASSIGN_OR_RETURN(next, ChooseTokens(step, logits, decode, cache));
+      control.Report(active, cache, iteration + 1, /*done=*/false);
     }
-    TALLY_ASSIGN_OR_RETURN(const bool more,
-                           step.AnyoneDecodes(!active.sequences.empty()));
-    if (!more) return std::move(decode.out);
+    if (active.sequences.empty() && !step.lockstep()) {
+      TALLY_RETURN_IF_ERROR(JoinChecksUntilDone(step, control));
+      return std::move(decode.out);
+    }
+    const bool check = iteration % kStopCheckSteps == 0;
+    const absl::Status own = control.Poll(check);
+    TALLY_ASSIGN_OR_RETURN(
+        const StepAgreement agreed,
+        step.Agree(!active.sequences.empty(), !own.ok(), check));
+    if (agreed.stop) return StoppedBecause(own);
+    if (!agreed.more) return std::move(decode.out);
     if (active.sequences.empty()) {
       TALLY_RETURN_IF_ERROR(step.Idle());
       continue;

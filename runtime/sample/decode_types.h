@@ -1,6 +1,8 @@
 // The data of a decode (decode.h): the request, each sequence's result and
 // the groups a decode on a mesh runs over (mesh_decode.h), in a header of
-// their own so that decode.h and mesh_decode.h both read them.
+// their own so that decode.h and mesh_decode.h both read them. What a decode
+// reports as it goes (DecodeStats) and how it is stopped (DecodeControl)
+// are in decode_control.h, torch-free for the server.
 //
 //   tally::DecodeRequest request;
 //   request.prompts = {{1, 5, 9}};
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "runtime/parallel/communicator.h"
+#include "runtime/sample/decode_control.h"
 #include "runtime/sample/sampling.h"
 
 namespace tally {
@@ -48,6 +51,10 @@ struct DecodeGroups {
   // The stages of this rank's pipeline, group rank = stage (EngineGroups::pp);
   // required for a model split over pp.
   Communicator* pp = nullptr;
+  // Every rank of the mesh: they agree every kStopCheckSteps steps whether
+  // to stop (decode_control.h), rank 0 alone knowing of a cancellation.
+  // Null: this rank stops on its own DecodeControl (a single rank).
+  Communicator* all = nullptr;
 };
 
 }  // namespace tally

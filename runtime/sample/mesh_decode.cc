@@ -48,6 +48,13 @@ void Unpack(const torch::Tensor& packed, int64_t count,
 
 }  // namespace
 
+absl::Status StoppedBecause(const absl::Status& own) {
+  if (!own.ok()) return own;
+  return absl::CancelledError(
+      "stopped with the other ranks: rank 0's caller cancelled or its "
+      "deadline passed");
+}
+
 SequenceBlock SequenceBlockOf(int64_t count, int rank, int size) {
   const int64_t base = count / size, longer = count % size;
   SequenceBlock block;
@@ -149,12 +156,29 @@ absl::StatusOr<torch::Tensor> MeshStep::FromLastStage(
   return out;
 }
 
-absl::StatusOr<bool> MeshStep::AnyoneDecodes(bool decoding) {
-  if (!lockstep_) return decoding;
-  torch::Tensor any =
-      torch::full({1}, decoding ? 1.0 : 0.0, kFloat64.device(model_->device()));
-  TALLY_RETURN_IF_ERROR(groups_.data->AllReduce(any, ReduceOp::kMax));
-  return any.item<double>() > 0;
+absl::StatusOr<StepAgreement> MeshStep::Agree(bool decoding, bool stop,
+                                              bool check) {
+  Communicator* group = nullptr;
+  if (check && groups_.all != nullptr && groups_.all->size() > 1) {
+    group = groups_.all;
+  } else if (lockstep_) {
+    group = groups_.data;
+  }
+  if (group == nullptr) return StepAgreement{decoding, stop};
+  torch::Tensor flags =
+      torch::tensor({decoding ? 1.0 : 0.0, stop ? 1.0 : 0.0}, kFloat64)
+          .to(model_->device());
+  TALLY_RETURN_IF_ERROR(group->AllReduce(flags, ReduceOp::kMax));
+  flags = flags.cpu();
+  return StepAgreement{flags[0].item<double>() > 0,
+                       flags[1].item<double>() > 0};
+}
+
+absl::Status MeshStep::CheckStop() {
+  const absl::Status own = PollStop(ScopedDecodeControl::Current());
+  TALLY_ASSIGN_OR_RETURN(const StepAgreement agreed,
+                         Agree(/*decoding=*/true, !own.ok(), /*check=*/true));
+  return agreed.stop ? StoppedBecause(own) : absl::OkStatus();
 }
 
 absl::Status MeshStep::Idle() {

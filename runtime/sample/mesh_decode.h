@@ -13,8 +13,15 @@
 //   - where the ranks of a block's forward must meet in collectives (dp_shard
 //     gathers parameters, ep dispatches tokens), every data rank runs the
 //     same number of forwards: before each one they agree whether any rank
-//     still decodes (MeshStep::AnyoneDecodes), and a rank with nothing left
-//     runs an idle forward over one dummy token (MeshStep::Idle).
+//     still decodes (MeshStep::Agree), and a rank with nothing left runs an
+//     idle forward over one dummy token (MeshStep::Idle);
+//   - every kStopCheckSteps steps (decode_control.h) every rank of the mesh
+//     (DecodeGroups::all) agrees whether any still decodes and whether to
+//     stop, in one AllReduce that stands in for that step's agreement of the
+//     data ranks: rank 0 alone knows that its caller gave up, and every rank
+//     stops at the same step. A rank whose forwards meet no other data
+//     rank's and that has nothing left joins these checks alone until every
+//     rank is done.
 //
 // A sequence's tokens come from SequenceGenerator(seed, its index in the
 // request), so they do not depend on which rank decodes it.
@@ -24,7 +31,9 @@
 //                          step.Forward(tokens, positions, valid, cache));
 //   // logits: defined on the last stage only
 //   TALLY_ASSIGN_OR_RETURN(chosen, step.Share(chosen, rows));
-//   TALLY_ASSIGN_OR_RETURN(bool more, step.AnyoneDecodes(!active.empty()));
+//   TALLY_ASSIGN_OR_RETURN(tally::StepAgreement agreed,
+//                          step.Agree(!active.empty(), /*stop=*/false,
+//                                     /*check=*/step_index % 8 == 0));
 #ifndef TALLY_RUNTIME_SAMPLE_MESH_DECODE_H_
 #define TALLY_RUNTIME_SAMPLE_MESH_DECODE_H_
 
@@ -63,6 +72,16 @@ absl::StatusOr<std::vector<DecodedSequence>> GatherDecoded(
     const std::vector<DecodedSequence>& local, int64_t count,
     Communicator& data, const torch::Device& device);
 
+// What the ranks agreed before a decoding step (MeshStep::Agree).
+struct StepAgreement {
+  bool more = false;  // some rank still decodes
+  bool stop = false;  // some rank asked to stop: every one stops now
+};
+
+// What a rank returns once the ranks agreed to stop: `own`, its own reason
+// (rank 0: its caller's), unless OK; else CANCELLED, another rank asked.
+absl::Status StoppedBecause(const absl::Status& own);
+
 // This rank's part of each decoding forward on the mesh.
 class MeshStep {
  public:
@@ -96,9 +115,18 @@ class MeshStep {
   // (dp_shard or ep over more than one rank, and data ranks to split over),
   // so that they must run in step.
   bool lockstep() const { return lockstep_; }
-  // Under lockstep, whether any data rank still `decoding` (one AllReduce
-  // over the data ranks); else `decoding` itself.
-  absl::StatusOr<bool> AnyoneDecodes(bool decoding);
+  // Whether any rank still `decoding` and whether any asks to `stop`: at a
+  // `check` step over every rank of DecodeGroups::all (one AllReduce of the
+  // two flags); otherwise, under lockstep, over the data ranks (one
+  // AllReduce; no rank asks to stop between checks); else this rank's own.
+  // Every rank that takes part gets the same answer.
+  absl::StatusOr<StepAgreement> Agree(bool decoding, bool stop, bool check);
+  // Between pieces of work that every rank does alike but that are no
+  // decoding steps (prompt log-probabilities): polls the thread's
+  // DecodeControl and agrees with every rank of DecodeGroups::all whether
+  // to stop (Agree at a check). OK: go on; else what to return
+  // (StoppedBecause).
+  absl::Status CheckStop();
   // A forward over one dummy token with a throwaway cache, for a rank with
   // nothing to decode while others decode: the same collectives as theirs,
   // no pp traffic (every stage of this rank's pipeline idles alike).

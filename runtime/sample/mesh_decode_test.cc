@@ -1,8 +1,9 @@
 // The pieces of mesh decoding (runtime/sample/mesh_decode.h) that need no
 // model mesh: how the sequences split over the data ranks, the gather of
 // their variable-length results (three real rank processes, one of them
-// without a sequence), and the pipeline group check. The decoding itself on
-// every mesh is tests/golden/decode_golden_test.cc's.
+// without a sequence), the pipeline group check, and a decode stopped on
+// rank 0 stopping every rank at the same step (real rank processes). The
+// decoding itself on every mesh is tests/golden/decode_golden_test.cc's.
 #include "runtime/sample/mesh_decode.h"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,8 @@
 
 #include "base/status.h"
 #include "runtime/parallel/distributed.h"
+#include "runtime/sample/decode.h"
+#include "runtime/sample/prompt_logprobs.h"
 #include "tests/testing/multirank.h"
 #include "tests/testing/test_util.h"
 
@@ -104,6 +107,112 @@ TEST(MeshStepTest, APipelineStageNeedsItsPipeline) {
       MeshStep::Create(*model, {nullptr, one.get()}).status();
   EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(wrong.message().find("groups.pp"), absl::string_view::npos);
+}
+
+// Rank 0's DecodeControl: its stop says DEADLINE_EXCEEDED from its
+// `stop_at`-th poll on (never with 0); it records every report.
+struct RecordingControl {
+  explicit RecordingControl(int stop_at) {
+    control.stop = [this, stop_at] {
+      ++polls;
+      return stop_at > 0 && polls >= stop_at
+                 ? absl::DeadlineExceededError("the deadline passed")
+                 : absl::OkStatus();
+    };
+    control.on_progress = [this](const DecodeStats& stats) {
+      reports.push_back(stats);
+    };
+  }
+  DecodeControl control;
+  int polls = 0;
+  std::vector<DecodeStats> reports;
+};
+
+// One sequence over two data ranks (rank 1 has none, so it only joins the
+// checks), as long as max_tokens: rank 0 learns at its third check that
+// its caller gave up, and both ranks stop there; then the same ranks
+// decode the same request to its end, as one rank alone does.
+TEST(DecodeStopTest, EveryRankStopsAtTheStepRankZeroStopsAndGoesOn) {
+  testing::RunOnRanks(2, [](const RankEnv& env) -> absl::Status {
+    MeshShape shape;
+    shape.dp_replicate = 2;
+    TALLY_ASSIGN_OR_RETURN(Mesh mesh, Mesh::Create(shape, env.rank));
+    TALLY_ASSIGN_OR_RETURN(
+        std::unique_ptr<ProcessGroups> groups,
+        ProcessGroups::Create(env, mesh, absl::Seconds(60), absl::Seconds(60)));
+    TALLY_ASSIGN_OR_RETURN(
+        std::unique_ptr<CausalLm> model,
+        CreateCausalLm(testing::TinyConfig(), DType::kFloat64, 7, {}));
+    DecodeRequest request;
+    request.prompts = {{1, 5, 9}};
+    request.max_tokens = 4 * kStopCheckSteps;
+    request.sampling.temperature = 1.0;
+    request.seed = 3;
+    const DecodeGroups mesh_groups{&groups->world(), nullptr, &groups->world()};
+    RecordingControl stopping(/*stop_at=*/env.rank == 0 ? 3 : 0);
+    {
+      const ScopedDecodeControl installed(&stopping.control);
+      const absl::Status stopped =
+          Decode(*model, request, mesh_groups).status();
+      EXPECT_EQ(stopped.code(), env.rank == 0
+                                    ? absl::StatusCode::kDeadlineExceeded
+                                    : absl::StatusCode::kCancelled)
+          << stopped;
+    }
+    EXPECT_EQ(stopping.polls, 3);
+    if (env.rank == 0) {
+      // Checks at steps 0, 8 and 16: the last token chosen is the 17th,
+      // then one final report with nothing left.
+      EXPECT_EQ(static_cast<int64_t>(stopping.reports.size()),
+                2 * kStopCheckSteps + 2);
+      EXPECT_EQ(stopping.reports[0].step, 1);
+      EXPECT_EQ(stopping.reports[0].active_sequences, 1);
+      EXPECT_GT(stopping.reports[0].cache_bytes, 0);
+      const DecodeStats& last_step =
+          stopping.reports[stopping.reports.size() - 2];
+      EXPECT_EQ(last_step.step, 2 * kStopCheckSteps + 1);
+      EXPECT_TRUE(stopping.reports.back().done);
+      EXPECT_EQ(stopping.reports.back().active_sequences, 0);
+      EXPECT_EQ(stopping.reports.back().cache_bytes, 0);
+    } else {
+      // Rank 1 decodes nothing: a single final report.
+      EXPECT_EQ(stopping.reports.size(), 1u);
+    }
+    RecordingControl going_on(/*stop_at=*/0);
+    const ScopedDecodeControl installed(&going_on.control);
+    TALLY_ASSIGN_OR_RETURN(std::vector<DecodedSequence> on_mesh,
+                           Decode(*model, request, mesh_groups));
+    const ScopedDecodeControl none(nullptr);
+    TALLY_ASSIGN_OR_RETURN(std::vector<DecodedSequence> alone,
+                           Decode(*model, request));
+    EXPECT_EQ(going_on.polls, 5);  // steps 0, 8, 16, 24 and the end
+    EXPECT_EQ(on_mesh.size(), 1u);
+    EXPECT_EQ(on_mesh[0].tokens, alone[0].tokens);
+    EXPECT_EQ(on_mesh[0].logprobs, alone[0].logprobs);
+    EXPECT_EQ(static_cast<int64_t>(on_mesh[0].tokens.size()),
+              request.max_tokens);
+    return absl::OkStatus();
+  });
+}
+
+// Prompt log-probabilities poll the stop every kStopCheckSteps prompts,
+// and stop there.
+TEST(DecodeStopTest, PromptLogprobsStopAtTheirNextCheck) {
+  std::unique_ptr<CausalLm> model =
+      CreateCausalLm(testing::TinyConfig(), DType::kFloat64, 7, {}).value();
+  const std::vector<TokenIds> prompts(static_cast<size_t>(kStopCheckSteps + 1),
+                                      TokenIds{1, 5, 9});
+  RecordingControl stopping(/*stop_at=*/2);
+  const ScopedDecodeControl installed(&stopping.control);
+  const absl::Status stopped =
+      ComputePromptLogprobs(*model, prompts, /*topk=*/2).status();
+  EXPECT_EQ(stopped.code(), absl::StatusCode::kDeadlineExceeded) << stopped;
+  EXPECT_EQ(stopping.polls, 2);  // before prompts 0 and 8
+  RecordingControl going_on(/*stop_at=*/0);
+  const ScopedDecodeControl replaced(&going_on.control);
+  EXPECT_EQ(ComputePromptLogprobs(*model, prompts, /*topk=*/2).value().size(),
+            prompts.size());
+  EXPECT_EQ(going_on.polls, 2);
 }
 
 }  // namespace

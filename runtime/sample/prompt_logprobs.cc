@@ -95,16 +95,18 @@ absl::StatusOr<std::vector<PromptLogprobs>> ComputePromptLogprobs(
   }
   // Every rank scores every prompt (no data split), so the forwards of
   // ranks that meet in collectives (tp, dp_shard, ep) stay in step.
-  TALLY_ASSIGN_OR_RETURN(MeshStep step,
-                         MeshStep::Create(model, {nullptr, groups.pp}));
+  TALLY_ASSIGN_OR_RETURN(
+      MeshStep step, MeshStep::Create(model, {nullptr, groups.pp, groups.all}));
   using Result = absl::StatusOr<std::vector<PromptLogprobs>>;
   return CatchTorch("prompt log-probabilities", [&]() -> Result {
     torch::NoGradGuard no_grad;
     HeldComputeWeights held(model);  // one cast for all the prompts
     std::vector<PromptLogprobs> out;
-    for (const TokenIds& prompt : prompts) {
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      // The ranks agree every kStopCheckSteps prompts whether to stop.
+      if (i % kStopCheckSteps == 0) TALLY_RETURN_IF_ERROR(step.CheckStop());
       TALLY_ASSIGN_OR_RETURN(const torch::Tensor rows,
-                             ScorePrompt(model, step, prompt, topk));
+                             ScorePrompt(model, step, prompts[i], topk));
       out.push_back(Unpack(rows, topk));
     }
     return out;

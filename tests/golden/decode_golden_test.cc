@@ -468,7 +468,9 @@ TEST_P(DecodeGoldenTest, EqualsTheSingleRank) {
                                   absl::Seconds(60)));
         TALLY_ASSIGN_OR_RETURN(EngineGroups g,
                                FormEngineGroups(*process_groups));
-        const DecodeGroups groups{g.data_and_cp, g.pp};
+        // As Engine::Sample passes them: the world agrees every few steps
+        // whether to stop, whichever ranks still decode.
+        const DecodeGroups groups{g.data_and_cp, g.pp, g.world};
         // float32 before bfloat16, whose bound reads the float32 models.
         ModelPairs float32;
         for (DType dtype :

@@ -86,6 +86,49 @@ RequestSchedulerOptions Options() {
   return options;
 }
 
+// While a command runs, a decode in it finds the request's stop_check and
+// the scheduler's progress hook as the thread's DecodeControl; none before
+// or after it.
+TEST(RequestSchedulerTest, ARunningCommandSeesItsStopCheckAsDecodeControl) {
+  CommandExecutor executor;
+  std::vector<std::string> progress;
+  RequestSchedulerHooks hooks;
+  hooks.on_decode_progress = [&](const std::string& model_id,
+                                 const DecodeStats& stats) {
+    progress.push_back(absl::StrCat(model_id, " step ", stats.step));
+  };
+  RequestScheduler scheduler(Options(), &executor, hooks);
+  absl::Notification answered;
+  absl::Status stop_seen, answer;
+  bool installed_after = true;
+  ScheduledRequest r;
+  r.model_id = "m";
+  r.precheck = [] { return absl::OkStatus(); };
+  r.stop_check = [] { return absl::CancelledError("the caller gave up"); };
+  r.run = [&] {
+    const DecodeControl* control = ScopedDecodeControl::Current();
+    if (control == nullptr) return absl::InternalError("no DecodeControl");
+    DecodeStats stats;
+    stats.step = 3;
+    control->on_progress(stats);
+    stop_seen = control->stop();
+    return stop_seen;
+  };
+  r.reply = [&](const absl::Status& status) {
+    answer = status;
+    installed_after = ScopedDecodeControl::Current() != nullptr;
+    answered.Notify();
+  };
+  scheduler.Schedule(std::move(r));
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  executor.Stop();
+  EXPECT_EQ(stop_seen.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(answer.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(progress, std::vector<std::string>{"m step 3"});
+  EXPECT_FALSE(installed_after);
+  EXPECT_EQ(ScopedDecodeControl::Current(), nullptr);
+}
+
 TEST(RequestSchedulerTest, AThrowingCommandIsAnsweredInternalAndReported) {
   CommandExecutor executor;
   std::vector<std::string> reported;
