@@ -957,7 +957,7 @@ int main(int argc, char** argv) {
       tally::kUsage, argc, argv, tally::OptionsFromFlags);
   if (!options.ok()) {
     std::cerr << "bench_comm: " << options.status() << "\n";
-    return 1;
+    return tally::kBadFlagExitStatus;
   }
   if (!options->rank_of_mesh && !options->rank_of_overlap) {
     return tally::RunBenchmark(argv[0], options->overlap_only);

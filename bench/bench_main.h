@@ -1,6 +1,7 @@
 // The main() of a bench binary: parse its absl flags (ABSL_FLAG definitions
 // in the bench's .cc), turn them into the bench's options, run, and report a
-// failure under the bench's name with exit code 1.
+// failure under the bench's name: exit status 2 for a bad command-line flag
+// (the project's rule), 1 for a failed run.
 //
 //   ABSL_FLAG(int, rounds, 5, "timed rounds (>= 1)");
 //   ...
@@ -12,9 +13,10 @@
 //
 // Flags are written `--name=value` or `--name value` (booleans also bare);
 // a name may use '-' for the '_' of its absl name (`--overlap-only` is
-// FLAGS_overlap_only). --help lists the bench's flags. absl itself rejects an
-// unknown flag or a value of the wrong type (it prints the error and exits
-// 1); ranges are the bench's OptionsFromFlags' to check.
+// FLAGS_overlap_only). --help lists the bench's flags. An unknown flag, a
+// value of the wrong type or a missing value is refused here before absl's
+// parser sees it (which would exit 1 itself); ranges are the bench's
+// OptionsFromFlags' to check.
 #ifndef TALLY_BENCH_BENCH_MAIN_H_
 #define TALLY_BENCH_BENCH_MAIN_H_
 
@@ -23,12 +25,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 
 namespace tally {
 
@@ -52,9 +57,52 @@ inline std::string AbslFlagArg(std::string arg) {
   return arg;
 }
 
+// INVALID_ARGUMENT naming the first of `args` (argv after AbslFlagArg) that
+// absl's parser would refuse: an unknown flag, a value its flag cannot parse,
+// a non-boolean flag without a value. Flags are written -name or --name,
+// =value or the next argument as the value, --noname for a boolean false;
+// "--" ends them.
+inline absl::Status CheckFlagArgs(const std::vector<std::string>& args) {
+  for (size_t i = 1; i < args.size() && args[i] != "--"; ++i) {
+    absl::string_view body = args[i];
+    if (body.size() < 2 || !absl::ConsumePrefix(&body, "-")) continue;
+    absl::ConsumePrefix(&body, "-");
+    const size_t equals = body.find('=');
+    const bool inline_value = equals != absl::string_view::npos;
+    absl::string_view name = body.substr(0, equals);
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr && !inline_value && absl::ConsumePrefix(&name, "no")) {
+      const absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name);
+      if (negated != nullptr && negated->IsOfType<bool>()) continue;
+    }
+    if (flag == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown flag ", args[i], " (see --help)"));
+    }
+    std::string value;
+    if (inline_value) {
+      value = std::string(body.substr(equals + 1));
+    } else if (flag->IsOfType<bool>()) {
+      continue;
+    } else if (i + 1 < args.size()) {
+      value = args[++i];
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag->Name(), " needs a value"));
+    }
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag->Name(), ": ", error));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Sets `usage` as the program's usage message (what --help prints above the
 // flags) and parses argv into the absl flags; once per process.
-// INVALID_ARGUMENT for positional arguments.
+// INVALID_ARGUMENT for positional arguments and for what CheckFlagArgs
+// refuses.
 inline absl::Status ParseBenchFlags(const char* usage, int argc, char** argv) {
   absl::SetProgramUsageMessage(usage);
   std::vector<std::string> args;
@@ -63,6 +111,8 @@ inline absl::Status ParseBenchFlags(const char* usage, int argc, char** argv) {
     args.push_back(flags_ended ? argv[i] : AbslFlagArg(argv[i]));
     flags_ended |= args.back() == "--";
   }
+  const absl::Status checked = CheckFlagArgs(args);
+  if (!checked.ok()) return checked;
   std::vector<char*> pointers;
   for (std::string& arg : args) pointers.push_back(arg.data());
   pointers.push_back(nullptr);
@@ -76,6 +126,9 @@ inline absl::Status ParseBenchFlags(const char* usage, int argc, char** argv) {
   }
   return absl::OkStatus();
 }
+
+// The exit status of a bench refusing its command line.
+inline constexpr int kBadFlagExitStatus = 2;
 
 // ParseBenchFlags, then the bench's options from its flags (bench_comm,
 // whose main() reports for the launcher and the ranks apart, calls this).
@@ -94,8 +147,11 @@ int BenchMain(const char* name, const char* usage, int argc, char** argv,
               absl::Status (*run)(const Options&)) {
   const absl::StatusOr<Options> options =
       ParseBenchOptions(usage, argc, argv, options_from_flags);
-  absl::Status status = options.status();
-  if (status.ok()) status = run(*options);
+  if (!options.ok()) {
+    std::cerr << name << ": " << options.status() << "\n";
+    return kBadFlagExitStatus;
+  }
+  const absl::Status status = run(*options);
   if (!status.ok()) {
     std::cerr << name << ": " << status << "\n";
     return 1;

@@ -37,8 +37,9 @@
 // admission's estimate of the model and the call), gpu,
 // pytorch_device_peak_bytes.
 //
-//   bench_train --device=cuda --config=qwen2.5-0.5b --dtypes=bfloat16 \
-//       --threads=1 --act-ckpt=off --samples=16 --tokens=2048 \
+// (one command line, split here without the shell's backslashes):
+//   bench_train --device=cuda --config=qwen2.5-0.5b --dtypes=bfloat16
+//       --threads=1 --act-ckpt=off --samples=16 --tokens=2048
 //       --max-batch-tokens=8192 --python=/opt/torch/.venv/bin/python3
 #include <sys/resource.h>
 #include <torch/cuda.h>

@@ -478,15 +478,27 @@ torch::Tensor LlamaModel::AttendHeads(const torch::Tensor& q,
     return BlockedAttention(q, k, v, mask.layout, mask.window,
                             attention().block_keys);
   }
-  const double d = static_cast<double>(q.size(-1));
-  torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(d);
-  scores =
-      scores.masked_fill(mask.mask, -std::numeric_limits<double>::infinity());
+  // k and v may hold fewer (kv) heads than q (the blocked path above wants
+  // them repeated): query head j reads kv head j / groups (HF's repeat_kv)
+  // with no repeated copy, the queries of a kv head's group of heads being
+  // the rows of one matmul, [B, kv_heads, groups x T, d] (a view while T is
+  // 1, as in a decoding step).
+  const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2),
+                d = q.size(3), kv_heads = k.size(1);
+  const int64_t groups = heads / kv_heads;
+  torch::Tensor scores =
+      torch::matmul(q.reshape({batch, kv_heads, groups * seq, d}),
+                    k.transpose(-2, -1)) /
+      std::sqrt(static_cast<double>(d));
+  scores = scores.view({batch, kv_heads, groups, seq, -1})
+               .masked_fill(mask.mask.unsqueeze(2),
+                            -std::numeric_limits<double>::infinity());
   // The softmax in float32 at least, as HF's eager attention.
-  return torch::matmul(
+  const torch::Tensor probs =
       torch::softmax(scores, -1, AtLeastFloat32(scores.scalar_type()))
-          .to(v.scalar_type()),
-      v);
+          .to(v.scalar_type())
+          .view({batch, kv_heads, groups * seq, -1});
+  return torch::matmul(probs, v).view({batch, heads, seq, d});
 }
 
 torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
@@ -522,7 +534,10 @@ torch::Tensor LlamaModel::Attention(int layer, const torch::Tensor& h,
   if (mask.cache != nullptr) {
     std::tie(k, v) = mask.cache->Append(first_layer_ + layer, k, v);
   }
-  if (heads != kv_heads) {
+  // A decoding forward's materialized attention reads the cache's kv heads
+  // as they are (AttendHeads); the blocked path and training repeat them.
+  const bool grouped = mask.cache != nullptr && mask.mask.defined();
+  if (heads != kv_heads && !grouped) {
     // Query head j reads kv head j / (heads / kv_heads), as HF's repeat_kv.
     k = k.repeat_interleave(heads / kv_heads, /*dim=*/1);
     v = v.repeat_interleave(heads / kv_heads, /*dim=*/1);

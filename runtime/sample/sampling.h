@@ -15,15 +15,19 @@
 // The token is drawn from the renormalized remainder by inverse transform
 // sampling: one uniform u in [0, 1) per row, from that row's own generator,
 // picks the first token (in id order) whose cumulative probability exceeds
-// u. A sequence's generator is seeded from (seed, sequence index) alone
-// (SequenceGenerator), so its draws do not depend on what else is in the
-// batch, on the batch's order or on the device; the uniforms are drawn on
-// the host and the rest runs where the logits are.
+// u. The arithmetic is in float32 (float64 for float64 logits), as
+// torch.multinomial's over float32 probabilities; with top-p off the weights
+// exp((logit - max) / T) are not normalized (u is scaled by their total), and
+// there is no sort. A sequence's generator is seeded from (seed, sequence
+// index) alone (SequenceGenerator), so its draws do not depend on what else is
+// in the batch, on the batch's order or on the device; the uniforms are drawn
+// on the host and the rest runs where the logits are.
 //
 // Each chosen token's log-probability is that of the model's distribution
 // BEFORE temperature, top-k and top-p: log_softmax of the raw logits at the
 // token (what Tinker reports, and what ForwardBackward computes for the same
-// token), in the logits' dtype, returned as float64.
+// token): the token's logit less the row's log-sum-exp, in float32 (float64
+// for float64 logits), returned as float64.
 //
 // SamplingParams and ValidateSamplingParams are torch-free, in
 // runtime/config/sampling_params.h, so that the server checks a request's
@@ -56,9 +60,9 @@ namespace tally {
 // and indices give unrelated streams.
 torch::Generator SequenceGenerator(uint64_t seed, int64_t sequence);
 
-// [B, V] float64: the distribution a row's token is drawn from, after
-// temperature, top-k and top-p (zeros for the tokens they remove). For
-// greedy parameters, one-hot at the argmax.
+// [B, V] float32 (float64 for float64 logits): the distribution a row's
+// token is drawn from, after temperature, top-k and top-p (zeros for the
+// tokens they remove). For greedy parameters, one-hot at the argmax.
 torch::Tensor SamplingDistribution(const torch::Tensor& logits,
                                    const SamplingParams& params);
 

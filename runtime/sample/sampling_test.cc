@@ -196,33 +196,54 @@ TEST(SampleTokensTest, LogprobIsLogSoftmaxOfTheRawLogits) {
   }
 }
 
-// Draws N tokens from one row of logits, each from its own stream (one call,
-// N rows), and checks every token's count against the distribution's
-// definition: within 5 standard deviations of the binomial, and exactly 0
-// for the removed tokens. Reruns reproduce the counts (fixed seed).
+// Float32 logits are sampled in float32: the same distribution as float64's
+// to float32 rounding, without a float64 copy.
+TEST(SamplingDistributionTest, Float32LogitsStayFloat32) {
+  for (const SamplingParams& params :
+       {SamplingParams{1.0, 1.0, -1}, SamplingParams{0.5, 0.8, 4},
+        SamplingParams{1.7, 0.9, -1}}) {
+    const torch::Tensor wide = SamplingDistribution(LogitsOf(kProbs), params);
+    const torch::Tensor narrow =
+        SamplingDistribution(LogitsOf(kProbs).to(torch::kFloat32), params);
+    EXPECT_EQ(narrow.scalar_type(), torch::kFloat32);
+    EXPECT_LE((narrow.to(torch::kFloat64) - wide).abs().max().item<double>(),
+              1e-6);
+  }
+}
+
+// Draws N tokens from one row of logits (float64, then float32), each from
+// its own stream (one call, N rows), and checks every token's count against
+// the distribution's definition: within 5 standard deviations of the
+// binomial, and exactly 0 for the removed tokens. Reruns reproduce the
+// counts (fixed seed).
 TEST(SampleTokensTest, DrawsFollowTheDistribution) {
   constexpr int64_t kDraws = 10000;
   const std::vector<double> probs = {0.06, 0.4, 0.04, 0.15, 0.25, 0.1};
-  const torch::Tensor row = LogitsOf(probs);
   std::vector<int64_t> sequences(kDraws);
   std::iota(sequences.begin(), sequences.end(), 0);
-  for (const SamplingParams& params :
-       {SamplingParams{1.0, 1.0, -1}, SamplingParams{0.8, 0.9, 4},
-        SamplingParams{1.3, 1.0, 3}, SamplingParams{2.0, 0.75, -1}}) {
-    const std::vector<double> expected = Distribution(row, params);
-    std::vector<torch::Generator> streams = Streams(2024, sequences);
-    SampledTokens chosen =
-        SampleTokens(row.expand({kDraws, 6}), params, streams).value();
-    const std::vector<int64_t> counts =
-        ToVector(torch::bincount(chosen.tokens, {}, 6));
-    for (size_t i = 0; i < probs.size(); ++i) {
-      const double mean = kDraws * expected[i];
-      const double sigma = std::sqrt(kDraws * expected[i] * (1 - expected[i]));
-      if (expected[i] == 0) {
-        EXPECT_EQ(counts[i], 0) << "removed token " << i;
-      } else {
-        EXPECT_NEAR(static_cast<double>(counts[i]), mean, 5 * sigma)
-            << "token " << i << " temperature " << params.temperature;
+  for (const torch::ScalarType type : {torch::kFloat64, torch::kFloat32}) {
+    for (const SamplingParams& params :
+         {SamplingParams{1.0, 1.0, -1}, SamplingParams{0.8, 0.9, 4},
+          SamplingParams{1.3, 1.0, 3}, SamplingParams{2.0, 0.75, -1}}) {
+      const torch::Tensor row = LogitsOf(probs);
+      const std::vector<double> expected = Distribution(row, params);
+      std::vector<torch::Generator> streams = Streams(2024, sequences);
+      SampledTokens chosen =
+          SampleTokens(row.to(type).expand({kDraws, 6}), params, streams)
+              .value();
+      const std::vector<int64_t> counts =
+          ToVector(torch::bincount(chosen.tokens, {}, 6));
+      for (size_t i = 0; i < probs.size(); ++i) {
+        const double mean = kDraws * expected[i];
+        const double sigma =
+            std::sqrt(kDraws * expected[i] * (1 - expected[i]));
+        if (expected[i] == 0) {
+          EXPECT_EQ(counts[i], 0) << "removed token " << i;
+        } else {
+          EXPECT_NEAR(static_cast<double>(counts[i]), mean, 5 * sigma)
+              << "token " << i << " temperature " << params.temperature << " "
+              << type;
+        }
       }
     }
   }
