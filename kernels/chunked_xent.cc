@@ -149,4 +149,12 @@ torch::Tensor ChunkedTargetLogprobs(const torch::Tensor& hidden,
   return out.view(targets.sizes());
 }
 
+torch::Tensor ComposedTargetLogprobs(const torch::Tensor& hidden,
+                                     const torch::Tensor& weight,
+                                     const torch::Tensor& targets) {
+  return torch::log_softmax(ChunkLogits(hidden, weight), -1)
+      .gather(-1, targets.unsqueeze(-1))
+      .squeeze(-1);
+}
+
 }  // namespace tally::kernels

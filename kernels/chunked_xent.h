@@ -47,6 +47,13 @@ torch::Tensor ChunkedTargetLogprobs(const torch::Tensor& hidden,
                                     const torch::Tensor& targets,
                                     int64_t chunk_rows = 0);
 
+// The unchunked path ChunkedTargetLogprobs replaces, for its tests and
+// bench: the whole call's logits widened to float32 at least, log_softmax,
+// gather. Same operands and result.
+torch::Tensor ComposedTargetLogprobs(const torch::Tensor& hidden,
+                                     const torch::Tensor& weight,
+                                     const torch::Tensor& targets);
+
 }  // namespace tally::kernels
 
 #endif  // TALLY_KERNELS_CHUNKED_XENT_H_

@@ -13,18 +13,6 @@ namespace {
 constexpr int64_t kVocab = 50;
 constexpr int64_t kHidden = 16;
 
-// The head as the model composed it before: whole-call logits widened to
-// float32 at least, log_softmax, gather.
-torch::Tensor ComposedTargetLogprobs(const torch::Tensor& hidden,
-                                     const torch::Tensor& weight,
-                                     const torch::Tensor& targets) {
-  const auto wide =
-      hidden.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  return torch::log_softmax(torch::linear(hidden, weight).to(wide), -1)
-      .gather(-1, targets.unsqueeze(-1))
-      .squeeze(-1);
-}
-
 struct Inputs {
   torch::Tensor hidden;    // [2, 7, H], requires grad
   torch::Tensor weight;    // [V, H], requires grad
