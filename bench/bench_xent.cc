@@ -1,11 +1,13 @@
 // bench_xent: peak memory and time of the LM head's target log-probabilities
-// and their backward, forward and backward of one call, the chunked kernel
+// forward and backward, the chunked kernel
 // (kernels/chunked_xent.h) against the composed path it replaced (whole-call
 // float32 logits, log_softmax, gather), at a bench shape's head (default
 // small: vocab 32000, hidden 512) and 2 x 2048 tokens. Each row runs in a
 // fresh process (this binary with --row), so its peak resident set is its
-// own; call_peak_bytes is that peak less the resident set before the call
-// (hidden states, weight and targets made, one untimed call run first).
+// own; call_peak_bytes is that peak less the resident set before the first
+// call (hidden states, weight and targets made), under a fixed glibc mmap
+// threshold so that freed chunks leave the resident set. The seconds are
+// the median of the --steps calls after it.
 //
 //   build/bench/bench_xent                    # float32, bfloat16; 1 thread
 //   build/bench/bench_xent --tokens=8192 --threads=2
@@ -150,11 +152,13 @@ absl::Status RunRow(const Options& options) {
 absl::StatusOr<nlohmann::json> MeasureRow(const Options& options,
                                           const std::string& dtype,
                                           const std::string& mode) {
-  return LastJsonLine(
-      absl::StrCat(ThreadEnvironment(options.threads), SelfPath(),
-                   " --row=", mode, " --config=", options.config,
-                   " --dtypes=", dtype, " --threads=", options.threads,
-                   " --tokens=", options.tokens, " --steps=", options.steps));
+  // A fixed mmap threshold: under glibc's default (raised after each freed
+  // large block) freed chunks stay in the heap and count as resident.
+  return LastJsonLine(absl::StrCat(
+      "MALLOC_MMAP_THRESHOLD_=1048576 ", ThreadEnvironment(options.threads),
+      SelfPath(), " --row=", mode, " --config=", options.config,
+      " --dtypes=", dtype, " --threads=", options.threads,
+      " --tokens=", options.tokens, " --steps=", options.steps));
 }
 
 absl::Status Run(const Options& options) {
