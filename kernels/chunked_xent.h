@@ -16,7 +16,7 @@
 // Numerics: each chunk runs the composed ops on its rows, so the forward is
 // the composed path's to within the head product's row blocking (bitwise in
 // practice); grad_hidden the same; grad_weight differs by the order of its
-// sum over tokens (fp64: <= 1e-12 relative, tests/kernels chunked_xent_test).
+// sum over tokens (fp64: within 1e-12, kernels/chunked_xent_test.cc).
 //
 //   // hidden [B, T, H] (the final norm's output), weight [V, H], targets
 //   // [B, T] int64 in [0, V):
