@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "kernels/chunked_xent.h"
 #include "kernels/onednn_matmul.h"
 #include "runtime/config/families/registry.h"
 #include "runtime/model/blocked_attention.h"
@@ -587,6 +588,13 @@ torch::Tensor LlamaModel::Logits(const torch::Tensor& x) {
 
 torch::Tensor LlamaModel::TargetLogprobsFromHidden(
     const torch::Tensor& x, const torch::Tensor& targets) {
+  // Over chunks of tokens, without the whole call's float32 logits; the
+  // vocab-parallel head (its logsumexp spans the tp ranks) and a LoRA-adapted
+  // head take the composed path.
+  if (sharding_.tp_size() == 1 && lora_[lm_head_].a < 0) {
+    return kernels::ChunkedTargetLogprobs(RmsNorm(x, Weight(final_norm_)),
+                                          Weight(lm_head_), targets);
+  }
   const torch::Tensor logits = Logits(x);
   if (sharding_.tp_size() > 1) {
     return VocabParallelTargetLogprobs(logits, targets, VocabStart(),
