@@ -2,8 +2,8 @@
 """Fails when a ctest test of the build has no label.
 
 Every test carries one of the labels `ctest -L` chooses by (unit, golden,
-e2e, python, fuzz, deploy, cuda, sanitizer; README.md, "Tests"), so that a
-new test is never left out of `make check` or of a label's run by accident.
+e2e, python, fuzz, deploy, cuda, sanitizer, bench; README.md, "Tests"), so
+that a new test is never left out of `make check` or of a label's run by accident.
 Reads `ctest --show-only=json-v1`, which lists the tests that
 gtest_discover_tests found in the built binaries too.
 
