@@ -100,7 +100,6 @@ absl::StatusOr<std::vector<PromptLogprobs>> ComputePromptLogprobs(
   using Result = absl::StatusOr<std::vector<PromptLogprobs>>;
   return CatchTorch("prompt log-probabilities", [&]() -> Result {
     torch::NoGradGuard no_grad;
-    HeldComputeWeights held(model);  // one cast for all the prompts
     std::vector<PromptLogprobs> out;
     for (const TokenIds& prompt : prompts) {
       TALLY_ASSIGN_OR_RETURN(const torch::Tensor rows,
