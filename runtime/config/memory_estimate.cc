@@ -24,6 +24,16 @@ double ShardedStateBytes(double params, double copies, int dp_shard,
   return copies * params / shards + params + whole_gradients;
 }
 
+// A bfloat16 model's compute-dtype copies of the weights it holds whole
+// over dp_shard, kept from one forward to the next (cast once,
+// runtime/model/compute_weights.h): 2 bytes a parameter. Under dp_shard > 1
+// the weights held whole are the experts only (ep-sharded), and they and the
+// gathered bfloat16 weights together stay within the gathered copy counted
+// at the master's width.
+double ComputeCopyBytes(double parameter_count, DType dtype, int dp_shard) {
+  return dtype == DType::kBFloat16 && dp_shard <= 1 ? 2 * parameter_count : 0;
+}
+
 // Bytes per score element (one query x key x head of a micro-batch) that a
 // ForwardBackward's attention holds at its peak, with `kept_layers` layers'
 // activations kept for backward. Materialized: each kept layer's
@@ -98,21 +108,27 @@ double ParameterCount(const LlamaConfig& config) {
 double ModelResidentBytes(const LlamaConfig& config, DType dtype,
                           OptimizerKind optimizer, int dp_shard,
                           ZeroStage zero) {
-  return ShardedStateBytes(ParameterCount(config) * DTypeBytes(dtype),
-                           StateCopies(optimizer), dp_shard, zero);
+  const double count = ParameterCount(config);
+  return ShardedStateBytes(count * DTypeBytes(dtype), StateCopies(optimizer),
+                           dp_shard, zero) +
+         ComputeCopyBytes(count, dtype, dp_shard);
 }
 
 double AdapterResidentBytes(const LlamaConfig& config, const LoraConfig& lora,
                             DType dtype, OptimizerKind optimizer, int dp_shard,
                             ZeroStage zero) {
-  return ShardedStateBytes(LoraParameterCount(config, lora) * DTypeBytes(dtype),
-                           StateCopies(optimizer), dp_shard, zero);
+  const auto count = static_cast<double>(LoraParameterCount(config, lora));
+  return ShardedStateBytes(count * DTypeBytes(dtype), StateCopies(optimizer),
+                           dp_shard, zero) +
+         ComputeCopyBytes(count, dtype, dp_shard);
 }
 
 double BaseResidentBytes(const LlamaConfig& config, DType dtype, int dp_shard) {
   // Frozen: no gradient, whole or sharded.
-  return ShardedStateBytes(ParameterCount(config) * DTypeBytes(dtype),
-                           /*copies=*/1, dp_shard, ZeroStage::kParameters);
+  const double count = ParameterCount(config);
+  return ShardedStateBytes(count * DTypeBytes(dtype), /*copies=*/1, dp_shard,
+                           ZeroStage::kParameters) +
+         ComputeCopyBytes(count, dtype, dp_shard);
 }
 
 double CallActivationBytes(const LlamaConfig& config, DType dtype,

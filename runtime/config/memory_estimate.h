@@ -45,7 +45,9 @@ inline constexpr double kActivationMargin = 1.1;
 double ParameterCount(const LlamaConfig& config);
 
 // Parameters, gradients and optimizer state (AdamW: two moments; SGD: none)
-// of one rank, in bytes; `config` with defaults applied.
+// of one rank, in bytes, and a bfloat16 model's bfloat16 copies of its
+// weights (cast once, runtime/model/compute_weights.h); `config` with
+// defaults applied.
 double ModelResidentBytes(const LlamaConfig& config, DType dtype,
                           OptimizerKind optimizer, int dp_shard,
                           ZeroStage zero = ZeroStage::kParameters);

@@ -41,7 +41,7 @@ TEST(MemoryEstimateTest, ParameterCountIsWhatAModelHolds) {
 
 TEST(MemoryEstimateTest, ResidentBytesAreWhatATrainedModelTakes) {
   auto engine = Engine::CreateSingleRank({}).value();
-  for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
     for (OptimizerKind optimizer :
          {OptimizerKind::kAdamW, OptimizerKind::kSgd}) {
       ModelSpec spec = testing::TinySpec("m", dtype, optimizer);

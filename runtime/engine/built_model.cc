@@ -309,6 +309,8 @@ RankStateBytes BuiltModel::StateBytes() const {
   RankStateBytes bytes;
   bytes.parameters = gathered.parameters;
   bytes.gradients = gathered.gradients;
+  // A mixed-precision model's compute-dtype copies of its weights.
+  bytes.parameters += static_cast<double>(model_->ComputeWeightBytes());
   for (const Parameter& p : params) {
     bytes.parameters += p.tensor.nbytes();
     if (p.tensor.grad().defined()) bytes.gradients += p.tensor.grad().nbytes();
@@ -324,6 +326,10 @@ void BuiltModel::ClearGradients() { ZeroGradients(model_->parameters()); }
 absl::Status BuiltModel::Step(const AdamParams& hp, double grad_scale) {
   absl::Status stepped = InjectedFault(FaultPoint::kOptimizerUpdate);
   if (stepped.ok()) stepped = optimizer_->Step(hp, grad_scale);
+  // The forwards' compute-dtype copies are stale now, also after a failed
+  // (partial) update (the optimizer bumps the masters' version counters
+  // too; this does not depend on it).
+  model_->WeightsChanged();
   stepped = rank_.phases.Agree(stepped);
   if (!stepped.ok()) return stepped;
   return RefreshGathered(ShardsChanged::kStepped);
@@ -362,8 +368,9 @@ absl::StatusOr<StagedLoad> BuiltModel::StageLoad(const std::string& path,
 
 absl::Status BuiltModel::ApplyLoad(StagedLoad& staged) {
   // A copy may fail on one rank only; the gathers need every rank's shards.
-  TALLY_RETURN_IF_ERROR(
-      rank_.phases.Agree(LoadWeightsInto(staged.contents, *model_)));
+  const absl::Status loaded = LoadWeightsInto(staged.contents, *model_);
+  model_->WeightsChanged();  // also when only some weights were written
+  TALLY_RETURN_IF_ERROR(rank_.phases.Agree(loaded));
   TALLY_RETURN_IF_ERROR(RefreshGathered(ShardsChanged::kLoaded));
   optimizer_ = std::move(staged.optimizer);
   return absl::OkStatus();

@@ -80,8 +80,9 @@ struct StagedLoad {
 
 // The bytes of training state this rank holds for a model.
 struct RankStateBytes {
-  // The shards, and under ZeRO-1/2 the gathered copies (and ZeRO-1's whole
-  // gradients) besides.
+  // The shards, a bfloat16 model's bfloat16 copies of its weights
+  // (CausalLm::ComputeWeightBytes), and under ZeRO-1/2 the gathered copies
+  // (and ZeRO-1's whole gradients) besides.
   double parameters = 0;
   double gradients = 0;
   double optimizer = 0;

@@ -139,6 +139,52 @@ TEST(MixedPrecisionTest, CheckpointsKeepTheMastersAndReloadExactly) {
       << "float32 masters, not their bf16 copies";
 }
 
+// Cast once: the bf16 copies a model keeps between calls follow its
+// masters. After an OptimStep (the fused kernels) and after a
+// LoadCheckpoint, a call reads the new weights: its log-probabilities are
+// those of a model freshly created from the same masters.
+TEST(MixedPrecisionTest, CallsReadTheWeightsOfTheLastStepOrLoad) {
+  auto engine = Engine::CreateSingleRank({}).value();
+  ASSERT_TRUE(engine->CreateModel(Spec("m", DType::kBFloat16)).ok());
+  const int64_t vocab =
+      EngineTestPeer::Model(*engine, "m").value()->config().vocab_size;
+  const LogprobsArgs prompts{{{3, 1, 4, 1, 5, 9, 2, 6}, {2, 7}}};
+  const auto logprobs = [&](const std::string& id) {
+    absl::StatusOr<LogprobsCallResult> r = engine->ComputeLogprobs(id, prompts);
+    EXPECT_TRUE(r.ok()) << r.status();
+    std::vector<double> all;
+    for (const PromptLogprobs& p : r->prompts) {
+      all.insert(all.end(), p.logprobs.begin(), p.logprobs.end());
+    }
+    return all;
+  };
+  const auto created_from = [&](const std::string& id, const std::string& dir) {
+    ModelSpec spec = Spec(id, DType::kBFloat16);
+    spec.config = LlamaConfig();
+    spec.init_checkpoint = dir;
+    absl::StatusOr<ModelSummary> created = engine->CreateModel(spec);
+    EXPECT_TRUE(created.ok()) << created.status();
+  };
+  const std::string dir = ::testing::TempDir() + "/cast_once_";
+  std::filesystem::remove_all(dir + "0");
+  ASSERT_TRUE(engine->SaveCheckpoint("m", dir + "0", {}).ok());
+  const std::vector<double> initial = logprobs("m");
+  for (int step = 1; step <= 2; ++step) {
+    ASSERT_TRUE(
+        engine->ForwardBackward("m", {MakeSamples(vocab, {9, 4}, step)}).ok());
+    ASSERT_TRUE(engine->OptimStep("m", {}).ok());
+    const std::string saved = dir + std::to_string(step);
+    std::filesystem::remove_all(saved);
+    ASSERT_TRUE(engine->SaveCheckpoint("m", saved, {}).ok());
+    created_from("fresh" + std::to_string(step), saved);
+    const std::vector<double> stepped = logprobs("m");
+    EXPECT_NE(stepped, initial);
+    EXPECT_EQ(stepped, logprobs("fresh" + std::to_string(step)));
+  }
+  ASSERT_TRUE(engine->LoadCheckpoint("m", dir + "0", false).ok());
+  EXPECT_EQ(logprobs("m"), initial);
+}
+
 // Through the API: CreateModel's DTYPE_BFLOAT16 is a mixed-precision model
 // and ModelInfo says so.
 TEST(MixedPrecisionTest, TheApiCallsItDtypeBfloat16) {

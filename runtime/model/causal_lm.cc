@@ -67,6 +67,7 @@ absl::Status CausalLm::To(const torch::Device& device) {
     for (Parameter& p : parameters_) {
       if (p.tensor.device() != device) p.tensor.set_data(p.tensor.to(device));
     }
+    WeightsChanged();
   });
 }
 
@@ -116,10 +117,18 @@ torch::Tensor CausalLm::TargetLogprobs(const torch::Tensor& inputs,
   return StageForward(inputs, targets, layout, io);
 }
 
-void CausalLm::HoldComputeWeights(bool hold) {
-  holds_ += hold ? 1 : -1;
-  if (holds_ == 1 && hold) held_weights_.assign(parameters_.size(), {});
-  if (holds_ == 0) held_weights_.clear();
+torch::Tensor CausalLm::ComputeCopy(int index) const {
+  if (static_cast<size_t>(index) < base_index_.size() &&
+      base_index_[index] >= 0) {
+    return base()->ComputeCopy(base_index_[index]);
+  }
+  return compute_weights_.CopyOf(index, parameters_[index].tensor,
+                                 compute_type());
+}
+
+int64_t CausalLm::ComputeWeightBytes() const {
+  const int64_t own = compute_weights_.bytes();
+  return base() == nullptr ? own : own + base()->compute_weights_.bytes();
 }
 
 absl::StatusOr<torch::Tensor> CausalLm::ForwardWithCache(
@@ -165,7 +174,12 @@ absl::StatusOr<std::vector<int>> CausalLm::InitializeParameters(
         return absl::InternalError(absl::StrCat(
             "the shared base does not match the model at ", spec.name));
       }
-      if (shared != nullptr) parameters_.push_back(*shared);
+      if (shared != nullptr) {
+        parameters_.push_back(*shared);
+        base_index_.resize(parameters_.size(), -1);
+        base_index_.back() =
+            static_cast<int>(shared - base()->parameters().data());
+      }
       indices.push_back(
           shared != nullptr ? static_cast<int>(parameters_.size()) - 1 : -1);
       continue;

@@ -29,6 +29,7 @@
 #include "runtime/config/types.h"
 #include "runtime/io/safetensors.h"
 #include "runtime/model/attention_layout.h"
+#include "runtime/model/compute_weights.h"
 #include "runtime/parallel/parameter.h"
 #include "runtime/parallel/sharding_plan.h"
 
@@ -220,9 +221,19 @@ class CausalLm {
       const torch::Tensor& valid, KvCache& cache,
       const torch::Tensor& logits_at);
 
-  // Counts the live HeldComputeWeights of this model; the first starts
-  // holding, the last to end drops what was held.
-  void HoldComputeWeights(bool hold);
+  // Mixed precision casts each float32 master to the compute dtype once and
+  // every forward reuses that copy (compute_weights.h) until the master
+  // changes: in-place LibTorch writes (and the Optimizer's kernels, which
+  // bump the version) and new storage are noticed; any other writer calls
+  // WeightsChanged after writing. BuiltModel calls it after each OptimStep
+  // and LoadCheckpoint besides, To() after a move.
+  void WeightsChanged() { compute_weights_.Invalidate(); }
+  // The bytes of the compute-dtype copies this model's forwards read, its
+  // shared base's included (0 for a float32 or float64 model, which uses its
+  // weights as they are): every weight it holds whole over dp_shard once a
+  // forward has run. dp_shard-sharded weights are gathered per pass (ZeRO-3)
+  // or kept gathered in the compute dtype (ZeRO-1/2), not copied here.
+  int64_t ComputeWeightBytes() const;
 
  protected:
   CausalLm(const LlamaConfig& config, DType dtype,
@@ -255,10 +266,11 @@ class CausalLm {
   ModelSharding sharding_;
   std::vector<Parameter> parameters_;
   ModelAdapters adapters_;
-  // While HeldComputeWeights live: by parameter index, the compute-dtype
-  // copy of each unsharded weight a forward used (undefined until then);
-  // empty otherwise.
-  std::vector<torch::Tensor> held_weights_;
+  // The compute-dtype copy of parameters_[index] (held whole over
+  // dp_shard), without autograd: kept by this model, or by its shared base
+  // for a parameter of the base, so the adapters over one base share one
+  // copy of it.
+  torch::Tensor ComputeCopy(int index) const;
 
  private:
   // Freezes the parameters whose name `frozen` holds for; returns how many.
@@ -266,31 +278,10 @@ class CausalLm {
 
   bool recompute_layers_ = false;
   AttentionOptions attention_;
-  int holds_ = 0;
-};
-
-// Keeps a model's compute-dtype copies of its unsharded weights (a bf16
-// model's casts of its float32 masters) from one forward to the next while
-// it lives, instead of casting every weight in every forward: for decoding,
-// whose steps are many short forwards. The weights must not change while it
-// lives; the copies (the compute-dtype bytes of those weights: none for a
-// float32 or float64 model, whose weights are used as they are) last until
-// the last hold of the model ends. dp_shard-sharded weights are gathered
-// per forward as before (their gathers are collectives).
-//
-//   tally::HeldComputeWeights held(model);
-//   for (...) model.ForwardWithCache(...);  // casts each weight once
-class HeldComputeWeights {
- public:
-  explicit HeldComputeWeights(CausalLm& model) : model_(model) {
-    model_.HoldComputeWeights(true);
-  }
-  ~HeldComputeWeights() { model_.HoldComputeWeights(false); }
-  HeldComputeWeights(const HeldComputeWeights&) = delete;
-  HeldComputeWeights& operator=(const HeldComputeWeights&) = delete;
-
- private:
-  CausalLm& model_;
+  // Of a parameter shared with base(): its index there; -1 for one of this
+  // model's own.
+  std::vector<int> base_index_;
+  mutable ComputeWeights compute_weights_;
 };
 
 // The family `config` names (config.json's model_type), built and placed for

@@ -385,14 +385,13 @@ torch::Tensor LlamaModel::Weight(int index, Communicator* tp_sum) {
   const torch::Tensor master =
       tp_sum == nullptr ? p.tensor
                         : CopyToTensorParallelRegion(p.tensor, *tp_sum);
-  // Mixed precision: the float32 master's bfloat16 copy, made before a
-  // dp_shard gather (which then moves half the bytes); the gradient goes
-  // back to the master in float32, reduce-scattered in float32.
+  // Mixed precision: the float32 master's bfloat16 copy, made once until
+  // the master changes (compute_weights.h), or before a dp_shard gather
+  // (which then moves half the bytes); the gradient goes back to the master
+  // in float32, reduce-scattered in float32.
   if (!p.placements.at(MeshDim::kDpShard).is_shard()) {
-    if (held_weights_.empty()) return master.to(compute_type());
-    torch::Tensor& held = held_weights_[index];
-    if (!held.defined()) held = master.to(compute_type());
-    return held;
+    if (compute_type() == master.scalar_type()) return master;
+    return UseComputeCopy(master, ComputeCopy(index));
   }
   return GatherShardedParameter(master, p.tp_local_shape[0],
                                 *sharding_.dp_shard, compute_type());

@@ -288,8 +288,6 @@ absl::StatusOr<std::vector<DecodedSequence>> Decode(
             : SequenceBlock{0, count};
   return CatchTorch(
       "decoding", [&]() -> absl::StatusOr<std::vector<DecodedSequence>> {
-        // Every step's forward reads the weights as the first one cast them.
-        HeldComputeWeights held(model);
         TALLY_ASSIGN_OR_RETURN(std::vector<DecodedSequence> local,
                                DecodeBlock(model, request, block, step));
         if (!split) return local;

@@ -542,36 +542,6 @@ INSTANTIATE_TEST_SUITE_P(Families, GreedyReferenceTest,
 // (the keys keep their address), the capacity doubles when a forward needs
 // more, and the layout, keys and values a forward sees are every slot given
 // so far, in order, also after a row leaves.
-// A bf16 model's forwards under HeldComputeWeights give the logits of
-// forwards that cast every weight (bitwise); while held, a change to a
-// float32 master does not reach the forwards (what is held is used), and
-// once the hold ends it does (nothing held outlives it).
-TEST(HeldComputeWeightsTest, SameLogitsAndNothingOutlivesTheHold) {
-  std::unique_ptr<LlamaModel> model =
-      MakeModel({"llama", testing::TinyConfig()}, DType::kBFloat16);
-  const Padded padded =
-      Pad(RandomSequences({5, 3}, model->config().vocab_size, 4),
-          model->config().vocab_size);
-  const auto forward = [&] {
-    KvCache cache(model->config().num_hidden_layers, 8);
-    return model
-        ->ForwardWithCache(padded.tokens, padded.positions, padded.valid, cache,
-                           /*logits_at=*/torch::Tensor())
-        .value();
-  };
-  const torch::Tensor cast_each_time = forward();
-  Parameter& q = *model->Find("model.layers.0.self_attn.q_proj.weight");
-  torch::NoGradGuard no_grad;
-  {
-    HeldComputeWeights held(*model);
-    HeldComputeWeights nested(*model);
-    EXPECT_TRUE(torch::equal(forward(), cast_each_time));
-    q.tensor.mul_(2);
-    EXPECT_TRUE(torch::equal(forward(), cast_each_time));
-  }
-  EXPECT_FALSE(torch::equal(forward(), cast_each_time));
-}
-
 TEST(KvCacheStorageTest, StepsWriteInPlaceAndCapacityDoubles) {
   const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
   KvCache cache(/*num_layers=*/1, /*capacity=*/4);

@@ -100,7 +100,6 @@ absl::StatusOr<std::vector<PromptLogprobs>> ComputePromptLogprobs(
   using Result = absl::StatusOr<std::vector<PromptLogprobs>>;
   return CatchTorch("prompt log-probabilities", [&]() -> Result {
     torch::NoGradGuard no_grad;
-    HeldComputeWeights held(model);  // one cast for all the prompts
     std::vector<PromptLogprobs> out;
     for (size_t i = 0; i < prompts.size(); ++i) {
       // The ranks agree every kStopCheckSteps prompts whether to stop.

@@ -72,8 +72,16 @@ absl::Status Optimizer::Step(const AdamParams& hp, double grad_scale) {
   kernel_hp.weight_decay = hp.weight_decay;
   kernel_hp.step = step;
   kernel_hp.grad_scale = grad_scale;
-  TALLY_RETURN_IF_ERROR(adamw ? kernels::FusedAdamW(fused, kernel_hp)
-                              : kernels::FusedSgd(fused, kernel_hp));
+  const absl::Status fused_step = adamw ? kernels::FusedAdamW(fused, kernel_hp)
+                                        : kernels::FusedSgd(fused, kernel_hp);
+  // The kernels write through raw pointers: count the writes as an in-place
+  // operator would (also after a partial failure), so what keys on the
+  // version (a bf16 model's copies, runtime/model/compute_weights.h) sees
+  // them.
+  for (kernels::UpdateOperands& operands : fused) {
+    operands.param.unsafeGetTensorImpl()->bump_version();
+  }
+  TALLY_RETURN_IF_ERROR(fused_step);
   TALLY_RETURN_IF_ERROR(CatchTorch("optimizer step", [&] {
     torch::NoGradGuard no_grad;
     for (size_t i : composed) StepComposed(i, hp, grad_scale, step);
