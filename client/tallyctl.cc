@@ -475,7 +475,7 @@ class SampleCommand : public Command {
     TALLY_ASSIGN_OR_RETURN(v1::SampleResponse response, client.Sample(request));
     if (!tokenizer) {
       return out.Print(response, [&](std::ostream& os) {
-        PrintSequences(os, response, {}, /*show_ids=*/true);
+        PrintSequences(os, response, std::nullopt, {}, /*show_ids=*/true);
       });
     }
     std::vector<std::string> texts;
@@ -485,8 +485,7 @@ class SampleCommand : public Command {
       texts.push_back(std::move(text));
     }
     std::ostringstream text;
-    text << "prompt: " << Quoted(*prompt_text) << "\n";
-    PrintSequences(text, response, texts, show_ids_);
+    PrintSequences(text, response, prompt_text, texts, show_ids_);
     TALLY_ASSIGN_OR_RETURN(nlohmann::ordered_json record,
                            Output::MessageJson(response));
     record["prompt_text"] = *prompt_text;
@@ -504,14 +503,16 @@ class SampleCommand : public Command {
     return nlohmann::json(text).dump();
   }
 
-  // "model ..., step ..., seed ..." and each sequence: its text when `texts`
-  // has one, its ids (on a line of their own after a text, or in place of
-  // one), and its log-probabilities.
+  // "model ..., step ..., seed ...", the prompt's text when there is one,
+  // and each sequence: its text when `texts` has one, its ids (on a line of
+  // their own after a text, or in place of one), and its log-probabilities.
   void PrintSequences(std::ostream& os, const v1::SampleResponse& response,
+                      const std::optional<std::string>& prompt_text,
                       const std::vector<std::string>& texts,
                       bool show_ids) const {
     os << absl::StrFormat("model %s, step %d, seed %d\n", model_,
                           response.step(), response.seed());
+    if (prompt_text) os << "prompt: " << Quoted(*prompt_text) << "\n";
     for (int i = 0; i < response.sequences_size(); ++i) {
       const v1::SampledSequence& sequence = response.sequences(i);
       const std::string ids = absl::StrJoin(sequence.tokens(), ",");
