@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "client/command_line.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -14,13 +15,11 @@ absl::StatusOr<Output::Format> Output::FormatNamed(absl::string_view name) {
   return FlagValueError("output", name, "text or json");
 }
 
-absl::Status Output::Print(const google::protobuf::Message& message,
-                           const std::function<void(std::ostream&)>& text) {
-  if (!json()) {
-    text(out_);
-    out_.flush();
-    return absl::OkStatus();
-  }
+namespace {
+
+// `message` in protobuf's JSON mapping, as Output prints it.
+absl::StatusOr<std::string> MessageJsonLine(
+    const google::protobuf::Message& message) {
   google::protobuf::util::JsonPrintOptions options;
   options.always_print_primitive_fields = true;
   options.preserve_proto_field_names = true;
@@ -32,9 +31,34 @@ absl::Status Output::Print(const google::protobuf::Message& message,
                                             message.GetTypeName(),
                                             " as JSON: ", printed.ToString()));
   }
+  return line;
+}
+
+}  // namespace
+
+absl::Status Output::Print(const google::protobuf::Message& message,
+                           const std::function<void(std::ostream&)>& text) {
+  if (!json()) {
+    text(out_);
+    out_.flush();
+    return absl::OkStatus();
+  }
+  TALLY_ASSIGN_OR_RETURN(std::string line, MessageJsonLine(message));
   out_ << line << "\n";
   out_.flush();
   return absl::OkStatus();
+}
+
+absl::StatusOr<nlohmann::ordered_json> Output::MessageJson(
+    const google::protobuf::Message& message) {
+  TALLY_ASSIGN_OR_RETURN(std::string line, MessageJsonLine(message));
+  nlohmann::ordered_json record = nlohmann::ordered_json::parse(
+      line, /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (record.is_discarded()) {
+    return absl::InternalError(
+        absl::StrCat("cannot read back ", message.GetTypeName(), " as JSON"));
+  }
+  return record;
 }
 
 void Output::Print(const nlohmann::ordered_json& record,

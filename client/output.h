@@ -43,6 +43,11 @@ class Output {
   // A record: one line of JSON (NaN and infinities as null), or `text`.
   void Print(const nlohmann::ordered_json& record, absl::string_view text);
 
+  // `message` as Print writes it in JSON, as a record to add fields to
+  // (tallyctl sample's decoded text). INTERNAL as for Print.
+  static absl::StatusOr<nlohmann::ordered_json> MessageJson(
+      const google::protobuf::Message& message);
+
  private:
   Format format_;
   std::ostream& out_;

@@ -6,8 +6,9 @@
 //   tallyctl save demo /tmp/ckpt && tallyctl list --output json
 //   tallyctl export demo /tmp/demo-hf --dtype bfloat16
 //   tallyctl sample --model demo --prompt-ids 72,105 --max-tokens 8 --seed 1
-//   tallyctl samplers save demo step3 && tallyctl sample --model demo \
-//       --sampler step3 --prompt-ids 72,105
+//   tallyctl sample --model llama --prompt-ids 9906,1917 --tokenizer dir
+//   tallyctl samplers save demo step3
+//   tallyctl sample --model demo --sampler step3 --prompt-ids 72,105
 //   tallyctl samplers list --model demo && tallyctl samplers delete demo step3
 //   tallyctl server-info --target tally:50051 --ca-cert ca.pem --token "$T"
 //
@@ -29,6 +30,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -52,6 +54,7 @@
 #include "client/dtype_names.h"
 #include "client/output.h"
 #include "client/text_batcher.h"
+#include "client/tokenizer_json.h"
 #include "client/trainer_client.h"
 #include "nlohmann/json.hpp"
 
@@ -449,31 +452,119 @@ class SampleCommand : public Command {
     flags.Add("sampler", &sampler_,
               "a sampler snapshot of the model (tallyctl samplers save) to "
               "sample from (default: the live weights)");
+    flags.Add("tokenizer", &tokenizer_dir_,
+              "a local copy of the model's directory: prints the prompt and "
+              "each sequence as text through its tokenizer.json (default: "
+              "token ids only)");
+    flags.Add("skip-special-tokens", &skip_special_tokens_,
+              "with --tokenizer, leaves special tokens (BOS, EOS) out of the "
+              "text");
+    flags.Add("ids", &show_ids_, "with --tokenizer, prints the ids as well");
   }
 
   absl::Status Run(TrainerClient& client, const std::vector<std::string>&,
                    Output& out) override {
     TALLY_ASSIGN_OR_RETURN(v1::SampleRequest request, Request());
+    TALLY_ASSIGN_OR_RETURN(std::optional<TokenizerJson> tokenizer,
+                           LoadTokenizer());
+    std::optional<std::string> prompt_text;
+    if (tokenizer) {
+      TALLY_ASSIGN_OR_RETURN(prompt_text,
+                             Text(*tokenizer, request.prompts(0).tokens()));
+    }
     TALLY_ASSIGN_OR_RETURN(v1::SampleResponse response, client.Sample(request));
-    return out.Print(response, [&](std::ostream& os) {
-      os << absl::StrFormat("model %s, step %d, seed %d\n", model_,
-                            response.step(), response.seed());
-      for (int i = 0; i < response.sequences_size(); ++i) {
-        const v1::SampledSequence& sequence = response.sequences(i);
-        os << absl::StrFormat(
-            "sample %d (%s): %s\n  logprobs: %s\n", i,
-            sequence.stop_reason() == v1::STOP_REASON_STOP ? "stop" : "length",
-            absl::StrJoin(sequence.tokens(), ","),
-            absl::StrJoin(sequence.logprobs(), ",",
-                          [](std::string* text, double logprob) {
-                            absl::StrAppend(text,
-                                            absl::StrFormat("%.4f", logprob));
-                          }));
-      }
-    });
+    if (!tokenizer) {
+      return out.Print(response, [&](std::ostream& os) {
+        PrintSequences(os, response, std::nullopt, {}, /*show_ids=*/true);
+      });
+    }
+    std::vector<std::string> texts;
+    for (const v1::SampledSequence& sequence : response.sequences()) {
+      TALLY_ASSIGN_OR_RETURN(std::string text,
+                             Text(*tokenizer, sequence.tokens()));
+      texts.push_back(std::move(text));
+    }
+    std::ostringstream text;
+    PrintSequences(text, response, prompt_text, texts, show_ids_);
+    TALLY_ASSIGN_OR_RETURN(nlohmann::ordered_json record,
+                           Output::MessageJson(response));
+    record["prompt_text"] = *prompt_text;
+    for (size_t i = 0; i < texts.size(); ++i) {
+      record["sequences"][i]["text"] = texts[i];
+    }
+    out.Print(record, text.str());
+    return absl::OkStatus();
   }
 
  private:
+  // A JSON string: quoted, with newlines and other control characters
+  // escaped, so one sequence prints on one line.
+  static std::string Quoted(const std::string& text) {
+    return nlohmann::json(text).dump();
+  }
+
+  // "model ..., step ..., seed ...", the prompt's text when there is one,
+  // and each sequence: its text when `texts` has one, its ids (on a line of
+  // their own after a text, or in place of one), and its log-probabilities.
+  void PrintSequences(std::ostream& os, const v1::SampleResponse& response,
+                      const std::optional<std::string>& prompt_text,
+                      const std::vector<std::string>& texts,
+                      bool show_ids) const {
+    os << absl::StrFormat("model %s, step %d, seed %d\n", model_,
+                          response.step(), response.seed());
+    if (prompt_text) os << "prompt: " << Quoted(*prompt_text) << "\n";
+    for (int i = 0; i < response.sequences_size(); ++i) {
+      const v1::SampledSequence& sequence = response.sequences(i);
+      const std::string ids = absl::StrJoin(sequence.tokens(), ",");
+      os << absl::StrFormat(
+          "sample %d (%s): %s\n", i,
+          sequence.stop_reason() == v1::STOP_REASON_STOP ? "stop" : "length",
+          texts.empty() ? ids : Quoted(texts[i]));
+      if (!texts.empty() && show_ids) os << "  ids: " << ids << "\n";
+      os << "  logprobs: "
+         << absl::StrJoin(sequence.logprobs(), ",",
+                          [](std::string* text, double logprob) {
+                            absl::StrAppend(text,
+                                            absl::StrFormat("%.4f", logprob));
+                          })
+         << "\n";
+    }
+  }
+
+  // --tokenizer's tokenizer.json, or none without the flag; what it cannot
+  // read is a FlagError naming the flag (exit 2).
+  absl::StatusOr<std::optional<TokenizerJson>> LoadTokenizer() const {
+    if (tokenizer_dir_.empty()) {
+      if (skip_special_tokens_) {
+        return FlagError("flag --skip-special-tokens needs --tokenizer");
+      }
+      return std::nullopt;
+    }
+    absl::StatusOr<TokenizerJson> tokenizer =
+        TokenizerJson::Load(tokenizer_dir_);
+    if (!tokenizer.ok()) {
+      return FlagError(
+          absl::StrCat("flag --tokenizer: ", tokenizer.status().message()));
+    }
+    return std::move(*tokenizer);
+  }
+
+  // The text of `ids`; an id the tokenizer lacks is a FlagError: the
+  // tokenizer does not belong to the model.
+  absl::StatusOr<std::string> Text(
+      const TokenizerJson& tokenizer,
+      const google::protobuf::RepeatedField<int32_t>& ids) const {
+    absl::StatusOr<std::string> text = tokenizer.Decode(
+        absl::MakeConstSpan(ids.data(), ids.size()), skip_special_tokens_);
+    if (!text.ok()) {
+      return FlagError(absl::StrCat(
+          "flag --tokenizer: ", text.status().message(),
+          "; is it the tokenizer of model ", model_,
+          "? (without --tokenizer, tallyctl sample prints token ids)"));
+    }
+    return text;
+  }
+
   absl::StatusOr<v1::SampleRequest> Request() const {
     if (model_.empty()) return FlagError("flag --model is required");
     if (prompt_ids_.empty()) return FlagError("flag --prompt-ids is required");
@@ -516,6 +607,9 @@ class SampleCommand : public Command {
 
   std::string model_;
   std::string prompt_ids_;
+  std::string tokenizer_dir_;
+  bool skip_special_tokens_ = false;
+  bool show_ids_ = false;
   int max_tokens_ = 16;
   std::optional<double> temperature_;
   std::optional<double> top_p_;
@@ -1150,7 +1244,11 @@ const std::vector<CommandSpec>& Commands() {
        "changed), or with its sampler snapshot --sampler, and prints each "
        "sequence's token ids, its stop reason and each token's "
        "log-probability under the model before temperature, top-k and "
-       "top-p.",
+       "top-p. With --tokenizer DIR (a local copy of the model's "
+       "directory) the prompt and each sequence print as text, decoded "
+       "through DIR/tokenizer.json (ByteLevel, Metaspace and SentencePiece "
+       "byte-fallback decoders); a tokenizer.json it cannot read, or an id "
+       "it has no token for, exits 2. The prompt is always token ids.",
        [] { return std::make_unique<SampleCommand>(); }},
       {"samplers save",
        {"MODEL", "NAME"},

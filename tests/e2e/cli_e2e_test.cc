@@ -3,10 +3,15 @@
 // server with one line naming the port and its flag; tallyctl creates
 // bfloat16 models, shows GetServerInfo, prints results as JSON with
 // --output json, train reports tokens/s and an ETA per step, and sample
-// prints the server's Sample response.
+// prints the server's Sample response, as text through a local
+// tokenizer.json with --tokenizer.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -18,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "client/tokenizer_json.h"
 #include "client/trainer_client.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
@@ -106,6 +112,10 @@ TEST(CliFlagsE2eTest, TallyctlRefusesABadCommandLineWithExit2) {
        {"sample --model m --prompt-ids 1 --stop-ids 2,-3",
         "flag --stop-ids: '2,-3' is not"},
        {"sample --model m --prompt-ids 1 --seed -1", "flag --seed: '-1'"},
+       {"sample --model m --prompt-ids 1 --skip-special-tokens",
+        "flag --skip-special-tokens needs --tokenizer"},
+       {"sample --model m --prompt-ids 1 --tokenizer /nonexistent",
+        "flag --tokenizer: open /nonexistent/tokenizer.json: No such file"},
        {"sample --model m --prompt-ids 1 --max-tokens 0",
         "flag --max-tokens: '0' is not an integer >= 1"}});
 }
@@ -360,6 +370,126 @@ TEST_F(TallyctlE2eTest, SamplePrintsTheServersTokensAndLogprobs) {
   EXPECT_EQ(refused, 1) << message;
   EXPECT_THAT(message, HasSubstr("INVALID_ARGUMENT"));
   EXPECT_THAT(message, HasSubstr("prompts[0].tokens[1] = 100000"));
+}
+
+// A byte-level tokenizer.json for a model of `vocab_size` ids: id b < 256
+// is byte b in GPT-2's byte-level alphabet (the printable Latin-1 bytes as
+// themselves, the others in order from U+0100), 256 is "<s>" and the rest
+// "<extra_N>", all three special added tokens.
+nlohmann::json ByteLevelTokenizerJson(int vocab_size) {
+  nlohmann::json vocab = nlohmann::json::object();
+  int next = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable =
+        (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    const int code_point = printable ? b : next++;
+    std::string utf8;
+    if (code_point < 0x80) {
+      utf8 += static_cast<char>(code_point);
+    } else {
+      utf8 += static_cast<char>(0xC0 | (code_point >> 6));
+      utf8 += static_cast<char>(0x80 | (code_point & 0x3F));
+    }
+    vocab[utf8] = b;
+  }
+  nlohmann::json added = nlohmann::json::array();
+  for (int id = 256; id < vocab_size; ++id) {
+    added.push_back({{"id", id},
+                     {"content", id == 256 ? std::string("<s>")
+                                           : absl::StrCat("<extra_", id, ">")},
+                     {"special", true}});
+  }
+  return {{"added_tokens", added},
+          {"decoder", {{"type", "ByteLevel"}}},
+          {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {}}}}};
+}
+
+// The text HF's ByteLevel decoder makes of `ids` with that tokenizer.
+std::string ByteLevelText(const v1::SampledSequence& sequence,
+                          bool skip_special) {
+  std::string bytes;
+  for (int32_t id : sequence.tokens()) {
+    if (id < 256) {
+      bytes += static_cast<char>(id);
+    } else if (!skip_special) {
+      bytes +=
+          id == 256 ? std::string("<s>") : absl::StrCat("<extra_", id, ">");
+    }
+  }
+  return Utf8Lossy(bytes);
+}
+
+// tallyctl sample --tokenizer DIR prints the prompt and each sequence as
+// text, decoded on the client's side from DIR/tokenizer.json; --output json
+// adds the text to the response's fields.
+TEST_F(TallyctlE2eTest, SampleWithATokenizerPrintsText) {
+  ASSERT_EQ(Tallyctl("create --model-id s").first, 0);
+  v1::GetModelRequest get;
+  get.set_model_id("s");
+  const absl::StatusOr<v1::ModelInfo> info = client_->GetModel(get);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() /
+      absl::StrCat("cli_e2e_tokenizer_", getpid());
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "tokenizer.json")
+      << ByteLevelTokenizerJson(info->config().vocab_size()).dump();
+
+  v1::SampleRequest request;
+  request.set_model_id("s");
+  const std::vector<int32_t> prompt = {84, 104, 101};
+  request.add_prompts()->mutable_tokens()->Add(prompt.begin(), prompt.end());
+  request.set_num_samples(3);
+  request.mutable_params()->set_max_tokens(12);
+  request.mutable_params()->set_seed(5);
+  request.mutable_params()->mutable_stop();
+  const absl::StatusOr<v1::SampleResponse> direct = client_->Sample(request);
+  ASSERT_TRUE(direct.ok()) << direct.status();
+  const std::string sample = absl::StrCat(
+      "sample --model s --prompt-ids 84,104,101 --max-tokens 12 --seed 5 "
+      "--num-samples 3 --stop-ids none --tokenizer ",
+      dir.string());
+
+  const auto [text_code, text] = Tallyctl(sample + " --ids");
+  ASSERT_EQ(text_code, 0) << text;
+  EXPECT_THAT(text, HasSubstr("prompt: \"The\"\n"));
+  for (int i = 0; i < 3; ++i) {
+    const v1::SampledSequence& sequence = direct->sequences(i);
+    EXPECT_THAT(text, HasSubstr(absl::StrCat(
+                          "sample ", i, " (length): ",
+                          nlohmann::json(ByteLevelText(sequence, false)).dump(),
+                          "\n  ids: ", absl::StrJoin(sequence.tokens(), ","),
+                          "\n  logprobs: ")));
+  }
+
+  const auto [json_code, json] =
+      Tallyctl(sample + " --skip-special-tokens --output json");
+  ASSERT_EQ(json_code, 0) << json;
+  const nlohmann::json record = nlohmann::json::parse(json);
+  EXPECT_EQ(record["prompt_text"], "The");
+  EXPECT_TRUE(MessageDifferencer::Equals(FromJson<v1::SampleResponse>([&] {
+                                           nlohmann::json proto = record;
+                                           proto.erase("prompt_text");
+                                           for (auto& sequence :
+                                                proto["sequences"])
+                                             sequence.erase("text");
+                                           return proto.dump();
+                                         }()),
+                                         *direct))
+      << json;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(record["sequences"][i]["text"],
+              ByteLevelText(direct->sequences(i), true))
+        << i;
+  }
+
+  // A tokenizer that lacks an id exits 2 naming the flag.
+  std::ofstream(dir / "tokenizer.json") << ByteLevelTokenizerJson(0).dump();
+  const auto [lacking_code, lacking] = Tallyctl(absl::StrCat(
+      "sample --model s --prompt-ids 84,256 --tokenizer ", dir.string()));
+  EXPECT_EQ(lacking_code, 2) << lacking;
+  EXPECT_THAT(lacking, HasSubstr("token id 256 has no token in"));
+  std::filesystem::remove_all(dir);
 }
 
 // tallyctl samplers save / list / delete and sample --sampler: the snapshot
