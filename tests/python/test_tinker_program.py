@@ -13,6 +13,7 @@ same."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import unittest
@@ -89,6 +90,22 @@ class TinkerProgramTest(ServerTestCase):
         second = self.start_server(extra_args=args, name="second").server
         resumed = self.run_program("resume", second, state)
         self.assertEqual(resumed["loss"], report["loss_at_save"])
+
+        # A state naming a base outside the caller's root is refused before
+        # anything is read from there.
+        forged = os.path.join(self.temp_dir, "forged")
+        shutil.copytree(os.path.join(self.temp_dir, state[len("tally://"):]),
+                        forged)
+        with open(os.path.join(forged, "tally.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+        manifest["base_checkpoint"] = os.path.dirname(self.temp_dir)
+        with open(os.path.join(forged, "tally.json"), "w",
+                  encoding="utf-8") as f:
+            json.dump(manifest, f)
+        refused = self.run_program("resume", second, "forged", check=False)
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("PERMISSION_DENIED", refused.stderr)
+        self.assertIn("is outside this caller's roots", refused.stderr)
 
         # A base replaced since the save is not the adapter's.
         write_hf_model(base, CONFIG, random_weights(CONFIG, seed=6),
