@@ -234,9 +234,7 @@ absl::Status Checkpointer::ResumeModel(const std::string& model_id,
     if (m.lora.enabled()) {
       // An adapter's checkpoint holds the adapter only: its base comes back
       // from where it came from, the adapter by the load below.
-      if (!m.base_checkpoint.empty()) {
-        TALLY_RETURN_IF_ERROR(CheckAdapterBase(m, path, m.base_checkpoint));
-      }
+      TALLY_RETURN_IF_ERROR(CheckAdapterBase(m, path, m.base_checkpoint));
       AdapterOverItsBase(m, info.config, path, create);
       create.mutable_lora()->clear_init_adapter();
     } else {
