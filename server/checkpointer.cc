@@ -10,6 +10,8 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "runtime/checkpoint/checkpoint.h"
+#include "runtime/checkpoint/directory_identity.h"
+#include "server/adapter_state.h"
 #include "server/checkpoint_retention.h"
 #include "server/commands.h"
 #include "server/convert.h"
@@ -232,18 +234,9 @@ absl::Status Checkpointer::ResumeModel(const std::string& model_id,
     if (m.lora.enabled()) {
       // An adapter's checkpoint holds the adapter only: its base comes back
       // from where it came from, the adapter by the load below.
-      v1::LoraConfig* lora = create.mutable_lora();
-      lora->set_rank(static_cast<int32_t>(m.lora.rank));
-      lora->set_alpha(m.lora.alpha);
-      lora->set_train_attn(m.lora.train_attn);
-      lora->set_train_mlp(m.lora.train_mlp);
-      lora->set_train_unembed(m.lora.train_unembed);
-      if (m.lora.seed) lora->set_seed(*m.lora.seed);
-      if (m.base_checkpoint.empty()) {
-        ToProto(info.config, create.mutable_config());
-      } else {
-        create.set_init_checkpoint(m.base_checkpoint);
-      }
+      TALLY_RETURN_IF_ERROR(CheckAdapterBase(m, path, m.base_checkpoint));
+      AdapterOverItsBase(m, info.config, path, create);
+      create.mutable_lora()->clear_init_adapter();
     } else {
       create.set_init_checkpoint(path);
     }

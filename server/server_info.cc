@@ -81,7 +81,7 @@ void FillServerInfo(const Mesh& mesh, ZeroStage zero_stage,
   for (const char* feature :
        {"seq_id", "activation_checkpointing", "bf16_mixed_precision",
         "export_weights", "list_models_pagination", "lora", "blocked_attention",
-        "zero_stages", "sample", "sampler_snapshots"}) {
+        "zero_stages", "sample", "sampler_snapshots", "artifacts"}) {
     info->add_features(feature);
   }
   *info->mutable_limits() = limits;

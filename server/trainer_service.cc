@@ -22,6 +22,7 @@
 #include "runtime/checkpoint/directory_identity.h"
 #include "runtime/config/memory_estimate.h"
 #include "runtime/model/llama_model.h"
+#include "server/adapter_state.h"
 #include "server/artifact_download.h"
 #include "server/cancellable_reactor.h"
 #include "server/commands.h"
@@ -575,6 +576,9 @@ grpc::ServerUnaryReactor* TrainerService::CreateModel(
     validation =
         ResolveInitCheckpoint(*context, server_form->mutable_init_checkpoint());
   }
+  if (validation.ok()) {
+    validation = ResumeAdapterState(*context, *server_form, *spec);
+  }
   if (validation.ok() && !request->lora().init_adapter().empty()) {
     validation = ConfinePath(
         *context, server_form->mutable_lora()->mutable_init_adapter());
@@ -965,6 +969,19 @@ absl::Status TrainerService::ResolveInitCheckpoint(
     }
   }
   return ConfinePath(context, init_checkpoint);
+}
+
+absl::Status TrainerService::ResumeAdapterState(
+    const grpc::CallbackServerContext& context, v1::CreateModelRequest& request,
+    absl::StatusOr<ModelSpec>& spec) {
+  TALLY_ASSIGN_OR_RETURN(
+      const bool expanded,
+      ExpandAdapterState(request, options_.models_root,
+                         [this, &context](std::string* path) {
+                           return ConfinePath(context, path);
+                         }));
+  if (expanded) spec = kCreateModelCommand.parse(request);
+  return spec.status();
 }
 
 grpc::ServerUnaryReactor* TrainerService::ListCheckpoints(

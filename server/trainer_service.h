@@ -331,6 +331,12 @@ class TrainerService final : public v1::Trainer::CallbackService {
   // A CreateModel.init_checkpoint (the server's copy) that names a model of
   // --models-root ("Org/Name", models_root.h) becomes its directory; any
   // other is confined as a path (ConfinePath).
+  // A CreateModel naming a LoRA adapter's state alone: `request` rewritten
+  // to the adapter over its base (server/adapter_state.h) and `spec` parsed
+  // from it again.
+  absl::Status ResumeAdapterState(const grpc::CallbackServerContext& context,
+                                  v1::CreateModelRequest& request,
+                                  absl::StatusOr<ModelSpec>& spec);
   absl::Status ResolveInitCheckpoint(const grpc::CallbackServerContext& context,
                                      std::string* init_checkpoint);
 

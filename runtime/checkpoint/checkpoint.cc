@@ -58,6 +58,13 @@ absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& path) {
 
 }  // namespace
 
+absl::StatusOr<std::optional<CheckpointManifest>> ReadManifestIfAny(
+    const std::string& dir) {
+  const std::string path = PathIn(PublishedDir(dir), kManifestFile);
+  if (!IsFile(path)) return std::nullopt;
+  return ReadManifest(path);
+}
+
 absl::StatusOr<LlamaConfig> ReadHfConfig(const std::string& path) {
   if (!IsFile(path)) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is missing"));

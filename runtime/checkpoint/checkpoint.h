@@ -131,6 +131,13 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(
 // missing, too large, or not a config tally loads.
 absl::StatusOr<LlamaConfig> ReadHfConfig(const std::string& path);
 
+// The tally.json of the tally checkpoint `dir`, read alone (unverified: the
+// read of the checkpoint that follows checks it against checksums.sha256);
+// nullopt for a directory without one (an HF directory). DATA_LOSS naming
+// the file as ReadCheckpoint.
+absl::StatusOr<std::optional<CheckpointManifest>> ReadManifestIfAny(
+    const std::string& dir);
+
 // The config and manifest of a tally checkpoint after verifying the checksum
 // of every file in it, without reading the tensors: what `--resume` checks
 // before trusting a checkpoint. DATA_LOSS as ReadCheckpoint; a directory

@@ -40,13 +40,15 @@ std::string ManifestToJson(const CheckpointManifest& m) {
     lora["train_unembed"] = m.lora.train_unembed;
     if (m.lora.seed) lora["seed"] = *m.lora.seed;
     j["base_checkpoint"] = m.base_checkpoint;
+    if (!m.base_identity.empty()) j["base_identity"] = m.base_identity;
   }
   return j.dump(2) + "\n";
 }
 
 namespace {
 
-// tally.json's "lora" and "base_checkpoint", when present.
+// tally.json's "lora", "base_checkpoint" and "base_identity", when
+// present.
 absl::Status ReadLoraManifest(const nlohmann::json& j, const JsonFields& fields,
                               CheckpointManifest& m) {
   const auto it = j.find("lora");
@@ -72,6 +74,9 @@ absl::Status ReadLoraManifest(const nlohmann::json& j, const JsonFields& fields,
     m.lora.seed = seed->get<uint64_t>();
   }
   TALLY_RETURN_IF_ERROR(fields.String("base_checkpoint", m.base_checkpoint));
+  if (j.contains("base_identity")) {
+    TALLY_RETURN_IF_ERROR(fields.String("base_identity", m.base_identity));
+  }
   const absl::Status valid = ValidateLoraConfig(m.lora);
   if (!valid.ok()) {
     return absl::DataLossError(absl::StrCat(fields.where(), valid.message()));

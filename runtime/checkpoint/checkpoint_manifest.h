@@ -42,9 +42,13 @@ struct CheckpointManifest {
   bool activation_checkpointing = false;
   // A LoRA adapter's checkpoint (rank > 0; trainable_only): the adapter's
   // config, and the init_checkpoint its base came from (empty: drawn from
-  // config.json and seed).
+  // config.json and seed) with that directory's DirectoryIdentity
+  // (runtime/checkpoint/directory_identity.h) when the model was created,
+  // which a resume from the checkpoint's path alone checks (empty in older
+  // checkpoints: not checked).
   LoraConfig lora;
   std::string base_checkpoint;
+  std::string base_identity;
   std::string tally_version;  // of the writer
   int format_version = 2;
 };

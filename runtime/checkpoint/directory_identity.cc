@@ -68,6 +68,21 @@ std::string CurrentBaseKey(const ModelSpec& spec) {
   return BaseKey(spec, DirectoryIdentity(spec.init_checkpoint));
 }
 
+absl::Status CheckAdapterBase(const CheckpointManifest& manifest,
+                              const std::string& state,
+                              const std::string& base_dir) {
+  if (manifest.base_identity.empty()) return absl::OkStatus();
+  const std::string now = DirectoryIdentity(base_dir);
+  if (now == manifest.base_identity) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the LoRA base ", base_dir, " of adapter state ", state,
+      " no longer holds the weights the adapter was trained over (identity ",
+      manifest.base_identity, " at save, ", now,
+      " now): restore that base, or create the model with init_checkpoint "
+      "set to a base and lora.init_adapter ",
+      state));
+}
+
 absl::Status AgreeOnBaseKey(Communicator& world, const ModelSpec& spec,
                             const std::string& base_key) {
   // The other keys are drawn from the spec alone, the same on every rank.

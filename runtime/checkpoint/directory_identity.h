@@ -23,6 +23,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "runtime/checkpoint/checkpoint_manifest.h"
 #include "runtime/config/types.h"
 #include "runtime/parallel/communicator.h"
 
@@ -37,6 +38,14 @@ std::string DirectoryIdentity(const std::string& dir);
 // now (none without one): the key of the base a LoRA model created now
 // builds or shares.
 std::string CurrentBaseKey(const ModelSpec& spec);
+
+// OK unless `manifest`, the tally.json of the LoRA adapter state at
+// `state`, recorded a base_identity that `base_dir` (its base, as resolved
+// for this server) no longer has: then FAILED_PRECONDITION naming the base,
+// whose weights are not those the adapter was trained over.
+absl::Status CheckAdapterBase(const CheckpointManifest& manifest,
+                              const std::string& state,
+                              const std::string& base_dir);
 
 // Every rank of `world` returns ABORTED naming spec.init_checkpoint unless
 // all of them computed the same `base_key` (each reads the directory's

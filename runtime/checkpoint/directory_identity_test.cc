@@ -11,7 +11,11 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
+
+#include "runtime/checkpoint/checkpoint.h"
+#include "runtime/checkpoint/checkpoint_manifest.h"
 
 namespace tally {
 namespace {
@@ -94,6 +98,50 @@ TEST_F(DirectoryIdentityTest, TheBaseKeyCarriesTheIdentity) {
   EXPECT_NE(CurrentBaseKey(spec), key);
   spec.lora.rank = 0;
   EXPECT_EQ(CurrentBaseKey(spec), "");
+}
+
+TEST_F(DirectoryIdentityTest, AnAdapterStateChecksTheBaseItRecorded) {
+  Write("config.json", R"({"hidden_size": 32})");
+  CheckpointManifest manifest;
+  manifest.lora.rank = 2;
+  manifest.base_checkpoint = dir_;
+  // An older state records no identity: nothing to check.
+  EXPECT_TRUE(CheckAdapterBase(manifest, "/ckpt/s1", dir_).ok());
+  manifest.base_identity = DirectoryIdentity(dir_);
+  EXPECT_TRUE(CheckAdapterBase(manifest, "/ckpt/s1", dir_).ok());
+  Write("config.json", R"({"hidden_size": 64})");
+  const absl::Status changed = CheckAdapterBase(manifest, "/ckpt/s1", dir_);
+  EXPECT_EQ(changed.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(changed.message().find("the LoRA base " + dir_ +
+                                   " of adapter state /ckpt/s1"),
+            std::string::npos)
+      << changed;
+}
+
+TEST_F(DirectoryIdentityTest, TheManifestKeepsTheBaseIdentity) {
+  CheckpointManifest manifest;
+  manifest.trainable_only = true;
+  manifest.lora.rank = 2;
+  manifest.lora.alpha = 4.0;
+  manifest.base_checkpoint = "/models/base";
+  manifest.base_identity = "sha256 abc";
+  Write("tally.json", ManifestToJson(manifest));
+  absl::StatusOr<std::optional<CheckpointManifest>> read =
+      ReadManifestIfAny(dir_);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_TRUE(read->has_value());
+  EXPECT_EQ((*read)->base_checkpoint, "/models/base");
+  EXPECT_EQ((*read)->base_identity, "sha256 abc");
+  // None in an older state; no tally.json in an HF directory.
+  manifest.base_identity.clear();
+  Write("tally.json", ManifestToJson(manifest));
+  read = ReadManifestIfAny(dir_);
+  ASSERT_TRUE(read.ok() && read->has_value()) << read.status();
+  EXPECT_EQ((*read)->base_identity, "");
+  fs::remove(dir_ + "/tally.json");
+  read = ReadManifestIfAny(dir_);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_FALSE(read->has_value());
 }
 
 }  // namespace

@@ -57,6 +57,19 @@ absl::Status LocalizeFor(const CausalLm& model, const EngineGroups& groups,
   return KeepLocalShards(model, groups.pp->size() > 1, contents);
 }
 
+// What an adapter's checkpoint records of its base's directory (see
+// CheckpointManifest::base_identity): its identity when the model was
+// created, which `base_key` holds; a marker no identity equals once the
+// directory was published over since (a resume then refuses it).
+std::string BaseIdentity(const ModelSpec& spec, const std::string& base_key) {
+  if (!spec.lora.enabled() || spec.init_checkpoint.empty()) return "";
+  std::string identity = DirectoryIdentity(spec.init_checkpoint);
+  if (BaseKey(spec, identity) != base_key) {
+    identity = "changed after the model was created";
+  }
+  return identity;
+}
+
 // A LoRA model loads its own kind of adapter checkpoint only: anything
 // holding base weights would write into the base its other adapters share.
 absl::Status CheckAdapterCheckpoint(const CheckpointContents& contents,
@@ -389,6 +402,7 @@ absl::StatusOr<uint64_t> BuiltModel::SaveCheckpoint(
   manifest.trainable_only = options.trainable_only || spec_.lora.enabled();
   manifest.lora = spec_.lora;
   manifest.base_checkpoint = spec_.init_checkpoint;
+  manifest.base_identity = BaseIdentity(spec_, base_key_);
   uint64_t bytes = 0;
   TALLY_RETURN_IF_ERROR(consolidation().WriteOnRankZero(
       {*model_, *optimizer_, spec_.frozen},

@@ -100,6 +100,13 @@ class TinkerTestCase(ServerTestCase):
         self.addCleanup(service.close)
         return service
 
+    def server_dir(self, handle):
+        """The directory under --checkpoint-root of a tally:// handle of
+        this test's tenant."""
+        self.assertTrue(handle.startswith("tally://"), handle)
+        return os.path.join(self.checkpoint_root, TENANT,
+                            handle[len("tally://"):])
+
     def create(self, base_model=tinker.DEMO_MODEL, **fields):
         """A TrainingClient of a new LoRA model."""
         return self.service.create_lora_training_client(
@@ -387,7 +394,8 @@ class ClientApiTest(TinkerTestCase):
         self.assertNotEqual(forward.metrics["loss:sum"],
                             fwd_bwd_result.metrics["loss:sum"])
         self.assertTrue(loaded.path.endswith("/weights/async"), loaded.path)
-        self.assertTrue(os.path.isdir(exported.path), exported.path)
+        self.assertTrue(os.path.isdir(self.server_dir(exported.path)),
+                        exported.path)
         self.assertEqual(info.model_info.step, 1)
         self.assertEqual(capabilities.supported_models[0].model_name,
                          tinker.DEMO_MODEL)
@@ -409,9 +417,8 @@ class ClientApiTest(TinkerTestCase):
         train_step()
         saved = training_client.save_state("0001").result()
         self.assertEqual(
-            saved.path, os.path.join(self.checkpoint_root, TENANT,
-                                     training_client.model_id, "weights",
-                                     "0001"))
+            saved.path, f"tally://{training_client.model_id}/weights/0001")
+        self.assertTrue(os.path.isdir(self.server_dir(saved.path)))
         loss_at_save = loss()
         second_step = train_step()
         train_step()
@@ -488,17 +495,17 @@ class ClientApiTest(TinkerTestCase):
 
     def test_save_weights_for_sampler_writes_the_adapter(self):
         training_client = self.create(config=TINY_BYTES, seed=2)
-        path = training_client.save_weights_for_sampler(
+        handle = training_client.save_weights_for_sampler(
             "0000", export=True).result().path
-        self.assertEqual(path, os.path.join(
-            self.checkpoint_root, TENANT, training_client.model_id,
-            "sampler_weights", "0000"))
+        self.assertEqual(
+            handle, f"tally://{training_client.model_id}/sampler_weights/0000")
+        path = self.server_dir(handle)
         # A PEFT adapter directory, as Tinker's sampler serves the adapter.
         for name in ("adapter_config.json", "adapter_model.safetensors"):
             self.assertTrue(os.path.isfile(os.path.join(path, name)), name)
         # merge=True: the base with the adapter merged in, an HF directory.
-        path = training_client.save_weights_for_sampler(
-            "0000-merged", merge=True).result().path
+        path = self.server_dir(training_client.save_weights_for_sampler(
+            "0000-merged", merge=True).result().path)
         self.assertTrue(os.path.isfile(os.path.join(path, "config.json")))
         self.assertTrue(os.path.isfile(os.path.join(path,
                                                     "model.safetensors")))

@@ -1,8 +1,10 @@
 """A program written only against Tinker's public API (tinker_program.py)
 runs unchanged on a real tally-server, each phase in a fresh process: SL
 lowers the loss, RL with sampling raises the reward, a refused call is
-Tinker's BadRequestError, and the saved state resumes in a new process with
-the same loss.
+Tinker's BadRequestError, the saved state resumes from its path alone with
+the same loss (on the server that saved it, and on a new server process
+that reads the base again), a base changed since the save is refused, and
+the RestClient lists, downloads and deletes the state.
 
 The base model is a tiny HF Llama directory written by the test (what a
 Tinker program names as "Qwen/Qwen3-8B" is, on tally, a directory the
@@ -11,6 +13,7 @@ same."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import unittest
@@ -25,25 +28,21 @@ CONFIG = hf_config("llama", vocab_size=16, hidden_size=32,
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "tinker_program.py")
 TIMEOUT = 300
-# What a server without resume-from-path answers create_training_client_
-# from_state(path) of a LoRA state.
-UNRESUMABLE = "holds a LoRA adapter without its base"
 
 
 class TinkerProgramTest(ServerTestCase):
 
-    def run_program(self, *args):
-        """The JSON report of tinker_program.py run with `args` in a new
-        process; skips the (sub)test when the server cannot yet resume a
-        LoRA state from its path alone (issue 33's server part)."""
-        out = os.path.join(self.temp_dir, f"{args[0]}.json")
+    def run_program(self, phase, server, *args, check=True):
+        """The JSON report of tinker_program.py `phase` run against `server`
+        with `args` in a new process (with check=False: the finished
+        process when it failed)."""
+        out = os.path.join(self.temp_dir, f"{phase}-{server.grpc_port}.json")
         done = subprocess.run(
-            [sys.executable, PROGRAM, args[0],
-             f"localhost:{self.server.grpc_port}", *args[1:], out],
+            [sys.executable, PROGRAM, phase, f"localhost:{server.grpc_port}",
+             *args, out],
             capture_output=True, text=True, timeout=TIMEOUT, check=False)
-        if done.returncode != 0 and UNRESUMABLE in done.stderr:
-            self.skipTest(f"this server resumes no LoRA state from its path "
-                          f"alone: {UNRESUMABLE}")
+        if not check and done.returncode != 0:
+            return done
         self.assertEqual(done.returncode, 0, done.stderr[-4000:])
         with open(out, encoding="utf-8") as f:
             return json.load(f)
@@ -52,8 +51,9 @@ class TinkerProgramTest(ServerTestCase):
         base = os.path.join(self.temp_dir, "base")
         write_hf_model(base, CONFIG, random_weights(CONFIG, seed=5),
                        storage="f32")
-        self.start_server(extra_args=["--checkpoint-root", self.temp_dir])
-        report = self.run_program("train", base)
+        args = ["--checkpoint-root", self.temp_dir]
+        self.start_server(extra_args=args)
+        report = self.run_program("train", self.server, base)
 
         losses = report["sl_losses"]
         self.assertLess(losses[-1], 0.5 * losses[0], losses)
@@ -80,10 +80,46 @@ class TinkerProgramTest(ServerTestCase):
                          ["InvalidArgumentError", 400, True])
         self.assertEqual(report["info"], base)
 
-        with self.subTest("resume in a new process"):
-            resumed = self.run_program("resume", report["state_path"])
-            self.assertEqual(resumed["loss"], report["loss_at_save"])
+        state = report["state_path"]
+        self.assertTrue(state.startswith("tally://"), state)
 
+        # The base is still in memory on the server that saved the state.
+        resumed = self.run_program("resume", self.server, state)
+        self.assertEqual(resumed["loss"], report["loss_at_save"])
+        # A new server process reads it again from the path the state names.
+        second = self.start_server(extra_args=args, name="second").server
+        resumed = self.run_program("resume", second, state)
+        self.assertEqual(resumed["loss"], report["loss_at_save"])
+
+        # A state naming a base outside the caller's root is refused before
+        # anything is read from there.
+        forged = os.path.join(self.temp_dir, "forged")
+        shutil.copytree(os.path.join(self.temp_dir, state[len("tally://"):]),
+                        forged)
+        with open(os.path.join(forged, "tally.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+        manifest["base_checkpoint"] = os.path.dirname(self.temp_dir)
+        with open(os.path.join(forged, "tally.json"), "w",
+                  encoding="utf-8") as f:
+            json.dump(manifest, f)
+        refused = self.run_program("resume", second, "forged", check=False)
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("PERMISSION_DENIED", refused.stderr)
+        self.assertIn("is outside this caller's roots", refused.stderr)
+
+        # A base replaced since the save is not the adapter's.
+        write_hf_model(base, CONFIG, random_weights(CONFIG, seed=6),
+                       storage="bf16")
+        refused = self.run_program("resume", second, state, check=False)
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("FAILED_PRECONDITION", refused.stderr)
+        self.assertIn(f"the LoRA base {base} of adapter state", refused.stderr)
+
+        rest = self.run_program("rest", second, state)
+        self.assertEqual(rest["before"][state], ["training", True, True])
+        self.assertIn("tally.json", rest["files"])
+        self.assertIn("config.json", rest["files"])
+        self.assertNotIn(state, rest["after"])
 
 if __name__ == "__main__":
     unittest.main()

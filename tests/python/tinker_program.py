@@ -5,17 +5,21 @@ imports; the base URL and the base model's directory come from argv.
 
     python3 tinker_program.py train BASE_URL BASE_MODEL OUT_JSON
     python3 tinker_program.py resume BASE_URL STATE_PATH OUT_JSON
+    python3 tinker_program.py rest BASE_URL STATE_PATH OUT_JSON
 
 `train`: supervised steps (cross_entropy), then RL with sampling the way
 the cookbook's rl_loop builds its datums (prompt positions padded with
 logprob 0 and advantage 0, no mask; importance_sampling), a refused call
 caught as Tinker's exception classes, and save_state. `resume`: a new
 TrainingClient from the saved state with its optimizer, one forward.
-Both write what they measured to OUT_JSON.
+`rest`: the RestClient lists the user's checkpoints, downloads the saved
+state's archive and deletes it. Each writes what it measured to OUT_JSON.
 """
 
+import io
 import json
 import sys
+import tarfile
 
 import numpy as np
 import torch
@@ -123,7 +127,8 @@ def train(base_url, base_model, out):
     reinforce(training_client, report)
     refused_call(training_client, report)
     report["info"] = training_client.get_info().model_data.tokenizer_id
-    report["state_path"] = training_client.save_state("final").result().path
+    report["state_path"] = training_client.save_state(
+        "final", ttl_seconds=3600).result().path
     report["loss_at_save"] = training_client.forward(
         [sl_datum()], "cross_entropy").result().metrics["loss:sum"]
     with open(out, "w", encoding="utf-8") as f:
@@ -140,5 +145,25 @@ def resume(base_url, state_path, out):
         json.dump({"loss": loss.metrics["loss:sum"]}, f)
 
 
+def rest(base_url, state_path, out):
+    rest_client = tinker.ServiceClient(base_url=base_url).create_rest_client()
+
+    def listed():
+        return {c.tinker_path: [c.checkpoint_type, c.size_bytes > 0,
+                                c.expires_at is not None]
+                for c in rest_client.list_user_checkpoints().result()
+                .checkpoints}
+
+    before = listed()
+    archive = rest_client.download_checkpoint_archive_from_tinker_path(
+        state_path).result()
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        files = sorted(tar.getnames())
+    rest_client.delete_checkpoint_from_tinker_path(state_path).result()
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump({"before": before, "files": files, "after": listed()}, f)
+
+
 if __name__ == "__main__":
-    {"train": train, "resume": resume}[sys.argv[1]](*sys.argv[2:])
+    {"train": train, "resume": resume, "rest": rest}[sys.argv[1]](
+        *sys.argv[2:])

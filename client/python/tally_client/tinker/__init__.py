@@ -30,7 +30,8 @@ that samples the weights being trained, in the server and in call order
 
 What differs from Tinker (client/python/README.md has the whole list): no
 sampler snapshots yet (a sampling client reads a model's latest weights),
-checkpoint paths are server-side directories, tally's metrics come under
+checkpoint paths are tally:// handles (server-side directories without
+--checkpoint-root), tally's metrics come under
 "tally/", and every failure is a TallyError as well as Tinker's class.
 """
 
@@ -46,8 +47,10 @@ from tally_client.tinker import types
 from tally_client.tinker.api_future import APIFuture
 from tally_client.tinker.clients import (DEMO_MODEL, REDUCTIONS,
                                          ServiceClient, TrainingClient)
+from tally_client.tinker.rest_client import RestClient
 from tally_client.tinker.sampling_client import SamplingClient
-from tally_client.tinker.types import (AdamParams, Datum, EncodedTextChunk,
+from tally_client.tinker.types import (AdamParams, Checkpoint, CheckpointType,
+                                       Datum, EncodedTextChunk,
                                        ForwardBackwardOutput,
                                        ImageAssetPointerChunk, ImageChunk,
                                        LossFnType, ModelInput,
@@ -59,12 +62,12 @@ from tally_client.tinker.types import (AdamParams, Datum, EncodedTextChunk,
 __all__ = ["APIConnectionError", "APIError", "APIFuture",
            "APIResponseValidationError", "APIStatusError", "APITimeoutError",
            "AdamParams", "AuthenticationError", "BadRequestError",
-           "ConflictError", "DEMO_MODEL", "Datum", "EncodedTextChunk",
+           "Checkpoint", "CheckpointType", "ConflictError", "DEMO_MODEL", "Datum", "EncodedTextChunk",
            "ForwardBackwardOutput", "ImageAssetPointerChunk", "ImageChunk",
            "InternalServerError", "LossFnType", "ModelInput",
            "ModelInputChunk", "NotFoundError", "OptimStepResponse",
            "PermissionDeniedError", "REDUCTIONS", "RateLimitError",
-           "RequestFailedError", "SampleResponse", "SampledSequence",
+           "RequestFailedError", "RestClient", "SampleResponse", "SampledSequence",
            "SamplingClient", "SamplingParams", "ServiceClient", "StopReason",
            "TallyError", "TensorData", "TensorDtype", "TinkerError",
            "TrainingClient", "UnprocessableEntityError", "WindowAbortedError",

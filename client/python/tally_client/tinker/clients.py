@@ -54,6 +54,7 @@ from tally_client.results import SaveResult
 from tally_client.server import RetryPolicy, ServerClient, TlsLike
 from tally_client.tinker import conversions
 from tally_client.tinker.api_future import APIFuture
+from tally_client.tinker.rest_client import RestClient
 from tally_client.tinker.sampling_client import DEMO_MODEL, SamplingClient
 from tally_client.tinker.tokenizer import load_tokenizer
 from tally_client.tinker.types import (AdamParams, Datum,
@@ -88,15 +89,6 @@ def _in_thread(method: Callable[..., T]) -> Callable[..., Awaitable[T]]:
     variant.__qualname__ = f"{method.__qualname__}_async"
     variant.__doc__ = f"{method.__name__} for asyncio."
     return variant
-
-
-def _unsupported(name: str, instead: str) -> Callable[..., Any]:
-    """A method that raises NotImplementedError naming what to use."""
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"{name}: {instead}")
-    method.__name__ = name
-    method.__doc__ = f"Not supported by tally: {instead}."
-    return method
 
 
 # How save_weights_for_sampler's handles begin.
@@ -245,24 +237,31 @@ class TrainingClient:
         """Future of a SaveWeightsResponse: weights, optimizer state and step
         as a checkpoint at `name` (absolute, or relative: under
         <model_id>/weights/ of the server's --checkpoint-root); a LoRA
-        model's holds its adapter only (the base is shared and frozen).
-        `overwrite`: accepted; tally replaces a checkpoint of the same name
-        whatever its value.
+        model's holds its adapter only (the base is shared and frozen; the
+        checkpoint names it, so create_training_client_from_state(path)
+        rebuilds the adapter over it in any process). The response's path
+        is the checkpoint's tally:// handle when the server has a
+        --checkpoint-root (else its server path): load_state,
+        create_training_client_from_state and the RestClient take it.
+        `ttl_seconds`: the server deletes the checkpoint that long after the
+        save (None: kept). `overwrite`: accepted; tally replaces a
+        checkpoint of the same name whatever its value.
         As Tinker's, it saves the state at this point of the call sequence:
         forward_backward calls made before it and not yet stepped stay
         pending for the next optim_step (the checkpoint holds the weights
         and optimizer state of the steps taken, not their gradients)."""
         del overwrite  # the server replaces a checkpoint atomically
-        _warn_ttl(ttl_seconds)
         call = self._client.save(self._path(name, "weights"),
-                                 allow_pending=True)
+                                 allow_pending=True,
+                                 ttl_seconds=ttl_seconds or 0)
 
         def saved(response: SaveResult) -> SaveWeightsResponse:
+            path = response.handle or response.path
             if self._saved_states is not None and self._create_fields and \
                     self._create_fields.get("lora") is not None:
-                self._saved_states.record(response.path, self._model_name,
+                self._saved_states.record(path, self._model_name,
                                           self._create_fields)
-            return SaveWeightsResponse(path=response.path)
+            return SaveWeightsResponse(path=path)
 
         return APIFuture(call, saved)
 
@@ -305,16 +304,24 @@ class TrainingClient:
         the adapter merged in; a fully fine-tuned model (rank=None) an HF
         model directory (`merge` is refused). `dtype`: as
         tally_client.TrainingClient.export_weights (None: the model's).
-        Neither touches the pending window."""
-        _warn_ttl(ttl_seconds)
+        Neither touches the pending window. `ttl_seconds` applies to an
+        export (as save_state's; the response's path is then its tally://
+        handle); a snapshot lives until deleted, so it is refused there."""
         if not (export or merge or dtype is not None):
+            if ttl_seconds:
+                raise ValueError(
+                    "save_weights_for_sampler: ttl_seconds applies to an "
+                    "export (export=True); a sampler snapshot lives in "
+                    "server memory until delete_sampler or its model is "
+                    "deleted")
             return APIFuture(self._client.save_weights_for_sampler(name),
                              lambda info: SaveWeightsForSamplerResponse(
                                  path=info.path))
         call = self._client.export_weights(
-            self._path(name, "sampler_weights"), dtype=dtype, merge=merge)
+            self._path(name, "sampler_weights"), dtype=dtype, merge=merge,
+            ttl_seconds=ttl_seconds or 0)
         return APIFuture(call, lambda response: SaveWeightsForSamplerResponse(
-            path=response.path))
+            path=response.handle or response.path))
 
     def _load(self, path: str,
               load_optimizer: bool) -> APIFuture[LoadWeightsResponse]:
@@ -569,11 +576,11 @@ class ServiceClient:
         `create_model_fields` as create_lora_training_client's (dtype= for
         a bfloat16 model's checkpoint).
 
-        A LoRA state holds the adapter only. One saved through this
-        ServiceClient is rebuilt over its base by itself; for one saved
-        elsewhere, name the base and the adapter: init_checkpoint=<the
-        base_model> (or config= and seed= of a DEMO_MODEL base) and
-        lora={"rank": ..., "alpha": ..., "train_*": ...} as created."""
+        A LoRA state holds the adapter only and names its base: the server
+        rebuilds the adapter over that base (shared when in memory, else
+        read, its identity checked: FailedPreconditionError naming a base
+        changed since the save) from `path` alone, in any process. `path`
+        may be a tally:// handle."""
         del user_metadata
         _no_access_token(weights_access_token)
         client = self._create_from_state(path, base_model,
@@ -669,10 +676,10 @@ class ServiceClient:
         """None: tally keeps no client telemetry."""
         return None
 
-    create_rest_client = _unsupported(
-        "create_rest_client", "tally has no REST API: list models with "
-        "tallyctl or the Trainer service's ListModels, checkpoints are "
-        "directories under the server's --checkpoint-root")
+    def create_rest_client(self) -> RestClient:
+        """A RestClient: Tinker's checkpoint calls (list, delete, download)
+        over tally's artifact RPCs (the server needs --checkpoint-root)."""
+        return RestClient(self.server)
 
     def close(self) -> None:
         """Closes the channel every TrainingClient of this ServiceClient
@@ -707,8 +714,9 @@ class ServiceClient:
         """The model a load of state `path` fits: a LoRA state this
         ServiceClient saved is an adapter of the same base and LoraConfig
         (its first values: the state, loaded again right after for the
-        step and optimizer), anything else a model with init_checkpoint
-        `path`."""
+        step and optimizer; its model name and tokenizer known), anything
+        else a model with init_checkpoint `path` (which the server rebuilds
+        over its base when it is a LoRA state)."""
         known = self._saved_states.get(path)
         if known is None or "lora" in create_model_fields:
             return self._create(base_model or path,
@@ -806,9 +814,3 @@ def _custom_data(data: Iterable[Datum], loss_type_input: str) -> List[Datum]:
         raise ValueError(f"loss_type_input {loss_type_input!r}: the only "
                          f"supported value is 'logprobs'")
     return list(data)
-
-
-def _warn_ttl(ttl_seconds: Optional[int]) -> None:
-    if ttl_seconds is not None:
-        warnings.warn("tally keeps checkpoints until they are deleted: "
-                      "ttl_seconds is ignored", stacklevel=3)

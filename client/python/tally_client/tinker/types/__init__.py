@@ -14,6 +14,8 @@ and torch are imported only by the conversions that return them.
                         loss_fn_inputs={"target_tokens": tokens[1:]})
 """
 
+from tally_client.tinker.types.checkpoint import (Checkpoint, CheckpointType,
+                                                  CheckpointsListResponse)
 from tally_client.tinker.types.datum import Datum, LossFnInputs
 from tally_client.tinker.types.encoded_text_chunk import EncodedTextChunk
 from tally_client.tinker.types.forward_backward_output import (
@@ -43,7 +45,8 @@ from tally_client.tinker.types.stop_reason import StopReason
 from tally_client.tinker.types.tensor_data import TensorData
 from tally_client.tinker.types.tensor_dtype import TensorDtype
 
-__all__ = ["AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput",
+__all__ = ["AdamParams", "Checkpoint", "CheckpointType",
+           "CheckpointsListResponse", "Datum", "EncodedTextChunk", "ForwardBackwardOutput",
            "GetInfoResponse", "GetServerCapabilitiesResponse",
            "ImageAssetPointerChunk", "ImageChunk", "LoadWeightsResponse",
            "LossFnInputs", "LossFnOutput", "LossFnType", "ModelData",
