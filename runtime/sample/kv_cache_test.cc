@@ -14,22 +14,18 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <numeric>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "runtime/checkpoint/weights_export.h"
 #include "runtime/model/llama_model.h"
 #include "runtime/sample/decode.h"
+#include "tests/testing/hf_reference.h"
 #include "tests/testing/test_util.h"
 
 namespace tally {
@@ -471,18 +467,10 @@ class GreedyReferenceTest : public ::testing::TestWithParam<Case> {
   std::string root_;
 };
 
-std::string ReferenceScript() {
-  const char* source_dir = std::getenv("TALLY_SOURCE_DIR");
-  const fs::path root =
-      source_dir != nullptr
-          ? fs::path(source_dir)
-          : fs::path(__FILE__).parent_path().parent_path().parent_path();
-  return (root / "tests" / "python" / "hf_reference.py").string();
-}
-
 TEST_P(GreedyReferenceTest, EqualsTheReferenceTokenForToken) {
-  constexpr char kPython[] = "/usr/bin/python3";
-  if (!fs::exists(kPython)) GTEST_SKIP() << kPython << " is not installed";
+  if (!testing::ReferencePythonAvailable()) {
+    GTEST_SKIP() << "the reference's python3 is not installed";
+  }
   std::unique_ptr<LlamaModel> model = MakeModel(GetParam(), DType::kFloat64);
   const std::string dir = (fs::path(root_) / "model").string();
   ASSERT_TRUE(WriteWeightsExport(dir, *model, {}, "").ok());
@@ -493,29 +481,14 @@ TEST_P(GreedyReferenceTest, EqualsTheReferenceTokenForToken) {
   request.sampling.temperature = 0;
   const std::vector<DecodedSequence> decoded = Decode(*model, request).value();
 
-  std::string command = std::string(kPython) + " '" + ReferenceScript() +
-                        "' greedy --model '" + dir + "' --max-tokens 12";
-  for (const auto& prompt : request.prompts) {
-    absl::StrAppend(&command, " --prompt ", absl::StrJoin(prompt, ","));
-  }
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) {
-    output.append(buffer, n);
-  }
-  ASSERT_EQ(pclose(pipe), 0) << output;
-  const std::vector<std::string> lines =
-      absl::StrSplit(output, '\n', absl::SkipEmpty());
-  ASSERT_EQ(lines.size(), decoded.size()) << output;
-  for (size_t i = 0; i < lines.size(); ++i) {
-    const nlohmann::json reference = nlohmann::json::parse(lines[i]);
-    EXPECT_EQ(decoded[i].tokens,
-              reference["tokens"].get<std::vector<int64_t>>())
-        << "prompt " << i;
-    const std::vector<double> logprobs =
-        reference["logprobs"].get<std::vector<double>>();
+  const absl::StatusOr<std::vector<testing::ReferenceDecode>> reference =
+      testing::ReferenceGreedy(dir, request.prompts, request.max_tokens,
+                               "float64");
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  ASSERT_EQ(reference->size(), decoded.size());
+  for (size_t i = 0; i < decoded.size(); ++i) {
+    EXPECT_EQ(decoded[i].tokens, (*reference)[i].tokens) << "prompt " << i;
+    const std::vector<double>& logprobs = (*reference)[i].logprobs;
     ASSERT_EQ(logprobs.size(), decoded[i].logprobs.size());
     for (size_t j = 0; j < logprobs.size(); ++j) {
       EXPECT_LE(RelativeDiff(decoded[i].logprobs[j], logprobs[j]), 1e-10)

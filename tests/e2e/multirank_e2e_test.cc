@@ -47,10 +47,11 @@ namespace {
 using ::tally::testing::MakeSample;
 using ::tally::testing::ServerBinaryFromEnv;
 using ::tally::testing::ServerProcess;
+using ::tally::testing::TinyModelConfig;
 using ::tally::testing::ValidTokens;
 using ::testing::HasSubstr;
 
-constexpr int32_t kVocab = 64;
+constexpr int32_t kVocab = ::tally::testing::kTinyVocab;
 constexpr double kMaxGradNorm = 1.0;
 // AdamW's update lr * g / (|g| + eps) is ill-conditioned where |g| is near
 // eps: with the default eps 1e-8, float32 rounding of a gradient element
@@ -73,14 +74,7 @@ const std::vector<std::string>& DpShardTpFlags() {
 v1::CreateModelRequest TinyModelRequest() {
   v1::CreateModelRequest request;
   request.set_model_id(kModelId);
-  v1::ModelConfig& config = *request.mutable_config();
-  config.set_vocab_size(kVocab);
-  config.set_hidden_size(32);
-  config.set_intermediate_size(48);
-  config.set_num_hidden_layers(2);
-  config.set_num_attention_heads(4);
-  config.set_num_key_value_heads(2);
-  config.set_max_position_embeddings(64);
+  *request.mutable_config() = TinyModelConfig();
   request.set_seed(7);
   request.set_dtype(v1::DTYPE_FLOAT32);
   request.set_optimizer(v1::OPTIMIZER_ADAMW);

@@ -33,8 +33,9 @@ using ::google::protobuf::util::MessageDifferencer;
 using ::tally::testing::HttpGet;
 using ::tally::testing::MetricValue;
 using ::tally::testing::ServerProcess;
+using ::tally::testing::TinyModelConfig;
 
-constexpr int32_t kVocab = 64;
+constexpr int32_t kVocab = ::tally::testing::kTinyVocab;
 constexpr absl::Duration kShutdownTimeout = absl::Seconds(30);
 // Far more steps than the test waits for: a stop ends it.
 constexpr int32_t kEndlessTokens = 50000;
@@ -42,14 +43,7 @@ constexpr int32_t kEndlessTokens = 50000;
 v1::CreateModelRequest TinyModel(const std::string& model_id) {
   v1::CreateModelRequest request;
   request.set_model_id(model_id);
-  v1::ModelConfig& config = *request.mutable_config();
-  config.set_vocab_size(kVocab);
-  config.set_hidden_size(32);
-  config.set_intermediate_size(48);
-  config.set_num_hidden_layers(2);
-  config.set_num_attention_heads(4);
-  config.set_num_key_value_heads(2);
-  config.set_max_position_embeddings(64);
+  *request.mutable_config() = TinyModelConfig();
   request.set_seed(7);
   request.set_dtype(v1::DTYPE_FLOAT32);
   request.set_optimizer(v1::OPTIMIZER_ADAMW);

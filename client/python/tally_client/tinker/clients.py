@@ -397,11 +397,12 @@ class TrainingClient:
 
     async def save_weights_for_sampler_async(
             self, name: str, ttl_seconds: Optional[int] = None, *,
-            merge: bool = False, dtype: DTypeLike = None
+            export: bool = False, merge: bool = False,
+            dtype: DTypeLike = None
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """save_weights_for_sampler for asyncio."""
-        return self.save_weights_for_sampler(name, ttl_seconds, merge=merge,
-                                             dtype=dtype)
+        return self.save_weights_for_sampler(name, ttl_seconds, export=export,
+                                             merge=merge, dtype=dtype)
 
     # ---- sampling -----------------------------------------------------------
 

@@ -41,11 +41,14 @@ def _now(call: Callable[[], T]) -> "concurrent.futures.Future[T]":
     return future
 
 
-def _time(unix_seconds: int) -> Optional[datetime.datetime]:
-    if unix_seconds == 0:
-        return None
+def _time(unix_seconds: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(unix_seconds,
                                            tz=datetime.timezone.utc)
+
+
+def _expiry(unix_seconds: int) -> Optional[datetime.datetime]:
+    """None for 0 (the artifact never expires)."""
+    return _time(unix_seconds) if unix_seconds != 0 else None
 
 
 def to_checkpoint(artifact: Artifact) -> Checkpoint:
@@ -59,7 +62,7 @@ def to_checkpoint(artifact: Artifact) -> Checkpoint:
         else "sampler",
         time=_time(artifact.created_unix_seconds),
         tinker_path=handle, size_bytes=artifact.size_bytes,
-        expires_at=_time(artifact.expires_unix_seconds))
+        expires_at=_expiry(artifact.expires_unix_seconds))
 
 
 def _handle(training_run_id: str, checkpoint_id: str) -> str:
@@ -114,7 +117,10 @@ class RestClient:
         """Future of the deletion of the checkpoint of handle
         `tinker_path`."""
         handle = _tinker_path(tinker_path)
-        return _now(lambda: self._server.delete_checkpoint(handle) and None)
+
+        def delete() -> None:
+            self._server.delete_checkpoint(handle)
+        return _now(delete)
 
     def download_checkpoint_archive(
             self, training_run_id: str,
