@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -61,6 +62,15 @@ inline absl::StatusOr<LlamaConfig> BenchConfig(const std::string& name) {
   return c.WithDefaults();
 }
 
+// The resident set now (/proc/self/statm's second field, in pages).
+inline int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+// The process's peak resident set so far (getrusage's ru_maxrss).
 inline int64_t PeakRssBytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);

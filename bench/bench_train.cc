@@ -44,12 +44,10 @@
 #include <sys/resource.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -193,14 +191,6 @@ std::vector<Sample> MakeBatch(const Options& options, int64_t vocab) {
   return batch;
 }
 
-// The resident set now (/proc/self/statm's second field, in pages).
-int64_t RssBytes() {
-  std::ifstream statm("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  statm >> size >> resident;
-  return resident * sysconf(_SC_PAGESIZE);
-}
-
 // The bytes per second of a device-to-device copy of 1 GiB (read plus
 // written), the best of 5 after one untimed.
 double CopyBytesPerSecond(const torch::Device& device) {
@@ -268,7 +258,7 @@ absl::Status RunRow(const Options& options) {
   spec.dtype = *DTypeFlag(options.dtypes.front());
   spec.activation_checkpointing = options.act_ckpt.front();
   TALLY_RETURN_IF_ERROR(engine->CreateModel(spec).status());
-  const int64_t model_rss = RssBytes();
+  const int64_t model_rss = ResidentBytes();
   ForwardBackwardArgs args;
   args.samples = MakeBatch(options, config.vocab_size);
   args.reduction = LossReduction::kSum;

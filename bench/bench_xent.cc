@@ -16,11 +16,9 @@
 // hidden, composed_seconds, chunked_seconds (medians of --steps calls),
 // composed_call_peak_bytes, chunked_call_peak_bytes.
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -94,14 +92,6 @@ absl::StatusOr<Options> OptionsFromFlags() {
     return absl::InvalidArgumentError("--row must be composed or chunked");
   }
   return o;
-}
-
-// The resident set now, from /proc/self/statm.
-int64_t ResidentBytes() {
-  std::ifstream statm("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  statm >> size >> resident;
-  return resident * sysconf(_SC_PAGESIZE);
 }
 
 // One row in this process: the head's forward and backward, --steps times.
